@@ -1,0 +1,76 @@
+"""Radix Cache Playground: flags and env vars -> Engine -> build_demo(engine) -> launch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        description="See prefix caching work: a radix-tree KV cache in front of a real LLM, in your browser.")
+    p.add_argument("--model", default=env("RADIX_MODEL", "embedded"),
+                   help="Hugging Face causal LM id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=env("RADIX_DEVICE", "auto"), help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
+    p.add_argument("--dtype", default=env("RADIX_DTYPE", "auto"),
+                   help="auto (bf16 on CUDA, fp16 on MPS, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--cache-budget-mb", type=float, default=float(env("RADIX_CACHE_BUDGET_MB", "0")) or None,
+                   help="KV cache budget in MiB (default: 1024 on CPU/MPS, a quarter of free GPU memory on CUDA)")
+    p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"), help="address to listen on")
+    p.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")), help="port to listen on")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
+                   default=(env("RADIX_ISOLATE") or ("1" if env("SYSTEM") == "spaces" else "0")) in ("1", "true", "yes"),
+                   help="give each visitor a private cache namespace (on by default on Hugging Face Spaces)")
+    p.add_argument("--max-prompt-tokens", type=int, default=int(env("RADIX_MAX_PROMPT_TOKENS", "0")) or None,
+                   help="cap on prompt tokens per request (default: the model's context)")
+    p.add_argument("--max-new-tokens", type=int, default=int(env("RADIX_MAX_NEW_TOKENS", "512")),
+                   help="cap on new tokens per request (default 512)")
+    p.add_argument("--max-queue", type=int, default=int(env("RADIX_MAX_QUEUE", "32")),
+                   help="requests that may wait for the model before visitors get a 'busy' message")
+    p.add_argument("--no-cache", action="store_true", help="run with no prefix cache at all (for comparison)")
+    return p.parse_args(argv)
+
+
+def build_engine(args: argparse.Namespace):
+    from engine.engine import Engine
+    from engine.model_loader import load_model
+    from engine.model_runner import ModelRunner
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    runner = ModelRunner(loaded)
+    budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
+    return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
+                  max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                  max_new_tokens_cap=args.max_new_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from engine.model_loader import ModelLoadError
+
+    print(f"Loading model {args.model!r} on device {args.device} ...", flush=True)
+    try:
+        engine = build_engine(args)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    info = engine.info()
+    print(f"Model ready: {info.model_name} on {info.device} ({info.dtype}), "
+          f"KV {info.kv_bytes_per_token:,} bytes/token, cache budget {engine.cache.budget_bytes / 2**20:.0f} MiB, "
+          f"isolation {'on' if info.isolation else 'off'}", flush=True)
+    from components.demo import build_demo, launch_kwargs
+
+    demo = build_demo(engine)
+    demo.queue(default_concurrency_limit=16, max_size=args.max_queue * 4)
+    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

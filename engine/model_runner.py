@@ -1,0 +1,166 @@
+"""The model runner: the only code that runs the transformers model and tokenizer.
+
+Owns: tokenizing (chat template or raw text), forward passes on a request's
+KV buffer, the no-reuse baseline prefill, sampling and detokenizing. Knows
+nothing about the radix tree or the pool: it is handed token ids and buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.model_loader import LoadedModel
+from engine.request_kv import RequestKV
+from engine.types import EngineError, SamplingParams
+
+
+def _flatten_content(content) -> str:
+    """Gradio hands message content as a list of parts; chat templates want a string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list | tuple):
+        return "".join(_flatten_content(p) for p in content)
+    if isinstance(content, dict):
+        return str(content.get("text", "")) if content.get("type", "text") == "text" else ""
+    return "" if content is None else str(content)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.name, self.device, self.dtype = loaded.name, loaded.device, loaded.dtype
+        cfg = self.model.config.get_text_config(decoder=True)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", None)
+                               or getattr(cfg, "n_positions", None) or 2048)
+        # Read the KV geometry off a one-token forward: works for any architecture.
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
+            out = self.model(torch.tensor([[0]], device=self.device), cache=DynamicCache(), use_cache=True)
+        layers = out.cache.layers
+        self.num_layers = len(layers)
+        _, self.num_kv_heads, _, self.head_dim = layers[0].keys.shape
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        self.eos_ids = self._eos_ids()
+        self.lock = threading.Lock()  # one forward at a time, whichever engine asks
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list | tuple):
+                ids.update(i for i in src if isinstance(i, int))
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                if tok in self.tokenizer.get_vocab():
+                    ids.add(tid)
+        return ids
+
+    # ------------------------------------------------------------- tokenizing
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        msgs = [{"role": str(m.get("role", "user")), "content": _flatten_content(m.get("content"))}
+                for m in messages]
+        if self.has_chat_template:
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as is (special-token markup in it is parsed, no BOS added)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """One display string per token whose concatenation is ``decode(ids)``.
+
+        Per-token decode shows U+FFFD for split multi-byte characters; decoding
+        growing prefixes gives each token the text it completes.
+        """
+        pieces, prev = [], ""
+        for i in range(len(ids)):
+            cur = self.decode(ids[: i + 1])
+            if cur.endswith("\ufffd") and i + 1 < len(ids):
+                pieces.append("")
+                continue
+            pieces.append(cur[len(prev):] if cur.startswith(prev) else cur)
+            prev = cur
+        return pieces
+
+    # ---------------------------------------------------------------- running
+    def new_request_kv(self, capacity: int) -> RequestKV:
+        return RequestKV(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], kv: RequestKV) -> torch.Tensor:
+        """Run ``ids`` after the ``kv.length`` tokens already in ``kv``; append their KV.
+
+        Returns fp32 logits for every position of ``ids``: shape ``[len(ids), vocab]``.
+        """
+        if not ids:
+            raise EngineError("nothing to compute: at least one token must be run")
+        start = kv.length
+        input_ids = torch.tensor([list(ids)], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def forward_last(self, ids: Sequence[int], kv: RequestKV) -> torch.Tensor:
+        """Like ``forward`` but computes logits for the last position only (a prefill's need)."""
+        start = kv.length
+        input_ids = torch.tensor([list(ids)], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:
+        """Prefill every token from scratch with a fresh ``DynamicCache``: no reuse,
+        nothing read from or written to the prefix cache. Returns (last logits, ms)."""
+        from transformers import DynamicCache
+
+        self.synchronize()
+        t0 = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), cache=DynamicCache(),
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        self.synchronize()
+        return logits, (time.perf_counter() - t0) * 1000
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
+    # --------------------------------------------------------------- sampling
+    @staticmethod
+    def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,279 @@
+"""A radix tree over token ids: match, insert, split, evict, lock.
+
+Owns: the shape of the cache (which token sequences are cached, under which
+namespace, who is using them). Knows nothing about tensors: each node carries
+an opaque ``value`` sequence, one entry per token (slot indices in the KV pool,
+or ``None`` when the tree runs as a pure simulation), which the tree only
+slices and hands back on eviction.
+
+Namespaces isolate visitors. Every token position belongs to one namespace::
+
+    ids:       t0 t1 ... t(p-1) | tp ... t(n-1)
+    namespace: PUBLIC ........  | key.namespace      (p = key.public_len)
+
+Children are keyed by ``(namespace, first token)``, so two visitors with the
+same private text never share a node, while content shipped with the app
+(``public_len`` tokens, decided by the server) is shared by everyone.
+
+Invariants (``check_invariants``):
+- every non-root node has a non-empty edge, ``len(value) == len(key)``, and is
+  stored in its parent under ``(namespace, key[0])``;
+- ``lock_ref`` never negative, and a node's lock count is at least each child's;
+- ``num_tokens`` equals the sum of the edge lengths.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+PUBLIC = ""
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Token ids plus the namespace they are cached under (see module docstring)."""
+
+    ids: tuple[int, ...]
+    namespace: str = PUBLIC
+    public_len: int = 0
+
+    def ns_at(self, pos: int) -> str:
+        return PUBLIC if pos < self.public_len else self.namespace
+
+    def ns_end(self, pos: int) -> int:
+        """First position after ``pos`` whose namespace differs from ``ns_at(pos)``."""
+        if pos < self.public_len and self.namespace != PUBLIC:
+            return min(self.public_len, len(self.ids))
+        return len(self.ids)
+
+    def prefix(self, n: int) -> CacheKey:
+        return CacheKey(self.ids[:n], self.namespace, self.public_len)
+
+
+@dataclass(eq=False)
+class Node:
+    id: int
+    key: tuple[int, ...]
+    value: Sequence[Any]
+    namespace: str
+    parent: Node | None
+    children: dict[tuple[str, int], Node] = field(default_factory=dict)
+    lock_ref: int = 0
+    hits: int = 0
+    last_access: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def depth_tokens(self) -> int:
+        """Tokens from the root to the end of this node."""
+        n, node = 0, self
+        while node is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix of a key. ``node`` is the deepest node touched.
+
+    ``values`` are the per-token values of the matched prefix, in order; they
+    stay valid only while ``node`` is locked (an unlocked node may be evicted).
+    """
+
+    length: int
+    node: Node
+    values: list[Any]
+    path: list[int]  # node ids from the root's child down to ``node``
+
+
+class InsertResult(NamedTuple):
+    existing: int  # tokens of the key that were already cached
+    node: Node  # the node that ends the key
+
+
+class RadixTree:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ids = itertools.count(1)
+        self._clock = clock
+        self.root = Node(id=0, key=(), value=(), namespace=PUBLIC, parent=None, lock_ref=1)
+        self.num_tokens = 0
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ match
+    def match(self, key: CacheKey, max_len: int | None = None, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of ``key.ids[:max_len]``. Does not change the tree's shape.
+
+        With ``touch`` the matched nodes get a new access time and a hit.
+        """
+        ids = key.ids if max_len is None else key.ids[:max_len]
+        node, pos, values, path = self.root, 0, [], []
+        now = self._clock()
+        while pos < len(ids):
+            child = node.children.get((key.ns_at(pos), ids[pos]))
+            if child is None:
+                break
+            limit = min(len(ids), key.ns_end(pos)) - pos
+            n = _common_len(child.key, ids, pos, limit)
+            values.extend(child.value[:n])
+            path.append(child.id)
+            if touch:
+                child.last_access = now
+                child.hits += 1
+            pos += n
+            node = child
+            if n < len(child.key):
+                break
+        return MatchResult(pos, node, values, path)
+
+    # ----------------------------------------------------------------- insert
+    def insert(self, key: CacheKey, value: Sequence[Any]) -> InsertResult:
+        """Cache ``key``; ``value[i]`` belongs to ``key.ids[i]``.
+
+        Entries of ``value`` for tokens already cached are ignored (the cached
+        ones are kept), so a caller allocates values only for
+        ``ids[self.match(key).length:]`` and passes placeholders before that.
+        """
+        ids = key.ids
+        assert len(value) == len(ids), "one value per token"
+        node, pos, now, existing = self.root, 0, self._clock(), 0
+        while pos < len(ids):
+            ns = key.ns_at(pos)
+            child = node.children.get((ns, ids[pos]))
+            end = key.ns_end(pos)
+            if child is None:
+                new = Node(next(self._ids), tuple(ids[pos:end]), list(value[pos:end]), ns, node,
+                           last_access=now, created=now)
+                node.children[(ns, ids[pos])] = new
+                self.num_tokens += end - pos
+                node, pos = new, end
+                continue
+            n = _common_len(child.key, ids, pos, end - pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, pos, existing = child, pos + n, existing + n
+        return InsertResult(existing, node)
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Split ``node`` after ``n`` tokens; return the new upper part.
+
+        ``parent -> [key[:n]] -> [key[n:]] (old node, keeps its children)``
+        """
+        assert 0 < n < len(node.key)
+        parent = node.parent
+        assert parent is not None
+        upper = Node(next(self._ids), node.key[:n], node.value[:n], node.namespace, parent,
+                     lock_ref=node.lock_ref, hits=node.hits, last_access=node.last_access,
+                     created=node.created)
+        node.key, node.value = node.key[n:], node.value[n:]
+        node.parent = upper
+        upper.children[(node.namespace, node.key[0])] = node
+        parent.children[(upper.namespace, upper.key[0])] = upper
+        return upper
+
+    # ------------------------------------------------------------------- lock
+    def lock(self, node: Node) -> None:
+        """Protect ``node`` and its ancestors from eviction."""
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "unlock without lock"
+            node = node.parent
+
+    # ------------------------------------------------------------------ evict
+    def evictable_tokens(self) -> int:
+        return sum(len(n.key) for n in self.nodes() if n.lock_ref == 0)
+
+    def evict(self, num_tokens: int, namespace: str | None = None) -> list[Any]:
+        """Evict unlocked leaves, least recently used first, until ``num_tokens``
+        tokens are freed or nothing unlocked is left (only ``namespace``'s nodes,
+        if given). Returns the freed values."""
+
+        def evictable(n: Node) -> bool:
+            return n.is_leaf and n.lock_ref == 0 and (namespace is None or n.namespace == namespace)
+
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if evictable(n)]
+        heapq.heapify(heap)
+        freed: list[Any] = []
+        while heap and len(freed) < num_tokens:
+            _, _, node = heapq.heappop(heap)
+            freed.extend(node.value)
+            self._remove_leaf(node)
+            parent = node.parent
+            if parent is not self.root and evictable(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def _remove_leaf(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[(node.namespace, node.key[0])]
+        self.num_tokens -= len(node.key)
+        self.evicted_tokens += len(node.key)
+
+    def clear(self, namespace: str | None = None) -> list[Any]:
+        """Evict everything that is not locked; return the freed values."""
+        return self.evict(self.num_tokens, namespace)
+
+    # ------------------------------------------------------------------ views
+    def nodes(self) -> list[Node]:
+        """Every node but the root, parents before children."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def all_values(self) -> list[Any]:
+        return [v for n in self.nodes() for v in n.value]
+
+    def remap_values(self, fn: Callable[[Sequence[Any]], Sequence[Any]]) -> None:
+        """Replace every node's value by ``fn(value)`` (used when the pool is rebuilt)."""
+        for node in self.nodes():
+            node.value = fn(node.value)
+
+    def check_invariants(self) -> None:
+        total = 0
+        for node in self.nodes():
+            assert node.key, f"node {node.id} has an empty edge"
+            assert len(node.value) == len(node.key), f"node {node.id}: value/key lengths differ"
+            assert node.parent.children.get((node.namespace, node.key[0])) is node, "bad child key"
+            assert node.lock_ref >= 0, f"node {node.id} lock_ref {node.lock_ref}"
+            if node.parent is not self.root:
+                assert node.parent.lock_ref >= node.lock_ref, "child locked more than parent"
+            total += len(node.key)
+        assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
+
+    def pretty_print(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
+        lines: list[str] = []
+
+        def walk(node: Node, indent: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.key):
+                text = decode(child.key) if decode else str(list(child.key[:8]))
+                lines.append(f"{'  ' * indent}[{child.id}] {len(child.key)} tok "
+                             f"lock={child.lock_ref} ns={child.namespace!r} {text!r}")
+                walk(child, indent + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines)
+
+
+def _common_len(edge: Sequence[int], ids: Sequence[int], start: int, limit: int) -> int:
+    """Length of the common prefix of ``edge`` and ``ids[start:start+limit]``."""
+    n = min(len(edge), limit)
+    for i in range(n):
+        if edge[i] != ids[start + i]:
+            return i
+    return n

@@ -1,0 +1,92 @@
+"""A request's working KV: one pre-allocated buffer that the model appends to in place.
+
+Owns: the KV of the one request being run, as a transformers ``Cache`` whose
+layers write new keys and values into a buffer sized for the whole request
+(prompt plus new tokens). ``DynamicCache`` grows by ``torch.cat`` and copies
+every layer on every step; this buffer is filled once from the pool (the
+cached prefix) and then only appended to, so the prefix is copied exactly once.
+
+Buffer layout: ``k[layer, kv_head, token, head_dim]``, the pool's layout, so
+pool <-> buffer copies are plain slice copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class _BufferLayer(DynamicLayer):
+    """One layer's view of the request buffer; ``keys`` is always the filled part."""
+
+    def __init__(self, owner: RequestKV, layer_idx: int) -> None:
+        super().__init__()
+        self._owner, self._idx = owner, layer_idx
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        o = self._owner
+        self.keys = o.k[self._idx, :, : self.length].unsqueeze(0)
+        self.values = o.v[self._idx, :, : self.length].unsqueeze(0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._owner.ensure_capacity(self.length + n)
+        o = self._owner
+        o.k[self._idx, :, self.length : self.length + n] = key_states[0]
+        o.v[self._idx, :, self.length : self.length + n] = value_states[0]
+        self.length += n
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("request buffers are never cropped")
+
+
+class RequestKV:
+    """KV buffer for one request, batch size 1."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.layers = [_BufferLayer(self, i) for i in range(num_layers)]
+        self.cache = Cache(layers=self.layers)
+
+    @property
+    def length(self) -> int:
+        """Tokens whose KV is in the buffer (all layers agree between forwards)."""
+        return self.layers[0].length
+
+    def ensure_capacity(self, n: int) -> None:
+        if n <= self.k.shape[2]:
+            return
+        grow = max(n, 2 * self.k.shape[2])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], old.shape[1], grow, old.shape[3]))
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer._refresh()
+
+    def prefill_from(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Declare the first ``n`` tokens filled (by the caller, through the returned views)."""
+        self.ensure_capacity(n)
+        for layer in self.layers:
+            layer.length = n
+            if layer.is_initialized:
+                layer._refresh()
+        return self.k[:, :, :n], self.v[:, :, :n]

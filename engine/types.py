@@ -1,0 +1,159 @@
+"""Plain data the engine hands out: requests, events, metrics, snapshots.
+
+The UI, the replay CLI and the tests read only these; none of them ever sees a
+tree node or a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.radix_tree import PUBLIC
+
+
+class EngineError(ValueError):
+    """Bad input or an impossible request; the message is meant for a person."""
+
+
+class EngineBusy(EngineError):
+    """The request queue is full."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of ``messages`` (chat template applied, generation prompt
+    added), ``prompt`` (raw text, tokenized as is) or ``prompt_ids``.
+
+    ``namespace`` and ``public_len`` are set by the server, never by a visitor:
+    the first ``public_len`` tokens are content shipped with the app and may be
+    shared; the rest is cached under ``namespace`` only.
+    """
+
+    messages: tuple[dict, ...] | None = None
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    measure_baseline: bool = False
+    namespace: str = PUBLIC
+    public_len: int = 0
+    tag: str = ""  # free label shown in the history (e.g. "chat", "few-shot")
+
+
+@dataclass
+class RequestMetrics:
+    request_id: int
+    tag: str
+    namespace: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    prefill_ms: float
+    baseline_prefill_ms: float | None
+    ttft_ms: float
+    queue_ms: float
+    decode_tokens_per_s: float | None
+    output_tokens: int
+    finish_reason: str  # "stop", "length" or "cancelled"
+    cache_bytes: int
+    cache_budget_bytes: int
+    evicted_tokens: int  # running total for the engine
+    inserted_tokens: int
+    matched_path: list[int]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    finished_at: float = 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_prefill_ms is None or self.prefill_ms <= 0:
+            return None
+        return self.baseline_prefill_ms / self.prefill_ms
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One streamed step. ``text`` is the whole output so far; the last event
+    has ``done`` set and carries the metrics."""
+
+    text: str
+    token_id: int | None = None
+    done: bool = False
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: int
+    parent_id: int  # 0 is the root
+    num_tokens: int
+    depth_tokens: int  # tokens from the root to the end of this node
+    num_bytes: int
+    lock_ref: int
+    hits: int
+    last_access_s_ago: float
+    namespace: str
+    hidden: bool  # another visitor's private node: shape and size only
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class TreeSnapshot:
+    nodes: tuple[NodeInfo, ...]
+    num_tokens: int
+    num_bytes: int
+    budget_bytes: int
+    capacity_tokens: int
+    evicted_tokens: int
+    bytes_per_token: int
+
+    def node(self, node_id: int) -> NodeInfo | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    device: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    max_context: int
+    cache_enabled: bool
+    isolation: bool
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    prefill_ms: float
+    baseline_prefill_ms: float  # summed over requests that measured it
+    reuse_prefill_ms_measured: float  # reuse prefill over those same requests
+    cache_bytes: int
+    budget_bytes: int
+    cached_tokens_now: int
+    num_nodes: int
+    evicted_tokens: int
+    queue_depth: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_ms_saved(self) -> float:
+        return max(0.0, self.baseline_prefill_ms - self.reuse_prefill_ms_measured)

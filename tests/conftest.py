@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny random Llama for fast engine logic, the real model for slow tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from engine.model_loader import LoadedModel, load_model, load_tokenizer
+from engine.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer()
+
+
+def make_tiny_runner(tokenizer, seed: int = 0) -> ModelRunner:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    return ModelRunner(LoadedModel(model=model, tokenizer=tokenizer, name="tiny-random-llama",
+                                   device=torch.device("cpu"), dtype=torch.float32))
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tokenizer) -> ModelRunner:
+    return make_tiny_runner(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def real_runner() -> ModelRunner:
+    return ModelRunner(load_model())
