@@ -13,6 +13,7 @@ One request, in token positions::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from engine import validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, RadixCache
@@ -106,6 +108,7 @@ class Engine:
         Validation happens here, before anything touches the cache.
         """
         ids = self.prompt_ids(request)
+        request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         handle = RequestHandle(request)
         handle.ids = ids
         try:
@@ -130,16 +133,24 @@ class Engine:
         given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
         if sum(given) != 1:
             raise EngineError("give exactly one of messages, prompt or prompt_ids")
+        runner = self.runner
         if request.messages is not None:
-            if not any(str(m.get("content") or "").strip() for m in request.messages if isinstance(m, dict)):
-                raise EngineError("The prompt is empty: type something first.")
-            ids = self.runner.encode_chat(request.messages)
+            messages = validation.check_messages(request.messages)
+            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
+                                       runner.max_token_chars)
+            try:
+                ids = runner.encode_chat(messages)
+            except Exception as exc:  # a chat template may refuse a role order (jinja raises)
+                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
         elif request.prompt is not None:
+            if not isinstance(request.prompt, str):
+                raise EngineError("The prompt must be text.")
             if not request.prompt.strip():
-                raise EngineError("The prompt is empty: type something first.")
-            ids = self.runner.encode(request.prompt)
+                raise EngineError(validation.EMPTY_PROMPT)
+            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, runner.max_token_chars)
+            ids = runner.encode(request.prompt)
         else:
-            ids = [int(i) for i in request.prompt_ids]
+            ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
         if not ids:
             raise EngineError("The prompt is empty: type something first.")
         if len(ids) > self.max_prompt_tokens:

@@ -7,6 +7,7 @@ nothing about the radix tree or the pool: it is handed token ids and buffers.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -16,6 +17,15 @@ import torch
 from engine.model_loader import LoadedModel
 from engine.request_kv import RequestKV
 from engine.types import EngineError, SamplingParams
+
+
+def valid_text(text: str) -> str:
+    """``text`` with lone UTF-16 surrogates replaced by U+FFFD (the tokenizer rejects them)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _flatten_content(content) -> str:
@@ -78,8 +88,26 @@ class ModelRunner:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as is (special-token markup in it is parsed, no BOS added)."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` as is (special-token markup in it is parsed, no BOS added).
+
+        Lone surrogates (``"\\ud800"``, which JSON can carry but UTF-8 cannot) become U+FFFD
+        instead of failing inside the tokenizer.
+        """
+        return list(self.tokenizer(valid_text(text), add_special_tokens=False)["input_ids"])
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: a valid token id is in ``range(vocab_size)``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary entry: a text of ``n`` characters has at
+        least ``n / max_token_chars`` tokens, a bound that rejects huge prompts before
+        tokenizing them (tokenizing 1 MB takes seconds)."""
+        vocab = self.tokenizer.get_vocab()
+        longest = max((len(self.tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
+        return max(1, longest)
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         return self.encode(self.render_chat(messages))

@@ -1,0 +1,110 @@
+"""Request validation: what a request may hold before it reaches the tokenizer, the model or the cache.
+
+Owns: the checks that turn bad input into an ``EngineError`` whose message is meant
+for a person: wrong types, blank prompts, texts too long to be worth tokenizing,
+token ids outside the vocabulary, and sampling values that are not finite numbers.
+A public page gets all of these (a visitor's browser, or anyone calling the API),
+so nothing here trusts its input. Knows nothing about trees, pools or the UI.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import replace
+from numbers import Real
+
+from engine.types import EngineError, SamplingParams
+
+EMPTY_PROMPT = "The prompt is empty: type something first."
+MAX_SEED = 2**63 - 1
+
+
+def flatten_content(content: object) -> str:
+    """A message's content as one string. Gradio hands content as a list of parts
+    (``[{"type": "text", "text": ...}]``); anything that is not text counts as empty."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list | tuple):
+        return "".join(flatten_content(p) for p in content)
+    if isinstance(content, dict):
+        return flatten_content(content.get("text", "")) if content.get("type", "text") == "text" else ""
+    if content is None or isinstance(content, bool):
+        return ""
+    if isinstance(content, int | float):
+        return str(content)
+    raise EngineError("A message's content must be text.")
+
+
+def check_messages(messages: object) -> tuple[dict, ...]:
+    """Chat messages as ``({"role": str, "content": str}, ...)``; raise EngineError if malformed
+    or if the last message (what the model answers) is blank."""
+    if isinstance(messages, dict | str | bytes) or not isinstance(messages, Sequence):
+        raise EngineError("The chat must be a list of messages.")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise EngineError("Each chat message must have a role and a content.")
+        role = m.get("role", "user")
+        if not isinstance(role, str) or not role.strip() or len(role) > 32:
+            raise EngineError("Each chat message needs a role such as 'system', 'user' or 'assistant'.")
+        out.append({"role": role, "content": flatten_content(m.get("content"))})
+    if not out or not out[-1]["content"].strip():
+        raise EngineError(EMPTY_PROMPT)
+    return tuple(out)
+
+
+def check_text_size(num_chars: int, max_prompt_tokens: int, max_token_chars: int) -> None:
+    """Reject texts that must be over the token limit without tokenizing them.
+
+    No vocabulary entry is longer than ``max_token_chars`` characters, so a text of
+    ``n`` characters has at least ``n / max_token_chars`` tokens: the bound never
+    rejects a prompt that fits, and it rejects a 1 MB string in microseconds.
+    """
+    if num_chars > max_prompt_tokens * max_token_chars:
+        raise EngineError(f"The prompt is {num_chars:,} characters long, far over the limit of "
+                          f"{max_prompt_tokens:,} tokens. Shorten it and try again.")
+
+
+def check_prompt_ids(ids: object, vocab_size: int) -> list[int]:
+    """Token ids as a list of ints inside the vocabulary."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise EngineError("Token ids must be a list of integers.")
+    try:
+        out = [operator.index(i) for i in ids]
+    except TypeError:
+        raise EngineError("Token ids must be a list of integers.") from None
+    bad = next((i for i in out if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise EngineError(f"Token id {bad} is outside the vocabulary (0 to {vocab_size - 1}).")
+    return out
+
+
+def _finite(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise EngineError(f"{name} must be a finite number, not {str(value)[:40]!r}.")
+    return float(value)
+
+
+def check_sampling(params: object) -> SamplingParams:
+    """Sampling values as finite numbers with the types the engine uses.
+
+    Out-of-range but meaningful values keep their documented effect (fewer than one new
+    token means none, a temperature at or below 0 means greedy, top-p at or above 1
+    means no nucleus cut), so only values that are not numbers at all are refused.
+    """
+    if not isinstance(params, SamplingParams):
+        raise EngineError("Sampling settings are missing or malformed.")
+    max_new = _finite(params.max_new_tokens, "Max new tokens")
+    temperature = _finite(params.temperature, "Temperature")
+    top_p = _finite(params.top_p, "Top-p")
+    seed = params.seed
+    if seed is not None:
+        if not isinstance(seed, int):  # a float from a number box: only whole values
+            s = _finite(seed, "Seed")
+            seed = int(s) if s.is_integer() else -1
+        if isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise EngineError(f"Seed must be a whole number from 0 to {MAX_SEED}.")
+    return replace(params, max_new_tokens=int(max(-1.0, min(max_new, 2.0**31))), temperature=temperature,
+                   top_p=top_p, seed=seed)
