@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,14 @@ def default_budget_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(min(free // 4, 8 * 2**30))
     return 2**30
+
+
+class PrefillResult(NamedTuple):
+    logits: torch.Tensor  # fp32 logits of the last prompt position
+    cached_tokens: int
+    prefill_ms: float
+    inserted_tokens: int
+    path: tuple[int, ...]
 
 
 class RequestHandle:
@@ -240,19 +249,8 @@ class Engine:
                              runner.max_context - len(ids)))
         key = self.cache_key(ids, req)
         kv = runner.new_request_kv(len(ids) + max_new)
-        # At least one prompt token is always computed: its logits start the answer.
-        cache_handle = self.cache.acquire(key, len(ids) - 1, kv)
-        inserted = 0
-        try:
-            cached = cache_handle.cached_tokens
-            runner.synchronize()
-            t0 = time.perf_counter()
-            logits = runner.forward_last(ids[cached:], kv)
-            runner.synchronize()
-            prefill_ms = (time.perf_counter() - t0) * 1000
-            inserted += self.cache.insert(key, kv)
-        finally:
-            self.cache.release(cache_handle)
+        pre = self.prefill(key, kv)
+        logits, cached, prefill_ms, inserted = pre.logits, pre.cached_tokens, pre.prefill_ms, pre.inserted_tokens
 
         generator = None
         if params.temperature > 0:
@@ -291,8 +289,25 @@ class Engine:
             _, baseline_ms = runner.baseline_prefill(ids)
         metrics = self._record(req, key, ids, out_ids, text, cached, prefill_ms, baseline_ms, ttft_ms, queue_ms,
                                (len(out_ids) - 1) / decode_s if len(out_ids) > 1 and decode_s > 0 else None,
-                               finish, inserted, cache_handle.path)
+                               finish, inserted, pre.path)
         yield GenerationEvent(text=text, done=True, metrics=metrics)
+
+    def prefill(self, key: CacheKey, kv) -> PrefillResult:
+        """Prefill ``key.ids`` into the empty buffer ``kv``, reusing the longest cached
+        prefix, then cache the prompt. ``prefill_ms`` covers match, copy and forward."""
+        runner = self.runner
+        runner.synchronize()
+        t0 = time.perf_counter()
+        # At least one prompt token is always computed: its logits start the answer.
+        handle = self.cache.acquire(key, len(key.ids) - 1, kv)
+        try:
+            logits = runner.forward_last(key.ids[handle.cached_tokens:], kv)
+            runner.synchronize()
+            prefill_ms = (time.perf_counter() - t0) * 1000
+            inserted = self.cache.insert(key, kv)
+        finally:
+            self.cache.release(handle)
+        return PrefillResult(logits, handle.cached_tokens, prefill_ms, inserted, handle.path)
 
     def _record(self, req, key, ids, out_ids, text, cached, prefill_ms, baseline_ms, ttft_ms, queue_ms,
                 decode_tps, finish, inserted, path) -> RequestMetrics:
