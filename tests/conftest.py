@@ -40,3 +40,17 @@ def tiny_runner(tokenizer) -> ModelRunner:
 @pytest.fixture(scope="session")
 def real_runner() -> ModelRunner:
     return ModelRunner(load_model())
+
+
+@pytest.fixture(scope="session")
+def chromium_executable() -> str:
+    """Debian's Chromium for browser tests. Skips when missing, unless CI demands it
+    (RADIX_REQUIRE_BROWSER=1, set by .ci/run, which installs it)."""
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path:
+        return path
+    if os.environ.get("RADIX_REQUIRE_BROWSER") == "1":
+        pytest.fail("Chromium is required (apt-get install chromium)")
+    pytest.skip("Chromium not installed (apt-get install chromium)")
