@@ -8,6 +8,33 @@ import os
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """A whole number >= 1 (argparse also applies this to string defaults read from env vars)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _limit(text: str) -> int | None:
+    """A positive cap, or 0 for the default (None)."""
+    return None if text.strip() in ("", "0") else _positive_int(text)
+
+
+def _budget_mb(text: str) -> float | None:
+    """Megabytes > 0, or 0 for the device default (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value or None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(
@@ -17,18 +44,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=env("RADIX_DEVICE", "auto"), help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     p.add_argument("--dtype", default=env("RADIX_DTYPE", "auto"),
                    help="auto (bf16 on CUDA, fp16 on MPS, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--cache-budget-mb", type=float, default=float(env("RADIX_CACHE_BUDGET_MB", "0")) or None,
+    p.add_argument("--cache-budget-mb", type=_budget_mb, default=env("RADIX_CACHE_BUDGET_MB", "0"),
                    help="KV cache budget in MiB (default: 1024 on CPU/MPS, a quarter of free GPU memory on CUDA)")
     p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"), help="address to listen on")
-    p.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", "7860")), help="port to listen on")
+    p.add_argument("--port", type=int, default=env("GRADIO_SERVER_PORT", "7860"), help="port to listen on")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
-                   default=(env("RADIX_ISOLATE") or ("1" if env("SYSTEM") == "spaces" else "0")) in ("1", "true", "yes"),
+                   default=(env("RADIX_ISOLATE") or ("1" if env("SYSTEM") == "spaces" else "0")).strip().lower()
+                   in ("1", "true", "yes", "on"),
                    help="give each visitor a private cache namespace (on by default on Hugging Face Spaces)")
-    p.add_argument("--max-prompt-tokens", type=int, default=int(env("RADIX_MAX_PROMPT_TOKENS", "0")) or None,
+    p.add_argument("--max-prompt-tokens", type=_limit, default=env("RADIX_MAX_PROMPT_TOKENS", "0"),
                    help="cap on prompt tokens per request (default: the model's context)")
-    p.add_argument("--max-new-tokens", type=int, default=int(env("RADIX_MAX_NEW_TOKENS", "512")),
+    p.add_argument("--max-new-tokens", type=_positive_int, default=env("RADIX_MAX_NEW_TOKENS", "512"),
                    help="cap on new tokens per request (default 512)")
-    p.add_argument("--max-queue", type=int, default=int(env("RADIX_MAX_QUEUE", "32")),
+    p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
     p.add_argument("--no-cache", action="store_true", help="run with no prefix cache at all (for comparison)")
     return p.parse_args(argv)
@@ -45,6 +73,17 @@ def build_engine(args: argparse.Namespace):
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                   max_new_tokens_cap=args.max_new_tokens)
+
+
+def build_app(engine, max_queue: int = 32):
+    """The Blocks with the queue a public page needs: at most 16 events run at once and
+    ``4 * max_queue`` wait; beyond that Gradio answers "queue full", and the engine's own
+    queue (``max_queue``) answers a friendly "busy" warning."""
+    from components.demo import build_demo
+
+    demo = build_demo(engine)
+    demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)
+    return demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Model ready: {info.model_name} on {info.device} ({info.dtype}), "
           f"KV {info.kv_bytes_per_token:,} bytes/token, cache budget {engine.cache.budget_bytes / 2**20:.0f} MiB, "
           f"isolation {'on' if info.isolation else 'off'}", flush=True)
-    from components.demo import build_demo, launch_kwargs
+    from components.demo import launch_kwargs
 
-    demo = build_demo(engine)
-    demo.queue(default_concurrency_limit=16, max_size=args.max_queue * 4)
+    demo = build_app(engine, args.max_queue)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
     return 0
 

@@ -1,5 +1,17 @@
 """Visitor identity and what may be shared: the server sets each visitor's cache
-namespace from a secret salt and Gradio's session hash; a client cannot choose it."""
+namespace from a secret salt and Gradio's session hash; a client cannot choose it.
+
+Privacy rules in isolation mode (on by default on Spaces):
+
+- a visitor's text is cached under ``v-<hmac(salt, session)>``, so no other visitor
+  gets a cache hit on it (a hit is visible in time to first token);
+- a request with no session gets a namespace of its own, never the shared one;
+- a panel that needs several namespaces per visitor (one per ordering variant) uses
+  ``sub_namespace``, which stays inside the visitor's own;
+- only whole blocks of content shipped with the app (preset system prompts and
+  few-shot sets) are public: a prompt that merely starts like a preset shares
+  nothing, or the point where it diverges would show in the public tree.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +33,17 @@ def visitor_namespace(request, engine: Engine | None = None) -> str:
     if engine is not None and not engine.isolation:
         return PUBLIC
     session = getattr(request, "session_hash", None) if request is not None else None
-    if not session:
-        return PUBLIC
+    if not session:  # nothing to tell this caller apart by: share nothing with anyone
+        return "v-anon-" + secrets.token_hex(6)
     return "v-" + hmac.new(_SALT, str(session).encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def sub_namespace(request, engine: Engine | None, name: str) -> str:
+    """A namespace of its own for one part of a visitor's work (an ordering variant),
+    inside the visitor's namespace, so it stays private and the visitor's tree view
+    still shows it (``Engine.snapshot`` treats ``<viewer>/...`` as the viewer's own)."""
+    base = visitor_namespace(request, engine)
+    return f"{base}/{name}" if base else name
 
 
 @lru_cache(maxsize=8)
@@ -37,9 +57,13 @@ def _public_prefixes(engine_id: int, engine: Engine) -> tuple[tuple[int, ...], .
         static = few_shot_static_part(preset["instruction"], preset["examples"])
         rendered = runner.render_chat([{"role": "user", "content": static + "\x00"}])
         out.append(tuple(runner.encode(rendered[: rendered.index("\x00")])))
-    return tuple(out)
+    # A block's last token may merge with the text that follows it ("\n\n" + "Input"):
+    # drop it, so that the rest is a token prefix of every prompt that holds the block.
+    return tuple(p[:-1] for p in out if len(p) > 1)
 
 
 def public_len(engine: Engine, ids: list[int]) -> int:
-    """Tokens of ``ids`` that are content shipped with the app (shareable)."""
-    return engine.public_prefix_len(ids, _public_prefixes(id(engine), engine))
+    """Tokens of ``ids`` that are content shipped with the app (shareable): the longest
+    shipped block that ``ids`` starts with in full, else 0."""
+    ids = tuple(ids)
+    return max((len(p) for p in _public_prefixes(id(engine), engine) if ids[: len(p)] == p), default=0)

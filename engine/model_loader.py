@@ -138,6 +138,19 @@ def load_tokenizer(model: str = EMBEDDED_MODEL):
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+def _check_local_path(model: str) -> None:
+    """A model given as a path must be a model folder; say so plainly rather than
+    letting the hub client complain about an invalid repo id."""
+    looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model) or Path(model).exists()
+    if not looks_local:
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"could not load model {model!r}: no such file or directory")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"could not load model {model!r}: not a model folder (it has no config.json)")
+
+
 def load_model(model: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load tokenizer and model; raise ModelLoadError with a one-line reason on failure."""
     dev = resolve_device(device)
@@ -148,6 +161,7 @@ def load_model(model: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "
         if model in (EMBEDDED_MODEL, "", None):
             tok, mdl, name = _load_embedded()
         else:
+            _check_local_path(model)
             log.info("loading %s", model)
             tok = AutoTokenizer.from_pretrained(model)
             mdl = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)

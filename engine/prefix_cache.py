@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_pool import KVPool
-from engine.radix_tree import CacheKey, Node, RadixTree
+from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
 from engine.request_kv import RequestKV
 from engine.types import EngineError, NodeInfo, TreeSnapshot
 
@@ -33,6 +33,11 @@ class CacheHandle:
     cached_tokens: int
     path: tuple[int, ...]
     node: Node | None
+
+
+def _visible_to(namespace: str, viewer: str) -> bool:
+    """Public content, the viewer's own namespace and its sub-namespaces (``<viewer>/...``)."""
+    return namespace in (PUBLIC, viewer) or namespace.startswith(viewer + "/")
 
 
 class NoPrefixCache:
@@ -218,13 +223,11 @@ class RadixCache:
                  max_text_tokens: int = 256) -> TreeSnapshot:
         """A read-only copy of the tree. With ``viewer`` set, nodes of other
         namespaces are ``hidden``: no ids, no text, only shape and size."""
-        from engine.radix_tree import PUBLIC
-
         now = time.monotonic()
         with self._lock:
             infos = []
             for node in self.tree.nodes():
-                hidden = viewer is not None and node.namespace not in (PUBLIC, viewer)
+                hidden = viewer is not None and not _visible_to(node.namespace, viewer)
                 ids = () if hidden else tuple(node.key)
                 text = ""
                 if not hidden and decode is not None:

@@ -1,0 +1,94 @@
+"""Helpers for tests that launch the app: a free port, the app launched in-process on it
+(the same Blocks and queue settings as ``python app.py``), gradio_client visitors, what a
+visitor was shown (streamed outputs and warning toasts), and the engine's idle checks."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine.engine import Engine
+
+
+def free_port() -> int:
+    """A port nobody listens on now (never 7860: the lead's app lives there)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != 7860:
+            return port
+
+
+@contextmanager
+def launched_app(engine: Engine, max_queue: int = 32) -> Iterator[str]:
+    """``app.build_app(engine)`` served on a free local port; yields its URL."""
+    import app
+    from components.demo import launch_kwargs
+
+    demo = app.build_app(engine, max_queue)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                **launch_kwargs())
+    try:
+        yield demo.local_url
+    finally:
+        demo.close()
+
+
+def visitor(url: str):
+    """A gradio_client visitor: its own session hash, like a browser tab."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False, download_files=False)
+
+
+def shown_logs(job) -> list[tuple[str, str]]:
+    """(message, level) of every toast (``gr.Warning``/``gr.Info``) the job's visitor got.
+
+    Call after the job is done: it drains the client's status queue (gradio_client 2.7)."""
+    out = []
+    comm = getattr(job, "communicator", None)
+    if comm is None:
+        return out
+    while not comm.updates.empty():
+        update = comm.updates.get_nowait()
+        log = getattr(update, "log", None)
+        if log:
+            out.append(tuple(log))
+    return out
+
+
+def flat_text(content) -> str:
+    """A chatbot message's content as a string (Gradio sends a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(flat_text(p) for p in content)
+    if isinstance(content, dict):
+        return str(content.get("text") or content.get("value") or "")
+    return "" if content is None else str(content)
+
+
+def wait_idle(engine: Engine, timeout_s: float = 120.0) -> None:
+    """Block until no request waits or runs (the worker holds the runner's lock while it runs)."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 3:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not become idle")
+        busy = engine.stats().queue_depth > 0 or engine.runner.lock.locked()
+        quiet = 0 if busy else quiet + 1
+        time.sleep(0.05)
+
+
+def assert_clean(engine: Engine) -> None:
+    """Idle engine: invariants hold, no lock left, every used pool slot belongs to the tree."""
+    engine.check_invariants()
+    cache = engine.cache
+    if hasattr(cache, "pool"):  # RadixCache (the cache-off twin holds nothing)
+        assert cache.locked_tokens() == 0, "a lock leaked"
+        assert cache.pool.num_used == cache.tree.num_tokens, "a pool slot leaked"
+        assert cache.pool.bytes_in_use <= cache.pool.budget_bytes
+        assert all(n.lock_ref == 0 for n in cache.tree.nodes()), "a lock leaked"
