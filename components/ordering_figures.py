@@ -1,0 +1,230 @@
+"""Pure figure builders for the prompt-ordering lab: lab results in, plotly figures out.
+
+Owns the look of the lab's charts: total prefill per ordering (with and without
+reuse), cached vs computed tokens per request, the tree each ordering left
+behind (drawn along the prefix-length axis), the request-order comparison and
+the block-granularity simulation. No Gradio, no engine calls: every function
+takes plain data (the engine's result dataclasses) and returns a figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from components.common import TOKEN_COLORS
+from engine.granularity import GranularityResult
+from engine.ordering_lab import VariantResult
+from engine.scheduling import POLICY_NAMES, ScheduleResult
+from engine.types import NodeInfo
+
+CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
+BASELINE_COLOR = "#94a3b8"
+SHARED_COLOR, PRIVATE_COLOR = "#16a34a", "#fb923c"
+BLOCK_COLORS = {1: "#16a34a", 16: "#2563eb", 64: "#7c3aed"}
+
+
+def _layout(fig: go.Figure, height: int, title: str) -> go.Figure:
+    fig.update_layout(height=height, margin=dict(l=60, r=20, t=64 if title else 30, b=44), plot_bgcolor="white",
+                      paper_bgcolor="white", title=dict(text=title, x=0.01, font=dict(size=15)),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+                      font=dict(size=12), uirevision=title)
+    fig.update_xaxes(gridcolor="#f1f5f9")
+    fig.update_yaxes(gridcolor="#e2e8f0", zeroline=False)
+    return fig
+
+
+def empty_figure(text: str, height: int = 260) -> go.Figure:
+    fig = _layout(go.Figure(), height, "")
+    fig.add_annotation(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=14, color="#64748b"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def _secs(ms: float) -> str:
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) -> go.Figure:
+    """Total prefill time per ordering: with reuse (measured) and without reuse
+    (the same prompts prefilled from scratch, measured), one row per ordering."""
+    if not results or not any(r.requests for r in results):
+        return empty_figure("Click a preset to run it", height)
+    names = [r.name for r in results][::-1]
+    rows = list(results)[::-1]
+    fig = go.Figure()
+    if all(r.baseline_total_ms is not None for r in rows):
+        fig.add_trace(go.Bar(y=names, x=[r.baseline_total_ms for r in rows], orientation="h",
+                             name="without reuse (measured)", marker_color=BASELINE_COLOR,
+                             text=[_secs(r.baseline_total_ms) for r in rows], textposition="auto",
+                             hovertemplate="%{y}<br>no reuse: %{x:,.0f} ms<extra></extra>"))
+    fig.add_trace(go.Bar(y=names, x=[r.total_prefill_ms for r in rows], orientation="h",
+                         name="with the radix cache", marker_color=[_variant_color(r, results) for r in rows],
+                         text=[f"{_secs(r.total_prefill_ms)} · {r.hit_rate:.0%} cached" for r in rows],
+                         textposition="auto",
+                         hovertemplate="%{y}<br>with reuse: %{x:,.0f} ms<extra></extra>"))
+    fig.update_layout(barmode="group", bargap=0.3)
+    fig.update_xaxes(title_text="total prefill time of all requests (ms)")
+    good, bad = results[0], results[-1]
+    title = "Total prefill time"
+    if len(results) >= 2 and good.total_prefill_ms > 0:
+        ratio = bad.total_prefill_ms / good.total_prefill_ms
+        title = (f"{bad.name.split(':')[0]} ordering: prefill {ratio:.1f}× "
+                 f"{'slower' if ratio >= 1 else 'faster'} ({_secs(bad.total_prefill_ms)} vs "
+                 f"{_secs(good.total_prefill_ms)})")
+    return _layout(fig, height, title)
+
+
+def _variant_color(r: VariantResult, results: Sequence[VariantResult]) -> str:
+    best = max(results, key=lambda x: x.hit_rate)
+    return CACHED_COLOR if r is best else COMPUTED_COLOR
+
+
+def per_request_figure(results: Sequence[VariantResult], height: int = 320) -> go.Figure:
+    """One panel per ordering: stacked bars of cached and computed tokens per request."""
+    if not results:
+        return empty_figure("Per-request tokens appear here", height)
+    fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{r.name}<br><sup>{r.hit_rate:.0%} of prompt tokens cached</sup>"
+                                        for r in results])
+    for col, r in enumerate(results, start=1):
+        x = [req.label for req in r.requests]
+        fig.add_trace(go.Bar(x=x, y=[q.cached_tokens for q in r.requests], name="served from cache",
+                             marker_color=CACHED_COLOR, showlegend=col == 1, legendgroup="cached",
+                             customdata=[q.prefill_ms for q in r.requests],
+                             hovertemplate="%{x}: %{y:,} cached<br>prefill %{customdata:,.0f} ms<extra></extra>"),
+                      row=1, col=col)
+        fig.add_trace(go.Bar(x=x, y=[q.computed_tokens for q in r.requests], name="computed",
+                             marker_color=COMPUTED_COLOR, showlegend=col == 1, legendgroup="computed",
+                             hovertemplate="%{x}: %{y:,} computed<extra></extra>"), row=1, col=col)
+    fig.update_layout(barmode="stack", bargap=0.25)
+    fig.update_yaxes(title_text="prompt tokens", row=1, col=1)
+    for ann in fig.layout.annotations:
+        ann.font.size = 13
+    return _layout(fig, height, "")
+
+
+def tree_rows(nodes: Sequence[NodeInfo]) -> dict[int, tuple[float, int]]:
+    """Row (y) and number of leaves below, per node: leaves get rows 0, 1, 2 ... in
+    depth-first order, a parent sits at the mean row of its children."""
+    children: dict[int, list[NodeInfo]] = {}
+    for n in nodes:
+        children.setdefault(n.parent_id, []).append(n)
+    out: dict[int, tuple[float, int]] = {}
+    next_row = 0
+
+    def visit(node: NodeInfo) -> tuple[float, int]:
+        nonlocal next_row
+        kids = sorted(children.get(node.node_id, []), key=lambda c: c.node_id)
+        if not kids:
+            out[node.node_id] = (float(next_row), 1)
+            next_row += 1
+            return out[node.node_id]
+        placed = [visit(k) for k in kids]
+        out[node.node_id] = (sum(p[0] for p in placed) / len(placed), sum(p[1] for p in placed))
+        return out[node.node_id]
+
+    ids = {n.node_id for n in nodes}
+    for root in sorted((n for n in nodes if n.parent_id not in ids), key=lambda n: n.node_id):
+        visit(root)
+    return out
+
+
+def trees_figure(results: Sequence[VariantResult], height: int = 340) -> go.Figure:
+    """The tree each ordering left behind, along the prefix-length axis: each node is a
+    bar from the token where it starts to the token where it ends. Green: shared by
+    several requests (reused); orange: one request's own tail."""
+    if not results:
+        return empty_figure("The trees each ordering leaves behind appear here", height)
+    fig = make_subplots(rows=1, cols=len(results), horizontal_spacing=0.05,
+                        subplot_titles=[f"{r.name}<br><sup>{len(r.tree)} nodes, "
+                                        f"{sum(n.num_tokens for n in r.tree):,} tokens cached</sup>" for r in results])
+    for col, r in enumerate(results, start=1):
+        rows = tree_rows(r.tree)
+        by_id = {n.node_id: n for n in r.tree}
+        for shared in (True, False):
+            picked = [n for n in r.tree if (rows[n.node_id][1] > 1) == shared]
+            if not picked:
+                continue
+            fig.add_trace(go.Bar(
+                y=[rows[n.node_id][0] for n in picked], x=[n.num_tokens for n in picked],
+                base=[n.depth_tokens - n.num_tokens for n in picked], orientation="h", width=0.6,
+                marker_color=SHARED_COLOR if shared else PRIVATE_COLOR, legendgroup=str(shared),
+                name="shared prefix (reused)" if shared else "one request's own tokens", showlegend=col == 1,
+                hovertext=[_node_hover(n, rows[n.node_id][1]) for n in picked], hoverinfo="text"), row=1, col=col)
+        xs, ys = [], []
+        for n in r.tree:  # elbow connectors from a parent's end to its child's start
+            parent = by_id.get(n.parent_id)
+            if parent is not None:
+                x = parent.depth_tokens
+                xs += [x, x, None]
+                ys += [rows[parent.node_id][0], rows[n.node_id][0], None]
+        if xs:
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color="#94a3b8", width=1),
+                                     hoverinfo="skip", showlegend=False), row=1, col=col)
+        fig.update_yaxes(visible=False, row=1, col=col)
+        fig.update_xaxes(title_text="prefix length (tokens)", rangemode="tozero", row=1, col=col)
+    fig.update_layout(barmode="overlay")
+    for ann in fig.layout.annotations:
+        ann.font.size = 13
+    return _layout(fig, height, "")
+
+
+def _node_hover(n: NodeInfo, leaves: int) -> str:
+    text = n.text if not n.hidden else "(hidden)"
+    text = text.replace("<", "‹").replace(">", "›")
+    if len(text) > 240:
+        text = text[:239] + "…"
+    wrapped = "<br>".join(text[i:i + 70] for i in range(0, len(text), 70)) or "–"
+    return (f"<b>tokens {n.depth_tokens - n.num_tokens:,}–{n.depth_tokens:,}</b> ({n.num_tokens:,} tokens)<br>"
+            f"on the path of {leaves} request{'s' if leaves != 1 else ''}<br>{wrapped}")
+
+
+def schedule_figure(results: Sequence[ScheduleResult], height: int = 340) -> go.Figure:
+    """One panel per policy: cached vs computed tokens per request, in the order they ran."""
+    if not results:
+        return empty_figure("Run the queue to compare the two orders", height)
+    titles = [f"{POLICY_NAMES.get(r.policy, r.policy)}<br><sup>{r.hit_rate:.0%} cached · "
+              f"{_secs(r.total_prefill_ms)} prefill · {r.evicted_tokens:,} tokens evicted</sup>" for r in results]
+    fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=titles)
+    for col, r in enumerate(results, start=1):
+        x = [f"{i + 1}. {q.label}" for i, q in enumerate(r.requests)]
+        fig.add_trace(go.Bar(x=x, y=[q.cached_tokens for q in r.requests], name="served from cache",
+                             marker_color=CACHED_COLOR, showlegend=col == 1, legendgroup="c"), row=1, col=col)
+        fig.add_trace(go.Bar(x=x, y=[q.computed_tokens for q in r.requests], name="computed",
+                             marker_color=COMPUTED_COLOR, showlegend=col == 1, legendgroup="p"), row=1, col=col)
+        fig.update_xaxes(title_text="run order · request", tickangle=-45, row=1, col=col)
+    fig.update_layout(barmode="stack", bargap=0.2)
+    fig.update_yaxes(title_text="prompt tokens", row=1, col=1)
+    for ann in fig.layout.annotations:
+        ann.font.size = 13
+    return _layout(fig, height, "")
+
+
+def granularity_figure(rows: Sequence[tuple[str, Sequence[GranularityResult]]], height: int = 320) -> go.Figure:
+    """Cached tokens per ordering when matching per token and in blocks (a simulation)."""
+    if not rows:
+        return empty_figure("Run a preset: its token ids are replayed here at block sizes 1, 16 and 64", height)
+    fig = go.Figure()
+    sizes = sorted({g.block_size for _, gs in rows for g in gs})
+    names = [name for name, _ in rows]
+    for size in sizes:
+        vals = [next((g for g in gs if g.block_size == size), None) for _, gs in rows]
+        per_token = [next((g for g in gs if g.block_size == 1), None) for _, gs in rows]
+        lost = [(t.cached_tokens - v.cached_tokens) if (t and v) else 0 for t, v in zip(per_token, vals, strict=True)]
+        fig.add_trace(go.Bar(x=names, y=[v.cached_tokens if v else 0 for v in vals],
+                             name="per token" if size == 1 else f"{size}-token blocks",
+                             marker_color=BLOCK_COLORS.get(size, "#64748b"),
+                             text=[f"{v.hit_rate:.0%}" + (f"<br>−{lo:,}" if lo else "") if v else ""
+                                   for v, lo in zip(vals, lost, strict=True)],
+                             textposition="outside", cliponaxis=False,
+                             hovertemplate="%{x}<br>%{y:,} tokens cached<extra>" +
+                                           ("per token" if size == 1 else f"{size}-token blocks") + "</extra>"))
+    fig.update_layout(barmode="group", bargap=0.25)
+    fig.update_yaxes(title_text="cached prompt tokens (simulated)")
+    return _layout(fig, height, "Simulation: block matching over this run's real token ids")
