@@ -62,13 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, runner=None):
+    """The engine the flags describe; ``runner`` (tests) skips loading ``args.model``."""
     from engine.engine import Engine
     from engine.model_loader import load_model
     from engine.model_runner import ModelRunner
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    runner = ModelRunner(loaded)
+    if runner is None:
+        runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
