@@ -41,6 +41,13 @@ def build_request(engine: Engine, messages: list[dict], max_new_tokens: int, mea
                              public_len=public_len(engine, ids), tag=tag)
 
 
+START_HINT = (
+    "**Start here: click two of these questions, one after the other.** The second prompt repeats the long "
+    "system prompt and the first exchange, so most of it is served from the cache (green below), and its "
+    "prefill is several times faster."
+)
+
+
 def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     with gr.Row():
         preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=DEFAULT_SYSTEM, label="System prompt",
@@ -48,24 +55,26 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
         custom = gr.Textbox(label="Custom system prompt", lines=2, visible=False, scale=2,
                             placeholder="You are …")
     system_view = gr.Textbox(value=SYSTEM_PRESETS[DEFAULT_SYSTEM], label="System prompt text (static: cached "
-                             "once, reused by every question)", lines=3, interactive=False, max_lines=6)
-    chatbot = gr.Chatbot(label="Chat", height=320, buttons=["copy"])
+                             "once, reused by every question)", lines=2, interactive=False, max_lines=4)
+    gr.Markdown(START_HINT, elem_classes=["start-hint"])
+    with gr.Row(elem_classes=["starters"]):
+        starters = [gr.Button(q, size="md", variant="secondary", elem_classes=["starter"]) for q in STARTER_QUESTIONS]
+    chatbot = gr.Chatbot(label="Chat (yours only: other visitors have their own)", height=280, buttons=["copy"])
     with gr.Row():
-        message = gr.Textbox(placeholder="Ask something, or click a starter question below", show_label=False,
-                             scale=5, max_length=200_000)
-        send = gr.Button("Send", variant="primary", scale=1)
-        stop = gr.Button("Stop", variant="stop", scale=1)
-    with gr.Row():
-        starters = [gr.Button(q, size="sm") for q in STARTER_QUESTIONS]
-        clear = gr.Button("New chat", size="sm")
+        message = gr.Textbox(placeholder="Ask something, or click a starter question above", show_label=False,
+                             scale=6, max_length=200_000)
+        send = gr.Button("Send", variant="primary", scale=1, min_width=70)
+        stop = gr.Button("Stop", variant="stop", scale=1, min_width=70)
+        clear = gr.Button("New chat", scale=1, min_width=90)
     with gr.Row():
         baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too (turn off for long prompts)")
         max_new = gr.Slider(1, engine.max_new_tokens_cap, value=min(48, engine.max_new_tokens_cap), step=1,
                             label="Max new tokens")
-    gr.Markdown("**Your prompt, token by token** — green: served from the radix cache, orange: computed now")
+    numbers = gr.Markdown("Send a message to see what the cache served.", elem_classes=["turn-numbers"])
+    gr.Markdown("**Your last prompt, token by token** (chat template included): green = served from the radix "
+                "cache, orange = computed now")
     tokens = gr.HighlightedText(show_label=False, color_map=TOKEN_COLORS, combine_adjacent=True,
-                                show_legend=True)
-    numbers = gr.Markdown("Send a message to see what the cache served.")
+                                show_legend=True, elem_classes=["prompt-tokens"])
 
     def on_preset(name: str):
         is_custom = name == CUSTOM_SYSTEM

@@ -1,10 +1,24 @@
-"""The whole app: a title, a two-line story, and one tab per panel, all on one shared engine."""
+"""The whole app: a title, a two-line story, and one tab per panel, all on one shared engine.
+
+Layout only: each panel builds and wires itself (``build_*_panel``). Panels
+that follow the engine live hand back a ``LiveView``; this module fires them
+on page load and tab select, and keeps only the visible tab's timers running.
+Per-visitor state (the chat, the last request's metrics) is Gradio session
+state; the engine is shared.
+"""
 
 from __future__ import annotations
 
 import gradio as gr
 
 from components.chat_panel import build_chat_panel
+from components.fewshot_panel import build_fewshot_panel
+from components.info_panel import build_info_panel
+from components.latency_panel import build_latency_panel
+from components.live import LiveView
+from components.memory_panel import build_memory_panel
+from components.overview_panel import build_overview_panel
+from components.tree_panel import build_tree_panel
 from engine.engine import Engine
 
 TITLE = "Radix Cache Playground"
@@ -16,8 +30,21 @@ STORY = (
 )
 
 CSS = """
-.gradio-container {max-width: 1400px !important}
+.gradio-container {max-width: 1440px !important}
 #story {font-size: 1.02rem}
+.start-hint {background: #f0fdf4; border-left: 4px solid #22c55e; padding: 6px 10px; border-radius: 6px}
+.start-hint p {margin: 0}
+.starter button, button.starter {font-weight: 600}
+.turn-numbers table {font-size: 0.92rem}
+.legend {font-size: 0.85rem; color: #475569}
+.side-title h3 {margin: 0}
+.kgrid {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin-bottom: 8px}
+.kcard {border: 1px solid #e2e8f0; border-radius: 10px; padding: 8px 12px; background: #f8fafc}
+.kcard.green {background: #f0fdf4; border-color: #86efac}
+.kcard.blue {background: #eff6ff; border-color: #93c5fd}
+.kval {font-size: 1.7rem; font-weight: 700; line-height: 1.2; color: #0f172a}
+.kgrid.small .kval {font-size: 1.15rem}
+.klab {font-size: 0.8rem; color: #475569}
 """
 
 
@@ -27,11 +54,54 @@ def launch_kwargs() -> dict:
 
 
 def build_demo(engine: Engine) -> gr.Blocks:
+    live: dict[str, list[LiveView]] = {}  # tab label -> the live views inside it
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}")
         gr.Markdown(STORY, elem_id="story")
-        last_metrics = gr.State(None)
-        with gr.Tabs():
+        last_metrics = gr.State(None)  # this visitor's last RequestMetrics
+        with gr.Tabs() as tabs:
             with gr.Tab("Chat"):
-                build_chat_panel(engine, last_metrics)
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        build_chat_panel(engine, last_metrics)
+                    with gr.Column(scale=2):
+                        live["Chat"] = [build_overview_panel(engine, last_metrics, active=True)]
+            with gr.Tab("Few-shot"):
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        build_fewshot_panel(engine, last_metrics)
+                    with gr.Column(scale=2):
+                        live["Few-shot"] = [build_overview_panel(engine, last_metrics, active=False)]
+            with gr.Tab("Radix tree"):
+                live["Radix tree"] = [build_tree_panel(engine, last_metrics)]
+            with gr.Tab("Cache memory"):
+                live["Cache memory"] = [build_memory_panel(engine)]
+            with gr.Tab("Latency"):
+                live["Latency"] = [build_latency_panel(engine)]
+            # Prompt-ordering lab tab: added by issue 5
+            with gr.Tab("Engine info"):
+                live["Engine info"] = [build_info_panel(engine)]
+        _wire_live(demo, tabs, live)
     return demo
+
+
+def _wire_live(demo: gr.Blocks, tabs: gr.Tabs, live: dict[str, list[LiveView]]) -> None:
+    """Draw the first tab on load; on a tab switch, draw it now and run only its timers."""
+    for view in live.get("Chat", []):
+        view.refresh_on(demo.load)
+    views = [v for vs in live.values() for v in vs]
+    timers = [v.timer for v in views]
+
+    def on_select(evt: gr.SelectData):
+        shown = live.get(str(evt.value), [])
+        return [gr.Timer(active=any(v is s for s in shown)) for v in views]
+
+    tabs.select(on_select, None, timers, api_visibility="private", show_progress="hidden")
+    for label, vs in live.items():
+        for v in vs:
+            v.refresh_on(*_tab_selects(tabs, label))
+
+
+def _tab_selects(tabs: gr.Tabs, label: str) -> list:
+    """The select trigger of the tab called ``label`` inside ``tabs``."""
+    return [child.select for child in tabs.children if isinstance(child, gr.Tab) and child.label == label]

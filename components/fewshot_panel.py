@@ -1,0 +1,207 @@
+"""Few-shot playground: an instruction and examples (static, cached once) before a
+query (per request), one query at a time or N in a row, with an option to
+shuffle the examples per request and watch reuse collapse.
+
+Owns the ``fewshot`` and ``fewshot_batch`` endpoints. The prompt layout lives
+in ``components.presets.few_shot_prompt``; requests go through the same
+server-side namespace rules as the chat (``chat_panel.build_request``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import gradio as gr
+
+from components.charts import reuse_bars
+from components.chat_panel import build_request
+from components.common import TOKEN_COLORS, fmt_ms, highlighted_prompt, metrics_markdown, warn
+from components.presets import FEW_SHOT_PRESETS, few_shot_prompt
+from engine.engine import Engine
+from engine.types import EngineError, RequestMetrics
+
+MAX_EXAMPLES = 64
+MAX_BATCH = 16
+TABLE_HEADERS = ["#", "query", "answer", "cached / prompt", "prefill", "no reuse"]
+DEFAULT_PRESET = next(iter(FEW_SHOT_PRESETS))
+
+
+def parse_examples(value) -> list[tuple[str, str]]:
+    """Rows of (input, output) from whatever the examples table hands over:
+    a pandas frame, ``{"data": rows}`` from an API client, or a list of rows.
+    Rows with nothing in them are dropped; extra columns are ignored."""
+    if value is None:
+        return []
+    if hasattr(value, "values") and hasattr(value, "columns"):  # pandas
+        rows = value.values.tolist()
+    elif isinstance(value, dict):
+        rows = value.get("data") or []
+    elif isinstance(value, list | tuple):
+        rows = list(value)
+    else:
+        return []
+    out: list[tuple[str, str]] = []
+    for row in rows:
+        if isinstance(row, str):
+            row = [row, ""]
+        if not isinstance(row, list | tuple) or not row:
+            continue
+        cells = ["" if c is None else str(c) for c in list(row)[:2]] + [""]
+        inp, outp = cells[0].strip(), cells[1].strip()
+        if inp or outp:
+            out.append((inp, outp))
+    return out[:MAX_EXAMPLES]
+
+
+def shuffled(examples: list[tuple[str, str]], rng: random.Random) -> list[tuple[str, str]]:
+    """A different order than the given one whenever one exists (so "shuffle" always shows)."""
+    order = list(examples)
+    if len(set(order)) < 2:
+        return order
+    while order == examples:
+        rng.shuffle(order)
+    return order
+
+
+def _messages(instruction: str, examples: list[tuple[str, str]], query: str) -> list[dict]:
+    return [{"role": "user", "content": few_shot_prompt(instruction or "", examples, query)}]
+
+
+def _preset_rows(name: str) -> list[list[str]]:
+    return [list(e) for e in FEW_SHOT_PRESETS[name]["examples"]]
+
+
+def build_fewshot_panel(engine: Engine, last_metrics: gr.State) -> None:
+    preset0 = FEW_SHOT_PRESETS[DEFAULT_PRESET]
+    with gr.Row():
+        preset = gr.Dropdown(list(FEW_SHOT_PRESETS), value=DEFAULT_PRESET, label="Example set", scale=1)
+        max_new = gr.Slider(1, min(128, engine.max_new_tokens_cap), value=min(16, engine.max_new_tokens_cap),
+                            step=1, label="Max new tokens", scale=1)
+    with gr.Row():
+        shuffle = gr.Checkbox(value=False, label="Shuffle example order per request (breaks the shared prefix: "
+                              "watch reuse collapse)")
+        baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too")
+    instruction = gr.Textbox(value=preset0["instruction"], label="Instruction (static: cached once)", lines=1)
+    examples = gr.Dataframe(value=_preset_rows(DEFAULT_PRESET), headers=["Input", "Output"], column_count=(2, "fixed"),
+                            row_count=(len(preset0["examples"]), "dynamic"), type="array", interactive=True,
+                            label="Examples (static: cached once; edit freely, add rows)", wrap=True)
+    with gr.Row():
+        query = gr.Textbox(value=preset0["queries"][0], label="Query (per request: comes last)", scale=4,
+                           max_length=20_000)
+        run = gr.Button("Run query", variant="primary", scale=1)
+    with gr.Row():
+        answer = gr.Textbox(label="Model output", lines=2, scale=2, interactive=False)
+        numbers = gr.Markdown("Run a query to see what the cache served.")
+    tokens = gr.HighlightedText(show_label=False, color_map=TOKEN_COLORS, combine_adjacent=True, show_legend=True)
+
+    gr.Markdown("#### Run N queries: watch reuse build up, request after request")
+    with gr.Row():
+        queries = gr.Textbox(value="\n".join(preset0["queries"]), label="Queries (one per line; cycled)", lines=4,
+                             scale=3, max_length=200_000)
+        with gr.Column(scale=1):
+            n_runs = gr.Slider(1, MAX_BATCH, value=6, step=1, label="N requests")
+            run_n = gr.Button("Run N queries", variant="primary")
+            stop = gr.Button("Stop", variant="stop")
+    summary = gr.Markdown()
+    chart = gr.Plot(show_label=False)
+    table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, max_height=320,
+                         column_widths=["6%", "34%", "20%", "16%", "12%", "12%"])
+
+    def on_preset(name: str):
+        p = FEW_SHOT_PRESETS.get(name) or preset0
+        return p["instruction"], _preset_rows(name if name in FEW_SHOT_PRESETS else DEFAULT_PRESET), \
+            p["queries"][0], "\n".join(p["queries"])
+
+    preset.change(on_preset, preset, [instruction, examples, query, queries], api_visibility="private")
+
+    def submit(instr, rows, text, shuffle_on, max_new_tokens, measure, request, tag, rng):
+        exs = parse_examples(rows)
+        if shuffle_on:
+            exs = shuffled(exs, rng)
+        req = build_request(engine, _messages(instr, exs, text), max_new_tokens, measure, request, tag=tag)
+        return engine.submit(req)
+
+    def run_one(instr, rows, text, shuffle_on, max_new_tokens, measure, request: gr.Request):
+        if not (text or "").strip():
+            gr.Warning("Type a query first.")
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        try:
+            handle = submit(instr, rows, text, shuffle_on, max_new_tokens, measure, request, "few-shot",
+                            random.Random())
+            yield "", gr.skip(), "*Running… (prefilling the prompt)*", gr.skip()
+            for event in handle:
+                if event.done and event.metrics is not None:
+                    m = event.metrics
+                    yield event.text, highlighted_prompt(engine, m), metrics_markdown(m), m
+                else:
+                    yield event.text, gr.skip(), gr.skip(), gr.skip()
+        except EngineError as exc:
+            warn(exc)
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+
+    def run_batch(instr, rows, queries_text, n, shuffle_on, max_new_tokens, measure,
+                  request: gr.Request) -> Iterator:
+        lines = [q.strip() for q in str(queries_text or "").splitlines() if q.strip()]
+        if not lines:
+            gr.Warning("Add at least one query (one per line).")
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        try:
+            n = max(1, min(MAX_BATCH, int(n)))
+        except (TypeError, ValueError):
+            n = 1
+        rng, done = random.Random(), []
+        for i in range(n):
+            text = lines[i % len(lines)]
+            yield _batch_summary(done, n, running=text), gr.skip(), gr.skip(), gr.skip()
+            try:
+                last = None
+                for event in submit(instr, rows, text, shuffle_on, max_new_tokens, measure, request,
+                                    "few-shot batch", rng):
+                    last = event
+            except EngineError as exc:
+                warn(exc)
+                break
+            if last is None or last.metrics is None:
+                break
+            done.append((text, last.metrics))
+            yield _batch_summary(done, n), _batch_chart(done), _batch_table(done), last.metrics
+        if done:
+            yield _batch_summary(done, n), _batch_chart(done), _batch_table(done), done[-1][1]
+
+    one_inputs = [instruction, examples, query, shuffle, max_new, baseline]
+    ev_run = run.click(run_one, one_inputs, [answer, tokens, numbers, last_metrics], api_name="fewshot",
+                       show_progress="minimal")
+    ev_submit = query.submit(run_one, one_inputs, [answer, tokens, numbers, last_metrics],
+                             api_visibility="private", show_progress="minimal")
+    ev_batch = run_n.click(run_batch, [instruction, examples, queries, n_runs, shuffle, max_new, baseline],
+                           [summary, chart, table, last_metrics], api_name="fewshot_batch", show_progress="minimal")
+    stop.click(None, None, None, cancels=[ev_run, ev_submit, ev_batch], api_visibility="private")
+
+
+def _batch_summary(done: list[tuple[str, RequestMetrics]], n: int, running: str | None = None) -> str:
+    head = f"**Request {len(done) + 1} of {n} running…** ({running[:60]})\n\n" if running else ""
+    if not done:
+        return head or "No requests ran."
+    ms = [m for _, m in done]
+    prompt, cached = sum(m.prompt_tokens for m in ms), sum(m.cached_tokens for m in ms)
+    line = (f"**{len(ms)} request{'s' * (len(ms) != 1)}: {cached:,} of {prompt:,} prompt tokens "
+            f"({cached / prompt:.0%}) served from the cache.**")
+    timed = [m for m in ms if m.baseline_prefill_ms is not None]
+    if timed:
+        with_reuse, without = sum(m.prefill_ms for m in timed), sum(m.baseline_prefill_ms for m in timed)
+        line += (f" Prefill {fmt_ms(with_reuse)} with reuse vs {fmt_ms(without)} without"
+                 f" ({without / with_reuse:.1f}× speedup)." if with_reuse > 0 else "")
+    return head + line
+
+
+def _batch_chart(done: list[tuple[str, RequestMetrics]]):
+    return reuse_bars([m.cached_tokens for _, m in done], [m.computed_tokens for _, m in done],
+                      labels=[q[:60] for q, _ in done])
+
+
+def _batch_table(done: list[tuple[str, RequestMetrics]]) -> list[list]:
+    return [[i + 1, q, m.output_text.strip(), f"{m.cached_tokens:,} / {m.prompt_tokens:,}", fmt_ms(m.prefill_ms),
+             fmt_ms(m.baseline_prefill_ms)] for i, (q, m) in enumerate(done)]

@@ -1,0 +1,113 @@
+"""Cache memory panel: bytes of KV in use against the budget, what the cache
+holds, evictions, hit rate over time, and the two controls (budget, clear),
+each confirming what it did with numbers.
+
+In isolation mode (a public deployment) "clear" empties only the visitor's
+own namespace, and the shared budget cannot be changed from the page.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from components.charts import hit_rate_figure, memory_gauge
+from components.common import fmt_bytes, warn
+from components.live import LiveView, drawn, engine_signature, unchanged
+from components.session import visitor_namespace
+from engine.engine import Engine
+from engine.types import EngineError
+
+MiB = 2**20
+HISTORY = 200
+
+
+def memory_markdown(engine: Engine) -> str:
+    s = engine.stats()
+    used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
+    bpt = engine.info().kv_bytes_per_token
+    return "\n".join([
+        "| cache right now | |", "|---|---|",
+        f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}) |",
+        f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
+        f"| nodes | {s.num_nodes:,} |",
+        f"| KV per token | {bpt:,} bytes |",
+        f"| tokens evicted so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}) |",
+        f"| token hit rate | **{s.hit_rate:.1%}** over {s.requests:,} requests "
+        f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |",
+        f"| prefill time saved | {s.prefill_ms_saved / 1000:,.1f} s (on requests that measured a baseline) |",
+    ])
+
+
+def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
+    budget_mib = engine.stats().budget_bytes / MiB
+    with gr.Row():
+        with gr.Column(scale=2):
+            gauge = gr.Plot(show_label=False)
+        with gr.Column(scale=3):
+            table = gr.Markdown(memory_markdown(engine))
+    hit_rate = gr.Plot(show_label=False)
+    with gr.Row():
+        new_budget = gr.Number(value=round(budget_mib, 1), label="Cache budget (MiB)", minimum=0,
+                               maximum=round(budget_mib, 1), precision=1, interactive=not engine.isolation, scale=2,
+                               info="shrinking evicts least-recently-used leaves"
+                               if not engine.isolation else "fixed on a shared public deployment")
+        apply = gr.Button("Apply budget", scale=1, interactive=not engine.isolation)
+        clear = gr.Button("Clear your cached prompts" if engine.isolation else "Clear the cache", variant="stop",
+                          scale=1)
+    seen = gr.State(None)
+
+    def refresh(seen_before, request: gr.Request):
+        sig = engine_signature(engine)
+        if unchanged(seen_before, sig):
+            return gr.skip(), gr.skip(), gr.skip(), seen_before
+        ns = visitor_namespace(request, engine) if engine.isolation else None
+        history = engine.recent(HISTORY, namespace=ns)
+        return memory_gauge(engine.stats()), memory_markdown(engine), hit_rate_figure(history), drawn(sig)
+
+    def set_budget(mib):
+        if engine.isolation:
+            gr.Warning("The cache budget is fixed on a shared deployment.")
+            return gr.skip()
+        try:
+            mib = float(mib)
+        except (TypeError, ValueError):
+            gr.Warning("Type a budget in MiB, for example 256.")
+            return gr.skip()
+        # Never above the budget the server started with: that is what the host sized memory for.
+        mib = max(0.0, min(mib, budget_mib))
+        before = engine.stats()
+        try:
+            evicted = engine.set_budget(int(mib * MiB))
+        except EngineError as exc:
+            warn(exc)
+            return gr.skip()
+        after = engine.stats()
+        bpt = engine.info().kv_bytes_per_token
+        gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
+                f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
+                f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
+        return round(mib, 1)
+
+    def clear_cache(request: gr.Request):
+        ns = visitor_namespace(request, engine) if engine.isolation else None
+        if engine.isolation and not ns:
+            gr.Warning("No session: nothing of yours to clear.")
+            return
+        before = engine.stats()
+        freed = engine.clear_cache(namespace=ns)
+        after = engine.stats()
+        kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
+        gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
+                f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
+
+    def redraw(request: gr.Request):
+        return refresh(None, request)
+
+    outputs = [gauge, table, hit_rate, seen]
+    live = LiveView(gr.Timer(3.0, active=active), refresh, [seen], outputs)
+    live.refresh_on(live.timer.tick)
+    apply.click(set_budget, new_budget, new_budget, api_visibility="private").then(
+        redraw, None, outputs, api_visibility="private", show_progress="hidden")
+    clear.click(clear_cache, None, None, api_visibility="private").then(
+        redraw, None, outputs, api_visibility="private", show_progress="hidden")
+    return live

@@ -1,0 +1,63 @@
+"""Live radix tree panel: the engine's tree, redrawn while anyone runs requests.
+
+Owns the tree tab's controls (view, colour, chain collapsing), its live
+refresh, and the ``tree_snapshot`` API endpoint. The drawing itself lives in
+``components.tree_view``. In isolation mode every visitor sees other visitors'
+nodes as shape and size only (the engine's snapshot hides their text).
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from components.live import LiveView, drawn, engine_signature, shared_snapshot, unchanged
+from components.session import visitor_namespace
+from components.tree_view import request_path, snapshot_summary, tree_figure
+from engine.engine import Engine
+from engine.types import RequestMetrics
+
+LEGEND = (
+    "Each mark is a run of tokens the cache holds; a branch is where two prompts diverged. "
+    "**Size** = tokens, **colour** = how recently used (or how often hit). "
+    "Your last request: <span style='color:#16a34a'>**green** = served from the cache</span>, "
+    "<span style='color:#ea580c'>**orange** = computed</span>. ◆ = locked by a running request; "
+    "grey = another visitor's tokens (text hidden). Hover a node for its text; drag to pan, scroll to zoom."
+)
+
+
+def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
+                    color_by: str = "recency", view: str = "tree", collapse: bool = True, **kw):
+    viewer = visitor_namespace(request, engine)
+    snap = shared_snapshot(engine, viewer)
+    return tree_figure(snap, request_path(snap, metrics), color_by=color_by, view=view,
+                       viewer_owns=viewer if engine.isolation else None, collapse_chains=collapse, **kw)
+
+
+def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = False) -> LiveView:
+    with gr.Row():
+        view = gr.Radio(["tree", "icicle"], value="tree", label="View",
+                        info="icicle: x = prefix length in tokens; best past a few hundred nodes", scale=2)
+        color_by = gr.Radio(["recency", "hits"], value="recency", label="Colour by", scale=1)
+        collapse = gr.Checkbox(value=True, label="Collapse chains", info="draw a run of single children as one",
+                               scale=1)
+    plot = gr.Plot(show_label=False, elem_id="tree-plot")
+    gr.Markdown(LEGEND, elem_classes=["legend"])
+    seen = gr.State(None)
+
+    def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):
+        sig = (engine_signature(engine), getattr(metrics, "request_id", None), color, mode, chains)
+        if unchanged(seen_before, sig):
+            return gr.skip(), seen_before
+        fig = tree_figure_for(engine, request, metrics, color_by=color, view=mode, collapse=chains, height=600)
+        return fig, drawn(sig)
+
+    live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, color_by, view, collapse, seen],
+                    [plot, seen])
+    live.refresh_on(live.timer.tick, view.change, color_by.change, collapse.change)
+
+    def tree_snapshot(request: gr.Request) -> dict:
+        """The radix tree as plain data: one entry per node (text is null for other visitors' nodes)."""
+        return snapshot_summary(engine.snapshot(viewer=visitor_namespace(request, engine)))
+
+    gr.api(tree_snapshot, api_name="tree_snapshot")
+    return live

@@ -1,0 +1,137 @@
+"""The dashboard on the tiny random Llama: the Blocks build without launching, panel helpers,
+and the few-shot and tree endpoints through a launched app and gradio_client (fast)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from components.demo import build_demo
+from components.fewshot_panel import parse_examples, shuffled
+from components.info_panel import info_markdown
+from components.latency_panel import latency_summary
+from components.memory_panel import memory_markdown
+from components.overview_panel import key_numbers_html
+from components.presets import FEW_SHOT_PRESETS
+from engine.engine import Engine
+from engine.types import GenerationRequest, SamplingParams
+from tests.helpers_app import flat_text, launched_app, visitor
+
+API = {"chat", "fewshot", "fewshot_batch", "tree_snapshot"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_runner) -> Engine:
+    return Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=8)
+
+
+def api_names(demo) -> set[str]:
+    return {fn.api_name for fn in demo.fns.values() if getattr(fn, "api_name", None)
+            and getattr(fn, "api_visibility", "public") == "public"}
+
+
+@pytest.mark.parametrize("isolation", [False, True])
+def test_blocks_build_without_launching(tiny_runner, isolation):
+    demo = build_demo(Engine(tiny_runner, isolation=isolation))
+    assert API <= api_names(demo)
+    # Controls that change the shared engine stay off the public API.
+    assert not {"set_budget", "clear_cache", "refresh", "on_select"} & api_names(demo)
+
+
+def test_parse_examples_takes_any_table_shape():
+    rows = [["a", "b"], ["", ""], [None, "x"], ["only input"], "loose", [1, 2, 3]]
+    assert parse_examples(rows) == [("a", "b"), ("", "x"), ("only input", ""), ("loose", ""), ("1", "2")]
+    assert parse_examples({"headers": ["Input", "Output"], "data": [["q", "a"]]}) == [("q", "a")]
+    assert parse_examples(None) == parse_examples(42) == parse_examples({"data": None}) == []
+    assert len(parse_examples([["x", "y"]] * 500)) == 64
+
+
+def test_shuffle_always_changes_the_order_when_it_can():
+    examples = list(FEW_SHOT_PRESETS["Sentiment"]["examples"])
+    rng = random.Random(0)
+    for _ in range(20):
+        out = shuffled(examples, rng)
+        assert out != examples and sorted(out) == sorted(examples)
+    assert shuffled([("a", "b")] * 3, rng) == [("a", "b")] * 3
+
+
+def test_panel_text_reports_real_numbers(engine):
+    m = engine.run(GenerationRequest(prompt="a shared prefix of some length", measure_baseline=True,
+                                     sampling=SamplingParams(max_new_tokens=2)))
+    m2 = engine.run(GenerationRequest(prompt="a shared prefix of some length, twice", measure_baseline=True,
+                                      sampling=SamplingParams(max_new_tokens=2)))
+    assert m2.cached_tokens > 0
+    html = key_numbers_html(engine, m2, "")
+    assert f"{m2.cached_tokens:,} of {m2.prompt_tokens:,} tokens" in html
+    assert "token hit rate" in html and "<script" not in html
+    assert f"**{engine.stats().cached_tokens_now:,}**" in memory_markdown(engine)
+    assert f"{engine.info().kv_bytes_per_token:,} bytes" in info_markdown(engine)  # the tiny model's own
+    assert "**2** measured requests" in latency_summary([m, m2])
+
+
+def tree_paths(snapshot: dict) -> list[str]:
+    """Text from the root to every leaf of a ``tree_snapshot`` answer."""
+    nodes = {n["node_id"]: n for n in snapshot["nodes"]}
+    parents = {n["parent_id"] for n in snapshot["nodes"]}
+    out = []
+    for n in snapshot["nodes"]:
+        if n["node_id"] in parents:
+            continue
+        parts, cur = [], n
+        while cur is not None:
+            parts.append(cur["text"] or "")
+            cur = nodes.get(cur["parent_id"])
+        out.append("".join(reversed(parts)))
+    return out
+
+
+def test_fewshot_endpoints_and_tree_snapshot_through_the_app(engine):
+    preset = FEW_SHOT_PRESETS["Translation (EN→FR)"]
+    table = {"headers": ["Input", "Output"], "data": [list(e) for e in preset["examples"]]}
+    with launched_app(engine) as url:
+        client = visitor(url)
+        answer, tokens, numbers = client.predict(preset["instruction"], table, "Good night.", False, 4, True,
+                                                 api_name="/fewshot")
+        assert "prompt tokens served from the cache" in numbers
+        assert {t["class_or_confidence"] for t in tokens} <= {"cached", "computed"}
+        job = client.submit(preset["instruction"], table, "Hello.\nGoodbye.", 3, False, 4, False,
+                            api_name="/fewshot_batch")
+        outputs = list(job)
+        summary, chart, rows = job.result()
+        assert len(outputs) >= 4  # progress streamed request by request
+        assert summary.startswith("**3 requests:")
+        assert [r[1] for r in rows["data"]] == ["Hello.", "Goodbye.", "Hello."]
+        cached = [int(r[3].split("/")[0].replace(",", "")) for r in rows["data"]]
+        assert cached[1] > 0 and cached[2] > cached[1]  # the examples, then the whole repeated prompt
+        snap = client.predict(api_name="/tree_snapshot")
+    ids = {n["node_id"] for n in snap["nodes"]}
+    assert all(n["parent_id"] in ids | {0} for n in snap["nodes"])
+    assert sum(n["num_tokens"] for n in snap["nodes"]) == snap["num_tokens"] == engine.snapshot().num_tokens
+    paths = tree_paths(snap)
+    for query in ("Good night.", "Hello.", "Goodbye."):
+        assert any(preset["instruction"] in p and f"Input: {query}" in p for p in paths), query
+
+
+def test_chat_history_is_per_visitor(engine):
+    with launched_app(engine) as url:
+        a, b = visitor(url), visitor(url)
+        out_a = a.predict("Hello from A", [], "Pirate", "", 2, False, api_name="/chat")
+        out_b = b.predict("Hello from B", [], "Pirate", "", 2, False, api_name="/chat")
+        assert [flat_text(m["content"]) for m in out_a[0] if m["role"] == "user"] == ["Hello from A"]
+        assert [flat_text(m["content"]) for m in out_b[0] if m["role"] == "user"] == ["Hello from B"]
+
+
+def test_a_handler_sees_only_its_own_namespace_in_isolation(tiny_runner):
+    from components.session import visitor_namespace
+    from components.tree_panel import tree_figure_for
+
+    iso = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+    a, b = SimpleNamespace(session_hash="a"), SimpleNamespace(session_hash="b")
+    iso.run(GenerationRequest(prompt="secret of visitor a", namespace=visitor_namespace(a, iso)))
+    fig_b = tree_figure_for(iso, b, None)
+    hovers = " ".join(h for t in fig_b.data for h in (t.hovertext or ()))
+    assert "secret" not in hovers and "another visitor" in hovers
+    fig_a = tree_figure_for(iso, a, None)
+    assert "secret" in " ".join(h for t in fig_a.data for h in (t.hovertext or ()))
