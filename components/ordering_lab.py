@@ -27,6 +27,7 @@ from components.ordering_presets import (
     PRESETS,
     scheduling_queue,
 )
+from components.session import sub_namespace
 from engine.cost_estimate import PricingRules, estimate_cost
 from engine.engine import Engine
 from engine.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
@@ -218,10 +219,12 @@ def build_ordering_lab(engine: Engine) -> None:
                 views.granularity_markdown(rows, [[q.cached_tokens for q in r.requests] for r in results
                                                   if r.requests]))
 
-    def stream(variants: list[Variant], title: str, max_new_tokens, measure_baseline, progress: gr.Progress):
+    def stream(variants: list[Variant], title: str, max_new_tokens, measure_baseline, request: gr.Request | None,
+               progress: gr.Progress):
         skip = (gr.skip(),) * (len(lab_outputs) - 6)
         events = run_lab(engine, variants, max_new_tokens=_clamp(max_new_tokens, 1, 4, 1),
-                         measure_baseline=bool(measure_baseline))
+                         measure_baseline=bool(measure_baseline),
+                         namespace_of=lambda name: sub_namespace(request, engine, name))
         try:
             total = sum(len(v.prompts) for v in variants)
             progress((0, total), desc="Starting", unit="requests")
@@ -241,7 +244,7 @@ def build_ordering_lab(engine: Engine) -> None:
         finally:
             events.close()  # a stopped run clears its namespaces now, not at garbage collection
 
-    def run_preset(title, n, max_new_tokens, measure_baseline, progress=gr.Progress()):
+    def run_preset(title, n, max_new_tokens, measure_baseline, request: gr.Request, progress=gr.Progress()):
         """Run a preset's good and bad orderings; stream progress, then every view."""
         chosen = PRESETS.get(str(title))
         if chosen is None:
@@ -249,16 +252,17 @@ def build_ordering_lab(engine: Engine) -> None:
             yield (gr.skip(),) * len(lab_outputs)
             return
         n = _clamp(n, 2, min(MAX_REQUESTS, chosen.max_requests), DEFAULT_REQUESTS)
-        yield from stream(chosen.variants(n), chosen.title, max_new_tokens, measure_baseline, progress)
+        yield from stream(chosen.variants(n), chosen.title, max_new_tokens, measure_baseline, request, progress)
 
-    def run_custom(a, b, values_text, max_new_tokens, measure_baseline, progress=gr.Progress()):
+    def run_custom(a, b, values_text, max_new_tokens, measure_baseline, request: gr.Request,
+                   progress=gr.Progress()):
         try:
             variants = custom_variants(a or "", b or "", values_text or "")
         except EngineError as exc:
             warn(exc)
             yield (gr.skip(),) * len(lab_outputs)
             return
-        yield from stream(variants, "Custom template", max_new_tokens, measure_baseline, progress)
+        yield from stream(variants, "Custom template", max_new_tokens, measure_baseline, request, progress)
 
     lab_inputs = [preset, n_requests, max_new, measure]
     events = [run_btn.click(run_preset, lab_inputs, lab_outputs, api_name="ordering_lab",

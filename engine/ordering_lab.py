@@ -134,8 +134,12 @@ def new_run_id() -> str:
 
 def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1, measure_baseline: bool = True,
             should_stop: Callable[[], bool] | None = None, run_id: str | None = None,
-            tag: str = "ordering-lab") -> Iterator[LabProgress]:
+            namespace_of: Callable[[str], str] | None = None, tag: str = "ordering-lab") -> Iterator[LabProgress]:
     """Run every variant's requests in order, each variant in a fresh namespace.
+
+    ``namespace_of`` maps a variant's name in the run (``lab-<run id>-<index>``)
+    to the namespace it is cached under; the UI passes the visitor's
+    ``sub_namespace``, so a visitor's variants stay inside their own namespace.
 
     Raises ``EngineError`` before running anything if a prompt is empty or too
     long, if there is nothing to run, or if the engine has no prefix cache.
@@ -153,7 +157,7 @@ def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1
     finished: list[VariantResult] = []
     done = 0
     for vi, variant in enumerate(variants):
-        ns = f"lab-{run_id}-{vi}"
+        ns = (namespace_of or str)(f"lab-{run_id}-{vi}")
         engine.clear_cache(ns)
         evicted_before = engine.cache.evicted_tokens
         outcomes: list[RequestOutcome] = []

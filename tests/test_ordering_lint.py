@@ -1,0 +1,76 @@
+"""The template linter: flags per-request variables before static text, estimates the
+reusable share, suggests an order, and renders safely."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.template_lint import (
+    TemplateError,
+    lint_template,
+    parse_values,
+    render,
+    suggest_order,
+    template_variables,
+)
+
+STATIC = "You are the assistant of Harbor Air. Follow the baggage and refund rules exactly as written here."
+ROWS = [{"time": f"09:0{i}", "question": f"question number {i}?", "brand": "Harbor"} for i in range(4)]
+
+
+def test_flags_a_variable_before_static_text():
+    report = lint_template("Time: {time}\n" + STATIC + "\nQuestion: {question}\nAnswer:", ROWS)
+    assert [w.variable for w in report.warnings] == ["time"]
+    assert report.warnings[0].static_tokens_after >= 8
+    assert "{time}" in report.warnings[0].message
+
+
+def test_no_warning_when_variables_come_last():
+    report = lint_template(STATIC + "\nTime: {time}\nQuestion: {question}\nAnswer:", ROWS)
+    assert report.warnings == ()
+    assert report.suggested_template is None
+    assert report.reusable_share > 0.5
+
+
+def test_constant_variable_is_static():
+    report = lint_template("{brand} support.\n" + STATIC + "\nQ: {question}", ROWS)
+    assert report.constant == ("brand",) and "brand" not in report.per_request
+    assert report.warnings == ()
+
+
+def test_without_values_every_variable_is_per_request():
+    report = lint_template("{x} " + STATIC)
+    assert report.per_request == ("x",) and len(report.warnings) == 1
+
+
+def test_suggested_order_moves_per_request_lines_and_raises_the_share():
+    template = "Request {time}.\n" + STATIC + "\nQuestion: {question}\nAnswer:"
+    report = lint_template(template, ROWS)
+    assert report.suggested_template == STATIC + "\nRequest {time}.\nQuestion: {question}\nAnswer:"
+    assert report.reusable_share_suggested > report.reusable_share
+    assert suggest_order(STATIC + "\n{question}", ["question"]) is None
+
+
+def test_reusable_share_uses_the_token_counter():
+    words = lambda s: len(s.split())  # noqa: E731
+    report = lint_template("a b c d {q} e", [{"q": "x"}, {"q": "y"}], count_tokens=words)
+    assert report.reusable_share == pytest.approx(4 / 6)
+
+
+def test_render_and_parse_errors():
+    assert render("Hi {name}, {{literal}}", {"name": "Ana"}) == "Hi Ana, {literal}"
+    assert template_variables("{a} {b} {a}") == ["a", "b"]
+    for bad in ("{x.__class__}", "{x[0]}", "{x!r}", "{x:>10}", "{", "}"):
+        with pytest.raises(TemplateError):
+            render(bad, {"x": "1"})
+    with pytest.raises(TemplateError, match="No value"):
+        render("{missing}", {})
+
+
+def test_parse_values():
+    assert parse_values('{"a": 1}\n\n{"a": "x"}') == [{"a": "1"}, {"a": "x"}]
+    assert parse_values('[{"a": null}]') == [{"a": ""}]
+    assert parse_values("  ") == []
+    for bad in ("{not json", "[1, 2]", '"text"'):
+        with pytest.raises(TemplateError):
+            parse_values(bad)

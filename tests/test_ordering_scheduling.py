@@ -1,0 +1,66 @@
+"""Request order under a small budget, run for real on the tiny random Llama: longest-
+prefix-match first beats first-come-first-served on the preset queue (cached token
+counts do not depend on the weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.ordering_presets import scheduling_queue
+from engine.scheduling import FCFS, LPM, SchedulingLab, scheduling_lab_for
+from engine.types import EngineBusy, EngineError
+
+
+def _run(lab, queue, budget):
+    events = list(lab.compare(queue, budget))
+    assert events[-1].finished and not events[-1].stopped
+    return {r.policy: r for r in events[-1].results}
+
+
+def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
+    lab = SchedulingLab(tiny_runner)
+    queue = scheduling_queue(per_group=3, groups=3)
+    res = _run(lab, queue, budget=520)
+    fcfs, lpm = res[FCFS], res[LPM]
+    assert lpm.hit_rate > fcfs.hit_rate + 0.3
+    assert [q.label for q in fcfs.requests] == [p.label for p in queue]
+    assert [q.label for q in lpm.requests] == ["A1", "A2", "A3", "B1", "B2", "B3", "C1", "C2", "C3"]
+    assert sorted(q.queue_index for q in lpm.requests) == list(range(len(queue)))
+    engine = lab._engine
+    engine.check_invariants()
+    assert engine.cache.budget_bytes == 520 * tiny_runner.kv_bytes_per_token
+    assert all(m.cache_bytes <= m.cache_budget_bytes for m in engine.recent())
+
+
+def test_budget_large_enough_makes_the_order_irrelevant(tiny_runner):
+    res = _run(SchedulingLab(tiny_runner), scheduling_queue(2, 2), budget=5000)
+    assert res[FCFS].cached_tokens == res[LPM].cached_tokens
+
+
+def test_one_comparison_at_a_time_and_bad_settings(tiny_runner):
+    lab = SchedulingLab(tiny_runner)
+    gen = lab.compare(scheduling_queue(2, 2), 520)
+    next(gen)
+    with pytest.raises(EngineBusy):
+        next(lab.compare(scheduling_queue(2, 2), 520))
+    gen.close()  # releases the lab
+    _run(lab, scheduling_queue(2, 2), 520)
+    for args in (((), 520), (scheduling_queue(2, 2), 0)):
+        with pytest.raises(EngineError):
+            next(lab.compare(*args))
+    with pytest.raises(EngineError):
+        next(lab.compare(scheduling_queue(2, 2), 520, policies=("random",)))
+
+
+def test_stop_and_one_lab_per_runner(tiny_runner):
+    lab = scheduling_lab_for(tiny_runner)
+    assert scheduling_lab_for(tiny_runner) is lab
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    events = list(lab.compare(scheduling_queue(2, 2), 520, should_stop=stop))
+    assert events[-1].stopped and len(events[-1].results[0].requests) < 4
+    lab._engine.check_invariants()
