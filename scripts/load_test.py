@@ -1,0 +1,325 @@
+"""Load test: many gradio_client visitors chatting with the launched app at once.
+
+Starts the app in-process (the same ``app.build_engine`` and ``app.build_app`` as
+``python app.py``) on a free port, then runs N concurrent visitors doing multi-turn
+chats for a fixed time. While they run, a sampler reads the engine's stats and
+checks its invariants. Afterwards it checks that:
+
+- no visitor saw an error;
+- every greedy answer is identical to the same prompt run alone (each distinct
+  prompt re-run on a fresh engine with no prefix cache, sharing the model);
+- the cache budget was never exceeded;
+- once idle, no lock is held and the pool's used slots equal the tree's tokens.
+
+It prints requests served, p50/p95 time to first token (as the visitor saw it,
+queueing included, and inside the engine), hit rate and peak cache bytes, and
+exits non-zero if a check failed.
+
+    python scripts/load_test.py                 # 16 visitors, 120 s, real model
+    python scripts/load_test.py --seconds 20 --visitors 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from components.presets import SYSTEM_PRESETS  # noqa: E402
+
+# Each conversation: a preset system prompt and the questions asked turn by turn.
+QUESTIONS = [
+    "Can I return a tent I used once?",
+    "How much is express shipping?",
+    "Do sleeping bags have a warranty?",
+    "What is photosynthesis?",
+    "Where is the treasure buried?",
+    "How long does delivery take?",
+    "Why is the sky blue?",
+    "Can you recommend a good hiking boot?",
+]
+
+
+@dataclass
+class Turn:
+    system_name: str
+    history: tuple[tuple[str, str], ...]  # (role, text) before this turn
+    question: str
+    answer: str = ""
+    ttft_s: float | None = None  # first streamed answer text, as the visitor saw it
+    total_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    visitors: int
+    turns: list[Turn] = field(default_factory=list)
+    engine_ttft_ms: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+    peak_cache_bytes: int = 0
+    budget_bytes: int = 0
+    samples: int = 0
+    budget_violations: int = 0
+    invariant_failures: list[str] = field(default_factory=list)
+    idle_problems: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    distinct_prompts: int = 0
+    hit_rate: float = 0.0
+    evicted_tokens: int = 0
+
+    @property
+    def errors(self) -> list[str]:
+        return [t.error for t in self.turns if t.error]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.errors or self.budget_violations or self.invariant_failures or self.idle_problems
+                    or self.mismatches) and bool(self.turns)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _flat(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_flat(p) for p in content)
+    if isinstance(content, dict):
+        return str(content.get("text") or "")
+    return "" if content is None else str(content)
+
+
+def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: threading.Lock,
+             max_new_tokens: int, turns_per_chat: int) -> None:
+    from gradio_client import Client
+
+    rng = random.Random(index)
+    systems = list(SYSTEM_PRESETS)
+    client = Client(url, verbose=False, download_files=False)
+    while time.monotonic() < deadline:
+        system = systems[rng.randrange(len(systems))]
+        chatbot: list = []
+        for _ in range(turns_per_chat):
+            if time.monotonic() >= deadline:
+                break
+            history = tuple((m["role"], _flat(m["content"])) for m in chatbot)
+            turn = Turn(system, history, QUESTIONS[rng.randrange(len(QUESTIONS))])
+            t0 = time.perf_counter()
+            try:
+                job = client.submit(turn.question, chatbot, system, "", max_new_tokens, False, api_name="/chat")
+                seen = 0
+                while not job.done() or seen < len(job.outputs()):
+                    outs = job.outputs()
+                    for out in outs[seen:]:
+                        if turn.ttft_s is None and out[0] and _flat(out[0][-1]["content"]):
+                            turn.ttft_s = time.perf_counter() - t0
+                    seen = len(outs)
+                    time.sleep(0.01)
+                result = job.result()
+                chatbot = result[0]
+                if len(chatbot) != len(history) + 2:
+                    raise RuntimeError(f"the turn was not added (chat has {len(chatbot)} messages)")
+                turn.answer = _flat(chatbot[-1]["content"])
+                if turn.ttft_s is None:  # an empty answer: the visitor saw the end
+                    turn.ttft_s = time.perf_counter() - t0
+            except Exception as exc:  # every error is a finding, reported below
+                turn.error = f"visitor {index}: {type(exc).__name__}: {exc}"[:300]
+            turn.total_s = time.perf_counter() - t0
+            with lock:
+                turns.append(turn)
+            if turn.error:
+                break
+
+
+def _sampler(engine, stop: threading.Event, report: LoadReport) -> None:
+    last_check = 0.0
+    while not stop.is_set():
+        st = engine.stats()
+        report.samples += 1
+        report.peak_cache_bytes = max(report.peak_cache_bytes, st.cache_bytes)
+        if st.cache_bytes > st.budget_bytes:
+            report.budget_violations += 1
+        if time.monotonic() - last_check > 1.0:
+            last_check = time.monotonic()
+            try:
+                engine.check_invariants()
+            except AssertionError as exc:
+                report.invariant_failures.append(str(exc))
+        stop.wait(0.05)
+
+
+def _wait_idle(engine, timeout_s: float = 600.0) -> None:
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        busy = engine.stats().queue_depth > 0 or engine.runner.lock.locked()
+        quiet = 0 if busy else quiet + 1
+        time.sleep(0.05)
+
+
+def check_idle(engine) -> list[str]:
+    problems = []
+    try:
+        engine.check_invariants()
+    except AssertionError as exc:
+        problems.append(f"invariants: {exc}")
+    cache = engine.cache
+    if hasattr(cache, "pool"):
+        if cache.locked_tokens():
+            problems.append(f"{cache.locked_tokens()} tokens still locked")
+        if cache.pool.num_used != cache.tree.num_tokens:
+            problems.append(f"pool slots used {cache.pool.num_used} != tree tokens {cache.tree.num_tokens}")
+    return problems
+
+
+def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log=print) -> None:
+    """Re-run every distinct prompt alone, greedy, on a fresh engine with no prefix cache."""
+    from components.chat_panel import chat_messages
+    from engine.engine import Engine
+    from engine.types import GenerationRequest, SamplingParams
+
+    alone = Engine(runner, enable_cache=False, max_new_tokens_cap=max_new_tokens)
+    reference: dict[tuple, str] = {}
+    for turn in report.turns:
+        if turn.error:
+            continue
+        key = (turn.system_name, turn.history, turn.question)
+        if key not in reference:
+            history = [{"role": r, "content": t} for r, t in turn.history]
+            msgs = chat_messages(SYSTEM_PRESETS[turn.system_name], history, turn.question)
+            req = GenerationRequest(messages=tuple(msgs), sampling=SamplingParams(max_new_tokens=max_new_tokens))
+            reference[key] = alone.run(req).output_text
+            if len(reference) % 10 == 0:
+                log(f"  ... {len(reference)} prompts re-run alone")
+        if turn.answer != reference[key]:
+            report.mismatches.append(f"{turn.system_name} / {turn.question!r} after {len(turn.history)} messages: "
+                                     f"got {turn.answer[:60]!r}, alone {reference[key][:60]!r}")
+    report.distinct_prompts = len(reference)
+
+
+def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: float = 64.0,
+             max_new_tokens: int = 16, turns_per_chat: int = 3, isolate: bool = False, log=print) -> LoadReport:
+    """Launch the app on ``runner``, run the visitors, check everything; return the report."""
+    import app
+    from components.demo import launch_kwargs
+
+    argv = ["--cache-budget-mb", str(budget_mb), "--max-new-tokens", str(max_new_tokens)]
+    engine = app.build_engine(app.parse_args(argv + (["--isolate"] if isolate else ["--no-isolate"])), runner=runner)
+    demo = app.build_app(engine, engine._queue.maxsize)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                **launch_kwargs())
+    report = LoadReport(seconds=seconds, visitors=visitors, budget_bytes=engine.cache.budget_bytes)
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(engine, stop, report), daemon=True)
+    try:
+        log(f"app on {demo.local_url}; {visitors} visitors for {seconds:.0f} s, budget {budget_mb:g} MiB, "
+            f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}")
+        sampler.start()
+        lock = threading.Lock()
+        deadline = time.monotonic() + seconds
+        threads = [threading.Thread(target=_visitor, args=(demo.local_url, i, deadline, report.turns, lock,
+                                                            max_new_tokens, turns_per_chat), daemon=True)
+                   for i in range(visitors)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        _wait_idle(engine)
+    finally:
+        stop.set()
+        sampler.join()
+        demo.close()
+    report.idle_problems = check_idle(engine)
+    served = [m for m in engine.recent() if m.tag == "chat"]
+    report.engine_ttft_ms = [m.ttft_ms for m in served]
+    report.queue_ms = [m.queue_ms for m in served]
+    stats = engine.stats()
+    report.hit_rate, report.evicted_tokens = stats.hit_rate, stats.evicted_tokens
+    log(f"load done: {len(report.turns)} turns; re-running each distinct prompt alone to compare answers")
+    check_against_lone_runs(runner, report, max_new_tokens, log=log)
+    return report
+
+
+def format_report(r: LoadReport) -> str:
+    ttft = [t.ttft_s * 1000 for t in r.turns if t.ttft_s is not None and not t.error]
+
+    def ms(v: float) -> str:
+        return f"{v:,.0f} ms"
+
+    lines = [
+        f"visitors: {r.visitors}, duration: {r.seconds:.0f} s",
+        f"requests served: {len([t for t in r.turns if not t.error])} "
+        f"({len(r.turns) / r.seconds * 60:.1f} per minute); errors: {len(r.errors)}",
+        f"time to first token, as visitors saw it (queueing included): p50 {ms(percentile(ttft, 0.5))}, "
+        f"p95 {ms(percentile(ttft, 0.95))}",
+        f"time to first token inside the engine (from start of run): p50 {ms(percentile(r.engine_ttft_ms, 0.5))}, "
+        f"p95 {ms(percentile(r.engine_ttft_ms, 0.95))}; queue wait p50 {ms(percentile(r.queue_ms, 0.5))}",
+        f"peak cache bytes: {r.peak_cache_bytes:,} of a {r.budget_bytes:,}-byte budget "
+        f"({r.samples} samples, {r.budget_violations} over budget); evicted tokens: {r.evicted_tokens:,}; "
+        f"token hit rate: {r.hit_rate:.0%}",
+        f"answers identical to the prompt run alone: {r.distinct_prompts and len(r.turns) - len(r.errors) - len(r.mismatches)}"
+        f" of {len(r.turns) - len(r.errors)} ({r.distinct_prompts} distinct prompts); "
+        f"mismatches: {len(r.mismatches)}",
+        f"invariants while running: {'ok' if not r.invariant_failures else r.invariant_failures[:3]}; "
+        f"once idle: {'ok (no locks, pool slots == tree tokens)' if not r.idle_problems else r.idle_problems}",
+    ]
+    lines += [f"  error: {e}" for e in r.errors[:10]] + [f"  mismatch: {m}" for m in r.mismatches[:10]]
+    lines.append("RESULT: " + ("PASS" if r.ok else "FAIL"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=120.0, help="how long visitors keep chatting (default 120)")
+    p.add_argument("--visitors", type=int, default=16, help="concurrent gradio_client visitors (default 16)")
+    p.add_argument("--budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64: evictions happen)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per answer (default 16)")
+    p.add_argument("--turns", type=int, default=3, help="turns per conversation before a new chat (default 3)")
+    p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
+    p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+
+    from engine.model_loader import ModelLoadError, load_model
+    from engine.model_runner import ModelRunner
+
+    print(f"loading {args.model} ...", flush=True)
+    try:
+        runner = ModelRunner(load_model(args.model, device=args.device))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})", flush=True)
+    report = run_load(runner, args.seconds, args.visitors, args.budget_mb, args.max_new_tokens, args.turns,
+                      args.isolate, log=lambda s: print(s, flush=True))
+    print(format_report(report), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

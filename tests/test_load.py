@@ -1,0 +1,20 @@
+"""A short run of the load script (scripts/load_test.py) on the real model: concurrent
+gradio_client visitors, no errors, answers identical to lone runs, budget never exceeded,
+no lock left once idle. The full 16-visitor, 2-minute run is `python scripts/load_test.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.load_test import format_report, run_load
+
+
+@pytest.mark.slow
+def test_short_load_run(real_runner):
+    report = run_load(real_runner, seconds=12, visitors=4, budget_mb=16, max_new_tokens=8, turns_per_chat=2,
+                      log=lambda s: None)
+    text = format_report(report)
+    assert report.ok, text
+    assert len(report.turns) >= 4 and not report.errors and not report.mismatches, text
+    assert report.budget_violations == 0 and report.peak_cache_bytes <= report.budget_bytes, text
+    assert report.evicted_tokens > 0, "the budget is meant to be small enough to evict: " + text
