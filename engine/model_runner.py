@@ -193,7 +193,11 @@ class ModelRunner:
     def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         if params.temperature <= 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+        # Shifted by the max first: the same distribution, but a tiny temperature cannot
+        # overflow to inf (and NaN after softmax); it tends to greedy instead.
+        probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return int(torch.argmax(logits))
         if params.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p

@@ -90,7 +90,8 @@ def test_non_numeric_sampling_is_engine_error(engine, params):
 @pytest.mark.parametrize("params", [
     SamplingParams(max_new_tokens=-5), SamplingParams(max_new_tokens=10**12), SamplingParams(max_new_tokens=3.7),
     SamplingParams(temperature=-3.0, top_p=0.0), SamplingParams(temperature=1e6, top_p=7.0, seed=2**63 - 1),
-    SamplingParams(temperature=0.7, top_p=1e-9, seed=4.0),
+    SamplingParams(temperature=0.7, top_p=1e-9, seed=4.0), SamplingParams(temperature=1e-300, seed=1),
+    SamplingParams(temperature=5e-324, top_p=1e-300, seed=2), SamplingParams(temperature=1e308, top_p=-1.0),
 ])
 def test_absurd_but_numeric_sampling_runs_within_caps(engine, params):
     m = engine.run(GenerationRequest(prompt="hello there", sampling=params))
@@ -104,3 +105,15 @@ def test_surrogates_and_zero_width_run_end_to_end(engine):
         m = engine.run(GenerationRequest(prompt=text, sampling=SamplingParams(max_new_tokens=3)))
         assert m.prompt_tokens > 0
     engine.check_invariants()
+
+
+def test_sampling_at_extreme_temperatures_stays_a_distribution(tiny_runner):
+    """logits / 1e-300 overflows to inf and softmax to NaN: the runner shifts by the max
+    first (same distribution) and falls back to greedy if anything is still not finite."""
+    import torch
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 5
+    g = torch.Generator().manual_seed(1)
+    assert tiny_runner.sample(logits, SamplingParams(temperature=1e-300, seed=1), g) == int(logits.argmax())
+    picks = {tiny_runner.sample(logits, SamplingParams(temperature=1e308), g) for _ in range(50)}
+    assert len(picks) > 10  # a huge temperature is close to uniform
