@@ -32,11 +32,23 @@ def chat_messages(system: str, history: list[dict], message: str) -> list[dict]:
     return msgs
 
 
+def clamp_int(value, default: int, low: int, high: int) -> int:
+    """A slider's value as an int in [low, high]; junk from an API client becomes ``default``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    if number != number:  # NaN
+        return default
+    return int(max(low, min(high, number)))
+
+
 def build_request(engine: Engine, messages: list[dict], max_new_tokens: int, measure_baseline: bool,
                   request: gr.Request | None, tag: str) -> GenerationRequest:
     """Tokenize once, then set the cache namespace and shareable length server-side."""
     ids = engine.prompt_ids(GenerationRequest(messages=tuple(messages)))
-    return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=int(max_new_tokens)),
+    max_new = clamp_int(max_new_tokens, default=32, low=1, high=engine.max_new_tokens_cap)
+    return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=max_new),
                              measure_baseline=bool(measure_baseline), namespace=visitor_namespace(request, engine),
                              public_len=public_len(engine, ids), tag=tag)
 
@@ -51,21 +63,21 @@ START_HINT = (
 def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     with gr.Row():
         preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=DEFAULT_SYSTEM, label="System prompt",
-                             scale=1)
-        custom = gr.Textbox(label="Custom system prompt", lines=2, visible=False, scale=2,
+                             scale=1, min_width=180)
+        custom = gr.Textbox(label="Custom system prompt", lines=3, visible=False, scale=2,
                             placeholder="You are …")
-    system_view = gr.Textbox(value=SYSTEM_PRESETS[DEFAULT_SYSTEM], label="System prompt text (static: cached "
-                             "once, reused by every question)", lines=2, interactive=False, max_lines=4)
+        system_view = gr.Textbox(value=SYSTEM_PRESETS[DEFAULT_SYSTEM], label="Its text (static: cached once, "
+                                 "reused by every question)", lines=3, interactive=False, max_lines=3, scale=2)
     gr.Markdown(START_HINT, elem_classes=["start-hint"])
     with gr.Row(elem_classes=["starters"]):
         starters = [gr.Button(q, size="md", variant="secondary", elem_classes=["starter"]) for q in STARTER_QUESTIONS]
     chatbot = gr.Chatbot(label="Chat (yours only: other visitors have their own)", height=280, buttons=["copy"])
     with gr.Row():
         message = gr.Textbox(placeholder="Ask something, or click a starter question above", show_label=False,
-                             scale=6, max_length=200_000)
-        send = gr.Button("Send", variant="primary", scale=1, min_width=70)
-        stop = gr.Button("Stop", variant="stop", scale=1, min_width=70)
-        clear = gr.Button("New chat", scale=1, min_width=90)
+                             scale=1, max_length=200_000)
+        send = gr.Button("Send", variant="primary", scale=0, min_width=90)
+        stop = gr.Button("Stop", variant="stop", scale=0, min_width=80)
+        clear = gr.Button("New chat", scale=0, min_width=120)
     with gr.Row():
         baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too (turn off for long prompts)")
         max_new = gr.Slider(1, engine.max_new_tokens_cap, value=min(48, engine.max_new_tokens_cap), step=1,

@@ -17,6 +17,7 @@ from components.info_panel import build_info_panel
 from components.latency_panel import build_latency_panel
 from components.live import LiveView
 from components.memory_panel import build_memory_panel
+from components.ordering_lab import build_ordering_lab
 from components.overview_panel import build_overview_panel
 from components.tree_panel import build_tree_panel
 from engine.engine import Engine
@@ -66,6 +67,8 @@ def build_demo(engine: Engine) -> gr.Blocks:
                         build_chat_panel(engine, last_metrics)
                     with gr.Column(scale=2):
                         live["Chat"] = [build_overview_panel(engine, last_metrics, active=True)]
+            with gr.Tab("Prompt-ordering lab"):
+                build_ordering_lab(engine)
             with gr.Tab("Few-shot"):
                 with gr.Row():
                     with gr.Column(scale=3):
@@ -78,7 +81,6 @@ def build_demo(engine: Engine) -> gr.Blocks:
                 live["Cache memory"] = [build_memory_panel(engine)]
             with gr.Tab("Latency"):
                 live["Latency"] = [build_latency_panel(engine)]
-            # Prompt-ordering lab tab: added by issue 5
             with gr.Tab("Engine info"):
                 live["Engine info"] = [build_info_panel(engine)]
         _wire_live(demo, tabs, live)

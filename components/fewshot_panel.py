@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from components.charts import reuse_bars
-from components.chat_panel import build_request
+from components.chat_panel import build_request, clamp_int
 from components.common import TOKEN_COLORS, fmt_ms, highlighted_prompt, metrics_markdown, warn
 from components.presets import FEW_SHOT_PRESETS, few_shot_prompt
 from engine.engine import Engine
@@ -148,10 +148,7 @@ def build_fewshot_panel(engine: Engine, last_metrics: gr.State) -> None:
             gr.Warning("Add at least one query (one per line).")
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
             return
-        try:
-            n = max(1, min(MAX_BATCH, int(n)))
-        except (TypeError, ValueError):
-            n = 1
+        n = clamp_int(n, default=1, low=1, high=MAX_BATCH)
         rng, done = random.Random(), []
         for i in range(n):
             text = lines[i % len(lines)]

@@ -9,6 +9,8 @@ shared by every visitor who sees the same thing.
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +20,8 @@ import gradio as gr
 
 from engine.engine import Engine
 from engine.types import TreeSnapshot
+
+log = logging.getLogger(__name__)
 
 FORCE_REDRAW_S = 15.0  # redraw at least this often, so "last used 3 s ago" does not go stale
 
@@ -32,8 +36,24 @@ class LiveView:
     outputs: Sequence = ()
 
     def refresh_on(self, *triggers) -> None:
-        gr.on(list(triggers), self.fn, list(self.inputs), list(self.outputs), show_progress="hidden",
-              api_visibility="private", queue=True, trigger_mode="always_last")
+        gr.on(list(triggers), _quiet(self.fn, len(self.outputs)), list(self.inputs), list(self.outputs),
+              show_progress="hidden", api_visibility="private", queue=True, trigger_mode="always_last")
+
+
+def _quiet(fn: Callable, num_outputs: int) -> Callable:
+    """A refresh that fails keeps the last picture and logs one line: a timer must never
+    show a visitor an error, let alone a traceback."""
+
+    @functools.wraps(fn)  # Gradio reads the wrapped signature (it injects gr.Request)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # anything: once per tick, to the log only
+            log.warning("panel refresh failed: %s: %s", type(exc).__name__, exc)
+            skips = tuple(gr.skip() for _ in range(num_outputs))
+            return skips[0] if num_outputs == 1 else skips
+
+    return wrapper
 
 
 def engine_signature(engine: Engine) -> tuple:

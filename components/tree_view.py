@@ -374,8 +374,19 @@ def _label(m: VisualNode, width: int = 22) -> str:
         return "(private)"
     if m.grouped_leaves:
         return f"+{m.grouped_leaves} leaves"
-    text = " ".join(_SPECIAL.sub(" ", m.text).split())
-    return html.escape(text[:width] + ("…" if len(text) > width else ""))
+    text = _gist(m.text)
+    return f"{m.num_tokens:,} tok · " + html.escape(text[:width] + ("…" if len(text) > width else ""))
+
+
+def _gist(text: str) -> str:
+    """The first substantial run of text between chat-template markers, "role: text" style:
+    a node that starts with the tail of an earlier turn is labelled by what it adds."""
+    segments = [seg.strip() for seg in _SPECIAL.split(text) if seg.strip()]
+    seg = next((s for s in segments if len(s) >= 12), " ".join(segments))
+    role, sep, rest = seg.partition("\n")
+    if sep and role.isalpha() and len(role) <= 12:
+        seg = f"{role}: {rest}"
+    return " ".join(seg.split())
 
 
 def _ago(seconds: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import gradio as gr
 import pytest
 
 from components.demo import build_demo
@@ -135,3 +136,21 @@ def test_a_handler_sees_only_its_own_namespace_in_isolation(tiny_runner):
     assert "secret" not in hovers and "another visitor" in hovers
     fig_a = tree_figure_for(iso, a, None)
     assert "secret" in " ".join(h for t in fig_a.data for h in (t.hovertext or ()))
+
+
+def test_a_failing_refresh_keeps_the_picture_and_shows_no_error():
+    from components.live import _quiet
+
+    def broken(seen, request=None):
+        raise RuntimeError("boom")
+
+    out = _quiet(broken, 2)(None)
+    assert out == (gr.skip(), gr.skip())
+
+
+def test_absurd_slider_values_are_clamped(engine):
+    from components.chat_panel import build_request, clamp_int
+
+    assert [clamp_int(v, 7, 1, 10) for v in (None, "x", float("nan"), -5, 1e12, "3", 4.9)] == [7, 7, 7, 1, 10, 3, 4]
+    req = build_request(engine, [{"role": "user", "content": "hi"}], float("inf"), "yes", None, tag="t")
+    assert req.sampling.max_new_tokens == engine.max_new_tokens_cap

@@ -1,0 +1,117 @@
+"""The page in headless Chromium on the real model: the tree plot and the numbers render,
+two starter questions show a cache hit on the first screen, and the tree tab redraws by
+itself while another visitor sends requests.
+
+``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/test_ui_browser.py`` also saves the
+first screen after two chat turns (the picture in the README).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from components.presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
+from engine.engine import Engine
+from tests.helpers_app import launched_app, visitor
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+TURN_TIMEOUT_MS = 240_000
+
+
+@pytest.fixture(scope="module")
+def app(real_runner):
+    engine = Engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=48)
+    with launched_app(engine) as url:
+        yield engine, url
+
+
+@pytest.fixture(scope="module")
+def page(app, chromium_executable):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_executable, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1440, "height": 1000})
+        pg.console_errors = []
+        pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)
+        pg.goto(app[1])
+        yield pg
+        browser.close()
+
+
+def numbers_text(page) -> str:
+    return page.locator(".turn-numbers").first.inner_text()
+
+
+COUNTS = r"([\d,]+) of ([\d,]+) prompt tokens"
+
+
+def click_starter_and_wait(page, question: str) -> str:
+    """Click, then wait for new counts (the old text stays up, under a spinner, while the turn runs)."""
+    found = re.search(COUNTS, numbers_text(page))
+    before = found.group(0) if found else ""
+    page.get_by_role("button", name=question).click()
+    page.wait_for_function(
+        """([pattern, before]) => { const m = document.querySelector('.turn-numbers').innerText.match(pattern);
+                                    return m !== null && m[0] !== before; }""",
+        arg=[COUNTS, before], timeout=TURN_TIMEOUT_MS)
+    return numbers_text(page)
+
+
+def test_first_screen_tells_the_story(page, tmp_path):
+    page.wait_for_selector(".js-plotly-plot", timeout=60_000)  # the small live tree, drawn on load
+    assert page.get_by_text("Start here: click two of these questions").is_visible()
+
+    first = click_starter_and_wait(page, STARTER_QUESTIONS[0])
+    second = click_starter_and_wait(page, STARTER_QUESTIONS[1])
+    c1 = int(re.search(COUNTS, first).group(1).replace(",", ""))
+    c2, p2 = (int(x.replace(",", "")) for x in re.search(COUNTS, second).groups())
+    assert c2 > c1 and c2 / p2 > 0.8, (first, second)
+    assert page.locator(".prompt-tokens").get_by_text("cached").count() >= 1  # coloured prompt, with legend
+
+    # The side cards and the tree catch up within a tick or two.
+    page.wait_for_function(
+        "() => /\\d+%/.test(document.querySelector('.kcard.green .kval').innerText)", timeout=30_000)
+    share = int(page.locator(".kcard.green .kval").inner_text().rstrip("%"))
+    assert share == round(100 * c2 / p2) or abs(share - 100 * c2 / p2) <= 1
+    assert page.locator(".mini-tree .js-plotly-plot").count() == 1
+    assert page.locator(".mini-tree .js-plotly-plot .scatterlayer .point").count() >= 2  # nodes drawn
+    page.wait_for_timeout(2500)
+    shot = tmp_path / "after_two_turns.png"
+    page.screenshot(path=str(shot))
+    if os.environ.get("RADIX_SCREENSHOT"):
+        shutil.copy(shot, os.environ["RADIX_SCREENSHOT"])
+    assert "Traceback" not in page.inner_text("body")
+
+
+def test_tree_tab_redraws_while_another_visitor_chats(app, page):
+    engine, url = app
+    page.get_by_role("tab", name="Radix tree").click()
+    title = page.locator("#tree-plot .gtitle")
+    title.wait_for(timeout=30_000)
+    before = title.text_content()
+    nodes_before = int(before.split(" nodes")[0].replace(",", ""))
+    assert nodes_before == len(engine.snapshot().nodes)
+
+    other = visitor(url)  # another visitor; this page does nothing but wait
+    other.predict("What is your warranty on tents?", [], DEFAULT_SYSTEM, "", 4, False, api_name="/chat")
+    page.wait_for_function(
+        "before => { const t = document.querySelector('#tree-plot .gtitle'); return t && t.textContent !== before; }",
+        arg=before, timeout=30_000)
+    assert int(title.text_content().split(" nodes")[0].replace(",", "")) > nodes_before
+
+    page.get_by_label("icicle").check()
+    page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
+    for tab, marker in (("Cache memory", "KV in use"), ("Latency", "prefill took"), ("Engine info", "KV cache per token")):
+        page.get_by_role("tab", name=tab).click()
+        page.get_by_text(marker).first.wait_for(timeout=30_000)
+    body = page.inner_text("body")
+    assert "Traceback" not in body
+    assert not [e for e in page.console_errors if "favicon" not in e]
