@@ -64,7 +64,8 @@ def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = 
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), seen_before
         viewer = visitor_namespace(request, engine)
-        fig = tree_figure_for(engine, request, metrics, height=330, compact=True, max_nodes=120, max_fan=12)
+        fig = tree_figure_for(engine, request, metrics, collapse=None, height=330, compact=True, max_nodes=120,
+                              max_fan=12)
         return key_numbers_html(engine, metrics, viewer), fig, drawn(sig)
 
     live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, seen], [numbers, plot, seen])

@@ -26,9 +26,13 @@ LEGEND = (
 
 
 def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
-                    color_by: str = "recency", view: str = "tree", collapse: bool = True, **kw):
+                    color_by: str = "recency", view: str = "tree", collapse: bool | None = True, **kw):
+    """The tree as this visitor may see it; ``collapse=None`` collapses chains only
+    past a couple of dozen nodes (a small tree reads better node by node)."""
     viewer = visitor_namespace(request, engine)
     snap = shared_snapshot(engine, viewer)
+    if collapse is None:
+        collapse = len(snap.nodes) > 24
     return tree_figure(snap, request_path(snap, metrics), color_by=color_by, view=view,
                        viewer_owns=viewer if engine.isolation else None, collapse_chains=collapse, **kw)
 

@@ -281,14 +281,15 @@ def _draw_tree(fig, marks, pos, colors, hover, label: bool) -> None:
     texts = [_label(marks[v]) for v in vids] if label else None
     fig.add_trace(go.Scatter(
         x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids], mode="markers+text" if label else "markers",
-        text=texts, textposition="bottom center", textfont=dict(size=10, color="#334155"),
+        text=texts, textfont=dict(size=10, color="#334155"),
+        textposition=["bottom center" if pos[v][0] % 2 else "top center" for v in vids],  # neighbours alternate
         hovertext=[hover[v] for v in vids], hoverinfo="text",
         marker=dict(size=sizes, color=[colors[v] for v in vids], symbol=symbols,
                     line=dict(color=line_colors, width=line_widths), opacity=0.95)))
     fig.add_trace(go.Scatter(x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=["root"],
                              textposition="middle left", hoverinfo="skip",
                              marker=dict(size=9, color="#0f172a", symbol="square")))
-    fig.update_xaxes(range=[-0.6, max(p[0] for p in pos.values()) + 0.6])
+    fig.update_xaxes(range=[-0.6, max(p[0] for p in pos.values()) + (1.2 if label else 0.6)])  # room for labels
 
 
 def _draw_icicle(fig, marks, span, colors, hover, label: bool) -> None:
