@@ -94,7 +94,7 @@ def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300) -> go.
                              hovertemplate="cache %{y:,.1f} MiB<extra></extra>"))
     fig.update_layout(yaxis=dict(title="tokens from cache", tickformat=".0%", range=[0, 1.05]),
                       yaxis2=dict(title="cache MiB", overlaying="y", side="right", showgrid=False, rangemode="tozero"),
-                      xaxis=dict(title="request id"), bargap=0.3)
+                      xaxis=dict(title="request id", type="category", nticks=20), bargap=0.3)
     return fig
 
 

@@ -15,14 +15,22 @@ from components.common import fmt_bytes, warn
 from components.live import LiveView, drawn, engine_signature, unchanged
 from components.session import visitor_namespace
 from engine.engine import Engine
-from engine.types import EngineError
+from engine.types import EngineError, RequestMetrics
 
 MiB = 2**20
 HISTORY = 200
 
 
-def memory_markdown(engine: Engine) -> str:
+def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None) -> str:
+    """The cache's state; with ``mine`` (isolation mode) the hit rate is the visitor's own."""
     s = engine.stats()
+    if mine is not None:
+        prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
+        rate_row = (f"| your token hit rate | **{cached / prompt if prompt else 0:.1%}** over your {len(mine):,} "
+                    f"requests ({cached:,} of {prompt:,} prompt tokens from the cache) |")
+    else:
+        rate_row = (f"| token hit rate | **{s.hit_rate:.1%}** over {s.requests:,} requests "
+                    f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |")
     used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
     bpt = engine.info().kv_bytes_per_token
     return "\n".join([
@@ -32,10 +40,9 @@ def memory_markdown(engine: Engine) -> str:
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",
         f"| tokens evicted so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}) |",
-        f"| token hit rate | **{s.hit_rate:.1%}** over {s.requests:,} requests "
-        f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |",
-        f"| prefill time saved | {s.prefill_ms_saved / 1000:,.1f} s (on requests that measured a baseline) |",
-    ])
+        rate_row,
+    ] + ([] if mine is not None else [
+        f"| prefill time saved | {s.prefill_ms_saved / 1000:,.1f} s (on requests that measured a baseline) |"]))
 
 
 def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
@@ -62,7 +69,8 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
             return gr.skip(), gr.skip(), gr.skip(), seen_before
         ns = visitor_namespace(request, engine) if engine.isolation else None
         history = engine.recent(HISTORY, namespace=ns)
-        return memory_gauge(engine.stats()), memory_markdown(engine), hit_rate_figure(history), drawn(sig)
+        mine = engine.recent(namespace=ns) if engine.isolation else None
+        return memory_gauge(engine.stats()), memory_markdown(engine, mine), hit_rate_figure(history), drawn(sig)
 
     def set_budget(mib):
         if engine.isolation:
