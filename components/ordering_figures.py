@@ -26,11 +26,13 @@ SHARED_COLOR, PRIVATE_COLOR = "#16a34a", "#fb923c"
 BLOCK_COLORS = {1: "#16a34a", 16: "#2563eb", 64: "#7c3aed"}
 
 
-def _layout(fig: go.Figure, height: int, title: str) -> go.Figure:
-    fig.update_layout(height=height, margin=dict(l=60, r=20, t=64 if title else 30, b=44), plot_bgcolor="white",
-                      paper_bgcolor="white", title=dict(text=title, x=0.01, font=dict(size=15)),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
-                      font=dict(size=12), uirevision=title)
+def _layout(fig: go.Figure, height: int, title: str, legend_below: bool = False) -> go.Figure:
+    """House look; ``legend_below`` for side-by-side panels, whose titles sit where a legend would."""
+    legend = (dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5) if legend_below else
+              dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
+    fig.update_layout(height=height, margin=dict(l=60, r=20, t=64 if title else 56, b=90 if legend_below else 44),
+                      plot_bgcolor="white", paper_bgcolor="white", title=dict(text=title, x=0.01, font=dict(size=15)),
+                      legend=legend, font=dict(size=12), uirevision=title)
     fig.update_xaxes(gridcolor="#f1f5f9")
     fig.update_yaxes(gridcolor="#e2e8f0", zeroline=False)
     return fig
@@ -84,7 +86,7 @@ def _variant_color(r: VariantResult, results: Sequence[VariantResult]) -> str:
     return CACHED_COLOR if r is best else COMPUTED_COLOR
 
 
-def per_request_figure(results: Sequence[VariantResult], height: int = 320) -> go.Figure:
+def per_request_figure(results: Sequence[VariantResult], height: int = 360) -> go.Figure:
     """One panel per ordering: stacked bars of cached and computed tokens per request."""
     if not results:
         return empty_figure("Per-request tokens appear here", height)
@@ -105,7 +107,7 @@ def per_request_figure(results: Sequence[VariantResult], height: int = 320) -> g
     fig.update_yaxes(title_text="prompt tokens", row=1, col=1)
     for ann in fig.layout.annotations:
         ann.font.size = 13
-    return _layout(fig, height, "")
+    return _layout(fig, height, "", legend_below=True)
 
 
 def tree_rows(nodes: Sequence[NodeInfo]) -> dict[int, tuple[float, int]]:
@@ -134,7 +136,7 @@ def tree_rows(nodes: Sequence[NodeInfo]) -> dict[int, tuple[float, int]]:
     return out
 
 
-def trees_figure(results: Sequence[VariantResult], height: int = 340) -> go.Figure:
+def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figure:
     """The tree each ordering left behind, along the prefix-length axis: each node is a
     bar from the token where it starts to the token where it ends. Green: shared by
     several requests (reused); orange: one request's own tail."""
@@ -171,7 +173,7 @@ def trees_figure(results: Sequence[VariantResult], height: int = 340) -> go.Figu
     fig.update_layout(barmode="overlay")
     for ann in fig.layout.annotations:
         ann.font.size = 13
-    return _layout(fig, height, "")
+    return _layout(fig, height, "", legend_below=True)
 
 
 def _node_hover(n: NodeInfo, leaves: int) -> str:
@@ -203,7 +205,7 @@ def schedule_figure(results: Sequence[ScheduleResult], height: int = 340) -> go.
     fig.update_yaxes(title_text="prompt tokens", row=1, col=1)
     for ann in fig.layout.annotations:
         ann.font.size = 13
-    return _layout(fig, height, "")
+    return _layout(fig, height + 40, "", legend_below=True)
 
 
 def granularity_figure(rows: Sequence[tuple[str, Sequence[GranularityResult]]], height: int = 320) -> go.Figure:

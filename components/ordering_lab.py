@@ -39,6 +39,7 @@ from engine.types import EngineError
 
 DEFAULT_REQUESTS = 6
 MAX_REQUESTS = 8
+MAX_TEMPLATE_CHARS = 20_000
 EXPLAIN_COLORS = {"cached": TOKEN_COLORS["cached"], "computed": TOKEN_COLORS["computed"]}
 INTRO = (
     "Same content, different order. Each preset builds the same requests twice: **static content first** and "
@@ -50,12 +51,20 @@ INTRO = (
 def _clamp(value, lo: int, hi: int, default: int) -> int:
     try:
         return max(lo, min(hi, int(value)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # junk, NaN, infinity
         return default
+
+
+def check_sizes(*texts: str | None) -> None:
+    """Refuse texts too long for the lab before tokenizing them: the linter runs on every
+    edit, and a pasted megabyte would tie up a worker for many seconds each time."""
+    if any(len(t or "") > MAX_TEMPLATE_CHARS for t in texts):
+        raise EngineError(f"Templates and values are limited to {MAX_TEMPLATE_CHARS:,} characters each here.")
 
 
 def custom_variants(template_a: str, template_b: str, values_text: str) -> list[Variant]:
     """Your template, and a second ordering: template B, or the linter's suggestion."""
+    check_sizes(template_a, template_b, values_text)
     rows = parse_values(values_text)
     if len(rows) < 2:
         raise EngineError("Give values for at least two requests (one JSON object per line).")
@@ -86,7 +95,7 @@ def cost_view(results: Sequence[VariantResult] | None, price, fraction, minimum,
         rules = PricingRules(float(price), float(fraction), int(minimum), int(increment))
         rows = [(r.name, estimate_cost([(q.prompt_tokens, q.cached_tokens) for q in r.requests], rules,
                                        float(scale))) for r in results if r.requests]
-    except (EngineError, TypeError, ValueError) as exc:
+    except (EngineError, TypeError, ValueError, OverflowError) as exc:
         return f"⚠️ {exc if isinstance(exc, EngineError) else 'Enter numbers in every pricing field.'}"
     return views.cost_markdown(rows, float(scale), rules.cached_fraction, rules.min_cacheable_tokens,
                                rules.increment_tokens)
@@ -100,6 +109,7 @@ def build_ordering_lab(engine: Engine) -> None:
     def lint(a, b, values_text):
         """The linter's verdict on template A (and B), as Markdown."""
         try:
+            check_sizes(a, b, values_text)
             rows = parse_values(values_text or "")
             report = lint_template(a or "", rows, count_tokens)
             text = views.lint_markdown(report, counted_with_tokenizer=True)
@@ -274,7 +284,8 @@ def build_ordering_lab(engine: Engine) -> None:
             concurrency_limit=4))
     events.append(custom_btn.click(run_custom, [template_a, template_b, values, max_new, measure], lab_outputs,
                                    api_visibility="private", show_progress="minimal", concurrency_limit=4))
-    preset.change(lambda t: f"*{PRESETS[t].what}*" if t in PRESETS else "", preset, what, api_visibility="private")
+    preset.change(lambda t: f"*{PRESETS[str(t)].what}*" if str(t) in PRESETS else "", preset, what,
+                  api_visibility="private")
     stop_btn.click(lambda: "**Stopped.** The results cover the requests that finished.", None, headline,
                    cancels=events, api_visibility="private")
     explain_pick.input(explain, [results_state, explain_pick], [explain_tokens, explain_text],
@@ -287,6 +298,7 @@ def build_ordering_lab(engine: Engine) -> None:
     # ------------------------------------------------------------------ template linter
     def fill_suggestion(a, values_text):
         try:
+            check_sizes(a, values_text)
             report = lint_template(a or "", parse_values(values_text or ""), count_tokens)
         except EngineError as exc:
             warn(exc)

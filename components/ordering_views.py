@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from components.common import fmt_ms
 from engine.cost_estimate import CostEstimate
 from engine.granularity import GranularityResult, tokens_lost_to_alignment
 from engine.miss_explainer import MissExplanation
@@ -30,8 +29,8 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False) -
         good, bad = results[0], results[-1]
         ratio = bad.total_prefill_ms / good.total_prefill_ms
         lines.append(f"## {bad.name.split(':')[0]} ordering: prefill **{ratio:.1f}× "
-                     f"{'slower' if ratio >= 1 else 'faster'}** ({fmt_ms(bad.total_prefill_ms)} vs "
-                     f"{fmt_ms(good.total_prefill_ms)}) · cache hit rate **{bad.hit_rate:.0%}** vs "
+                     f"{'slower' if ratio >= 1 else 'faster'}** ({secs(bad.total_prefill_ms)} vs "
+                     f"{secs(good.total_prefill_ms)}) · cache hit rate **{bad.hit_rate:.0%}** vs "
                      f"**{good.hit_rate:.0%}**")
     lines.append("")
     lines.append("| ordering | token hit rate | tokens computed | total prefill | mean prefill | no reuse | speedup |")
@@ -39,8 +38,8 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False) -
     for r in results:
         speed = f"{r.speedup:.1f}×" if r.speedup else "–"
         lines.append(f"| {r.name} | {r.hit_rate:.0%} | {r.computed_tokens:,} of {r.prompt_tokens:,} | "
-                     f"{fmt_ms(r.total_prefill_ms)} | {fmt_ms(r.mean_prefill_ms)} | "
-                     f"{fmt_ms(r.baseline_total_ms)} | {speed} |")
+                     f"{secs(r.total_prefill_ms)} | {secs(r.mean_prefill_ms)} | "
+                     f"{secs(r.baseline_total_ms)} | {speed} |")
     notes = ["Each ordering ran from an empty cache (a namespace of its own); *no reuse* is the same prompts "
              "prefilled from scratch in the same process; speedup = no reuse ÷ with reuse."]
     if stopped:
@@ -49,6 +48,13 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False) -
         notes.append("The cache evicted tokens during the run (budget too small or other visitors' requests): "
                      "see the Memory tab.")
     return "\n".join(lines) + "\n\n" + " ".join(f"*{n}*" for n in notes)
+
+
+def secs(ms: float | None) -> str:
+    """Seconds with one decimal for totals (one unit across a comparison), ms under a second."""
+    if ms is None:
+        return "–"
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
 def progress_markdown(done: int, total: int, message: str) -> str:
@@ -181,7 +187,7 @@ def schedule_markdown(results: Sequence[ScheduleResult], budget_tokens: int, byt
              "| policy | token hit rate | total prefill | tokens evicted | run order |", "|---|---|---|---|---|"]
     for r in results:
         order = " ".join(q.label for q in r.requests)
-        lines.append(f"| {POLICY_NAMES.get(r.policy, r.policy)} | {r.hit_rate:.0%} | {fmt_ms(r.total_prefill_ms)} | "
+        lines.append(f"| {POLICY_NAMES.get(r.policy, r.policy)} | {r.hit_rate:.0%} | {secs(r.total_prefill_ms)} | "
                      f"{r.evicted_tokens:,} | {order} |")
     if len(results) == 2 and results[1].total_prefill_ms > 0 and results[0].complete and results[1].complete:
         ratio = results[0].total_prefill_ms / results[1].total_prefill_ms

@@ -27,6 +27,7 @@ included. Knows nothing about the UI.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ class PricingRules:
     increment_tokens: int = 128
 
     def validated(self) -> PricingRules:
+        numbers = (self.input_usd_per_mtok, self.cached_fraction, self.min_cacheable_tokens, self.increment_tokens)
+        if not all(isinstance(x, int | float) and math.isfinite(x) for x in numbers):
+            raise EngineError("Every pricing parameter must be a finite number.")
         if self.input_usd_per_mtok < 0:
             raise EngineError("The input price cannot be negative.")
         if not 0 <= self.cached_fraction <= 1:
@@ -80,8 +84,8 @@ def estimate_cost(requests: Sequence[tuple[int, int]], rules: PricingRules = Pri
                   scale: float = 1.0) -> CostEstimate:
     """``requests``: ``(prompt_tokens, cached_tokens)`` per request, as measured."""
     rules = rules.validated()
-    if scale <= 0:
-        raise EngineError("The prompt-length factor must be positive.")
+    if not (isinstance(scale, int | float) and math.isfinite(scale)) or not 0 < scale <= 1000:
+        raise EngineError("The prompt-length factor must be a number between 0 and 1,000.")
     price = rules.input_usd_per_mtok / 1e6
     prompt_total = cached_total = 0
     with_cache = 0.0

@@ -53,6 +53,11 @@ class NoPrefixCache:
     def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
         return CacheHandle(0, (), None)
 
+    def _split_at(self, key: CacheKey, length: int) -> Node:
+        """The node that ends exactly ``length`` (cached) tokens into ``key``, splitting the
+        node a match ends in: inserting an already-cached prefix only splits."""
+        return self.tree.insert(key.prefix(length), [None] * length).node
+
     def match_len(self, key: CacheKey) -> int:
         return 0
 
@@ -128,15 +133,27 @@ class RadixCache:
             m = self.tree.match(key, max_len=max_len)
             if m.length == 0:
                 return CacheHandle(0, (), None)
-            self.tree.lock(m.node)
+            node, path = m.node, list(m.path)
+            # Where the prompt leaves the cached path mid-node, lock only the matched part: the
+            # node's unmatched rest must stay evictable to make room for this request's own
+            # tokens. (A match capped by ``max_len`` continues along the node: lock it whole.)
+            if self.tree.match(key, touch=False).length == m.length:
+                node = self._split_at(key, m.length)
+                path[-1] = node.id
+            self.tree.lock(node)
             k_dst, v_dst = kv.prefill_from(m.length)
             self.pool.read_into(m.values, k_dst, v_dst)
-            return CacheHandle(m.length, tuple(m.path), m.node)
+            return CacheHandle(m.length, tuple(path), node)
 
     def release(self, handle: CacheHandle) -> None:
         if handle.node is not None:
             with self._lock:
                 self.tree.unlock(handle.node)
+
+    def _split_at(self, key: CacheKey, length: int) -> Node:
+        """The node that ends exactly ``length`` (cached) tokens into ``key``, splitting the
+        node a match ends in: inserting an already-cached prefix only splits."""
+        return self.tree.insert(key.prefix(length), [None] * length).node
 
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key`` right now; does not touch access times."""
@@ -155,16 +172,18 @@ class RadixCache:
             need = n - existing.length
             if need <= 0:
                 return 0
-            # Protect the path we extend while evicting for room.
-            if existing.length:
-                self.tree.lock(existing.node)
+            # Protect the path we extend (exactly: not the rest of a node we leave mid-way)
+            # while evicting for room.
+            anchor = self._split_at(key, existing.length) if existing.length else None
+            if anchor is not None:
+                self.tree.lock(anchor)
             try:
                 short = need - self.pool.num_free
                 if short > 0:
                     self.pool.free(self.tree.evict(short))
             finally:
-                if existing.length:
-                    self.tree.unlock(existing.node)
+                if anchor is not None:
+                    self.tree.unlock(anchor)
             take = min(need, self.pool.num_free)
             if take <= 0:
                 return 0

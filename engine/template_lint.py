@@ -29,6 +29,9 @@ from engine.types import EngineError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 STATIC_TOKENS_WORTH_A_WARNING = 8
+MAX_TEMPLATE_CHARS = 20_000
+MAX_VALUES_CHARS = 100_000
+MAX_VALUE_ROWS = 32
 
 
 class TemplateError(EngineError):
@@ -61,6 +64,11 @@ class LintReport:
 
 
 def parse_template(template: str) -> list[Segment]:
+    if not isinstance(template, str):
+        raise TemplateError("The template must be text.")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise TemplateError(f"The template is {len(template):,} characters long; the limit is "
+                            f"{MAX_TEMPLATE_CHARS:,}.")
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -101,9 +109,13 @@ def render(template: str, values: Mapping[str, object]) -> str:
 
 def parse_values(text: str) -> list[dict[str, str]]:
     """Per-request values: one JSON object per line, or one JSON list of objects."""
-    text = (text or "").strip()
+    text = (text or "").strip() if isinstance(text, str) or text is None else None
+    if text is None:
+        raise TemplateError("The values must be text: one JSON object per line.")
     if not text:
         return []
+    if len(text) > MAX_VALUES_CHARS:
+        raise TemplateError(f"The values are {len(text):,} characters long; the limit is {MAX_VALUES_CHARS:,}.")
     try:
         data = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines()
                                                                if line.strip()]
@@ -112,6 +124,8 @@ def parse_values(text: str) -> list[dict[str, str]]:
                             'line, like {"question": "How do I reset my password?"}.') from None
     if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
         raise TemplateError('Each request\'s values must be a JSON object, like {"question": "..."}.')
+    if len(data) > MAX_VALUE_ROWS:
+        raise TemplateError(f"Values for {len(data):,} requests; the limit is {MAX_VALUE_ROWS}.")
     return [{str(k): "" if v is None else str(v) for k, v in d.items()} for d in data]
 
 

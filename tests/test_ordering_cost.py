@@ -40,3 +40,11 @@ def test_scale_and_edge_rules():
             estimate_cost([(10, 5)], bad)
     with pytest.raises(EngineError):
         estimate_cost([(10, 5)], RULES, scale=0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_numbers_are_refused(bad):
+    with pytest.raises(EngineError):
+        estimate_cost([(10, 5)], PricingRules(input_usd_per_mtok=bad))
+    with pytest.raises(EngineError):
+        estimate_cost([(10, 5)], RULES, scale=bad)

@@ -74,3 +74,16 @@ def test_parse_values():
     for bad in ("{not json", "[1, 2]", '"text"'):
         with pytest.raises(TemplateError):
             parse_values(bad)
+
+
+def test_size_limits():
+    from engine.template_lint import MAX_TEMPLATE_CHARS, MAX_VALUE_ROWS, MAX_VALUES_CHARS
+
+    with pytest.raises(TemplateError, match="limit"):
+        lint_template("x" * (MAX_TEMPLATE_CHARS + 1))
+    with pytest.raises(TemplateError, match="limit"):
+        parse_values("{}\n" * (MAX_VALUES_CHARS // 2))
+    with pytest.raises(TemplateError, match="limit"):
+        parse_values('{"a": 1}\n' * (MAX_VALUE_ROWS + 1))
+    with pytest.raises(TemplateError):
+        parse_values(["not", "text"])

@@ -64,3 +64,23 @@ def test_stop_and_one_lab_per_runner(tiny_runner):
     events = list(lab.compare(scheduling_queue(2, 2), 520, should_stop=stop))
     assert events[-1].stopped and len(events[-1].results[0].requests) < 4
     lab._engine.check_invariants()
+
+
+def test_leaving_a_cached_node_midway_does_not_pin_its_rest(tiny_runner):
+    """Under a tight budget, a request that shares only a few tokens with a big cached node
+    must be able to evict that node's unmatched rest to cache itself (only the matched part
+    is locked while it runs)."""
+    from engine.engine import Engine
+    from engine.types import GenerationRequest, SamplingParams
+
+    engine = Engine(tiny_runner, budget_bytes=520 * tiny_runner.kv_bytes_per_token)
+    common = list(range(100, 105))
+    a, b = common + list(range(1000, 1353)), common + list(range(2000, 2297))
+    one = SamplingParams(max_new_tokens=1)
+    engine.run(GenerationRequest(prompt_ids=tuple(a), sampling=one))
+    m = engine.run(GenerationRequest(prompt_ids=tuple(b), sampling=one))
+    assert m.cached_tokens == 5 and m.inserted_tokens == len(b) - 5
+    again = engine.run(GenerationRequest(prompt_ids=tuple(b[:-1] + [7]), sampling=one))
+    assert again.cached_tokens == len(b) - 1
+    engine.check_invariants()
+    assert engine.cache.locked_tokens() == 0
