@@ -53,11 +53,6 @@ class NoPrefixCache:
     def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
         return CacheHandle(0, (), None)
 
-    def _split_at(self, key: CacheKey, length: int) -> Node:
-        """The node that ends exactly ``length`` (cached) tokens into ``key``, splitting the
-        node a match ends in: inserting an already-cached prefix only splits."""
-        return self.tree.insert(key.prefix(length), [None] * length).node
-
     def match_len(self, key: CacheKey) -> int:
         return 0
 
