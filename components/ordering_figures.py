@@ -136,10 +136,29 @@ def tree_rows(nodes: Sequence[NodeInfo]) -> dict[int, tuple[float, int]]:
     return out
 
 
+def reuse_counts(r: VariantResult) -> dict[int, int]:
+    """Per node of the tree an ordering left behind: how many of its requests were served
+    that node's tokens from the cache (the node's whole prefix was part of their cached prefix)."""
+    by_id = {n.node_id: n for n in r.tree}
+    paths: dict[int, tuple[int, ...]] = {}
+
+    def path(n: NodeInfo) -> tuple[int, ...]:
+        if n.node_id not in paths:
+            parent = by_id.get(n.parent_id)
+            paths[n.node_id] = (path(parent) if parent is not None else ()) + tuple(n.token_ids)
+        return paths[n.node_id]
+
+    out = {}
+    for n in r.tree:
+        p = path(n)
+        out[n.node_id] = sum(1 for q in r.requests if q.cached_tokens >= len(p) and q.prompt_ids[:len(p)] == p)
+    return out
+
+
 def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figure:
     """The tree each ordering left behind, along the prefix-length axis: each node is a
-    bar from the token where it starts to the token where it ends. Green: shared by
-    several requests (reused); orange: one request's own tail."""
+    bar from the token where it starts to the token where it ends. Green: served from
+    the cache to later requests; orange: computed and never reused."""
     if not results:
         return empty_figure("The trees each ordering leaves behind appear here", height)
     fig = make_subplots(rows=1, cols=len(results), horizontal_spacing=0.05,
@@ -147,17 +166,19 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
                                         f"{sum(n.num_tokens for n in r.tree):,} tokens cached</sup>" for r in results])
     for col, r in enumerate(results, start=1):
         rows = tree_rows(r.tree)
+        reused = reuse_counts(r)
         by_id = {n.node_id: n for n in r.tree}
         for shared in (True, False):
-            picked = [n for n in r.tree if (rows[n.node_id][1] > 1) == shared]
+            picked = [n for n in r.tree if (reused[n.node_id] > 0) == shared]
             if not picked:
                 continue
             fig.add_trace(go.Bar(
                 y=[rows[n.node_id][0] for n in picked], x=[n.num_tokens for n in picked],
                 base=[n.depth_tokens - n.num_tokens for n in picked], orientation="h", width=0.6,
                 marker_color=SHARED_COLOR if shared else PRIVATE_COLOR, legendgroup=str(shared),
-                name="shared prefix (reused)" if shared else "one request's own tokens", showlegend=col == 1,
-                hovertext=[_node_hover(n, rows[n.node_id][1]) for n in picked], hoverinfo="text"), row=1, col=col)
+                name="served from the cache to later requests" if shared else "computed, never reused",
+                showlegend=col == 1, hovertext=[_node_hover(n, reused[n.node_id]) for n in picked],
+                hoverinfo="text"), row=1, col=col)
         xs, ys = [], []
         for n in r.tree:  # elbow connectors from a parent's end to its child's start
             parent = by_id.get(n.parent_id)
@@ -176,14 +197,14 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
     return _layout(fig, height, "", legend_below=True)
 
 
-def _node_hover(n: NodeInfo, leaves: int) -> str:
+def _node_hover(n: NodeInfo, reused_by: int) -> str:
     text = n.text if not n.hidden else "(hidden)"
     text = text.replace("<", "‹").replace(">", "›")
     if len(text) > 240:
         text = text[:239] + "…"
     wrapped = "<br>".join(text[i:i + 70] for i in range(0, len(text), 70)) or "–"
     return (f"<b>tokens {n.depth_tokens - n.num_tokens:,}–{n.depth_tokens:,}</b> ({n.num_tokens:,} tokens)<br>"
-            f"on the path of {leaves} request{'s' if leaves != 1 else ''}<br>{wrapped}")
+            f"served from the cache to {reused_by} request{'s' if reused_by != 1 else ''}<br>{wrapped}")
 
 
 def schedule_figure(results: Sequence[ScheduleResult], height: int = 340) -> go.Figure:

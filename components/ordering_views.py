@@ -89,10 +89,12 @@ def explainer_choices(results: Sequence[VariantResult]) -> list[tuple[str, str]]
 
 
 def default_explainer_choice(results: Sequence[VariantResult]) -> str | None:
-    """The bad ordering's second request: the first one that could have reused something."""
+    """In the last (bad) ordering, the request after the first that computed the most tokens."""
     for vi in range(len(results) - 1, -1, -1):
-        if len(results[vi].requests) >= 2:
-            return f"{vi}:1"
+        reqs = results[vi].requests
+        if len(reqs) >= 2:
+            qi = max(range(1, len(reqs)), key=lambda i: (reqs[i].computed_tokens, -i))
+            return f"{vi}:{qi}"
     return "0:0" if results and results[0].requests else None
 
 
