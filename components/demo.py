@@ -15,7 +15,7 @@ from components.chat_panel import build_chat_panel
 from components.fewshot_panel import build_fewshot_panel
 from components.info_panel import build_info_panel
 from components.latency_panel import build_latency_panel
-from components.live import LiveView
+from components.live import KEEP_ZOOM_JS, LiveView
 from components.memory_panel import build_memory_panel
 from components.ordering_lab import build_ordering_lab
 from components.overview_panel import build_overview_panel
@@ -51,7 +51,7 @@ CSS = """
 
 def launch_kwargs() -> dict:
     """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks."""
-    return dict(theme=gr.themes.Soft(), css=CSS, show_error=False, footer_links=[])
+    return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[])
 
 
 def build_demo(engine: Engine) -> gr.Blocks:

@@ -12,7 +12,7 @@ import gradio as gr
 
 from components.charts import latency_bars, speedup_scatter
 from components.common import fmt_ms
-from components.live import LiveView, drawn, engine_signature, unchanged
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import visitor_namespace
 from engine.engine import Engine
 from engine.types import RequestMetrics
@@ -37,8 +37,8 @@ def latency_summary(history: list[RequestMetrics]) -> str:
 
 def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
     summary = gr.Markdown(latency_summary([]))
-    bars = gr.Plot(show_label=False)
-    scatter = gr.Plot(show_label=False)
+    bars = gr.Plot(show_label=False, elem_id="latency-bars", elem_classes=[KEEP_ZOOM])
+    scatter = gr.Plot(show_label=False, elem_id="speedup-scatter", elem_classes=[KEEP_ZOOM])
     seen = gr.State(None)
 
     def refresh(seen_before, request: gr.Request):

@@ -3,8 +3,9 @@
 Owns: the ``LiveView`` a panel hands back (its timer and refresh function, so
 ``components.demo`` can also fire it on page load and tab select, and pause
 the timers of hidden tabs), a cheap signature of the engine's state (so a tick
-that would redraw the same picture sends nothing), and a short-lived snapshot
-shared by every visitor who sees the same thing.
+that would redraw the same picture sends nothing), a short-lived snapshot
+shared by every visitor who sees the same thing, and the page script that
+keeps a visitor's zoom across redraws (``KEEP_ZOOM_JS``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,37 @@ from engine.types import TreeSnapshot
 log = logging.getLogger(__name__)
 
 FORCE_REDRAW_S = 15.0  # redraw at least this often, so "last used 3 s ago" does not go stale
+KEEP_ZOOM = "keep-zoom"  # elem_classes of a gr.Plot whose zoom survives redraws
+
+# Gradio 6.31 mounts a fresh plotly div for every new figure (a keyed block), so
+# plotly's ``uirevision`` alone cannot keep a zoom. This page script remembers
+# the axis ranges a visitor zoomed or panned to in each ``.keep-zoom`` plot
+# (keyed by its elem_id and the figure's uirevision) and puts them back on the
+# next figure; a double-click (autorange) forgets them.
+KEEP_ZOOM_JS = """
+() => {
+  const saved = {};
+  const keys = ["xaxis.range[0]", "xaxis.range[1]", "yaxis.range[0]", "yaxis.range[1]"];
+  const hook = () => {
+    document.querySelectorAll(".KEEP_ZOOM_CLASS .js-plotly-plot").forEach((el) => {
+      if (el.__keepZoom || !el._fullLayout || !el.on || !window.Plotly) return;
+      el.__keepZoom = true;
+      const box = el.closest(".KEEP_ZOOM_CLASS");
+      const key = (box.id || "plot") + "|" + (el.layout.uirevision || "");
+      if (saved[key]) window.Plotly.relayout(el, saved[key]);
+      el.on("plotly_relayout", (ev) => {
+        if (ev["xaxis.autorange"] || ev["yaxis.autorange"]) { delete saved[key]; return; }
+        const got = {};
+        keys.forEach((k) => { if (k in ev) got[k] = ev[k]; });
+        if (ev["xaxis.range"]) { got["xaxis.range[0]"] = ev["xaxis.range"][0]; got["xaxis.range[1]"] = ev["xaxis.range"][1]; }
+        if (ev["yaxis.range"]) { got["yaxis.range[0]"] = ev["yaxis.range"][0]; got["yaxis.range[1]"] = ev["yaxis.range"][1]; }
+        if (Object.keys(got).length) saved[key] = Object.assign({}, saved[key] || {}, got);
+      });
+    });
+  };
+  new MutationObserver(hook).observe(document.body, {childList: true, subtree: true});
+}
+""".replace("KEEP_ZOOM_CLASS", KEEP_ZOOM)
 
 
 @dataclass

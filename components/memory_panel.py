@@ -12,7 +12,7 @@ import gradio as gr
 
 from components.charts import hit_rate_figure, memory_gauge
 from components.common import fmt_bytes, warn
-from components.live import LiveView, drawn, engine_signature, unchanged
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import visitor_namespace
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
@@ -52,7 +52,7 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
             gauge = gr.Plot(show_label=False)
         with gr.Column(scale=3):
             table = gr.Markdown(memory_markdown(engine))
-    hit_rate = gr.Plot(show_label=False)
+    hit_rate = gr.Plot(show_label=False, elem_id="hit-rate-plot", elem_classes=[KEEP_ZOOM])
     with gr.Row():
         new_budget = gr.Number(value=round(budget_mib, 1), label="Cache budget (MiB)", minimum=0,
                                maximum=round(budget_mib, 1), precision=1, interactive=not engine.isolation, scale=2,

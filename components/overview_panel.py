@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from components.common import fmt_bytes, fmt_ms
-from components.live import LiveView, drawn, engine_signature, unchanged
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import visitor_namespace
 from components.tree_panel import tree_figure_for
 from engine.engine import Engine
@@ -56,7 +56,7 @@ def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = 
     numbers = gr.HTML(key_numbers_html(engine, None, ""), elem_classes=["key-numbers"])
     gr.Markdown("**Live radix tree** · green: your last prompt's cached part · orange: what it computed. "
                 "Hover for text; the *Radix tree* tab has the full view.", elem_classes=["legend"])
-    plot = gr.Plot(show_label=False, elem_classes=["mini-tree"])
+    plot = gr.Plot(show_label=False, elem_classes=["mini-tree", KEEP_ZOOM])
     seen = gr.State(None)
 
     def refresh(metrics, seen_before, request: gr.Request):

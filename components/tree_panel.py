@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.live import LiveView, drawn, engine_signature, shared_snapshot, unchanged
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, unchanged
 from components.session import visitor_namespace
 from components.tree_view import request_path, snapshot_summary, tree_figure
 from engine.engine import Engine
@@ -21,7 +21,7 @@ LEGEND = (
     "**Size** = tokens, **colour** = how recently used (or how often hit). "
     "Your last request: <span style='color:#16a34a'>**green** = served from the cache</span>, "
     "<span style='color:#ea580c'>**orange** = computed</span>. ◆ = locked by a running request; "
-    "grey = another visitor's tokens (text hidden). Hover a node for its text; drag to pan, scroll to zoom."
+    "grey = another visitor's tokens (text hidden). Hover a node for its text; drag a box to zoom in, double-click to zoom out."
 )
 
 
@@ -44,7 +44,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
         color_by = gr.Radio(["recency", "hits"], value="recency", label="Colour by", scale=1)
         collapse = gr.Checkbox(value=True, label="Collapse chains", info="draw a run of single children as one",
                                scale=1)
-    plot = gr.Plot(show_label=False, elem_id="tree-plot")
+    plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
     gr.Markdown(LEGEND, elem_classes=["legend"])
     seen = gr.State(None)
 

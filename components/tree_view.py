@@ -250,7 +250,7 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
 def _base_layout(fig: go.Figure, snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> None:
     fig.update_layout(
         height=height, margin=dict(l=8, r=8, t=8 if compact else 30, b=8), plot_bgcolor="white",
-        paper_bgcolor="white", hovermode="closest", showlegend=False, uirevision=revision, dragmode="pan",
+        paper_bgcolor="white", hovermode="closest", showlegend=False, uirevision=revision, dragmode="zoom",
         hoverlabel=dict(align="left", font_size=12), font=dict(size=11),
         xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
     if not compact:

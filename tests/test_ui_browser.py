@@ -1,6 +1,6 @@
 """The page in headless Chromium on the real model: the tree plot and the numbers render,
 two starter questions show a cache hit on the first screen, and the tree tab redraws by
-itself while another visitor sends requests.
+itself while another visitor sends requests, keeping the zoom the visitor chose.
 
 ``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/test_ui_browser.py`` also saves the
 first screen after two chat turns (the picture in the README).
@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 TURN_TIMEOUT_MS = 240_000
+AXIS_RANGES = """() => { const l = document.querySelector('#tree-plot .js-plotly-plot')._fullLayout;
+                        return [...l.xaxis.range, ...l.yaxis.range]; }"""
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +102,24 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     nodes_before = int(before.split(" nodes")[0].replace(",", ""))
     assert nodes_before == len(engine.snapshot().nodes)
 
+    # The visitor zooms in (drags a box); the zoom must survive the redraws that follow.
+    box = page.locator("#tree-plot .nsewdrag").first.bounding_box()
+    cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(cx - 120, cy - 90)
+    page.mouse.down()
+    page.mouse.move(cx + 120, cy + 90, steps=8)
+    page.mouse.up()
+    page.wait_for_timeout(500)
+    zoomed = page.evaluate(AXIS_RANGES)
+
     other = visitor(url)  # another visitor; this page does nothing but wait
     other.predict("What is your warranty on tents?", [], DEFAULT_SYSTEM, "", 4, False, api_name="/chat")
     page.wait_for_function(
         "before => { const t = document.querySelector('#tree-plot .gtitle'); return t && t.textContent !== before; }",
         arg=before, timeout=30_000)
     assert int(title.text_content().split(" nodes")[0].replace(",", "")) > nodes_before
+    page.wait_for_timeout(500)
+    assert page.evaluate(AXIS_RANGES) == pytest.approx(zoomed)
 
     page.get_by_label("icicle").check()
     page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
