@@ -12,7 +12,8 @@ import gradio as gr
 
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, unchanged
 from components.session import visitor_namespace
-from components.tree_view import request_path, snapshot_summary, tree_figure
+from components.tree_marks import request_path
+from components.tree_view import snapshot_summary, tree_figure
 from engine.engine import Engine
 from engine.types import RequestMetrics
 

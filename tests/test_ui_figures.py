@@ -1,4 +1,4 @@
-"""Pure figure builders (tree view and charts) on real engine snapshots and synthetic big trees."""
+"""Tree marks, tree figures and charts (all pure) on real engine snapshots and synthetic big trees."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import plotly.graph_objects as go
 import pytest
 
 from components.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
-from components.tree_view import (
-    COMPUTED,
-    REUSED,
-    request_path,
-    snapshot_summary,
-    tree_figure,
-    visual_tree,
-)
+from components.tree_marks import COMPUTED, REUSED, request_path, visual_tree
+from components.tree_view import snapshot_summary, tree_figure
 from engine.engine import Engine
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 
