@@ -50,8 +50,13 @@ CSS = """
 
 
 def launch_kwargs() -> dict:
-    """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks."""
-    return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[])
+    """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks.
+
+    Public-page settings (tests/test_public_hosting.py checks them): no error details to
+    visitors; no run history (Gradio would keep each visitor's prompts in the browser, or
+    in a bucket); no /monitoring page; uploads refused (the app takes no files)."""
+    return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],
+                run_history=False, enable_monitoring=False, max_file_size="1kb")
 
 
 def build_demo(engine: Engine) -> gr.Blocks:

@@ -92,3 +92,52 @@ def assert_clean(engine: Engine) -> None:
         assert cache.pool.num_used == cache.tree.num_tokens, "a pool slot leaked"
         assert cache.pool.bytes_in_use <= cache.pool.budget_bytes
         assert all(n.lock_ref == 0 for n in cache.tree.nodes()), "a lock leaked"
+
+
+def fn_id(client, api_name: str) -> int:
+    """The server's id of the event called ``api_name`` (what a browser sends as fn_index)."""
+    return next(d["id"] for d in client.config["dependencies"] if d.get("api_name") == api_name.lstrip("/"))
+
+
+def raw_call(url: str, fn_index: int, data: list, timeout_s: float = 300) -> dict:
+    """Call an event the way a browser does (queue/join, then the event stream), with a JSON
+    body written as Python does by default: lone surrogates as ``\\ud800`` escapes, NaN and
+    infinities as literals. gradio_client refuses to send either. Returns
+    ``{"success", "output", "error", "logs"}`` from the stream's messages."""
+    import json
+    import uuid
+
+    import httpx
+
+    session = uuid.uuid4().hex[:11]
+    body = json.dumps({"data": data, "fn_index": fn_index, "session_hash": session, "event_data": None,
+                       "trigger_id": None})  # ensure_ascii and allow_nan: the defaults
+    with httpx.Client(base_url=url, timeout=timeout_s) as http:
+        join = http.post("gradio_api/queue/join", content=body.encode("ascii"),
+                         headers={"content-type": "application/json"})
+        if join.status_code != 200:
+            return {"success": False, "output": None, "error": f"HTTP {join.status_code}: {join.text[:200]}",
+                    "logs": []}
+        logs, last = [], None
+        with http.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as stream:
+            # Split on b"\n" only: iter_lines() would also split inside the JSON at U+2028, U+0085...
+            buffer = b""
+            for chunk in stream.iter_bytes():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    msg = json.loads(line[5:])
+                    if msg.get("msg") == "log":
+                        logs.append(str(msg.get("log")))
+                    if msg.get("msg") == "process_completed":
+                        last = msg
+                        break
+                if last is not None:
+                    break
+    if last is None:
+        return {"success": False, "output": None, "error": "the event stream ended without a result", "logs": logs}
+    output = last.get("output") or {}
+    return {"success": bool(last.get("success")), "output": output.get("data"), "error": output.get("error"),
+            "logs": logs}

@@ -1,0 +1,74 @@
+"""Input hygiene for every event handler of the app, applied once to the built Blocks.
+
+A visitor's browser, or anyone calling the API, can send strings holding lone UTF-16
+surrogates (``"\\ud800"``): JSON carries them as escapes, but UTF-8 cannot encode them.
+The engine copes (it replaces them before tokenizing), yet a handler that echoes such
+text into an output (the chat history, a table of queries, a template) makes Gradio's
+response serialization (orjson) fail, and the visitor's event stream breaks off.
+
+``sanitize_handlers(demo)`` wraps each handler so that every string in its inputs, also
+inside lists, tuples and dicts (chat histories, tables), reaches it with lone surrogates
+replaced by U+FFFD. Other values (requests, event data, session state) pass untouched.
+Knows nothing about the panels themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import gradio as gr
+
+from engine.model_runner import valid_text
+
+
+def clean(value: Any) -> Any:
+    """``value`` with lone surrogates replaced in every string it holds (plain containers only).
+
+    Returns the very same object when there was nothing to replace, so session state that
+    a handler updates in place stays the object Gradio keeps."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if type(value) in (list, tuple):
+        items = [clean(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return items if type(value) is list else tuple(items)
+    if type(value) is dict:
+        pairs = [(clean(k), clean(v)) for k, v in value.items()]
+        if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(pairs, value.items(), strict=True)):
+            return value
+        return dict(pairs)
+    return value
+
+
+def sanitized(fn: Callable) -> Callable:
+    """``fn`` taking cleaned arguments; generator functions stay generator functions
+    (Gradio streams them), and the signature (``gr.Request`` parameters) is kept."""
+    if getattr(fn, "__sanitized__", False) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        return fn
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            return (yield from fn(*clean(args), **{k: clean(v) for k, v in kwargs.items()}))
+
+        wrapper = gen_wrapper
+    else:
+        @functools.wraps(fn)
+        def plain_wrapper(*args, **kwargs):
+            return fn(*clean(args), **{k: clean(v) for k, v in kwargs.items()})
+
+        wrapper = plain_wrapper
+    wrapper.__sanitized__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def sanitize_handlers(demo: gr.Blocks) -> gr.Blocks:
+    """Wrap every handler of ``demo`` in place (idempotent); returns ``demo``."""
+    wrapped: dict[int, Callable] = {}  # one wrapper per function, however many events call it
+    for block in demo.fns.values():
+        if block.fn is not None:
+            block.fn = wrapped.setdefault(id(block.fn), sanitized(block.fn))
+    return demo
