@@ -359,7 +359,7 @@ def endpoint_choices(client) -> dict[str, list[list]]:
 def test_fuzz_public_api(tiny_runner):
     engine = Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
     with launched_app(engine) as url:
-        findings, raw = api_fuzz(url, n_per_endpoint=40, seed=99)
+        findings, raw = api_fuzz(url, n_per_endpoint=32, seed=99)
         # The app still serves a plain request afterwards.
         out = visitor(url).predict("Hello!", [], "Pirate", "", 2, False, api_name="/chat")
         assert "prompt tokens served" in out[3]
@@ -367,7 +367,7 @@ def test_fuzz_public_api(tiny_runner):
     assert_clean(engine)
     assert not findings.items, f"{len(findings.items)} problems in {findings.cases} cases:\n" + \
         "\n".join(findings.items[:30])
-    assert findings.cases >= 200 and raw >= 30, (findings.cases, raw)
+    assert findings.cases >= 180 and raw >= 30, (findings.cases, raw)
 
 
 @pytest.mark.slow
@@ -378,7 +378,10 @@ def test_fuzz_chat_api_on_the_real_model(real_runner):
     with launched_app(engine) as url:
         chat = fn_id(visitor(url), "chat")
         findings = Findings()
-        cases = fz.fixed_texts() + fz.one_mb_texts() + ["word " * 9000]
+        rng = random.Random(5)
+        cases = ([rng.choice(group) for group in (fz.WHITESPACE, fz.CONTROL, fz.ZERO_WIDTH, fz.SPECIAL, fz.MARKUP)
+                  for _ in range(2)] + fz.SURROGATES[:3] + fz.EMOJI[:4] + fz.one_mb_texts()
+                 + ["x\ud800y\udfffz", "".join(fz.ZERO_WIDTH) * 50, "word " * 9000])
         for i, text in enumerate(cases):
             history = [] if i % 3 else [
                 {"role": "user", "content": [{"type": "text", "text": fz.EMOJI[i % len(fz.EMOJI)]}]},
@@ -392,7 +395,7 @@ def test_fuzz_chat_api_on_the_real_model(real_runner):
     wait_idle(engine)
     assert_clean(engine)
     assert not findings.items, "\n".join(findings.items[:30])
-    assert findings.cases >= 60
+    assert findings.cases >= 25
 
 
 # ------------------------------------------------------------------ engine
