@@ -228,9 +228,11 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
     import app
     from components.demo import launch_kwargs
 
-    argv = ["--cache-budget-mb", str(budget_mb), "--max-new-tokens", str(max_new_tokens)]
-    engine = app.build_engine(app.parse_args(argv + (["--isolate"] if isolate else ["--no-isolate"])), runner=runner)
-    demo = app.build_app(engine, engine._queue.maxsize)
+    argv = ["--cache-budget-mb", str(budget_mb), "--max-new-tokens", str(max_new_tokens),
+            "--isolate" if isolate else "--no-isolate"]
+    args = app.parse_args(argv)  # the app's own flags, env vars and defaults
+    engine = app.build_engine(args, runner=runner)
+    demo = app.build_app(engine, args.max_queue)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs())
     report = LoadReport(seconds=seconds, visitors=visitors, budget_bytes=engine.cache.budget_bytes)
