@@ -11,23 +11,14 @@ from components.presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS,
 from components.session import public_len, visitor_namespace
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
-
-
-def _flatten(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    return "" if content is None else str(content)
+from engine.validation import flatten_content
 
 
 def chat_messages(system: str, history: list[dict], message: str) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system.strip() else []
     for turn in history or []:
         if isinstance(turn, dict) and turn.get("role") in ("user", "assistant"):
-            msgs.append({"role": turn["role"], "content": _flatten(turn.get("content"))})
+            msgs.append({"role": turn["role"], "content": flatten_content(turn.get("content"))})
     msgs.append({"role": "user", "content": message})
     return msgs
 

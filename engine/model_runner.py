@@ -17,6 +17,7 @@ import torch
 from engine.model_loader import LoadedModel
 from engine.request_kv import RequestKV
 from engine.types import EngineError, SamplingParams
+from engine.validation import flatten_content
 
 
 def valid_text(text: str) -> str:
@@ -26,17 +27,6 @@ def valid_text(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def _flatten_content(content) -> str:
-    """Gradio hands message content as a list of parts; chat templates want a string."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list | tuple):
-        return "".join(_flatten_content(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text", "")) if content.get("type", "text") == "text" else ""
-    return "" if content is None else str(content)
 
 
 class ModelRunner:
@@ -88,7 +78,7 @@ class ModelRunner:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        msgs = [{"role": str(m.get("role", "user")), "content": _flatten_content(m.get("content"))}
+        msgs = [{"role": str(m.get("role", "user")), "content": flatten_content(m.get("content"))}
                 for m in messages]
         if self.has_chat_template:
             return self.tokenizer.apply_chat_template(msgs, tokenize=False,
