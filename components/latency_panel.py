@@ -13,7 +13,7 @@ import gradio as gr
 from components.charts import latency_bars, speedup_scatter
 from components.common import fmt_ms
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
-from components.session import visitor_namespace
+from components.session import own_namespace
 from engine.engine import Engine
 from engine.types import RequestMetrics
 
@@ -45,7 +45,7 @@ def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
         sig = engine_signature(engine)
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), gr.skip(), seen_before
-        ns = visitor_namespace(request, engine) if engine.isolation else None
+        ns = own_namespace(request, engine)
         history = engine.recent(HISTORY, namespace=ns)
         return latency_summary(history), latency_bars(history), speedup_scatter(history), drawn(sig)
 

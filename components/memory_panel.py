@@ -13,7 +13,7 @@ import gradio as gr
 from components.charts import hit_rate_figure, memory_gauge
 from components.common import fmt_bytes, warn
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
-from components.session import visitor_namespace
+from components.session import own_namespace
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
 
@@ -67,7 +67,7 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         sig = engine_signature(engine)
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), gr.skip(), seen_before
-        ns = visitor_namespace(request, engine) if engine.isolation else None
+        ns = own_namespace(request, engine)
         history = engine.recent(HISTORY, namespace=ns)
         mine = engine.recent(namespace=ns) if engine.isolation else None
         return memory_gauge(engine.stats()), memory_markdown(engine, mine), hit_rate_figure(history), drawn(sig)
@@ -97,7 +97,7 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         return round(mib, 1)
 
     def clear_cache(request: gr.Request):
-        ns = visitor_namespace(request, engine) if engine.isolation else None
+        ns = own_namespace(request, engine)
         if engine.isolation and not ns:
             gr.Warning("No session: nothing of yours to clear.")
             return

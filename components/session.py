@@ -67,3 +67,9 @@ def public_len(engine: Engine, ids: list[int]) -> int:
     shipped block that ``ids`` starts with in full, else 0."""
     ids = tuple(ids)
     return max((len(p) for p in _public_prefixes(id(engine), engine) if ids[: len(p)] == p), default=0)
+
+
+def own_namespace(request, engine: Engine) -> str | None:
+    """What a visitor's history and controls cover: their namespace in isolation
+    mode, ``None`` (everything) when the whole cache is shared."""
+    return visitor_namespace(request, engine) if engine.isolation else None
