@@ -53,14 +53,12 @@ class RequestOutcome:
     output_text: str
 
 
-@dataclass(frozen=True)
-class VariantResult:
-    name: str
-    namespace: str
-    requests: tuple[RequestOutcome, ...]
-    tree: tuple[NodeInfo, ...]  # nodes of this variant's namespace when it finished
-    planned: int  # requests the variant has; ``len(requests)`` is smaller if stopped
-    evicted_tokens: int  # tokens the engine evicted while this variant ran (any namespace)
+class RunTotals:
+    """Totals over a run's ``requests`` (each with prompt/cached/computed tokens and
+    prefill_ms); ``planned`` is how many the run had, fewer ran if it was stopped."""
+
+    requests: tuple
+    planned: int
 
     @property
     def complete(self) -> bool:
@@ -85,6 +83,16 @@ class VariantResult:
     @property
     def total_prefill_ms(self) -> float:
         return sum(r.prefill_ms for r in self.requests)
+
+
+@dataclass(frozen=True)
+class VariantResult(RunTotals):
+    name: str
+    namespace: str
+    requests: tuple[RequestOutcome, ...]
+    tree: tuple[NodeInfo, ...]  # nodes of this variant's namespace when it finished
+    planned: int  # requests the variant has; ``len(requests)`` is smaller if stopped
+    evicted_tokens: int  # tokens the engine evicted while this variant ran (any namespace)
 
     @property
     def mean_prefill_ms(self) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.model_runner import ModelRunner
-from engine.ordering_lab import LabPrompt, lab_request
+from engine.ordering_lab import LabPrompt, RunTotals, lab_request
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"
@@ -44,32 +44,12 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-class ScheduleResult:
+class ScheduleResult(RunTotals):
     policy: str
     requests: tuple[ScheduledRequest, ...]  # in the order they ran
     planned: int
     budget_tokens: int
     evicted_tokens: int
-
-    @property
-    def complete(self) -> bool:
-        return len(self.requests) == self.planned
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(r.prompt_tokens for r in self.requests)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(r.cached_tokens for r in self.requests)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def total_prefill_ms(self) -> float:
-        return sum(r.prefill_ms for r in self.requests)
 
 
 @dataclass(frozen=True)
