@@ -9,11 +9,11 @@ and the networkx layout (depth across, one row per leaf). No plotting here
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
 
+from engine.radix_tree import common_prefix_len
 from engine.types import NodeInfo, RequestMetrics, TreeSnapshot
 
 REUSED, COMPUTED = "reused", "computed"
@@ -66,7 +66,7 @@ def request_path(snapshot: TreeSnapshot, metrics: RequestMetrics | None) -> dict
         for c in children.get(parent, ()):
             if c.hidden or not c.token_ids or c.token_ids[0] != ids[pos]:
                 continue
-            n = _common_len(c.token_ids, ids, pos)
+            n = common_prefix_len(c.token_ids, ids, pos)
             if n > best_len:
                 best, best_len = c, n
         if best is None:
@@ -80,14 +80,6 @@ def request_path(snapshot: TreeSnapshot, metrics: RequestMetrics | None) -> dict
         present = {n.node_id for n in snapshot.nodes}
         out = {i: REUSED for i in metrics.matched_path if i in present}
     return out
-
-
-def _common_len(edge: Sequence[int], ids: Sequence[int], start: int) -> int:
-    n = min(len(edge), len(ids) - start)
-    for i in range(n):
-        if edge[i] != ids[start + i]:
-            return i
-    return n
 
 
 # ---------------------------------------------------------------- visual tree

@@ -208,20 +208,6 @@ class Engine:
         unless isolation is on; the ordering lab uses one namespace per variant)."""
         return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
-    def public_prefix_len(self, ids: Sequence[int], public_prefixes: Sequence[Sequence[int]]) -> int:
-        """Longest common prefix of ``ids`` with any of ``public_prefixes`` (token ids of
-        content shipped with the app). Those tokens, and so their KV, are public content;
-        the server sets ``public_len`` from this, never from the client."""
-        best = 0
-        for p in public_prefixes:
-            n = 0
-            for a, b in zip(ids, p, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
-
     # ---------------------------------------------------------------- worker
     def _work(self) -> None:
         while True:

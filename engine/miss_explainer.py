@@ -31,6 +31,8 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from engine.radix_tree import common_prefix_len
+
 VALUE_MAX_TOKENS = 24  # a "value" that differs is at most this long ...
 RESYNC_MIN_TOKENS = 12  # ... and is followed by at least this many identical tokens
 BLOCK_TOKENS = 8  # n-gram used to find a block again elsewhere
@@ -51,14 +53,6 @@ class MissExplanation:
     changed_text: str = ""  # for per-request values: this request's value ...
     cached_changed_text: str = ""  # ... and the cached prompt's
     recomputed_identical_tokens: int = 0  # identical tokens after a changed value, computed anyway
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def explain_miss(ids: Sequence[int], references: Sequence[Sequence[int]], decode: Callable[[Sequence[int]], str],

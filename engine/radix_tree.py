@@ -121,7 +121,7 @@ class RadixTree:
             if child is None:
                 break
             limit = min(len(ids), key.ns_end(pos)) - pos
-            n = _common_len(child.key, ids, pos, limit)
+            n = common_prefix_len(child.key, ids, pos, limit)
             values.extend(child.value[:n])
             path.append(child.id)
             if touch:
@@ -155,7 +155,7 @@ class RadixTree:
                 self.num_tokens += end - pos
                 node, pos = new, end
                 continue
-            n = _common_len(child.key, ids, pos, end - pos)
+            n = common_prefix_len(child.key, ids, pos, end - pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -270,10 +270,10 @@ class RadixTree:
         return "\n".join(lines)
 
 
-def _common_len(edge: Sequence[int], ids: Sequence[int], start: int, limit: int) -> int:
-    """Length of the common prefix of ``edge`` and ``ids[start:start+limit]``."""
-    n = min(len(edge), limit)
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0, limit: int | None = None) -> int:
+    """Length of the common prefix of ``a`` and ``b[start:start+limit]``."""
+    n = min(len(a), len(b) - start if limit is None else min(limit, len(b) - start))
     for i in range(n):
-        if edge[i] != ids[start + i]:
+        if a[i] != b[start + i]:
             return i
-    return n
+    return max(n, 0)
