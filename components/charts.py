@@ -1,6 +1,6 @@
 """Pure figure builders for the numbers: request metrics and engine stats in, plotly figures out.
 
-Owns the look of every chart except the tree (``components.tree_view``):
+Owns the look of every chart except the tree (``components.tree_figures``):
 cached-vs-computed bars, the memory gauge, hit rate over time, prefill with
 vs without reuse, speedup against cached tokens. No Gradio, no engine calls.
 """

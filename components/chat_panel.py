@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gradio as gr
 
+from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS, SYSTEM_PRESETS
 from components.common import TOKEN_COLORS, highlighted_prompt, metrics_markdown, warn
-from components.presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS, SYSTEM_PRESETS
 from components.session import public_len, visitor_namespace
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams

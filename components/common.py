@@ -25,7 +25,7 @@ def fmt_bytes(n: int) -> str:
 
 def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]]:
     """The prompt as (text, label) spans: cached tokens first, computed after."""
-    pieces = engine.runner.token_pieces(m.prompt_ids)
+    pieces = engine.token_pieces(m.prompt_ids)
     spans: list[tuple[str, str | None]] = []
     for i, piece in enumerate(pieces):
         label = CACHED if i < m.cached_tokens else COMPUTED

@@ -14,10 +14,10 @@ import gradio as gr
 from components.chat_panel import build_chat_panel
 from components.fewshot_panel import build_fewshot_panel
 from components.info_panel import build_info_panel
+from components.lab.tab import build_ordering_lab
 from components.latency_panel import build_latency_panel
 from components.live import KEEP_ZOOM_JS, LiveView
 from components.memory_panel import build_memory_panel
-from components.ordering_lab import build_ordering_lab
 from components.overview_panel import build_overview_panel
 from components.tree_panel import build_tree_panel
 from engine.engine import Engine
@@ -52,7 +52,7 @@ CSS = """
 def launch_kwargs() -> dict:
     """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks.
 
-    Public-page settings (tests/test_public_hosting.py checks them): no error details to
+    Public-page settings (tests/app/test_public_hosting.py checks them): no error details to
     visitors; no run history (Gradio would keep each visitor's prompts in the browser, or
     in a bucket); no /monitoring page; uploads refused (the app takes no files)."""
     return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],

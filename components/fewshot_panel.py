@@ -3,7 +3,7 @@ query (per request), one query at a time or N in a row, with an option to
 shuffle the examples per request and watch reuse collapse.
 
 Owns the ``fewshot`` and ``fewshot_batch`` endpoints. The prompt layout lives
-in ``components.presets.few_shot_prompt``; requests go through the same
+in ``components.chat_presets.few_shot_prompt``; requests go through the same
 server-side namespace rules as the chat (``chat_panel.build_request``).
 """
 
@@ -16,8 +16,8 @@ import gradio as gr
 
 from components.charts import reuse_bars
 from components.chat_panel import build_request, clamp_int
+from components.chat_presets import FEW_SHOT_PRESETS, few_shot_prompt
 from components.common import TOKEN_COLORS, fmt_ms, highlighted_prompt, metrics_markdown, warn
-from components.presets import FEW_SHOT_PRESETS, few_shot_prompt
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
 

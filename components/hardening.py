@@ -21,7 +21,7 @@ from typing import Any
 
 import gradio as gr
 
-from engine.model_runner import valid_text
+from engine.validation import valid_text
 
 
 def clean(value: Any) -> Any:

@@ -91,8 +91,8 @@ def _quiet(fn: Callable, num_outputs: int) -> Callable:
 def engine_signature(engine: Engine) -> tuple:
     """Changes whenever anything a panel shows could have changed (bar the clock)."""
     s = engine.stats()
-    locked = engine.cache.locked_tokens() if hasattr(engine.cache, "locked_tokens") else 0
-    return (s.requests, s.cached_tokens_now, s.num_nodes, s.evicted_tokens, s.cache_bytes, s.budget_bytes, locked)
+    return (s.requests, s.cached_tokens_now, s.num_nodes, s.evicted_tokens, s.cache_bytes, s.budget_bytes,
+            s.locked_tokens)
 
 
 def unchanged(seen: tuple | None, signature: tuple) -> bool:

@@ -20,7 +20,7 @@ import hmac
 import secrets
 from functools import lru_cache
 
-from components.presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
+from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
 from engine.engine import Engine
 from engine.radix_tree import PUBLIC
 
@@ -48,15 +48,14 @@ def sub_namespace(request, engine: Engine | None, name: str) -> str:
 
 @lru_cache(maxsize=8)
 def _public_prefixes(engine_id: int, engine: Engine) -> tuple[tuple[int, ...], ...]:
-    runner = engine.runner
     out = []
     for text in SYSTEM_PRESETS.values():
-        out.append(tuple(runner.encode(runner.render_chat([{"role": "system", "content": text}],
+        out.append(tuple(engine.encode(engine.render_chat([{"role": "system", "content": text}],
                                                           add_generation_prompt=False))))
     for preset in FEW_SHOT_PRESETS.values():
         static = few_shot_static_part(preset["instruction"], preset["examples"])
-        rendered = runner.render_chat([{"role": "user", "content": static + "\x00"}])
-        out.append(tuple(runner.encode(rendered[: rendered.index("\x00")])))
+        rendered = engine.render_chat([{"role": "user", "content": static + "\x00"}])
+        out.append(tuple(engine.encode(rendered[: rendered.index("\x00")])))
     # A block's last token may merge with the text that follows it ("\n\n" + "Input"):
     # drop it, so that the rest is a token prefix of every prompt that holds the block.
     return tuple(p[:-1] for p in out if len(p) > 1)

@@ -4,7 +4,7 @@ Owns the reading of a ``TreeSnapshot`` that makes it legible: which nodes hold
 the visitor's last request (reused vs computed), collapsing chains of single
 children into one mark, folding huge fans of leaves into "+N leaves" marks,
 and the networkx layout (depth across, one row per leaf). No plotting here
-(``components.tree_view`` draws), no Gradio, no engine object.
+(``components.tree_figures`` draws), no Gradio, no engine object.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 from engine import validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
-from engine.prefix_cache import NoPrefixCache, RadixCache
+from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
 from engine.types import (
     EngineBusy,
@@ -95,7 +95,7 @@ class Engine:
         if enable_cache:
             pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
                           runner.device, budget)
-            self.cache: RadixCache | NoPrefixCache = RadixCache(pool)
+            self.cache: PrefixCache = RadixCache(pool)
         else:
             self.cache = NoPrefixCache(runner.kv_bytes_per_token, budget)
         self.isolation = isolation
@@ -167,6 +167,26 @@ class Engine:
                               f"{self.max_prompt_tokens:,} tokens. Shorten it and try again.")
         return ids
 
+    # ------------------------------------------------- text, for the UI and the lab
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as is (no chat template, no BOS)."""
+        return self.runner.encode(text)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        return self.runner.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.runner.decode(ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """One display string per token; their concatenation is ``decode(ids)``."""
+        return self.runner.token_pieces(ids)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.runner.tokenizer, "all_special_ids", []) or [])
+
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The tree as plain data; in isolation mode ``viewer`` (a namespace) sees
         other namespaces' nodes as shape and size only."""
@@ -177,7 +197,8 @@ class Engine:
             t = dict(self._totals)
         return EngineStats(**t, cache_bytes=self.cache.bytes_in_use, budget_bytes=self.cache.budget_bytes,
                            cached_tokens_now=self.cache.num_tokens, num_nodes=self.cache.num_nodes,
-                           evicted_tokens=self.cache.evicted_tokens, queue_depth=self._queue.qsize())
+                           evicted_tokens=self.cache.evicted_tokens, queue_depth=self._queue.qsize(),
+                           locked_tokens=self.cache.locked_tokens())
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._stats_lock:

@@ -17,16 +17,7 @@ import torch
 from engine.model_loader import LoadedModel
 from engine.request_kv import RequestKV
 from engine.types import EngineError, SamplingParams
-from engine.validation import flatten_content
-
-
-def valid_text(text: str) -> str:
-    """``text`` with lone UTF-16 surrogates replaced by U+FFFD (the tokenizer rejects them)."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+from engine.validation import flatten_content, valid_text
 
 
 class ModelRunner:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.kv_pool import KVPool
 from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
@@ -38,6 +39,67 @@ class CacheHandle:
 def _visible_to(namespace: str, viewer: str) -> bool:
     """Public content, the viewer's own namespace and its sub-namespaces (``<viewer>/...``)."""
     return namespace in (PUBLIC, viewer) or namespace.startswith(viewer + "/")
+
+
+class PrefixCache(Protocol):
+    """What the engine asks of a prefix cache. ``RadixCache`` and ``NoPrefixCache``
+    implement it; the engine and the UI (through the engine) see nothing else.
+
+    Every method is thread-safe. Token counts are in tokens of ``key.ids``.
+    """
+
+    enabled: bool
+    bytes_per_token: int
+
+    def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
+        """Find the longest cached prefix of ``key.ids[:max_len]``, copy its KV into the
+        empty buffer ``kv`` and lock it: it cannot be evicted until ``release(handle)``.
+        Returns the reused length (0 on a miss; then nothing is locked)."""
+
+    def release(self, handle: CacheHandle) -> None:
+        """Unlock what ``acquire`` locked. Call exactly once per handle."""
+
+    def insert(self, key: CacheKey, kv: RequestKV) -> int:
+        """Store the first ``min(len(key.ids), kv.length)`` tokens of ``kv`` under ``key``,
+        evicting unlocked least-recently-used entries for room; stores the longest prefix
+        that fits and never exceeds the budget. Returns tokens newly stored."""
+
+    def match_len(self, key: CacheKey) -> int:
+        """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Evict every unlocked entry (only ``namespace``'s, if given); returns tokens freed."""
+
+    def set_budget(self, budget_bytes: int) -> int:
+        """Resize to ``budget_bytes``, evicting as needed; returns tokens evicted. Raises
+        ``EngineError`` when locked entries alone exceed the new budget."""
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def bytes_in_use(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted since start (a running total)."""
+
+    def locked_tokens(self) -> int:
+        """Cached tokens pinned by running requests right now."""
+
+    def check_invariants(self) -> None:
+        """Assert the cache is consistent (tests call it after every operation)."""
+
+    def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
+                 max_text_tokens: int = 256) -> TreeSnapshot:
+        """A read-only copy as plain data; with ``viewer`` set, other namespaces' nodes
+        are hidden (shape and size only)."""
 
 
 class NoPrefixCache:
@@ -83,6 +145,9 @@ class NoPrefixCache:
 
     def check_invariants(self) -> None:
         pass
+
+    def locked_tokens(self) -> int:
+        return 0
 
     def snapshot(self, decode=None, viewer: str | None = None, max_text_tokens: int = 256) -> TreeSnapshot:
         return TreeSnapshot((), 0, 0, self.budget_bytes, 0, 0, self.bytes_per_token)

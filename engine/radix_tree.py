@@ -66,7 +66,6 @@ class Node:
     lock_ref: int = 0
     hits: int = 0
     last_access: float = field(default_factory=time.monotonic)
-    created: float = field(default_factory=time.monotonic)
 
     @property
     def is_leaf(self) -> bool:
@@ -150,7 +149,7 @@ class RadixTree:
             end = key.ns_end(pos)
             if child is None:
                 new = Node(next(self._ids), tuple(ids[pos:end]), list(value[pos:end]), ns, node,
-                           last_access=now, created=now)
+                           last_access=now)
                 node.children[(ns, ids[pos])] = new
                 self.num_tokens += end - pos
                 node, pos = new, end
@@ -171,8 +170,7 @@ class RadixTree:
         parent = node.parent
         assert parent is not None
         upper = Node(next(self._ids), node.key[:n], node.value[:n], node.namespace, parent,
-                     lock_ref=node.lock_ref, hits=node.hits, last_access=node.last_access,
-                     created=node.created)
+                     lock_ref=node.lock_ref, hits=node.hits, last_access=node.last_access)
         node.key, node.value = node.key[n:], node.value[n:]
         node.parent = upper
         upper.children[(node.namespace, node.key[0])] = node
@@ -193,9 +191,6 @@ class RadixTree:
             node = node.parent
 
     # ------------------------------------------------------------------ evict
-    def evictable_tokens(self) -> int:
-        return sum(len(n.key) for n in self.nodes() if n.lock_ref == 0)
-
     def evict(self, num_tokens: int, namespace: str | None = None) -> list[Any]:
         """Evict unlocked leaves, least recently used first, until ``num_tokens``
         tokens are freed or nothing unlocked is left (only ``namespace``'s nodes,
@@ -255,19 +250,6 @@ class RadixTree:
                 assert node.parent.lock_ref >= node.lock_ref, "child locked more than parent"
             total += len(node.key)
         assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
-
-    def pretty_print(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
-        lines: list[str] = []
-
-        def walk(node: Node, indent: int) -> None:
-            for child in sorted(node.children.values(), key=lambda c: c.key):
-                text = decode(child.key) if decode else str(list(child.key[:8]))
-                lines.append(f"{'  ' * indent}[{child.id}] {len(child.key)} tok "
-                             f"lock={child.lock_ref} ns={child.namespace!r} {text!r}")
-                walk(child, indent + 1)
-
-        walk(self.root, 0)
-        return "\n".join(lines)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0, limit: int | None = None) -> int:

@@ -116,9 +116,6 @@ class TreeSnapshot:
     evicted_tokens: int
     bytes_per_token: int
 
-    def node(self, node_id: int) -> NodeInfo | None:
-        return next((n for n in self.nodes if n.node_id == node_id), None)
-
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -149,6 +146,7 @@ class EngineStats:
     num_nodes: int
     evicted_tokens: int
     queue_depth: int
+    locked_tokens: int = 0  # cached tokens pinned by running requests right now
 
     @property
     def hit_rate(self) -> float:

@@ -108,3 +108,12 @@ def check_sampling(params: object) -> SamplingParams:
             raise EngineError(f"Seed must be a whole number from 0 to {MAX_SEED}.")
     return replace(params, max_new_tokens=int(max(-1.0, min(max_new, 2.0**31))), temperature=temperature,
                    top_p=top_p, seed=seed)
+
+
+def valid_text(text: str) -> str:
+    """``text`` with lone UTF-16 surrogates replaced by U+FFFD (the tokenizer rejects them)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")

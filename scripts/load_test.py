@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from components.presets import SYSTEM_PRESETS  # noqa: E402
+from components.chat_presets import SYSTEM_PRESETS  # noqa: E402
 
 # Each conversation: a preset system prompt and the questions asked turn by turn.
 QUESTIONS = [

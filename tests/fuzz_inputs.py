@@ -1,4 +1,4 @@
-"""Generators of hostile input for the fuzz tests (tests/test_fuzz.py): texts, numbers, chat
+"""Generators of hostile input for the fuzz tests (tests/app/test_fuzz.py): texts, numbers, chat
 histories, few-shot tables and requests, each drawn from a seeded ``random.Random`` so a
 failure replays exactly. Every generator mixes a fixed list of known-nasty values with random
 ones built from the same ingredients."""

@@ -15,7 +15,7 @@ import pytest
 
 import app
 from components.chat_panel import build_request, chat_messages
-from components.presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
+from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
 from components.session import public_len, sub_namespace, visitor_namespace
 from engine.engine import Engine
 from engine.radix_tree import PUBLIC

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.cost_estimate import CostEstimate
-from engine.granularity import GranularityResult, tokens_lost_to_alignment
-from engine.miss_explainer import MissExplanation
-from engine.ordering_lab import VariantResult
-from engine.scheduling import POLICY_NAMES, ScheduleResult
-from engine.template_lint import LintReport
+from engine.lab.cost_estimate import CostEstimate
+from engine.lab.granularity import GranularityResult, tokens_lost_to_alignment
+from engine.lab.miss_explainer import MissExplanation
+from engine.lab.ordering_runs import VariantResult
+from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
+from engine.lab.template_lint import LintReport
 
 TABLE_HEADERS = ["ordering", "request", "prompt tokens", "cached", "computed", "prefill ms", "no-reuse ms"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.template_lint import (
+from engine.lab.template_lint import (
     TemplateError,
     lint_template,
     parse_values,
@@ -77,7 +77,7 @@ def test_parse_values():
 
 
 def test_size_limits():
-    from engine.template_lint import MAX_TEMPLATE_CHARS, MAX_VALUE_ROWS, MAX_VALUES_CHARS
+    from engine.lab.template_lint import MAX_TEMPLATE_CHARS, MAX_VALUE_ROWS, MAX_VALUES_CHARS
 
     with pytest.raises(TemplateError, match="limit"):
         lint_template("x" * (MAX_TEMPLATE_CHARS + 1))

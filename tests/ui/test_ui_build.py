@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
+from components.chat_presets import FEW_SHOT_PRESETS
 from components.demo import build_demo
 from components.fewshot_panel import parse_examples, shuffled
 from components.info_panel import info_markdown
 from components.latency_panel import latency_summary
 from components.memory_panel import memory_markdown
 from components.overview_panel import key_numbers_html
-from components.presets import FEW_SHOT_PRESETS
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 from tests.helpers_app import flat_text, launched_app, visitor

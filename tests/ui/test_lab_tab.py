@@ -7,12 +7,12 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-from components import ordering_figures as figs
-from components import ordering_views as views
-from components.ordering_lab import build_ordering_lab, cost_view, custom_variants, granularity_rows
-from components.ordering_presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS
+from components.lab import figures as figs
+from components.lab import markdown as views
+from components.lab.presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS
+from components.lab.tab import build_ordering_lab, cost_view, custom_variants, granularity_rows
 from engine.engine import Engine
-from engine.ordering_lab import run_lab_to_end
+from engine.lab.ordering_runs import run_lab_to_end
 from engine.types import EngineError
 from tests.helpers_app import free_port, wait_idle
 

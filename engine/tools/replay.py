@@ -1,6 +1,6 @@
 """Replay a prompt log through the engine and see what prefix caching saves.
 
-    python -m engine.replay TRACE.jsonl [--no-cache] [--baseline] [--budget-mb N]
+    python -m engine.tools.replay TRACE.jsonl [--no-cache] [--baseline] [--budget-mb N]
                             [--model ID] [--max-new-tokens N] [--device D] [--dtype T]
 
 Each TRACE line is ``{"messages": [...]}`` (chat template applied, generation
@@ -91,7 +91,7 @@ def replay(engine: Engine, items: Iterable[tuple[int, dict]], max_new_tokens: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.replay", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.tools.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path, help="JSONL file, one request per line")
     p.add_argument("--no-cache", action="store_true", help="no reuse at all (cached_tokens is 0)")
     p.add_argument("--baseline", action="store_true", help="also time each prompt's prefill with no reuse")

@@ -2,7 +2,7 @@
 two starter questions show a cache hit on the first screen, and the tree tab redraws by
 itself while another visitor sends requests, keeping the zoom the visitor chose.
 
-``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/test_ui_browser.py`` also saves the
+``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/ui/test_ui_browser.py`` also saves the
 first screen after two chat turns (the picture in the README).
 """
 
@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from components.presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
+from components.chat_presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
 from engine.engine import Engine
 from tests.helpers_app import launched_app, visitor
 

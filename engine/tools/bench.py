@@ -1,6 +1,6 @@
 """Benchmark: prefill with reuse through the engine vs full prefill vs the ideal path.
 
-    python -m engine.bench [--sizes 256,1024,2048,4096] [--suffix 32] [--repeats 3] [--model ID]
+    python -m engine.tools.bench [--sizes 256,1024,2048,4096] [--suffix 32] [--repeats 3] [--model ID]
 
 For each cached-prefix size, all in one process and interleaved per repeat:
 
@@ -109,7 +109,7 @@ def format_table(rows: list[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256,1024,2048,4096", help="cached prefix sizes, comma-separated")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per size (median reported)")

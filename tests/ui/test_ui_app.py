@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from components.presets import DEFAULT_SYSTEM, FEW_SHOT_PRESETS, STARTER_QUESTIONS, SYSTEM_PRESETS
+from components.chat_presets import DEFAULT_SYSTEM, FEW_SHOT_PRESETS, STARTER_QUESTIONS, SYSTEM_PRESETS
 from engine.engine import Engine
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor, wait_idle
-from tests.test_ui_build import tree_paths
+from tests.ui.test_ui_build import tree_paths
 
 pytestmark = pytest.mark.slow
 

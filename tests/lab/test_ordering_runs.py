@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.ordering_presets import PRESETS
+from components.lab.presets import PRESETS
 from engine.engine import Engine
-from engine.granularity import simulate_blocks
-from engine.ordering_lab import LabPrompt, Variant, run_lab, run_lab_to_end
+from engine.lab.granularity import simulate_blocks
+from engine.lab.ordering_runs import LabPrompt, Variant, run_lab, run_lab_to_end
 from engine.types import EngineError, GenerationRequest
 
 

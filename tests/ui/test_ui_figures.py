@@ -8,8 +8,8 @@ import plotly.graph_objects as go
 import pytest
 
 from components.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
+from components.tree_figures import snapshot_summary, tree_figure
 from components.tree_marks import COMPUTED, REUSED, request_path, visual_tree
-from components.tree_view import snapshot_summary, tree_figure
 from engine.engine import Engine
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 

@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, launched_app, visitor, wait_idle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are a careful assistant for a hardware store. Answer briefly and politely. " * 3
 QUESTIONS = [f"Question {i}: where are the {thing}?" for i, thing in
              enumerate(["hammers", "nails", "ladders", "paint brushes", "light bulbs", "garden hoses"])]

@@ -15,9 +15,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from components.common import TOKEN_COLORS
-from engine.granularity import GranularityResult
-from engine.ordering_lab import VariantResult
-from engine.scheduling import POLICY_NAMES, ScheduleResult
+from engine.lab.granularity import GranularityResult
+from engine.lab.ordering_runs import VariantResult
+from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
 from engine.types import NodeInfo
 
 CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]

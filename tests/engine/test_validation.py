@@ -10,8 +10,8 @@ import pytest
 
 from engine import validation
 from engine.engine import Engine
-from engine.model_runner import valid_text
 from engine.types import EngineError, GenerationRequest, SamplingParams
+from engine.validation import valid_text
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ from components.hardening import clean, sanitized
 from engine.engine import Engine
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Every endpoint a client may call by name. Adding one is a decision: add it here too.
 PUBLIC_ENDPOINTS = {"/chat", "/fewshot", "/fewshot_batch", "/tree_snapshot", "/ordering_lab", "/ordering_schedule"}

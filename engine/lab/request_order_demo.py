@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.engine import Engine
+from engine.lab.ordering_runs import LabPrompt, RunTotals, lab_request
 from engine.model_runner import ModelRunner
-from engine.ordering_lab import LabPrompt, RunTotals, lab_request
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"
@@ -62,7 +62,7 @@ class ScheduleProgress:
     stopped: bool = False
 
 
-class SchedulingLab:
+class RequestOrderDemo:
     """A small-budget engine of its own, on a shared runner; one comparison at a time."""
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -137,14 +137,15 @@ def _req(ids: Sequence[int], sampling: SamplingParams) -> GenerationRequest:
     return GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, tag="scheduling-lab")
 
 
-_LABS: dict[int, SchedulingLab] = {}
+_LABS: dict[int, RequestOrderDemo] = {}
 _LABS_LOCK = threading.Lock()
 
 
-def scheduling_lab_for(runner: ModelRunner) -> SchedulingLab:
-    """One ``SchedulingLab`` (and so one small engine) per runner, built on first use."""
+def request_order_demo_for(engine: Engine) -> RequestOrderDemo:
+    """One ``RequestOrderDemo`` (and so one small engine) per model runner, built on first use."""
+    runner = engine.runner
     with _LABS_LOCK:
         lab = _LABS.get(id(runner))
         if lab is None or lab.runner is not runner:
-            lab = _LABS[id(runner)] = SchedulingLab(runner)
+            lab = _LABS[id(runner)] = RequestOrderDemo(runner)
         return lab

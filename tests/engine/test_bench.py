@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.bench import bench_size, format_table
 from engine.engine import Engine
+from engine.tools.bench import bench_size, format_table
 
 
 def test_bench_rows_on_tiny_model(tiny_runner):

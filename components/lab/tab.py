@@ -3,11 +3,11 @@ ordering on the real engine and shows, side by side, what the order did to reuse
 and prefill time.
 
 Lays out and wires: preset buttons (and a custom template with its linter), the
-side-by-side results (figures from ``components.ordering_figures``, words from
-``components.ordering_views``), the miss explainer, the request-order demo
+side-by-side results (figures from ``components.lab.figures``, words from
+``components.lab.markdown``), the miss explainer, the request-order demo
 (FCFS vs longest-prefix-match on a small cache), the block-granularity
 simulation and the hosted-API cost estimate. Engine work lives in
-``engine.ordering_lab``, ``engine.scheduling`` and friends; this file only calls
+``engine.lab.ordering_runs``, ``engine.lab.request_order_demo`` and friends; this file only calls
 them and turns their errors into ``gr.Warning``.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import gradio as gr
 
-from components import ordering_figures as figs
-from components import ordering_views as views
 from components.common import TOKEN_COLORS, warn
-from components.ordering_presets import (
+from components.lab import figures as figs
+from components.lab import markdown as views
+from components.lab.presets import (
     CUSTOM_TEMPLATE,
     CUSTOM_VALUES,
     DEFAULT_PRESET,
@@ -28,13 +28,13 @@ from components.ordering_presets import (
     scheduling_queue,
 )
 from components.session import sub_namespace
-from engine.cost_estimate import PricingRules, estimate_cost
 from engine.engine import Engine
-from engine.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
-from engine.miss_explainer import explain_miss
-from engine.ordering_lab import LabPrompt, Variant, VariantResult, run_lab
-from engine.scheduling import scheduling_lab_for
-from engine.template_lint import lint_template, parse_values, render, suggest_order
+from engine.lab.cost_estimate import PricingRules, estimate_cost
+from engine.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
+from engine.lab.miss_explainer import explain_miss
+from engine.lab.ordering_runs import LabPrompt, Variant, VariantResult, run_lab
+from engine.lab.request_order_demo import request_order_demo_for
+from engine.lab.template_lint import lint_template, parse_values, render, suggest_order
 from engine.types import EngineError
 
 DEFAULT_REQUESTS = 6
@@ -102,9 +102,8 @@ def cost_view(results: Sequence[VariantResult] | None, price, fraction, minimum,
 
 
 def build_ordering_lab(engine: Engine) -> None:
-    runner = engine.runner
-    count_tokens = views.count_tokens_with(runner.encode)
-    special_ids = set(getattr(runner.tokenizer, "all_special_ids", []) or [])
+    count_tokens = views.count_tokens_with(engine.encode)
+    special_ids = set(engine.special_token_ids)
 
     def lint(a, b, values_text):
         """The linter's verdict on template A (and B), as Markdown."""
@@ -213,7 +212,7 @@ def build_ordering_lab(engine: Engine) -> None:
             q = variant.requests[qi]
         except (ValueError, IndexError):
             return [], "Pick a request from the list."
-        ex = explain_miss(q.prompt_ids, [p.cached_ids for p in variant.requests[:qi]], runner.decode,
+        ex = explain_miss(q.prompt_ids, [p.cached_ids for p in variant.requests[:qi]], engine.decode,
                           cached_tokens=q.cached_tokens, special_ids=special_ids)
         return views.explanation_spans(ex), views.explanation_markdown(ex, f"{variant.name} · {q.label}")
 
@@ -317,11 +316,11 @@ def build_ordering_lab(engine: Engine) -> None:
     def run_schedule(groups, per_group, budget, progress=gr.Progress()):
         queue = scheduling_queue(_clamp(per_group, 2, 4, 3), _clamp(groups, 2, 4, 3))
         budget = _clamp(budget, 16, 20_000, 520)
-        events = scheduling_lab_for(runner).compare(queue, budget)
+        events = request_order_demo_for(engine).compare(queue, budget)
         try:
             for ev in events:
                 progress((ev.done, ev.total), desc=ev.message, unit="requests")
-                text = (views.schedule_markdown(ev.results, budget, runner.kv_bytes_per_token, ev.stopped)
+                text = (views.schedule_markdown(ev.results, budget, engine.info().kv_bytes_per_token, ev.stopped)
                         if ev.finished else views.progress_markdown(ev.done, ev.total, ev.message))
                 yield text, figs.schedule_figure(ev.results)
         except EngineError as exc:
