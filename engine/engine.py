@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine import validation
+from engine import sampling, validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
@@ -274,7 +274,7 @@ class Engine:
                 break
             if step > 0:
                 logits = runner.forward_last([out_ids[-1]], kv)
-            tok = runner.sample(logits, params, generator)
+            tok = sampling.sample(logits, params, generator, out_ids)
             if ttft_ms is None:
                 ttft_ms = (time.perf_counter() - start) * 1000
                 t_decode = time.perf_counter()

@@ -168,21 +168,3 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         elif self.device.type == "mps":
             torch.mps.synchronize()
-
-    # --------------------------------------------------------------- sampling
-    @staticmethod
-    def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-        if params.temperature <= 0:
-            return int(torch.argmax(logits))
-        # Shifted by the max first: the same distribution, but a tiny temperature cannot
-        # overflow to inf (and NaN after softmax); it tends to greedy instead.
-        probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
-        if not bool(torch.isfinite(probs).all()):
-            return int(torch.argmax(logits))
-        if params.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -25,6 +25,11 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
+    # Loop guards (deterministic, so reuse still cannot change an answer): a token that
+    # would complete an n-gram already in the answer is never picked (0 = off), and
+    # tokens already in the answer have their logits divided (>1) as in CTRL / HF.
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,15 @@ class GenerationEvent:
     token_id: int | None = None
     done: bool = False
     metrics: RequestMetrics | None = None
+    # Where the request is: "queued" (``queue_ahead`` requests before it), "prefill"
+    # (``prefilled_tokens`` of ``prompt_tokens`` done, ``cached_tokens`` of them reused),
+    # "decode", "baseline" (the no-reuse measurement runs) or "done". Progress events
+    # carry no token (``token_id`` None) and the text so far.
+    phase: str = "decode"
+    queue_ahead: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -106,8 +106,14 @@ def check_sampling(params: object) -> SamplingParams:
             seed = int(s) if s.is_integer() else -1
         if isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
             raise EngineError(f"Seed must be a whole number from 0 to {MAX_SEED}.")
+    ngram = _finite(params.no_repeat_ngram_size, "No-repeat n-gram size")
+    penalty = _finite(params.repetition_penalty, "Repetition penalty")
+    if not 0 <= ngram <= 64:
+        raise EngineError("No-repeat n-gram size must be from 0 (off) to 64.")
+    if not 0 < penalty <= 10:
+        raise EngineError("Repetition penalty must be above 0 and at most 10 (1 is off).")
     return replace(params, max_new_tokens=int(max(-1.0, min(max_new, 2.0**31))), temperature=temperature,
-                   top_p=top_p, seed=seed)
+                   top_p=top_p, seed=seed, no_repeat_ngram_size=int(ngram), repetition_penalty=penalty)
 
 
 def valid_text(text: str) -> str:

@@ -42,6 +42,20 @@ def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine):
     assert engine.stats().cached_tokens > 0
 
 
+@pytest.mark.parametrize("guard", [dict(no_repeat_ngram_size=3), dict(repetition_penalty=1.3),
+                                   dict(no_repeat_ngram_size=2, repetition_penalty=1.2, temperature=0.7, seed=5)])
+def test_loop_guards_keep_outputs_identical_with_and_without_cache(tiny_runner, engine, guard):
+    off = Engine(tiny_runner, enable_cache=False)
+    vocab = len(tiny_runner.tokenizer)
+    shared = rand_ids(7, 40, vocab)
+    for i in range(3):
+        r = GenerationRequest(prompt_ids=tuple(shared + rand_ids(20 + i, 6, vocab)),
+                              sampling=SamplingParams(max_new_tokens=16, **guard))
+        on_m, off_m = engine.run(r), off.run(r)
+        assert on_m.output_ids == off_m.output_ids
+    assert engine.stats().cached_tokens > 0
+
+
 def test_cached_tokens_equal_longest_common_prefix(tiny_runner, engine):
     vocab = len(tiny_runner.tokenizer)
     a = rand_ids(1, 30, vocab)
