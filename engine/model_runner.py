@@ -16,7 +16,7 @@ import torch
 
 from engine.model_loader import LoadedModel
 from engine.request_kv import RequestKV
-from engine.types import EngineError, SamplingParams
+from engine.types import EngineError
 from engine.validation import flatten_content, valid_text
 
 

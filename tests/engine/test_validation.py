@@ -10,8 +10,8 @@ import pytest
 
 from engine import validation
 from engine.engine import Engine
-from engine.types import EngineError, GenerationRequest, SamplingParams
 from engine.sampling import sample
+from engine.types import EngineError, GenerationRequest, SamplingParams
 from engine.validation import valid_text
 
 
