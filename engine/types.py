@@ -76,6 +76,14 @@ class RequestMetrics:
     output_ids: list[int]
     output_text: str
     finished_at: float = 0.0
+    # How the request ran under the batching scheduler: the largest and mean number of
+    # requests in the forwards it took part in, how many prefill chunks its prompt took,
+    # and whether any of its prefill shared a step with other requests' decodes (then
+    # ``prefill_ms`` includes their work and reads high).
+    batch_size_max: int = 1
+    batch_size_mean: float = 1.0
+    prefill_chunks: int = 1
+    prefill_shared_step: bool = False
 
     @property
     def speedup(self) -> float | None:
