@@ -1,14 +1,17 @@
 """The engine facade: requests in, streamed events and metrics out.
 
-Owns: the request queue and the one worker thread that runs the model (model
-runs are serialised), validation of requests, the flow of one request
-(match -> prefill the rest -> insert -> decode -> insert), metrics and
-running totals. Knows nothing about the UI.
+Owns: validation of requests, the inbox (bounded: ``EngineBusy``), the one
+worker thread that drives the scheduler one step at a time under the runner's
+lock (engines sharing a runner take turns step by step), metrics and running
+totals. The scheduling itself (admission, batching, chunked prefill,
+fairness, memory) is ``engine/scheduler.py``; one running request is
+``engine/request.py``. Knows nothing about the UI.
 
 One request, in token positions::
 
     prompt ids:  [0 ........ cached) [cached ....... n)   generated ...
-                  copied from pool     prefilled now      decoded one by one
+                  copied from pool     prefilled in       decoded one per step,
+                                       chunks              batched with others
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from typing import NamedTuple
 
 import torch
 
-from engine import sampling, validation
+from engine import validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
+from engine.request import DONE, Request, RequestHandle
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -37,12 +42,13 @@ from engine.types import (
     GenerationEvent,
     GenerationRequest,
     RequestMetrics,
+    StepRecord,
     TreeSnapshot,
 )
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
+__all__ = ["Engine", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
 
 
 def default_budget_bytes(device: torch.device) -> int:
@@ -53,6 +59,12 @@ def default_budget_bytes(device: torch.device) -> int:
     return 2**30
 
 
+def default_chunk_tokens(device: torch.device) -> int:
+    """Prompt tokens per scheduler step: 256 on CPU (about half a second of prefill on two
+    cores, so streams keep moving), 2,048 on accelerators."""
+    return 256 if device.type == "cpu" else 2048
+
+
 class PrefillResult(NamedTuple):
     logits: torch.Tensor  # fp32 logits of the last prompt position
     cached_tokens: int
@@ -61,35 +73,14 @@ class PrefillResult(NamedTuple):
     path: tuple[int, ...]
 
 
-class RequestHandle:
-    """A submitted request: iterate it for events; ``cancel()`` stops it at the next token."""
-
-    def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
-        self.submitted_at = time.perf_counter()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def __iter__(self) -> Iterator[GenerationEvent]:
-        try:
-            while True:
-                item = self.events.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel()  # a consumer that stops listening stops the work
-
-
 class Engine:
+    """Requests in, events out. ``max_batch`` requests run together (1 gives the
+    one-at-a-time engine); ``chunk_tokens`` bounds the prompt tokens computed per step."""
+
     def __init__(self, runner: ModelRunner, budget_bytes: int | None = None, enable_cache: bool = True,
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
-                 max_new_tokens_cap: int = 512, history_size: int = 1000) -> None:
+                 max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
+                 chunk_tokens: int | None = None) -> None:
         self.runner = runner
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         if enable_cache:
@@ -101,12 +92,18 @@ class Engine:
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
         self.max_new_tokens_cap = max_new_tokens_cap
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)  # the inbox; the scheduler drains it
         self._stats_lock = threading.Lock()
         self._next_id = 1
+        self._seq = 0
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
                             baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+        config = SchedulerConfig(max_batch=max(1, int(max_batch)),
+                                 chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
+                                 isolation=isolation)
+        self.scheduler = Scheduler(runner, self.cache, config, self._request_key, self._record)
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
@@ -118,13 +115,17 @@ class Engine:
         """
         ids = self.prompt_ids(request)
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
-        handle = RequestHandle(request)
-        handle.ids = ids
+        with self._stats_lock:
+            rid = self._next_id
+            self._next_id += 1
+        handle = RequestHandle(request, ids, rid)
+        busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
+        if self._queue.qsize() + len(self.scheduler.waiting) >= self.max_queue:
+            raise busy
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
-            raise EngineBusy("The engine is busy: too many requests are waiting. Please try again in a "
-                             "moment.") from None
+            raise busy from None
         return handle
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
@@ -195,10 +196,18 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._stats_lock:
             t = dict(self._totals)
+        sched = self.scheduler
+        waiting = self._queue.qsize() + len(sched.waiting)
         return EngineStats(**t, cache_bytes=self.cache.bytes_in_use, budget_bytes=self.cache.budget_bytes,
                            cached_tokens_now=self.cache.num_tokens, num_nodes=self.cache.num_nodes,
-                           evicted_tokens=self.cache.evicted_tokens, queue_depth=self._queue.qsize(),
-                           locked_tokens=self.cache.locked_tokens())
+                           evicted_tokens=self.cache.evicted_tokens, queue_depth=waiting,
+                           locked_tokens=self.cache.locked_tokens(), running=len(sched.running), waiting=waiting,
+                           tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
+                           reserved_bytes=self.cache.reserved_tokens * self.cache.bytes_per_token)
+
+    def step_log(self, n: int | None = None) -> list[StepRecord]:
+        """The scheduler's last ``n`` forwards (all kept ones if None), oldest first."""
+        return self.scheduler.step_log(n)
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._stats_lock:
@@ -229,75 +238,43 @@ class Engine:
         unless isolation is on; the ordering lab uses one namespace per variant)."""
         return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
+    def _request_key(self, ids: list[int], r: Request) -> CacheKey:
+        return self.cache_key(ids, r.req)
+
     # ---------------------------------------------------------------- worker
     def _work(self) -> None:
         while True:
-            handle = self._queue.get()
+            pending = [self._queue.get()]  # sleeps while idle
+            while True:
+                try:
+                    with self.runner.lock:  # engines sharing one runner take turns, step by step
+                        self._take(pending)
+                        pending = []
+                        self.scheduler.step()
+                        idle = not self.scheduler.has_work()
+                except Exception as exc:  # never kill the worker; fail what was running, report one line
+                    log.exception("scheduler step failed")
+                    self.scheduler.fail_all(exc)
+                    idle = not self.scheduler.has_work()
+                if idle and self._queue.empty():
+                    break
+
+    def _take(self, pending: list[RequestHandle]) -> None:
+        """Move the inbox into the scheduler's waiting list."""
+        while True:
             try:
-                if handle.cancelled.is_set():
-                    continue
-                with self.runner.lock:  # engines sharing one runner take turns on the model
-                    for event in self._run(handle):
-                        handle.events.put(event)
-            except EngineError as exc:
-                handle.events.put(exc)
-            except Exception as exc:  # never kill the worker; report one line
-                log.exception("request failed")
-                handle.events.put(EngineError(f"The request failed: {type(exc).__name__}: {exc}"[:300]))
-            finally:
-                handle.events.put(_DONE)
-
-    def _run(self, handle: RequestHandle) -> Iterator[GenerationEvent]:
-        req, ids, runner = handle.request, handle.ids, self.runner
-        start = time.perf_counter()
-        queue_ms = (start - handle.submitted_at) * 1000
-        params = req.sampling
-        max_new = max(0, min(int(params.max_new_tokens), self.max_new_tokens_cap,
-                             runner.max_context - len(ids)))
-        key = self.cache_key(ids, req)
-        kv = runner.new_request_kv(len(ids) + max_new)
-        pre = self.prefill(key, kv)
-        logits, cached, prefill_ms, inserted = pre.logits, pre.cached_tokens, pre.prefill_ms, pre.inserted_tokens
-
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                     else int(time.time_ns() % 2**31))
-        out_ids: list[int] = []
-        finish = "length"
-        ttft_ms = None
-        t_decode = time.perf_counter()
-        text = ""
-        for step in range(max_new):
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for handle in pending:
             if handle.cancelled.is_set():
-                finish = "cancelled"
-                break
-            if step > 0:
-                logits = runner.forward_last([out_ids[-1]], kv)
-            tok = sampling.sample(logits, params, generator, out_ids)
-            if ttft_ms is None:
-                ttft_ms = (time.perf_counter() - start) * 1000
-                t_decode = time.perf_counter()
-            if tok in runner.eos_ids:
-                finish = "stop"
-                break
-            out_ids.append(tok)
-            text = runner.decode(out_ids)
-            yield GenerationEvent(text=text.rstrip("\ufffd"), token_id=tok)
-        decode_s = time.perf_counter() - t_decode
-        if ttft_ms is None:
-            ttft_ms = (time.perf_counter() - start) * 1000
-        # Prompt plus reply, so the next chat turn reuses the answer too.
-        if kv.length > len(ids):
-            inserted += self.cache.insert(self.cache_key(list(ids) + out_ids[: kv.length - len(ids)], req), kv)
-
-        baseline_ms = None
-        if req.measure_baseline and not handle.cancelled.is_set():
-            _, baseline_ms = runner.baseline_prefill(ids)
-        metrics = self._record(req, key, ids, out_ids, text, cached, prefill_ms, baseline_ms, ttft_ms, queue_ms,
-                               (len(out_ids) - 1) / decode_s if len(out_ids) > 1 and decode_s > 0 else None,
-                               finish, inserted, pre.path)
-        yield GenerationEvent(text=text, done=True, metrics=metrics)
+                handle.events.put(DONE)
+                continue
+            req, ids = handle.request, handle.ids
+            max_new = max(0, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap,
+                                 self.runner.max_context - len(ids)))
+            self._seq += 1
+            self.scheduler.add(Request(handle, self.cache_key(ids, req), max_new, self._seq))
 
     def prefill(self, key: CacheKey, kv) -> PrefillResult:
         """Prefill ``key.ids`` into the empty buffer ``kv``, reusing the longest cached
@@ -316,11 +293,19 @@ class Engine:
             self.cache.release(handle)
         return PrefillResult(logits, handle.cached_tokens, prefill_ms, inserted, handle.path)
 
-    def _record(self, req, key, ids, out_ids, text, cached, prefill_ms, baseline_ms, ttft_ms, queue_ms,
-                decode_tps, finish, inserted, path) -> RequestMetrics:
+    def _record(self, r: Request) -> RequestMetrics:
+        req, ids, out_ids = r.req, r.ids, r.out_ids
+        now = time.perf_counter()
+        admitted = r.admitted_at if r.admitted_at is not None else now
+        queue_ms = (admitted - r.handle.submitted_at) * 1000
+        ttft_ms = ((r.first_token_at if r.first_token_at is not None else now) - admitted) * 1000
+        decode_tps = None
+        if len(out_ids) > 1 and r.first_token_at is not None and r.last_token_at is not None:
+            span = r.last_token_at - r.first_token_at
+            decode_tps = (len(out_ids) - 1) / span if span > 0 else None
+        cached, prefill_ms, baseline_ms = r.cached_tokens, r.prefill_ms, r.baseline_ms
+        sizes = r.batch_sizes or [1]
         with self._stats_lock:
-            rid = self._next_id
-            self._next_id += 1
             t = self._totals
             t["requests"] += 1
             t["prompt_tokens"] += len(ids)
@@ -331,12 +316,14 @@ class Engine:
                 t["baseline_prefill_ms"] += baseline_ms
                 t["reuse_prefill_ms_measured"] += prefill_ms
             m = RequestMetrics(
-                request_id=rid, tag=req.tag, namespace=key.namespace, prompt_tokens=len(ids),
+                request_id=r.request_id, tag=req.tag, namespace=r.key.namespace, prompt_tokens=len(ids),
                 cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=prefill_ms,
                 baseline_prefill_ms=baseline_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
-                decode_tokens_per_s=decode_tps, output_tokens=len(out_ids), finish_reason=finish,
+                decode_tokens_per_s=decode_tps, output_tokens=len(out_ids), finish_reason=r.finish_reason,
                 cache_bytes=self.cache.bytes_in_use, cache_budget_bytes=self.cache.budget_bytes,
-                evicted_tokens=self.cache.evicted_tokens, inserted_tokens=inserted, matched_path=list(path),
-                prompt_ids=list(ids), output_ids=list(out_ids), output_text=text, finished_at=time.time())
+                evicted_tokens=self.cache.evicted_tokens, inserted_tokens=r.inserted_tokens,
+                matched_path=list(r.path), prompt_ids=list(ids), output_ids=list(out_ids), output_text=r.text,
+                finished_at=time.time(), batch_size_max=max(sizes), batch_size_mean=sum(sizes) / len(sizes),
+                prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step)
             self.history.append(m)
             return m

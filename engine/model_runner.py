@@ -1,8 +1,19 @@
 """The model runner: the only code that runs the transformers model and tokenizer.
 
 Owns: tokenizing (chat template or raw text), forward passes on a request's
-KV buffer, the no-reuse baseline prefill, sampling and detokenizing. Knows
-nothing about the radix tree or the pool: it is handed token ids and buffers.
+KV buffer, batched decode forwards over many requests' buffers, the no-reuse
+baseline prefill and detokenizing. Knows nothing about the radix tree, the
+pool or the scheduler: it is handed token ids and buffers.
+
+Batched decode (``decode_batch``): one forward over B requests, one new token
+each. Everything but attention (embeddings, projections, MLP, logits) runs as
+one ``[B, 1]`` batch, which is where the time goes on a CPU. Attention runs per
+row on that row's own buffer (``_rows_attention``, registered with
+transformers' ``AttentionInterface``): no padding, no mask, no copy of anyone's
+KV, and each row attends with exactly the call a lone decode makes, so a
+batched answer equals a lone one (fp32). Outside a batched forward the same
+registered function is plain SDPA with SDPA's masks: single-request paths are
+unchanged.
 """
 
 from __future__ import annotations
@@ -15,9 +26,36 @@ from collections.abc import Sequence
 import torch
 
 from engine.model_loader import LoadedModel
-from engine.request_kv import RequestKV
+from engine.request_kv import RequestKV, RowsCache
 from engine.types import EngineError
 from engine.validation import flatten_content, valid_text
+
+ROWS_ATTENTION = "radix_rows"
+_batch = threading.local()  # the buffers of the batched forward running on this thread, if any
+
+
+def _rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA, except inside ``decode_batch``: there each row attends over its own buffer."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kvs = getattr(_batch, "kvs", None)
+    if kvs is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer = module.layer_idx
+    outs = []
+    for i, kv in enumerate(kvs):
+        row = kv.layers[layer]
+        out, _ = sdpa_attention_forward(module, query[i:i + 1], row.keys, row.values, None, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=0), None
+
+
+def _register_rows_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, sdpa_mask)
 
 
 class ModelRunner:
@@ -39,7 +77,26 @@ class ModelRunner:
         self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()  # one forward at a time, whichever engine asks
+        self.can_batch = self._enable_batching()
         self._warm_up()
+
+    def _enable_batching(self) -> bool:
+        """Switch the model to the row-wise attention, where that is exact: SDPA models
+        with full attention in every layer (no sliding window, no logit soft-capping).
+        Others decode one request per forward (still scheduled together)."""
+        cfg = self.model.config.get_text_config(decoder=True)
+        if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+            return False
+        if self.model.config._attn_implementation not in ("sdpa", ROWS_ATTENTION):
+            return False
+        try:
+            _register_rows_attention()
+            self.model.set_attn_implementation(ROWS_ATTENTION)
+        except Exception:  # an architecture that does not take registered attention
+            return False
+        return self.model.config._attn_implementation == ROWS_ATTENTION
 
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""
@@ -48,6 +105,9 @@ class ModelRunner:
         self.forward_last(ids[:8], kv)
         self.forward_last(ids[8:], kv)
         self.baseline_prefill(ids)
+        other = self.new_request_kv(4)
+        self.forward_last(ids[:3], other)
+        self.decode_batch([1, 2], [kv, other])
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -148,6 +208,29 @@ class ModelRunner:
         out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: Sequence[int], kvs: Sequence[RequestKV]) -> torch.Tensor:
+        """One new token per request: ``tokens[i]`` runs after the ``kvs[i].length`` tokens in
+        ``kvs[i]`` (lengths may differ) and its KV is appended there. Returns fp32 logits
+        ``[len(tokens), vocab]``. One request, or a model without row-wise attention, takes
+        the single-request path per row."""
+        if len(tokens) != len(kvs) or not tokens:
+            raise EngineError("decode_batch needs one token per buffer")
+        if len(tokens) == 1 or not self.can_batch:
+            return torch.stack([self.forward_last([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
+        b = len(tokens)
+        input_ids = torch.tensor([[t] for t in tokens], device=self.device)
+        positions = torch.tensor([[kv.length] for kv in kvs], device=self.device)
+        # A 4D mask is taken as given (no mask is built); the row-wise attention ignores it.
+        mask = torch.ones((b, 1, 1, 1), dtype=torch.bool, device=self.device)
+        _batch.kvs = list(kvs)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                             cache=RowsCache(kvs), use_cache=True, logits_to_keep=1)
+        finally:
+            _batch.kvs = None
+        return out.logits[:, -1].float()
 
     @torch.inference_mode()
     def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:

@@ -67,6 +67,17 @@ class PrefixCache(Protocol):
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
 
+    def reserve(self, num_tokens: int) -> bool:
+        """Hold ``num_tokens`` of the budget for a running request's own KV (inserts then
+        leave it free), evicting unlocked entries for room. False, with nothing evicted,
+        when even evicting every unlocked entry would not make room."""
+
+    def unreserve(self, num_tokens: int) -> None:
+        """Give back what ``reserve`` held."""
+
+    @property
+    def reserved_tokens(self) -> int: ...
+
     def clear(self, namespace: str | None = None) -> int:
         """Evict every unlocked entry (only ``namespace``'s, if given); returns tokens freed."""
 
@@ -111,6 +122,19 @@ class NoPrefixCache:
         self.bytes_per_token = bytes_per_token
         self.budget_bytes = budget_bytes
         self.evicted_tokens = 0
+        self.reserved_tokens = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, num_tokens: int) -> bool:
+        with self._lock:
+            if self.reserved_tokens + num_tokens > self.budget_bytes // self.bytes_per_token:
+                return False
+            self.reserved_tokens += num_tokens
+            return True
+
+    def unreserve(self, num_tokens: int) -> None:
+        with self._lock:
+            self.reserved_tokens = max(0, self.reserved_tokens - num_tokens)
 
     def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
         return CacheHandle(0, (), None)
@@ -160,6 +184,27 @@ class RadixCache:
         self.pool = pool
         self.tree = RadixTree()
         self._lock = threading.RLock()
+        self.reserved_tokens = 0  # budget held by running requests' own buffers
+
+    def _room(self) -> int:
+        """Free slots that no running request has reserved."""
+        return self.pool.num_free - self.reserved_tokens
+
+    def reserve(self, num_tokens: int) -> bool:
+        with self._lock:
+            if num_tokens > self.pool.capacity - self.reserved_tokens - self.locked_tokens():
+                return False
+            short = num_tokens - self._room()
+            if short > 0:
+                self.pool.free(self.tree.evict(short))
+            if self._room() < num_tokens:
+                return False
+            self.reserved_tokens += num_tokens
+            return True
+
+    def unreserve(self, num_tokens: int) -> None:
+        with self._lock:
+            self.reserved_tokens = max(0, self.reserved_tokens - num_tokens)
 
     @property
     def bytes_per_token(self) -> int:
@@ -238,13 +283,13 @@ class RadixCache:
             if anchor is not None:
                 self.tree.lock(anchor)
             try:
-                short = need - self.pool.num_free
+                short = need - self._room()
                 if short > 0:
                     self.pool.free(self.tree.evict(short))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)
-            take = min(need, self.pool.num_free)
+            take = min(need, self._room())
             if take <= 0:
                 return 0
             slots = self.pool.alloc(take)

@@ -8,6 +8,10 @@ cached prefix) and then only appended to, so the prefix is copied exactly once.
 
 Buffer layout: ``k[layer, kv_head, token, head_dim]``, the pool's layout, so
 pool <-> buffer copies are plain slice copies.
+
+``RowsCache`` is the cache object of a batched decode forward: row ``i`` of the
+batch appends its new key and value to its own ``RequestKV``; the model runner's
+row-wise attention then reads each row's buffer. No KV is gathered or padded.
 """
 
 from __future__ import annotations
@@ -90,3 +94,36 @@ class RequestKV:
             if layer.is_initialized:
                 layer._refresh()
         return self.k[:, :, :n], self.v[:, :, :n]
+
+
+class _RowsLayer(DynamicLayer):
+    """One layer of a batched decode: hands row ``i``'s new KV to buffer ``i``."""
+
+    def __init__(self, kvs: list[RequestKV], layer_idx: int) -> None:
+        super().__init__()
+        self._kvs, self._idx = kvs, layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for i, kv in enumerate(self._kvs):
+            kv.layers[self._idx].update(key_states[i:i + 1], value_states[i:i + 1])
+        return key_states, value_states  # attention reads the rows' buffers, not these
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("batched decode caches are never cropped")
+
+
+class RowsCache(Cache):
+    """A batched decode's cache: one ``RequestKV`` per batch row, lengths may differ."""
+
+    def __init__(self, kvs) -> None:
+        kvs = list(kvs)
+        super().__init__(layers=[_RowsLayer(kvs, i) for i in range(len(kvs[0].layers))])

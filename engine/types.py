@@ -77,9 +77,10 @@ class RequestMetrics:
     output_text: str
     finished_at: float = 0.0
     # How the request ran under the batching scheduler: the largest and mean number of
-    # requests in the forwards it took part in, how many prefill chunks its prompt took,
-    # and whether any of its prefill shared a step with other requests' decodes (then
-    # ``prefill_ms`` includes their work and reads high).
+    # requests in the decode forwards it took part in, how many prefill chunks its prompt
+    # took, and whether other requests' decodes ran in the steps of its prefill. The
+    # scheduler runs a prefill chunk as a forward of its own, so ``prefill_ms`` (its own
+    # forwards plus the match and copy) never includes their work; ``ttft_ms`` does.
     batch_size_max: int = 1
     batch_size_mean: float = 1.0
     prefill_chunks: int = 1
@@ -110,6 +111,25 @@ class GenerationEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefilled_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward the scheduler ran: a prefill chunk (one request), a batched decode
+    (one token per request in it) or a no-reuse baseline chunk. Steps group forwards:
+    a step runs prefill chunks, then one decode, then baseline chunks."""
+
+    step_id: int
+    kind: str  # "prefill", "decode" or "baseline"
+    request_ids: tuple[int, ...]
+    namespaces: tuple[str, ...]
+    batch_size: int
+    computed_tokens: int  # tokens run through the model
+    cached_tokens: int  # prompt tokens served from the cache (on a request's first chunk)
+    duration_ms: float
+    finished_at: float  # time.time()
+    running: int = 0  # requests admitted after this forward
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,11 @@ class EngineStats:
     evicted_tokens: int
     queue_depth: int
     locked_tokens: int = 0  # cached tokens pinned by running requests right now
+    running: int = 0  # requests admitted by the scheduler (prefill, decode or baseline)
+    waiting: int = 0  # requests not admitted yet (same as queue_depth)
+    tokens_per_s: float = 0.0  # output tokens per second, all requests, over the last seconds
+    max_batch: int = 1
+    reserved_bytes: int = 0  # budget held for running requests' own KV buffers
 
     @property
     def hit_rate(self) -> float:

@@ -1,0 +1,158 @@
+"""One request inside the engine: its handle to the caller and its running state.
+
+Owns: the ``RequestHandle`` a caller iterates (events in, cancel out) and the
+``Request`` object the scheduler moves through its states (waiting -> prefill
+-> decode -> [baseline] -> done): token ids, the request's KV buffer, the
+output so far and its text (detokenized incrementally), the seeded sampler,
+timings and counters for the metrics. Knows nothing about the model or the
+cache: the scheduler does the work and writes the results here.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from enum import Enum
+
+import torch
+
+from engine.radix_tree import CacheKey
+from engine.request_kv import RequestKV
+from engine.types import GenerationEvent, GenerationRequest
+
+DONE = object()  # end-of-stream marker on a handle's event queue
+
+
+class RequestHandle:
+    """A submitted request: iterate it for events; ``cancel()`` stops it at the next step."""
+
+    def __init__(self, request: GenerationRequest, ids: list[int] | None = None, request_id: int = 0) -> None:
+        self.request = request
+        self.ids = ids
+        self.request_id = request_id
+        self.events: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        try:
+            while True:
+                item = self.events.get()
+                if item is DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()  # a consumer that stops listening stops the work
+
+
+class State(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BASELINE = "baseline"
+    DONE = "done"
+
+
+class Request:
+    """A request the scheduler runs; one per submitted handle."""
+
+    def __init__(self, handle: RequestHandle, key: CacheKey, max_new_tokens: int, seq: int) -> None:
+        self.handle = handle
+        self.req: GenerationRequest = handle.request
+        self.ids: list[int] = list(handle.ids or ())
+        self.key = key
+        self.max_new_tokens = max_new_tokens
+        self.seq = seq  # arrival order
+        self.state = State.WAITING
+        # KV and the cache
+        self.kv: RequestKV | None = None
+        self.cache_handle = None  # what PrefixCache.acquire locked, until the prompt is cached
+        self.reserved_tokens = 0  # budget held while running (the buffer's capacity)
+        self.cached_tokens = 0
+        self.inserted_tokens = 0
+        self.path: tuple[int, ...] = ()
+        # prefill
+        self.prefill_ms = 0.0
+        self.prefill_chunks = 0
+        self.prefill_shared_step = False
+        self.last_logits: torch.Tensor | None = None
+        # output
+        self.out_ids: list[int] = []
+        self.text = ""
+        self._detok_from = 0  # out_ids[_detok_from:] is decoded each token (a short window)
+        self._text_before = ""  # text of out_ids[:_detok_from]
+        self._ctx_text = ""  # text of the context tokens decoded before the window
+        self.generator: torch.Generator | None = None
+        self.finish_reason = "length"
+        # timings (perf_counter seconds) and batch sizes
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.batch_sizes: list[int] = []
+        # the no-reuse baseline, measured after the answer as work of its own
+        self.baseline_kv: RequestKV | None = None
+        self.baseline_ms: float | None = None
+        # policy bookkeeping
+        self.match_len = 0
+        self.match_checked_at = -1.0
+        self.last_queue_ahead = -1
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def request_id(self) -> int:
+        return self.handle.request_id
+
+    @property
+    def namespace(self) -> str:
+        return self.key.namespace
+
+    @property
+    def cancelled(self) -> bool:
+        return self.handle.cancelled.is_set()
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens whose KV is in the buffer (cached plus computed so far)."""
+        return min(self.kv.length, len(self.ids)) if self.kv is not None else 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return len(self.ids) + self.max_new_tokens
+
+    def emit(self, event: GenerationEvent | BaseException | object) -> None:
+        self.handle.events.put(event)
+
+    # ------------------------------------------------------------ the answer
+    def append_token(self, token_id: int, decode: Callable[[Sequence[int]], str]) -> str:
+        """Add a sampled token; return the text so far (without a trailing partial character).
+
+        Decodes only a short window of recent tokens per call (with a few tokens of context
+        before it, so tokenizers that drop a leading space still join up), so a long answer
+        costs linear time: decoding the whole answer per token is quadratic. The final text
+        is decoded whole at the end anyway.
+        """
+        self.out_ids.append(token_id)
+        ctx = max(0, self._detok_from - 4)
+        window = decode(self.out_ids[ctx:])
+        if window.endswith("\ufffd"):
+            return self.text
+        piece = window[len(self._ctx_text):] if window.startswith(self._ctx_text) else window
+        self.text = self._text_before + piece
+        if len(self.out_ids) - self._detok_from >= 8:
+            self._detok_from = len(self.out_ids)
+            self._text_before = self.text
+            self._ctx_text = decode(self.out_ids[max(0, self._detok_from - 4):])
+        return self.text
+
+    def seed_generator(self) -> None:
+        params = self.req.sampling
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(time.time_ns() % 2**31)
+            self.generator = torch.Generator().manual_seed(seed)
