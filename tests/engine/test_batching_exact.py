@@ -1,0 +1,142 @@
+"""Batching never changes what the model computes (tiny random Llama, fp32).
+
+The batched decode forward is compared, row by row, with a from-scratch forward of the
+same tokens; engine answers under batching with lone runs on an engine with no cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.radix_tree import CacheKey
+from engine.types import GenerationRequest, SamplingParams
+from tests.helpers_app import assert_clean, wait_idle
+
+
+def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def req(ids, n=8, **kw) -> GenerationRequest:
+    sampling = kw.pop("sampling", None) or SamplingParams(max_new_tokens=n)
+    return GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, **kw)
+
+
+def together(engine: Engine, requests) -> list:
+    """Submit while the model is busy, so the scheduler admits them in one step; return metrics."""
+    with engine.runner.lock:
+        handles = [engine.submit(r) for r in requests]
+    return [list(h)[-1].metrics for h in handles]
+
+
+def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
+    """Rows of different lengths and different cached prefixes, joining and leaving between
+    steps: every row's logits equal a from-scratch forward of its tokens (1e-4)."""
+    vocab = len(tiny_runner.tokenizer)
+    shared = rand_ids(1, 20, vocab)
+    prompts = [rand_ids(2, 5, vocab), shared + rand_ids(3, 9, vocab), shared + rand_ids(4, 31, vocab),
+               rand_ids(5, 60, vocab)]
+    engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
+    engine.run(req(shared + [7], 1))  # rows 1 and 2 reuse a cached prefix
+    kvs, seqs = [], []
+    for i, p in enumerate(prompts):
+        kv = tiny_runner.new_request_kv(len(p) + 8)
+        res = engine.prefill(engine.cache_key(p, req(p)), kv)
+        assert (res.cached_tokens > 0) == (i in (1, 2))
+        kvs.append(kv)
+        seqs.append(list(p))
+    schedule = [[0, 1], [0, 1, 2], [1, 2, 3], [2, 3], [0, 2, 3], [3]]
+    for step, rows in enumerate(schedule):
+        tokens = [11 + step + r for r in rows]
+        logits = tiny_runner.decode_batch(tokens, [kvs[r] for r in rows])
+        for i, r in enumerate(rows):
+            seqs[r].append(tokens[i])
+            ref, _ = tiny_runner.baseline_prefill(seqs[r])
+            assert torch.allclose(logits[i], ref, atol=1e-4), (step, r, (logits[i] - ref).abs().max())
+            assert kvs[r].length == len(seqs[r])
+    engine.check_invariants()
+
+
+def test_chunked_prefill_logits_exact(tiny_runner):
+    ids = rand_ids(9, 53, len(tiny_runner.tokenizer))
+    kv = tiny_runner.new_request_kv(len(ids))
+    for start in range(0, len(ids), 7):
+        logits = tiny_runner.forward_last(ids[start:start + 7], kv)
+    ref, _ = tiny_runner.baseline_prefill(ids)
+    assert torch.allclose(logits, ref, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lone(tiny_runner):
+    """Answers of requests run one at a time with no cache."""
+    engine = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    return lambda r: engine.run(r).output_ids
+
+
+def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
+    vocab = len(tiny_runner.tokenizer)
+    shared = rand_ids(10, 30, vocab)
+    requests = [req(shared + rand_ids(20 + i, 3 + 4 * i, vocab), n=4 + 3 * i) for i in range(6)]
+    requests.append(req(rand_ids(99, 17, vocab), n=12))
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token, chunk_tokens=16)
+    metrics = together(engine, requests)
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == lone(r)
+    assert max(m.batch_size_max for m in metrics) >= 4
+    assert any(m.prefill_chunks > 1 for m in metrics)  # 16 tokens a step: the long prompts took chunks
+    wait_idle(engine)
+    assert_clean(engine)
+    assert engine.cache.reserved_tokens == 0
+
+
+def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    first = [req(rand_ids(30 + i, 12, vocab), n=40) for i in range(2)]
+    handles = [engine.submit(r) for r in first]
+    streams = [iter(h) for h in handles]
+    for s in streams:
+        next(s)  # both are decoding
+    later = [req(rand_ids(40 + i, 25, vocab), n=6) for i in range(3)]
+    later_metrics = [engine.run(r) for r in later]  # join, run, leave while the first two decode
+    first_metrics = [[e for e in s][-1].metrics for s in streams]
+    for r, m in zip(first + later, first_metrics + later_metrics, strict=True):
+        assert m.output_ids == lone(r)
+    assert max(m.batch_size_max for m in first_metrics) >= 3
+
+
+@pytest.mark.parametrize("guard", [dict(), dict(no_repeat_ngram_size=2, repetition_penalty=1.2)])
+def test_seeded_sampling_same_alone_or_batched(tiny_runner, lone, guard):
+    vocab = len(tiny_runner.tokenizer)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=s, **guard) for s in range(4)]
+    requests = [req(rand_ids(50 + i, 10 + i, vocab), sampling=p) for i, p in enumerate(params)]
+    engine = Engine(tiny_runner)
+    metrics = together(engine, requests)
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == lone(r)
+
+
+def test_cached_prefixes_differ_per_row(tiny_runner, lone):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    a, b = rand_ids(60, 40, vocab), rand_ids(61, 15, vocab)
+    engine.run(req(a, 1))
+    engine.run(req(b, 1))
+    requests = [req(a[:25] + rand_ids(62, 5, vocab)), req(b + rand_ids(63, 9, vocab)), req(rand_ids(64, 11, vocab)),
+                req(a + rand_ids(65, 2, vocab))]
+    metrics = together(engine, requests)
+    assert [m.cached_tokens for m in metrics] == [25, 15, 0, 40]
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == lone(r)
+    engine.check_invariants()
+
+
+def test_public_prefill_api_unchanged(tiny_runner):
+    """``Engine.prefill`` (the bench uses it) still prefills one request synchronously."""
+    engine = Engine(tiny_runner)
+    ids = rand_ids(70, 20, len(tiny_runner.tokenizer))
+    kv = tiny_runner.new_request_kv(len(ids))
+    res = engine.prefill(CacheKey(tuple(ids)), kv)
+    ref, _ = tiny_runner.baseline_prefill(ids)
+    assert torch.allclose(res.logits, ref, atol=1e-4) and res.cached_tokens == 0

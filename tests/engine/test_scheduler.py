@@ -1,0 +1,176 @@
+"""The scheduler's policy on a tiny random Llama: in-batch prefix sharing, memory held by
+running requests, order (longest cached prefix, ageing, namespaces), isolation, cancel,
+the baseline as work of its own, progress events and the step log."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.engine import Engine
+from engine.types import GenerationRequest, SamplingParams
+from tests.helpers_app import assert_clean, wait_idle
+
+
+def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def req(ids, n=4, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n), **kw)
+
+
+def submit_together(engine: Engine, requests):
+    with engine.runner.lock:
+        return [engine.submit(r) for r in requests]
+
+
+def finish_order(engine: Engine) -> list[int]:
+    return [m.request_id for m in engine.recent()]
+
+
+def configure(engine: Engine, **changes) -> Engine:
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, **changes)
+    return engine
+
+
+def test_same_uncached_prefix_is_computed_once(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    shared = rand_ids(1, 60, vocab)
+    handles = submit_together(engine, [req(shared + rand_ids(10 + i, 5, vocab)) for i in range(4)])
+    metrics = [list(h)[-1].metrics for h in handles]
+    assert sorted(m.cached_tokens for m in metrics) == [0, 60, 60, 60]
+    assert sum(m.computed_tokens for m in metrics) == 60 + 4 * 5
+    assert_clean(engine)
+
+
+def test_running_requests_count_against_the_budget(tiny_runner):
+    """Each running request reserves its buffer (prompt + new tokens): with room for two,
+    no more than two run at once; the rest wait, nothing is lost, the cache stays in budget."""
+    vocab = len(tiny_runner.tokenizer)
+    bpt = tiny_runner.kv_bytes_per_token
+    engine = Engine(tiny_runner, budget_bytes=70 * bpt)  # each request needs 30 + 5
+    requests = [req(rand_ids(20 + i, 30, vocab), 5) for i in range(5)]
+    handles = submit_together(engine, requests)
+    metrics = [list(h)[-1].metrics for h in handles]
+    assert all(m.output_tokens == 5 for m in metrics)
+    assert max(rec.running for rec in engine.step_log()) <= 2
+    assert all(m.cache_bytes <= 70 * bpt for m in metrics)
+    off = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    assert [m.output_ids for m in metrics] == [off.run(r).output_ids for r in requests]
+    wait_idle(engine)
+    assert_clean(engine)
+    assert engine.cache.reserved_tokens == 0
+
+
+def test_request_larger_than_budget_still_completes(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=10 * tiny_runner.kv_bytes_per_token)
+    handles = submit_together(engine, [req(rand_ids(30 + i, 40, vocab), 3) for i in range(3)])
+    assert all(list(h)[-1].metrics.output_tokens == 3 for h in handles)
+    assert_clean(engine)
+    assert engine.cache.reserved_tokens == 0
+
+
+def test_longest_cached_prefix_first_then_ageing(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, max_batch=1, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    cached = rand_ids(40, 30, vocab)
+    engine.run(req(cached, 1))
+    before = len(engine.recent())
+    cold, warm = req(rand_ids(41, 30, vocab)), req(cached + rand_ids(42, 3, vocab))
+    handles = submit_together(engine, [cold, warm])
+    for h in handles:
+        list(h)
+    assert finish_order(engine)[before:] == [handles[1].request_id, handles[0].request_id]
+    # Waited too long: first come, first served.
+    configure(engine, max_wait_s=0.0)
+    cold2, warm2 = req(rand_ids(43, 30, vocab)), req(cached + rand_ids(44, 3, vocab))
+    handles = submit_together(engine, [cold2, warm2])
+    for h in handles:
+        list(h)
+    assert finish_order(engine)[-2:] == [handles[0].request_id, handles[1].request_id]
+
+
+def test_isolation_runs_one_request_per_visitor_and_takes_turns(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, isolation=True)
+    a = [req(rand_ids(50 + i, 20, vocab), 6, namespace="v-a") for i in range(3)]
+    b = [req(rand_ids(60, 20, vocab), 6, namespace="v-b"), req(rand_ids(61, 20, vocab), 6, namespace="v-b/lab")]
+    handles = submit_together(engine, a + b)
+    metrics = [list(h)[-1].metrics for h in handles]
+    for rec in engine.step_log():
+        visitors = [ns.split("/")[0] for ns in rec.namespaces]
+        assert len(visitors) == len(set(visitors)), rec  # never two of one visitor in a forward
+    done = [m.request_id for m in engine.recent()]
+    # Round-robin: b's first request does not wait for all of a's.
+    assert done.index(metrics[3].request_id) < done.index(metrics[2].request_id)
+    assert max(m.batch_size_max for m in metrics) == 2
+
+
+def test_cancel_one_request_in_a_batch(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=200)
+    shared = rand_ids(70, 30, vocab)
+    engine.run(req(shared, 1))  # a cached prefix: the running requests lock it
+    requests = [req(shared + rand_ids(71 + i, 4, vocab), 200 if i == 0 else 12) for i in range(3)]
+    handles = submit_together(engine, requests)
+    stream = iter(handles[0])
+    for event in stream:
+        if event.token_id is not None:
+            handles[0].cancel()
+            break
+    rest = list(stream)
+    assert rest[-1].metrics.finish_reason == "cancelled" and rest[-1].metrics.output_tokens < 200
+    others = [list(h)[-1].metrics for h in handles[1:]]
+    off = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    assert [m.output_ids for m in others] == [off.run(r).output_ids for r in requests[1:]]
+    wait_idle(engine)
+    assert_clean(engine)
+    assert engine.cache.reserved_tokens == 0
+
+
+def test_progress_events_and_chunked_prefill(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, chunk_tokens=10, max_batch=1)
+    handles = submit_together(engine, [req(rand_ids(80, 12, vocab), 3), req(rand_ids(81, 35, vocab), 3)])
+    events = [list(h) for h in handles]
+    second = events[1]
+    assert second[0].phase == "queued" and second[0].queue_ahead == 0
+    prefill = [e.prefilled_tokens for e in second if e.phase == "prefill"]
+    assert prefill == [10, 20, 30]
+    assert second[-1].done and second[-1].metrics.prefill_chunks == 4
+    assert [e.phase for e in second if e.token_id is not None] == ["decode"] * len(second[-1].metrics.output_ids)
+    kinds = {rec.kind for rec in engine.step_log()}
+    assert kinds == {"prefill", "decode"}
+
+
+def test_baseline_is_scheduled_work_and_skipped_when_long_and_isolated(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, chunk_tokens=16)
+    m = engine.run(req(rand_ids(90, 40, vocab), 2, measure_baseline=True))
+    assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
+    assert sum(rec.computed_tokens for rec in engine.step_log() if rec.kind == "baseline") == 40
+    isolated = configure(Engine(tiny_runner, isolation=True), baseline_max_tokens_isolated=30)
+    assert isolated.run(req(rand_ids(91, 40, vocab), 2, measure_baseline=True,
+                            namespace="v-x")).baseline_prefill_ms is None
+    assert isolated.run(req(rand_ids(92, 20, vocab), 2, measure_baseline=True,
+                            namespace="v-x")).baseline_prefill_ms is not None
+
+
+def test_stats_and_step_log(tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, max_batch=4)
+    handles = submit_together(engine, [req(rand_ids(100 + i, 8, vocab), 6) for i in range(4)])
+    for h in handles:
+        list(h)
+    log = engine.step_log(50)
+    decodes = [rec for rec in log if rec.kind == "decode"]
+    assert decodes and max(rec.batch_size for rec in decodes) == 4
+    assert all(rec.duration_ms >= 0 and rec.computed_tokens == rec.batch_size for rec in decodes)
+    assert sum(rec.computed_tokens for rec in log if rec.kind == "prefill") == 32
+    stats = engine.stats()
+    assert stats.max_batch == 4 and stats.waiting == 0
+    assert len(engine.step_log(3)) == 3
