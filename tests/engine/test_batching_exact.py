@@ -140,3 +140,22 @@ def test_public_prefill_api_unchanged(tiny_runner):
     res = engine.prefill(CacheKey(tuple(ids)), kv)
     ref, _ = tiny_runner.baseline_prefill(ids)
     assert torch.allclose(res.logits, ref, atol=1e-4) and res.cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
+    """The embedded model in fp32: 8 chats sharing a system prompt, run together, give the
+    same greedy answers as each run alone with no cache."""
+    system = {"role": "system", "content": "You are a friendly assistant for an outdoor gear shop. Answer briefly."}
+    questions = ["Can I return a tent I used once?", "How much is express shipping?", "Why is the sky blue?",
+                 "Do sleeping bags have a warranty?", "What is photosynthesis?", "Recommend a hiking boot.",
+                 "How long does delivery take?", "What should I pack for a rainy hike?"]
+    requests = [GenerationRequest(messages=(system, {"role": "user", "content": q}),
+                                  sampling=SamplingParams(max_new_tokens=12)) for q in questions]
+    engine = Engine(real_runner, max_batch=8)
+    metrics = together(engine, requests)
+    alone = Engine(real_runner, enable_cache=False, max_batch=1)
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == alone.run(r).output_ids, m.output_text
+    assert max(m.batch_size_max for m in metrics) >= 6
+    assert sum(m.cached_tokens > 0 for m in metrics) >= 7  # the system prompt was computed once
