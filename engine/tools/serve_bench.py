@@ -1,0 +1,224 @@
+"""Serving benchmark: the same chat requests at 1, 4, 8, 16 concurrent streams, three ways.
+
+    python -m engine.tools.serve_bench [--streams 1,4,8,16] [--requests 16] [--max-new-tokens 32]
+                                       [--engines one,batched,hf] [--model ID] [--device auto] [--dtype auto]
+    python -m engine.tools.serve_bench --quick      # a smoke run: 1 and 4 streams, 4 short requests
+
+Every request is a chat turn with the same system prompt and its own question
+(greedy). For each number of streams ``c``, ``c`` client threads take the
+requests one after another (a closed loop: a stream sends its next request
+when its answer is done), through:
+
+- ``one``: this engine one request at a time (``Engine(max_batch=1)``), radix cache on;
+- ``batched``: this engine with continuous batching (``max_batch`` 16), radix cache on;
+- ``hf``: transformers' ``generate_batch`` (paged KV, ``allow_block_sharing=True``,
+  page size 16, at most ``c`` requests per batch), all requests handed over at once.
+
+Each run starts from a cold cache. Printed per row: output tokens per second (all
+streams together, wall clock), time to first token p50/p95 (from sending the request
+to its first token, queueing included) and how many answers are token-identical to
+the same request run alone on an engine with no cache. Finally, at 8 streams (or the
+largest run): batched / one-at-a-time and batched / hf throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from engine.model_runner import ModelRunner
+from engine.types import GenerationRequest, SamplingParams
+
+SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
+          "three friendly sentences. Returns: unused items within 30 days with a receipt; used tents and sleeping "
+          "bags within 14 days if clean. Shipping: standard 3-5 days, free over $50; express next day for $15. "
+          "Warranty: two years on backpacks, tents and sleeping bags. Stores open 9-6 Monday to Saturday.")
+QUESTIONS = [
+    "Can I return a tent I used once?", "How much is express shipping?", "Do sleeping bags have a warranty?",
+    "When are you open on Saturday?", "Is shipping free for a $40 order?", "What boots do you recommend?",
+    "Can I return a backpack without a receipt?", "How long does standard shipping take?",
+    "Do you sell water filters?", "What should I pack for a rainy hike?", "Can I exchange a jacket size?",
+    "Are your tents waterproof?", "Do you ship to Canada?", "How do I clean a sleeping bag?",
+    "What is your warranty on stoves?", "Can I pick up an order in store?",
+]
+
+
+def chat_requests(n: int, max_new_tokens: int) -> list[GenerationRequest]:
+    system = {"role": "system", "content": SYSTEM}
+    return [GenerationRequest(messages=(system, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]
+                                                 + ("" if i < len(QUESTIONS) else f" (ask {i})")}),
+                              sampling=SamplingParams(max_new_tokens=max_new_tokens), tag="bench")
+            for i in range(n)]
+
+
+@dataclass
+class Row:
+    engine: str
+    streams: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_ms: list[float]
+    identical: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: int, max_batch: int,
+               reference: list[list[int]]) -> tuple[float, list[float], list[list[int]]]:
+    """``streams`` closed-loop clients through a fresh engine; returns wall s, TTFTs (ms), outputs."""
+    engine = Engine(runner, max_batch=max_batch, max_queue=max(32, len(requests)),
+                    budget_bytes=512 * 2**20 if runner.device.type == "cpu" else None)
+    outputs: list[list[int]] = [[] for _ in requests]
+    ttfts: list[float] = [0.0] * len(requests)
+    nxt = iter(range(len(requests)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            first = None
+            for event in engine.submit(requests[i]):
+                if first is None and (event.token_id is not None or event.done):
+                    first = time.perf_counter()
+                if event.done:
+                    outputs[i] = event.metrics.output_ids
+            ttfts[i] = ((first or time.perf_counter()) - t0) * 1000
+
+    threads = [threading.Thread(target=client) for _ in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, ttfts, outputs
+
+
+def hf_peer(runner: ModelRunner):
+    """A copy of the model on plain SDPA attention for transformers' own continuous batching."""
+    model = copy.deepcopy(runner.model)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def run_hf(model, runner: ModelRunner, requests: list[GenerationRequest], streams: int,
+           max_new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    ids = [runner.encode_chat(r.messages) for r in requests]
+    eos = sorted(runner.eos_ids)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                           pad_token_id=eos[0] if eos else 0)
+    longest = max(len(i) for i in ids) + max_new_tokens
+    pages = (longest + 15) // 16
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=pages * len(ids) + 8, max_batch_tokens=512,
+                                  max_requests_per_batch=streams, allow_block_sharing=True)
+    t0 = time.perf_counter()
+    results = model.generate_batch(inputs=ids, generation_config=gen, continuous_batching_config=cb,
+                                   record_timestamps=True, progress_bar=False)
+    wall = time.perf_counter() - t0
+    outputs, ttfts = [], []
+    for out in results.values():
+        toks = [t for t in out.generated_tokens]
+        while toks and toks[-1] in runner.eos_ids:
+            toks.pop()
+        outputs.append(toks)
+        stamps = out.timestamps or []
+        ttfts.append(((stamps[0] if stamps else time.perf_counter()) - t0) * 1000)
+    return wall, ttfts, outputs
+
+
+def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_tokens: int,
+              engines: list[str], log=print) -> list[Row]:
+    requests = chat_requests(n_requests, max_new_tokens)
+    alone = Engine(runner, enable_cache=False, max_batch=1)
+    reference = [alone.run(r).output_ids for r in requests]
+    peer = hf_peer(runner) if "hf" in engines else None
+    rows = []
+    for c in streams:
+        for kind in engines:
+            if kind == "hf":
+                wall, ttfts, outs = run_hf(peer, runner, requests, c, max_new_tokens)
+            else:
+                wall, ttfts, outs = run_engine(runner, requests, c, 1 if kind == "one" else 16, reference)
+            same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
+            row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same)
+            rows.append(row)
+            log(format_row(row))
+    return rows
+
+
+NAMES = {"one": "one at a time (max_batch 1)", "batched": "continuous batching", "hf": "transformers generate_batch"}
+
+
+def format_row(r: Row) -> str:
+    return (f"| {r.streams} | {NAMES.get(r.engine, r.engine)} | {r.tokens_per_s:.1f} | "
+            f"{percentile(r.ttft_ms, 0.5):.0f} | {percentile(r.ttft_ms, 0.95):.0f} | {r.identical}/{r.requests} |")
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    lines = [f"Serving benchmark: {title}", "",
+             "| streams | engine | output tokens/s | TTFT p50 ms | TTFT p95 ms | identical to solo |",
+             "|---:|---|---:|---:|---:|---:|"]
+    lines += [format_row(r) for r in rows]
+    by = {(r.engine, r.streams): r for r in rows}
+    c = 8 if any(r.streams == 8 for r in rows) else max(r.streams for r in rows)
+    batched = by.get(("batched", c))
+    if batched:
+        lines.append("")
+        for other in ("one", "hf"):
+            if (other, c) in by and by[(other, c)].tokens_per_s > 0:
+                ratio = batched.tokens_per_s / by[(other, c)].tokens_per_s
+                lines.append(f"At {c} streams: continuous batching = {ratio:.2f}x {NAMES[other]} (tokens/s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", default="1,4,8,16", help="concurrent streams, comma-separated")
+    p.add_argument("--requests", type=int, default=16, help="chat requests per run (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--engines", default="one,batched,hf", help="any of one,batched,hf")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1,4 streams, 4 requests, 8 new tokens")
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.streams, args.requests, args.max_new_tokens = "1,4", 4, 8
+    from engine.model_loader import load_model
+
+    runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
+    streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    title = f"{runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})"
+    print(f"{title}: {args.requests} chat requests, {args.max_new_tokens} new tokens, streams {streams}",
+          flush=True)
+    rows = run_bench(runner, streams, args.requests, args.max_new_tokens, engines,
+                     log=lambda s: print(s, flush=True))
+    print()
+    print(format_table(rows, title))
+    return 0 if all(r.identical == r.requests for r in rows if r.engine != "hf") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""The serving benchmark runs end to end on the tiny model (a smoke test; figures are not asserted)."""
+
+from __future__ import annotations
+
+from engine.tools.serve_bench import format_table, run_bench
+
+
+def test_serve_bench_smoke_on_tiny_model(tiny_runner):
+    rows = run_bench(tiny_runner, streams=[1, 3], n_requests=3, max_new_tokens=3, engines=["one", "batched", "hf"],
+                     log=lambda s: None)
+    assert len(rows) == 6
+    for row in rows:
+        assert row.output_tokens > 0 and len(row.ttft_ms) == 3
+        if row.engine != "hf":
+            assert row.identical == 3
+    table = format_table(rows, "tiny")
+    assert "continuous batching" in table and "x transformers generate_batch" in table
