@@ -1,0 +1,118 @@
+"""Scheduler panel: what the engine ran, forward by forward, for everyone at once.
+
+A timeline of the last forwards from ``Engine.step_log``: one row per request,
+one bar per forward it took part in (a prefill chunk, a batched decode or a
+no-reuse baseline chunk), so the batches read as columns of bars that share a
+time span. The viewer's own requests are drawn solid and the others faded: in
+isolation mode these are the requests of the viewer's namespace; on a shared
+(non-isolated) engine everyone shares one namespace, so it is the request of
+the viewer's last answer. Beside it: requests running and waiting, the decode
+batch size, output tokens per second. Knows only the engine's plain data.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from components.live import KEEP_ZOOM, LiveView
+from components.session import own_namespace
+from engine.engine import Engine
+from engine.scheduler import visitor_of
+from engine.types import RequestMetrics, StepRecord
+
+SHOWN_FORWARDS = 120
+COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6", "baseline": "#94a3b8"}
+LABELS = {"prefill": "prefill chunk", "decode": "batched decode", "baseline": "no-reuse baseline"}
+
+
+def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -> bool:
+    if rec.request_ids[i] in my_ids:
+        return True
+    return namespace is not None and visitor_of(rec.namespaces[i]) == visitor_of(namespace)
+
+
+def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
+                    my_ids: set[int] | frozenset[int] = frozenset()) -> go.Figure:
+    """Bars per (request, forward): x is wall time in seconds before the last forward ended."""
+    fig = go.Figure()
+    if not steps:
+        fig.add_annotation(text="No forwards yet: send a chat message and watch it run.", showarrow=False,
+                           x=0.5, y=0.5, xref="paper", yref="paper")
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        fig.update_layout(height=320, margin=dict(l=10, r=10, t=30, b=10))
+        return fig
+    end = steps[-1].finished_at
+    order: list[int] = []
+    for rec in steps:
+        for rid in rec.request_ids:
+            if rid not in order:
+                order.append(rid)
+    series: dict[tuple[str, bool], dict[str, list]] = {}
+    for rec in steps:
+        start = rec.finished_at - rec.duration_ms / 1000 - end
+        for i, rid in enumerate(rec.request_ids):
+            mine = _is_mine(rec, i, namespace, set(my_ids))
+            s = series.setdefault((rec.kind, mine), dict(x=[], base=[], y=[], text=[]))
+            s["x"].append(max(rec.duration_ms / 1000, 1e-3))
+            s["base"].append(start)
+            s["y"].append(f"#{rid}")
+            cached = f", {rec.cached_tokens:,} from cache" if rec.cached_tokens else ""
+            s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[rec.kind]} in step "
+                             f"{rec.step_id}: batch of {rec.batch_size}<br>{rec.computed_tokens:,} tokens computed"
+                             f"{cached}<br>{rec.duration_ms:.0f} ms")
+    for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        fig.add_trace(go.Bar(
+            x=s["x"], base=s["base"], y=s["y"], orientation="h", hovertext=s["text"], hoverinfo="text",
+            name=f"{LABELS[kind]}{' (yours)' if mine else ''}", marker_color=COLORS[kind],
+            marker_opacity=1.0 if mine else 0.35, marker_line_width=1 if mine else 0,
+            marker_line_color="#0f172a"))
+    fig.update_layout(barmode="overlay", height=max(260, 40 + 18 * len(order)), bargap=0.25,
+                      margin=dict(l=10, r=10, t=30, b=10), uirevision="scheduler",
+                      legend=dict(orientation="h", y=1.08, x=0),
+                      xaxis_title="seconds before now (last forward shown)")
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed([f"#{r}" for r in order])),
+                     title="request")
+    return fig
+
+
+def scheduler_markdown(engine: Engine, steps: list[StepRecord]) -> str:
+    s = engine.stats()
+    decodes = [r for r in steps if r.kind == "decode"]
+    mean_batch = sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0
+    computed = sum(r.computed_tokens for r in steps)
+    cached = sum(r.cached_tokens for r in steps)
+    return "\n".join([
+        "| scheduler right now | |", "|---|---|",
+        f"| requests running | **{s.running}** (at most {s.max_batch} in a batch) |",
+        f"| requests waiting | **{s.waiting}** |",
+        f"| output tokens/s, everyone | **{s.tokens_per_s:.1f}** (last 10 s) |",
+        f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
+        f"over the last {len(decodes)} decodes |",
+        f"| tokens in the shown forwards | {computed:,} computed, {cached:,} served from the cache |",
+        f"| KV held for running requests | {s.reserved_bytes / 2**20:.1f} MiB of the {s.budget_bytes / 2**20:.0f} "
+        "MiB budget |",
+    ])
+
+
+def build_scheduler_panel(engine: Engine, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
+    gr.Markdown("Every forward the engine ran, newest at the right. Requests decode **together**: each batched "
+                "decode is one column of blue bars; long prompts are prefilled in **chunks** (orange) between "
+                "decodes, so nobody's stream stops. Your requests are drawn solid.", elem_classes=["legend"])
+    with gr.Row():
+        with gr.Column(scale=3):
+            plot = gr.Plot(show_label=False, elem_id="scheduler-plot", elem_classes=[KEEP_ZOOM])
+        with gr.Column(scale=2):
+            table = gr.Markdown(scheduler_markdown(engine, []))
+
+    def refresh(last: RequestMetrics | None, request: gr.Request):
+        steps = engine.step_log(SHOWN_FORWARDS)
+        ns = own_namespace(request, engine)
+        my_ids = {last.request_id} if isinstance(last, RequestMetrics) else set()
+        return timeline_figure(steps, ns, my_ids), scheduler_markdown(engine, steps)
+
+    inputs = [last_metrics] if last_metrics is not None else [gr.State(None)]
+    live = LiveView(gr.Timer(1.0, active=active), refresh, inputs, [plot, table])
+    live.refresh_on(live.timer.tick)
+    return live
