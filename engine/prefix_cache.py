@@ -57,7 +57,11 @@ class PrefixCache(Protocol):
         Returns the reused length (0 on a miss; then nothing is locked)."""
 
     def release(self, handle: CacheHandle) -> None:
-        """Unlock what ``acquire`` locked. Call exactly once per handle."""
+        """Unlock what ``acquire`` or ``pin`` locked. Call exactly once per handle."""
+
+    def pin(self, key: CacheKey) -> CacheHandle:
+        """Lock the cached prefix of ``key`` (no copy, no hit counted): a running request
+        keeps its prompt in the cache while it decodes."""
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
         """Store the first ``min(len(key.ids), kv.length)`` tokens of ``kv`` under ``key``,
@@ -147,6 +151,9 @@ class NoPrefixCache:
 
     def release(self, handle: CacheHandle) -> None:
         pass
+
+    def pin(self, key: CacheKey) -> CacheHandle:
+        return CacheHandle(0, (), None)
 
     def clear(self, namespace: str | None = None) -> int:
         return 0
@@ -254,6 +261,15 @@ class RadixCache:
         if handle.node is not None:
             with self._lock:
                 self.tree.unlock(handle.node)
+
+    def pin(self, key: CacheKey) -> CacheHandle:
+        with self._lock:
+            m = self.tree.match(key, touch=False)
+            if m.length == 0:
+                return CacheHandle(0, (), None)
+            node = self._split_at(key, m.length)
+            self.tree.lock(node)
+            return CacheHandle(m.length, tuple(m.path[:-1]) + (node.id,), node)
 
     def _split_at(self, key: CacheKey, length: int) -> Node:
         """The node that ends exactly ``length`` (cached) tokens into ``key``, splitting the

@@ -214,6 +214,7 @@ class Scheduler:
         t0 = time.perf_counter()
         kv = runner.new_request_kv(need)
         handle = cache.acquire(r.key, len(r.ids) - 1, kv)  # locks the match first: eviction spares it
+        need -= handle.cached_tokens  # the cached prefix is counted once, in the cache, and stays locked
         if cache.reserve(need):
             r.reserved_tokens = need
         elif self.running:
@@ -262,9 +263,12 @@ class Scheduler:
         return budget
 
     def _prefill_done(self, r: Request, logits) -> None:
+        # The prompt moves from the request's reservation into the cache, where later
+        # arrivals hit it; it stays locked there until the request finishes.
+        self._unreserve(r, min(r.reserved_tokens, len(r.ids) - r.cached_tokens))
         r.inserted_tokens += self.cache.insert(r.key, r.kv)
         self.cache.release(r.cache_handle)
-        r.cache_handle = None
+        r.cache_handle = self.cache.pin(r.key)
         r.state = State.DECODE
         if r.max_new_tokens <= 0:
             r.first_token_at = time.perf_counter()
@@ -340,7 +344,7 @@ class Scheduler:
         r.finish_reason = reason
         kv = r.kv
         self._unreserve(r)  # the buffer is freed below: its room goes to the cache
-        if kv is not None and r.cache_handle is None and kv.length > len(r.ids):
+        if kv is not None and r.state is State.DECODE and kv.length > len(r.ids):
             # Prompt plus reply, so the next chat turn reuses the answer too.
             key = self._cache_key(r.ids + r.out_ids[: kv.length - len(r.ids)], r)
             r.inserted_tokens += self.cache.insert(key, kv)
@@ -386,10 +390,11 @@ class Scheduler:
             self.cache.release(r.cache_handle)
             r.cache_handle = None
 
-    def _unreserve(self, r: Request) -> None:
-        if r.reserved_tokens:
-            self.cache.unreserve(r.reserved_tokens)
-            r.reserved_tokens = 0
+    def _unreserve(self, r: Request, num_tokens: int | None = None) -> None:
+        n = r.reserved_tokens if num_tokens is None else min(num_tokens, r.reserved_tokens)
+        if n:
+            self.cache.unreserve(n)
+            r.reserved_tokens -= n
 
     # -------------------------------------------------------------- showing
     def _report_queue(self) -> None:

@@ -174,3 +174,25 @@ def test_stats_and_step_log(tiny_runner):
     stats = engine.stats()
     assert stats.max_batch == 4 and stats.waiting == 0
     assert len(engine.step_log(3)) == 3
+
+
+def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
+    """Running requests reserve only what they add (prompt beyond the cached prefix, plus the
+    reply); the shared prefix sits once in the cache, locked while they run."""
+    vocab = len(tiny_runner.tokenizer)
+    engine = Engine(tiny_runner, budget_bytes=130 * tiny_runner.kv_bytes_per_token)
+    shared = rand_ids(110, 60, vocab)
+    engine.run(req(shared, 1))
+    handles = submit_together(engine, [req(shared + rand_ids(111 + i, 5, vocab), 6) for i in range(4)])
+    stream = iter(handles[0])
+    for event in stream:
+        if event.token_id is not None:
+            assert engine.cache.locked_tokens() >= 60  # prompts stay pinned while they decode
+            assert engine.cache.num_tokens + engine.cache.reserved_tokens <= 130
+            break
+    metrics = [list(stream)[-1].metrics] + [list(h)[-1].metrics for h in handles[1:]]
+    assert max(m.batch_size_max for m in metrics) == 4
+    assert all(m.cached_tokens == 60 for m in metrics)
+    wait_idle(engine)
+    assert_clean(engine)
+    assert engine.cache.reserved_tokens == 0
