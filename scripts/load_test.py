@@ -17,11 +17,13 @@ exits non-zero if a check failed.
 
     python scripts/load_test.py                 # 16 visitors, 120 s, real model
     python scripts/load_test.py --seconds 20 --visitors 4
+    python scripts/load_test.py --visitors 8 --max-batch 1   # the one-at-a-time engine, to compare
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import socket
@@ -71,6 +73,7 @@ class LoadReport:
     turns: list[Turn] = field(default_factory=list)
     engine_ttft_ms: list[float] = field(default_factory=list)
     queue_ms: list[float] = field(default_factory=list)
+    batch_sizes_max: list[int] = field(default_factory=list)  # per served request: largest decode batch it ran in
     peak_cache_bytes: int = 0
     budget_bytes: int = 0
     samples: int = 0
@@ -223,8 +226,11 @@ def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log
 
 
 def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: float = 64.0,
-             max_new_tokens: int = 16, turns_per_chat: int = 3, isolate: bool = False, log=print) -> LoadReport:
-    """Launch the app on ``runner``, run the visitors, check everything; return the report."""
+             max_new_tokens: int = 16, turns_per_chat: int = 3, isolate: bool = False, log=print,
+             max_batch: int | None = None) -> LoadReport:
+    """Launch the app on ``runner``, run the visitors, check everything; return the report.
+
+    ``max_batch`` overrides the engine's batch limit (1: the one-at-a-time engine, to compare)."""
     import app
     from components.demo import launch_kwargs
 
@@ -232,6 +238,8 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
             "--isolate" if isolate else "--no-isolate"]
     args = app.parse_args(argv)  # the app's own flags, env vars and defaults
     engine = app.build_engine(args, runner=runner)
+    if max_batch is not None:
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_batch=max(1, int(max_batch)))
     demo = app.build_app(engine, args.max_queue)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs())
@@ -240,7 +248,8 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
     sampler = threading.Thread(target=_sampler, args=(engine, stop, report), daemon=True)
     try:
         log(f"app on {demo.local_url}; {visitors} visitors for {seconds:.0f} s, budget {budget_mb:g} MiB, "
-            f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}")
+            f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}, "
+            f"batches of up to {engine.scheduler.config.max_batch}")
         sampler.start()
         lock = threading.Lock()
         deadline = time.monotonic() + seconds
@@ -260,6 +269,7 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
     served = [m for m in engine.recent() if m.tag == "chat"]
     report.engine_ttft_ms = [m.ttft_ms for m in served]
     report.queue_ms = [m.queue_ms for m in served]
+    report.batch_sizes_max = [m.batch_size_max for m in served]
     stats = engine.stats()
     report.hit_rate, report.evicted_tokens = stats.hit_rate, stats.evicted_tokens
     log(f"load done: {len(report.turns)} turns; re-running each distinct prompt alone to compare answers")
@@ -281,6 +291,8 @@ def format_report(r: LoadReport) -> str:
         f"p95 {ms(percentile(ttft, 0.95))}",
         f"time to first token inside the engine (from start of run): p50 {ms(percentile(r.engine_ttft_ms, 0.5))}, "
         f"p95 {ms(percentile(r.engine_ttft_ms, 0.95))}; queue wait p50 {ms(percentile(r.queue_ms, 0.5))}",
+        f"batching: largest decode batch {max(r.batch_sizes_max, default=0)}, "
+        f"mean of each request's largest {sum(r.batch_sizes_max) / max(1, len(r.batch_sizes_max)):.1f}",
         f"peak cache bytes: {r.peak_cache_bytes:,} of a {r.budget_bytes:,}-byte budget "
         f"({r.samples} samples, {r.budget_violations} over budget); evicted tokens: {r.evicted_tokens:,}; "
         f"token hit rate: {r.hit_rate:.0%}",
@@ -305,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
     p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together (default: the engine's, 16; 1 = one at a time)")
     args = p.parse_args(argv)
 
     from engine.model_loader import ModelLoadError, load_model
@@ -318,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"model: {runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})", flush=True)
     report = run_load(runner, args.seconds, args.visitors, args.budget_mb, args.max_new_tokens, args.turns,
-                      args.isolate, log=lambda s: print(s, flush=True))
+                      args.isolate, log=lambda s: print(s, flush=True), max_batch=args.max_batch)
     print(format_report(report), flush=True)
     return 0 if report.ok else 1
 

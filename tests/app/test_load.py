@@ -18,3 +18,4 @@ def test_short_load_run(real_runner):
     assert len(report.turns) >= 4 and not report.errors and not report.mismatches, text
     assert report.budget_violations == 0 and report.peak_cache_bytes <= report.budget_bytes, text
     assert report.evicted_tokens > 0, "the budget is meant to be small enough to evict: " + text
+    assert max(report.batch_sizes_max) >= 2, "concurrent visitors are meant to decode together: " + text
