@@ -9,19 +9,27 @@ response serialization (orjson) fail, and the visitor's event stream breaks off.
 ``sanitize_handlers(demo)`` wraps each handler so that every string in its inputs, also
 inside lists, tuples and dicts (chat histories, tables), reaches it with lone surrogates
 replaced by U+FFFD. Other values (requests, event data, session state) pass untouched.
-Knows nothing about the panels themselves.
+``quiet_input_errors(demo)``: input that Gradio itself refuses (a chat history whose
+5,000 turns are malformed fails Gradio's validation with 5,000 errors) is answered with
+one short message and logged as one line, not a traceback of three lines per error.
+
+``harden(demo)`` applies all of the above. Knows nothing about the panels themselves.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 
 from engine.validation import valid_text
+
+log = logging.getLogger(__name__)
+MALFORMED_INPUT = "The request's inputs are malformed: reload the page and try again."
 
 
 def clean(value: Any) -> Any:
@@ -72,3 +80,36 @@ def sanitize_handlers(demo: gr.Blocks) -> gr.Blocks:
         if block.fn is not None:
             block.fn = wrapped.setdefault(id(block.fn), sanitized(block.fn))
     return demo
+
+
+def quiet_input_errors(demo: gr.Blocks) -> gr.Blocks:
+    """Refuse input that fails Gradio's own checks (before any handler runs) with one log line.
+
+    Gradio prints the whole exception of a failed event; for a pydantic validation error
+    that is three lines per malformed value, and its text echoes the values. Raising a
+    ``gr.Error`` with ``print_exception=False`` instead keeps the visitor's message short
+    and the log to the one line written here. Idempotent."""
+    original = demo.preprocess_data
+    if getattr(original, "__quiet__", False):
+        return demo
+
+    @functools.wraps(original)
+    async def preprocess_data(*args, **kwargs):
+        try:
+            return await original(*args, **kwargs)
+        except gr.Error:
+            raise
+        except Exception as exc:
+            count = exc.error_count() if callable(getattr(exc, "error_count", None)) else 1
+            log.warning("refused a request: malformed inputs (%s, %d error%s)", type(exc).__name__, count,
+                        "" if count == 1 else "s")
+            raise gr.Error(MALFORMED_INPUT, print_exception=False) from None
+
+    preprocess_data.__quiet__ = True  # type: ignore[attr-defined]
+    demo.preprocess_data = preprocess_data  # type: ignore[method-assign]
+    return demo
+
+
+def harden(demo: gr.Blocks) -> gr.Blocks:
+    """Everything in this module applied to ``demo``; returns ``demo``."""
+    return quiet_input_errors(sanitize_handlers(demo))

@@ -145,8 +145,8 @@ class Engine:
         runner = self.runner
         if request.messages is not None:
             messages = validation.check_messages(request.messages)
-            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
-                                       runner.max_token_chars)
+            validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
+                                         runner.max_token_chars, runner.encode)
             try:
                 ids = runner.encode_chat(messages)
             except Exception as exc:  # a chat template may refuse a role order (jinja raises)
@@ -156,7 +156,8 @@ class Engine:
                 raise EngineError("The prompt must be text.")
             if not request.prompt.strip():
                 raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, runner.max_token_chars)
+            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
+                                         runner.encode)
             ids = runner.encode(request.prompt)
         else:
             ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
