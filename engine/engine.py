@@ -95,7 +95,7 @@ class Engine:
         if enable_cache:
             pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
                           runner.device, budget)
-            self.cache: PrefixCache = RadixCache(pool)
+            self.cache: PrefixCache = RadixCache(pool, fair_share=isolation)
         else:
             self.cache = NoPrefixCache(runner.kv_bytes_per_token, budget)
         self.isolation = isolation

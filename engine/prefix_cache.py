@@ -156,9 +156,12 @@ class NoPrefixCache:
 class RadixCache:
     enabled = True
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, fair_share: bool = False) -> None:
+        """``fair_share`` (isolation mode): a visitor's insert evicts by the tree's fair
+        share policy, and never evicts ``PUBLIC`` (shipped) content."""
         self.pool = pool
         self.tree = RadixTree()
+        self.fair_share = fair_share
         self._lock = threading.RLock()
 
     @property
@@ -240,7 +243,9 @@ class RadixCache:
             try:
                 short = need - self.pool.num_free
                 if short > 0:
-                    self.pool.free(self.tree.evict(short))
+                    fair = self.fair_share and key.namespace != PUBLIC
+                    self.pool.free(self.tree.evict(short, fair_for=key.namespace if fair else None,
+                                                   capacity_tokens=self.pool.capacity, incoming_tokens=need))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)

@@ -130,3 +130,45 @@ def test_over_long_prompt_refused_after_a_bounded_prefix(app_url, monkeypatch):
     assert any("over the limit" in m for m, _ in shown_logs(job))
     assert tokenized and sum(tokenized) < len(text) // 4, (len(text), tokenized[:5])
 
+
+
+def _session(name: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(session_hash=f"session-{name}")
+
+
+def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
+    """Three long unique prompts from one visitor under a small budget evicted everyone else's
+    entries and the shipped blocks (global LRU): the other visitor's next turn got 5 of 217
+    tokens from the cache. Now the attacker evicts their own entries first, and shipped blocks
+    stay pinned: the other visitor keeps at least half of their cached prompt."""
+    import random
+
+    from components.chat_panel import build_request, chat_messages
+    from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS, SYSTEM_PRESETS
+
+    engine = Engine(tiny_runner, isolation=True, budget_bytes=800 * tiny_runner.kv_bytes_per_token,
+                    max_new_tokens_cap=4)
+
+    def turn(who: str, system: str, history: list[dict], question: str):
+        req = build_request(engine, chat_messages(system, history, question), 4, False, _session(who), "chat")
+        m = engine.run(req)
+        return m, history + [{"role": "user", "content": question}, {"role": "assistant", "content": m.output_text}]
+
+    system = SYSTEM_PRESETS[DEFAULT_SYSTEM]
+    _, history = turn("b", system, [], STARTER_QUESTIONS[0])
+    before, history = turn("b", system, history, STARTER_QUESTIONS[1])
+    def public_tokens() -> int:
+        return sum(len(n.key) for n in engine.cache.tree.nodes() if n.namespace == "")
+
+    public_before = public_tokens()
+    rng = random.Random(0)
+    for i in range(3):  # the attack: long unique prompts
+        words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(110))
+        turn("a", "", [], f"{CUSTOM_SYSTEM} {i} {words}")
+        engine.check_invariants()
+    after, _ = turn("b", system, history, STARTER_QUESTIONS[2])
+    assert after.cached_tokens >= before.prompt_tokens // 2, (after.cached_tokens, before.prompt_tokens)
+    assert public_tokens() >= public_before > 0  # shipped blocks pinned
+    engine.check_invariants()
