@@ -193,13 +193,31 @@ class Engine:
         other namespaces' nodes as shape and size only."""
         return self.cache.snapshot(self.runner.decode, viewer=viewer if self.isolation else None)
 
-    def stats(self) -> EngineStats:
+    def stats(self, viewer: str | None = None) -> EngineStats:
+        """Running totals and the cache's state. In isolation mode, with ``viewer`` (a
+        namespace), only what that visitor may see: totals over their own requests, and
+        the cache's figures as their ``snapshot`` gives them (others' tokens coarse)."""
+        if viewer is not None and self.isolation:
+            return self._stats_for(viewer)
         with self._stats_lock:
             t = dict(self._totals)
         return EngineStats(**t, cache_bytes=self.cache.bytes_in_use, budget_bytes=self.cache.budget_bytes,
                            cached_tokens_now=self.cache.num_tokens, num_nodes=self.cache.num_nodes,
                            evicted_tokens=self.cache.evicted_tokens, queue_depth=self._queue.qsize(),
                            locked_tokens=self.cache.locked_tokens())
+
+    def _stats_for(self, viewer: str) -> EngineStats:
+        mine = [m for m in self.recent() if m.namespace == viewer or m.namespace.startswith(viewer + "/")]
+        measured = [m for m in mine if m.baseline_prefill_ms is not None]
+        snap = self.cache.snapshot(None, viewer=viewer)
+        return EngineStats(
+            requests=len(mine), prompt_tokens=sum(m.prompt_tokens for m in mine),
+            cached_tokens=sum(m.cached_tokens for m in mine), computed_tokens=sum(m.computed_tokens for m in mine),
+            prefill_ms=sum(m.prefill_ms for m in mine), baseline_prefill_ms=sum(m.baseline_prefill_ms for m in measured),
+            reuse_prefill_ms_measured=sum(m.prefill_ms for m in measured), cache_bytes=snap.num_bytes,
+            budget_bytes=snap.budget_bytes, cached_tokens_now=snap.num_tokens, num_nodes=len(snap.nodes),
+            evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
+            locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._stats_lock:
