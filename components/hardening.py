@@ -9,6 +9,14 @@ response serialization (orjson) fail, and the visitor's event stream breaks off.
 ``sanitize_handlers(demo)`` wraps each handler so that every string in its inputs, also
 inside lists, tuples and dicts (chat histories, tables), reaches it with lone surrogates
 replaced by U+FFFD. Other values (requests, event data, session state) pass untouched.
+A wrapped generator handler also stops (and closes what it streams from, which cancels
+the engine request) when its visitor never opened the result stream: an event posted
+to ``/gradio_api/queue/join`` with nobody reading ``/queue/data`` would otherwise run
+to its last token, holding the model for everyone. Gradio keeps each session's unread
+messages in a queue; ``UNREAD_LIMIT`` of them unread means nobody is listening (a
+reader drains them as they come). A stream that was opened and then closed is
+already stopped by Gradio (it drops the generator, which cancels the request).
+
 ``quiet_input_errors(demo)``: input that Gradio itself refuses (a chat history whose
 5,000 turns are malformed fails Gradio's validation with 5,000 errors) is answered with
 one short message and logged as one line, not a traceback of three lines per error.
@@ -45,6 +53,7 @@ MAX_BODY_BYTES = 2**20
 # Routes that accept files or write them: the app takes no files and shares no session state.
 REFUSED_PATH = re.compile(r"(^|/)gradio_api/(upload|upload_progress|deep_link|process_recording)/?$"
                           r"|(^|/)(gradio_api/)?(run-history|vibe-|undo-vibe-|proxy=)")
+UNREAD_LIMIT = 64  # unread stream messages of one session: nobody is listening
 CACHE_CLEANING = (3600, 3600)  # Gradio's delete_cache: every hour, files older than an hour
 
 
@@ -76,7 +85,16 @@ def sanitized(fn: Callable) -> Callable:
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
         def gen_wrapper(*args, **kwargs):
-            return (yield from fn(*clean(args), **{k: clean(v) for k, v in kwargs.items()}))
+            inner = fn(*clean(args), **{k: clean(v) for k, v in kwargs.items()})
+            try:
+                for value in inner:
+                    yield value
+                    unread = unread_messages()
+                    if unread >= UNREAD_LIMIT:
+                        log.info("stopped %s: %d messages of its result stream unread", fn.__name__, unread)
+                        return
+            finally:
+                inner.close()  # the handler's own cleanup runs now: its engine request is cancelled
 
         wrapper = gen_wrapper
     else:
@@ -87,6 +105,19 @@ def sanitized(fn: Callable) -> Callable:
         wrapper = plain_wrapper
     wrapper.__sanitized__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def unread_messages() -> int:
+    """Messages Gradio holds unread for the session of the event being handled (0 outside one)."""
+    try:
+        from gradio.context import LocalContext
+
+        blocks, request = LocalContext.blocks.get(None), LocalContext.request.get(None)
+        session = getattr(request, "session_hash", None)
+        queue = blocks._queue.pending_messages_per_session.get(session) if blocks and session else None
+        return queue.qsize() if queue is not None else 0
+    except Exception:  # Gradio internals moved: never break a handler over this check
+        return 0
 
 
 def sanitize_handlers(demo: gr.Blocks) -> gr.Blocks:

@@ -172,3 +172,36 @@ def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
     assert after.cached_tokens >= before.prompt_tokens // 2, (after.cached_tokens, before.prompt_tokens)
     assert public_tokens() >= public_before > 0  # shipped blocks pinned
     engine.check_invariants()
+
+
+def test_work_for_a_result_stream_never_opened_is_stopped(tiny_runner):
+    """A request only posted to the queue (/queue/join), with nobody reading /queue/data, ran
+    to its last token and held the model for everyone; now it is cancelled. A visitor who
+    reads the stream still gets every token."""
+    import time
+    import uuid
+
+    from components.hardening import UNREAD_LIMIT
+
+    cap = 4 * UNREAD_LIMIT
+    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=cap)
+
+    def finished(n: int):
+        deadline = time.monotonic() + 120
+        while len(engine.recent()) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return engine.recent()[-1]
+
+    with launched_app(engine) as url:
+        chat = fn_id(visitor(url), "chat")
+        args = ["hello there", [], "Pirate", "", cap, False]
+        body = {"data": args, "fn_index": chat, "session_hash": uuid.uuid4().hex[:11], "event_data": None,
+                "trigger_id": None}
+        assert httpx.post(f"{url}gradio_api/queue/join", json=body).status_code == 200  # and never read
+        m = finished(1)
+        assert m.finish_reason == "cancelled" and m.output_tokens < cap, (m.finish_reason, m.output_tokens)
+        assert raw_call(url, chat, args)["success"]
+        m = finished(2)
+        assert m.finish_reason == "length" and m.output_tokens == cap
+        wait_idle(engine)
+    assert_clean(engine)
