@@ -36,7 +36,7 @@ class CacheHandle:
     node: Node | None
 
 
-HIDDEN_BUCKET_TOKENS = 64  # other visitors' activity shows only in whole buckets of this many tokens
+HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
 
 
 def coarse_tokens(num_tokens: int) -> int:
