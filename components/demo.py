@@ -13,6 +13,7 @@ import gradio as gr
 
 from components.chat_panel import build_chat_panel
 from components.fewshot_panel import build_fewshot_panel
+from components.hardening import guard_middleware
 from components.info_panel import build_info_panel
 from components.lab.tab import build_ordering_lab
 from components.latency_panel import build_latency_panel
@@ -24,6 +25,7 @@ from components.tree_panel import build_tree_panel
 from engine.engine import Engine
 
 TITLE = "Radix Cache Playground"
+STATE_SESSIONS = 500  # Gradio's default keeps 10,000 sessions' inputs and state in memory
 STORY = (
     "Every prompt you send runs on a real LLM whose KV cache lives in a **radix tree**: any prefix that an earlier "
     "request already computed is **served from the cache** instead of being prefilled again (SGLang's "
@@ -55,9 +57,12 @@ def launch_kwargs() -> dict:
 
     Public-page settings (tests/app/test_public_hosting.py checks them): no error details to
     visitors; no run history (Gradio would keep each visitor's prompts in the browser, or
-    in a bucket); no /monitoring page; uploads refused (the app takes no files)."""
+    in a bucket); no /monitoring page; uploads and deep links refused and request bodies capped
+    (``components.hardening.RequestGuard``: the app takes no files); Gradio keeps per-session
+    state (inputs, ``gr.State``) for at most ``STATE_SESSIONS`` sessions, oldest dropped first."""
     return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],
-                run_history=False, enable_monitoring=False, max_file_size="1kb")
+                run_history=False, enable_monitoring=False, max_file_size="1kb",
+                state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware()})
 
 
 def build_demo(engine: Engine) -> gr.Blocks:

@@ -21,9 +21,10 @@ MiB = 2**20
 HISTORY = 200
 
 
-def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None) -> str:
-    """The cache's state; with ``mine`` (isolation mode) the hit rate is the visitor's own."""
-    s = engine.stats()
+def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
+    """The cache's state (as ``viewer`` may see it); with ``mine`` (isolation mode) the hit rate is the
+    visitor's own."""
+    s = engine.stats(viewer)
     if mine is not None:
         prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
         rate_row = (f"| your token hit rate | **{cached / prompt if prompt else 0:.1%}** over your {len(mine):,} "
@@ -70,7 +71,8 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         ns = own_namespace(request, engine)
         history = engine.recent(HISTORY, namespace=ns)
         mine = engine.recent(namespace=ns) if engine.isolation else None
-        return memory_gauge(engine.stats()), memory_markdown(engine, mine), hit_rate_figure(history), drawn(sig)
+        return (memory_gauge(engine.stats(ns)), memory_markdown(engine, mine, ns), hit_rate_figure(history),
+                drawn(sig))
 
     def set_budget(mib):
         if engine.isolation:
@@ -101,9 +103,9 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         if engine.isolation and not ns:
             gr.Warning("No session: nothing of yours to clear.")
             return
-        before = engine.stats()
+        before = engine.stats(ns)
         freed = engine.clear_cache(namespace=ns)
-        after = engine.stats()
+        after = engine.stats(ns)
         kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
         gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
                 f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")

@@ -34,7 +34,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
                 _card(f"{metrics.speedup:.1f}×" if metrics.speedup else "–",
                       f"faster prefill: {fmt_ms(metrics.prefill_ms)} vs {fmt_ms(metrics.baseline_prefill_ms)}"
                       if metrics.speedup else f"prefill {fmt_ms(metrics.prefill_ms)} (no baseline measured)", "blue")]
-    stats = engine.stats()
+    stats = engine.stats(viewer)  # in isolation mode: others' activity only in coarse figures
     if engine.isolation:
         mine = engine.recent(namespace=viewer)
         prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)

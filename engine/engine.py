@@ -86,7 +86,7 @@ class Engine:
         if enable_cache:
             pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
                           runner.device, budget)
-            self.cache: PrefixCache = RadixCache(pool)
+            self.cache: PrefixCache = RadixCache(pool, fair_share=isolation)
         else:
             self.cache = NoPrefixCache(runner.kv_bytes_per_token, budget)
         self.isolation = isolation
@@ -146,8 +146,8 @@ class Engine:
         runner = self.runner
         if request.messages is not None:
             messages = validation.check_messages(request.messages)
-            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
-                                       runner.max_token_chars)
+            validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
+                                         runner.max_token_chars, runner.encode)
             try:
                 ids = runner.encode_chat(messages)
             except Exception as exc:  # a chat template may refuse a role order (jinja raises)
@@ -157,7 +157,8 @@ class Engine:
                 raise EngineError("The prompt must be text.")
             if not request.prompt.strip():
                 raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, runner.max_token_chars)
+            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
+                                         runner.encode)
             ids = runner.encode(request.prompt)
         else:
             ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
@@ -193,7 +194,12 @@ class Engine:
         other namespaces' nodes as shape and size only."""
         return self.cache.snapshot(self.runner.decode, viewer=viewer if self.isolation else None)
 
-    def stats(self) -> EngineStats:
+    def stats(self, viewer: str | None = None) -> EngineStats:
+        """Running totals and the cache's state. In isolation mode, with ``viewer`` (a
+        namespace), only what that visitor may see: totals over their own requests, and
+        the cache's figures as their ``snapshot`` gives them (others' tokens coarse)."""
+        if viewer is not None and self.isolation:
+            return self._stats_for(viewer)
         with self._stats_lock:
             t = dict(self._totals)
         sched = self.scheduler
@@ -208,6 +214,19 @@ class Engine:
     def step_log(self, n: int | None = None) -> list[StepRecord]:
         """The scheduler's last ``n`` forwards (all kept ones if None), oldest first."""
         return self.scheduler.step_log(n)
+
+    def _stats_for(self, viewer: str) -> EngineStats:
+        mine = [m for m in self.recent() if m.namespace == viewer or m.namespace.startswith(viewer + "/")]
+        measured = [m for m in mine if m.baseline_prefill_ms is not None]
+        snap = self.cache.snapshot(None, viewer=viewer)
+        return EngineStats(
+            requests=len(mine), prompt_tokens=sum(m.prompt_tokens for m in mine),
+            cached_tokens=sum(m.cached_tokens for m in mine), computed_tokens=sum(m.computed_tokens for m in mine),
+            prefill_ms=sum(m.prefill_ms for m in mine), baseline_prefill_ms=sum(m.baseline_prefill_ms for m in measured),
+            reuse_prefill_ms_measured=sum(m.prefill_ms for m in measured), cache_bytes=snap.num_bytes,
+            budget_bytes=snap.budget_bytes, cached_tokens_now=snap.num_tokens, num_nodes=len(snap.nodes),
+            evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
+            locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._stats_lock:

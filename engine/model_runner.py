@@ -166,19 +166,27 @@ class ModelRunner:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def token_pieces(self, ids: Sequence[int]) -> list[str]:
-        """One display string per token whose concatenation is ``decode(ids)``.
+        """One display string per token whose concatenation is ``decode(ids)``, in linear time.
 
-        Per-token decode shows U+FFFD for split multi-byte characters; decoding
-        growing prefixes gives each token the text it completes.
+        Per-token decode shows U+FFFD for split multi-byte characters, and some decoders
+        drop a leading space at the start of a text; so each token is decoded after a
+        short window of the tokens before it (incremental detokenization, as in serving
+        engines), and a token that ends inside a character gives "" while the next one
+        carries it. A character spans at most 4 tokens (4 bytes): after that the window
+        moves on regardless, so junk bytes cannot make the window grow (for such junk the
+        replacement characters may then differ from ``decode(ids)``'s).
         """
-        pieces, prev = [], ""
+        ids = list(ids)
+        pieces: list[str] = []
+        context = done = 0  # ids[context:done] is decoded context; ids[done:i+1] awaits display
         for i in range(len(ids)):
-            cur = self.decode(ids[: i + 1])
-            if cur.endswith("\ufffd") and i + 1 < len(ids):
+            before = self.decode(ids[context:done])
+            text = self.decode(ids[context:i + 1])
+            if text.endswith("\ufffd") and i + 1 < len(ids) and i + 1 - done < 4:
                 pieces.append("")
                 continue
-            pieces.append(cur[len(prev):] if cur.startswith(prev) else cur)
-            prev = cur
+            pieces.append(text[len(before):] if text.startswith(before) else text)
+            context, done = done, i + 1
         return pieces
 
     # ---------------------------------------------------------------- running

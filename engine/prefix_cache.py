@@ -36,6 +36,14 @@ class CacheHandle:
     node: Node | None
 
 
+HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
+
+
+def coarse_tokens(num_tokens: int) -> int:
+    """``num_tokens`` rounded up to whole ``HIDDEN_BUCKET_TOKENS`` buckets."""
+    return -(-num_tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS
+
+
 def _visible_to(namespace: str, viewer: str) -> bool:
     """Public content, the viewer's own namespace and its sub-namespaces (``<viewer>/...``)."""
     return namespace in (PUBLIC, viewer) or namespace.startswith(viewer + "/")
@@ -187,9 +195,12 @@ class NoPrefixCache:
 class RadixCache:
     enabled = True
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, fair_share: bool = False) -> None:
+        """``fair_share`` (isolation mode): a visitor's insert evicts by the tree's fair
+        share policy, and never evicts ``PUBLIC`` (shipped) content."""
         self.pool = pool
         self.tree = RadixTree()
+        self.fair_share = fair_share
         self._lock = threading.RLock()
         self.reserved_tokens = 0  # budget held by running requests' own buffers
 
@@ -301,7 +312,9 @@ class RadixCache:
             try:
                 short = need - self._room()
                 if short > 0:
-                    self.pool.free(self.tree.evict(short))
+                    fair = self.fair_share and key.namespace != PUBLIC
+                    self.pool.free(self.tree.evict(short, fair_for=key.namespace if fair else None,
+                                                   capacity_tokens=self.pool.capacity, incoming_tokens=need))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)
@@ -361,24 +374,45 @@ class RadixCache:
 
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
-        """A read-only copy of the tree. With ``viewer`` set, nodes of other
-        namespaces are ``hidden``: no ids, no text, only shape and size."""
+        """A read-only copy of the tree. With ``viewer`` set, what other visitors cached shows
+        only in a form that does not identify it: every subtree of other namespaces hanging
+        from a node is one ``hidden`` "others" node (id ``-1 - parent id``) whose size is
+        rounded up to ``HIDDEN_BUCKET_TOKENS``, with no text, hits, lock or access time; shared
+        (``PUBLIC``) nodes show no hits, locks or access times (others use them too); and the
+        totals count hidden tokens, and evictions, in the same buckets."""
         now = time.monotonic()
+        bpt = self.pool.bytes_per_token
         with self._lock:
-            infos = []
-            for node in self.tree.nodes():
-                hidden = viewer is not None and not _visible_to(node.namespace, viewer)
-                ids = () if hidden else tuple(node.key)
+            infos, hidden_under, depth = [], {}, {self.tree.root.id: 0}
+            anchor: dict[int, Node] = {}  # hidden node id -> the visible node (or root) its subtree hangs from
+            for node in self.tree.nodes():  # parents before children
+                depth[node.id] = depth[node.parent.id] + len(node.key)
+                if viewer is not None and not _visible_to(node.namespace, viewer):
+                    top = anchor.get(node.parent.id, node.parent)
+                    anchor[node.id] = top
+                    hidden_under[top] = hidden_under.get(top, 0) + len(node.key)
+                    continue
+                ids = tuple(node.key)
                 text = ""
-                if not hidden and decode is not None:
+                if decode is not None:
                     shown = ids if len(ids) <= max_text_tokens else ids[:max_text_tokens]
                     text = decode(shown) + ("…" if len(ids) > max_text_tokens else "")
+                shared = viewer is not None and node.namespace == PUBLIC
                 infos.append(NodeInfo(
-                    node_id=node.id, parent_id=node.parent.id, num_tokens=len(node.key),
-                    depth_tokens=node.depth_tokens(), num_bytes=len(node.key) * self.pool.bytes_per_token,
-                    lock_ref=node.lock_ref, hits=node.hits, last_access_s_ago=max(0.0, now - node.last_access),
-                    namespace=node.namespace if not hidden else "other", hidden=hidden,
-                    token_ids=ids, text=text))
-            return TreeSnapshot(tuple(infos), self.tree.num_tokens, self.pool.bytes_in_use,
-                                self.pool.budget_bytes, self.pool.capacity, self.tree.evicted_tokens,
-                                self.pool.bytes_per_token)
+                    node_id=node.id, parent_id=node.parent.id, num_tokens=len(node.key), depth_tokens=depth[node.id],
+                    num_bytes=len(node.key) * bpt, lock_ref=0 if shared else node.lock_ref,
+                    hits=0 if shared else node.hits,
+                    last_access_s_ago=0.0 if shared else max(0.0, now - node.last_access),
+                    namespace=node.namespace, hidden=False, token_ids=ids, text=text))
+            for parent, tokens in hidden_under.items():
+                size = coarse_tokens(tokens)
+                infos.append(NodeInfo(
+                    node_id=-1 - parent.id, parent_id=parent.id, num_tokens=size, depth_tokens=depth[parent.id] + size,
+                    num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0, namespace="other", hidden=True,
+                    token_ids=(), text=""))
+            num_tokens, num_bytes, evicted = self.tree.num_tokens, self.pool.bytes_in_use, self.tree.evicted_tokens
+            if viewer is not None:
+                num_tokens = sum(n.num_tokens for n in infos)
+                num_bytes, evicted = num_tokens * bpt, coarse_tokens(evicted)
+            return TreeSnapshot(tuple(infos), num_tokens, num_bytes, self.pool.budget_bytes, self.pool.capacity,
+                                evicted, bpt)

@@ -15,6 +15,16 @@ Children are keyed by ``(namespace, first token)``, so two visitors with the
 same private text never share a node, while content shipped with the app
 (``public_len`` tokens, decided by the server) is shared by everyone.
 
+Eviction is least-recently-used over unlocked leaves. With a fair share
+(``evict(..., fair_for=N, capacity_tokens=C)``, used for visitors' inserts in
+isolation mode) each *owner* (a namespace's part before any ``/``, so a visitor's
+sub-namespaces count as theirs) may hold ``(C - PUBLIC tokens) / owners`` tokens;
+room for ``N`` is taken first from ``N`` itself if ``N`` would end over its share,
+then from the owner most over its share, and only then by plain LRU; an owner
+within its share is never evicted for an owner that would end over its own. The
+``PUBLIC`` namespace (content shipped with the app) is counted but never evicted
+by such an insert; only ``clear`` and plain ``evict`` (the operator's) drop it.
+
 Invariants (``check_invariants``):
 - every non-root node has a non-empty edge, ``len(value) == len(key)``, and is
   stored in its parent under ``(namespace, key[0])``;
@@ -27,6 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -191,10 +202,16 @@ class RadixTree:
             node = node.parent
 
     # ------------------------------------------------------------------ evict
-    def evict(self, num_tokens: int, namespace: str | None = None) -> list[Any]:
+    def evict(self, num_tokens: int, namespace: str | None = None, fair_for: str | None = None,
+              capacity_tokens: int = 0, incoming_tokens: int | None = None) -> list[Any]:
         """Evict unlocked leaves, least recently used first, until ``num_tokens``
         tokens are freed or nothing unlocked is left (only ``namespace``'s nodes,
-        if given). Returns the freed values."""
+        if given). With ``fair_for`` (the namespace about to insert
+        ``incoming_tokens``, by default ``num_tokens``), the fair share policy of the
+        module docstring picks the leaves instead. Returns the freed values."""
+        if fair_for is not None:
+            incoming = num_tokens if incoming_tokens is None else incoming_tokens
+            return self._evict_fair(num_tokens, owner_of(fair_for), capacity_tokens, incoming)
 
         def evictable(n: Node) -> bool:
             return n.is_leaf and n.lock_ref == 0 and (namespace is None or n.namespace == namespace)
@@ -209,6 +226,50 @@ class RadixTree:
             parent = node.parent
             if parent is not self.root and evictable(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def owner_tokens(self) -> Counter[str]:
+        """Cached tokens per owner (``PUBLIC`` included)."""
+        usage: Counter[str] = Counter()
+        for n in self.nodes():
+            usage[owner_of(n.namespace)] += len(n.key)
+        return usage
+
+    def fair_share(self, owner: str, capacity_tokens: int, usage: Counter[str] | None = None) -> float:
+        """Tokens each owner may hold when ``owner`` inserts: what ``PUBLIC`` leaves of the
+        capacity, split between the owners holding tokens and ``owner``."""
+        usage = self.owner_tokens() if usage is None else usage
+        owners = {o for o, n in usage.items() if o != PUBLIC and n > 0} | {owner}
+        return max(0, capacity_tokens - usage[PUBLIC]) / len(owners)
+
+    def _evict_fair(self, num_tokens: int, owner: str, capacity_tokens: int, incoming: int) -> list[Any]:
+        usage = self.owner_tokens()
+        share = self.fair_share(owner, capacity_tokens, usage)
+        heaps: dict[str, list] = {}  # owner -> its evictable leaves, LRU first
+
+        def push(n: Node) -> None:
+            if n is not self.root and n.is_leaf and n.lock_ref == 0 and n.namespace != PUBLIC:
+                heapq.heappush(heaps.setdefault(owner_of(n.namespace), []), (n.last_access, n.id, n))
+
+        for n in self.nodes():
+            push(n)
+        freed: list[Any] = []
+        while len(freed) < num_tokens:
+            ends_over = usage[owner] + incoming > share
+            over = [o for o, h in heaps.items() if h and o != owner and usage[o] > share]
+            if ends_over and heaps.get(owner):
+                victim = owner
+            elif over:
+                victim = max(over, key=lambda o: usage[o] - share)
+            elif not ends_over and any(heaps.values()):
+                victim = min((o for o, h in heaps.items() if h), key=lambda o: heaps[o][0][:2])
+            else:
+                break  # the rest would come from owners within their share: store less instead
+            _, _, node = heapq.heappop(heaps[victim])
+            freed.extend(node.value)
+            usage[victim] -= len(node.key)
+            self._remove_leaf(node)
+            push(node.parent)
         return freed
 
     def _remove_leaf(self, node: Node) -> None:
@@ -250,6 +311,11 @@ class RadixTree:
                 assert node.parent.lock_ref >= node.lock_ref, "child locked more than parent"
             total += len(node.key)
         assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
+
+
+def owner_of(namespace: str) -> str:
+    """Whose share a namespace counts against: a visitor's sub-namespaces (``<ns>/lab-1``) are theirs."""
+    return namespace.split("/", 1)[0]
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0, limit: int | None = None) -> int:

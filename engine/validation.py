@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from numbers import Real
 
@@ -19,6 +19,7 @@ from engine.types import EngineError, SamplingParams
 
 EMPTY_PROMPT = "The prompt is empty: type something first."
 MAX_SEED = 2**63 - 1
+PREFIX_CHARS_PER_TOKEN = 8  # characters tokenized per allowed token before an over-long text is refused
 
 
 def flatten_content(content: object) -> str:
@@ -65,6 +66,40 @@ def check_text_size(num_chars: int, max_prompt_tokens: int, max_token_chars: int
     if num_chars > max_prompt_tokens * max_token_chars:
         raise EngineError(f"The prompt is {num_chars:,} characters long, far over the limit of "
                           f"{max_prompt_tokens:,} tokens. Shorten it and try again.")
+
+
+def check_text_tokens(texts: Sequence[str], max_prompt_tokens: int, max_token_chars: int,
+                      encode: Callable[[str], Sequence[int]]) -> None:
+    """Refuse texts over the token limit while tokenizing only a bounded part of them.
+
+    First the free bound of ``check_text_size``. Then, for texts longer than
+    ``PREFIX_CHARS_PER_TOKEN`` characters per allowed token (ordinary text has 3 to 5),
+    only that many characters are tokenized, cut at whitespace: a prefix of a text has
+    no more tokens than the whole text (up to a token or two where the cut falls, and
+    where a text starts: hence the slack), so if the prefixes alone are over the limit,
+    so is the prompt. Texts with more characters per token (long runs of spaces) are
+    left to the caller, who tokenizes them in full and checks the count exactly: this
+    never refuses a prompt that fits.
+    """
+    total_chars = sum(len(t) for t in texts)
+    check_text_size(total_chars, max_prompt_tokens, max_token_chars)
+    slack = 16 + 2 * len(texts)
+    budget = (max_prompt_tokens + slack) * PREFIX_CHARS_PER_TOKEN
+    if total_chars <= budget:
+        return  # the caller tokenizes it all anyway: nothing to save
+    counted = 0
+    for text in texts:
+        if budget <= 0:
+            break
+        part = text[:budget]
+        if len(part) < len(text):
+            cut = max(part.rfind(" "), part.rfind("\n"))
+            part = part[:cut] if cut > len(part) // 2 else part
+        counted += len(encode(part))
+        budget -= len(part)
+    if counted > max_prompt_tokens + slack:
+        raise EngineError(f"The prompt is over the limit of {max_prompt_tokens:,} tokens: its first part alone "
+                          f"holds {counted - slack:,}. Shorten it and try again.")
 
 
 def check_prompt_ids(ids: object, vocab_size: int) -> list[int]:

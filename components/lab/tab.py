@@ -34,7 +34,7 @@ from engine.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
 from engine.lab.miss_explainer import explain_miss
 from engine.lab.ordering_runs import LabPrompt, Variant, VariantResult, run_lab
 from engine.lab.request_order_demo import request_order_demo_for
-from engine.lab.template_lint import lint_template, parse_values, render, suggest_order
+from engine.lab.template_lint import check_render_size, lint_template, parse_values, render, suggest_order
 from engine.types import EngineError
 
 DEFAULT_REQUESTS = 6
@@ -74,6 +74,9 @@ def custom_variants(template_a: str, template_b: str, values_text: str) -> list[
     if not second:
         report = lint_template(template_a, rows)
         second = suggest_order(template_a, report.per_request) or ""
+    for template in (template_a, second):  # before rendering anything: occurrences x value lengths
+        if template:
+            check_render_size(template, rows)
     variants = [Variant("Your template", tuple(LabPrompt(f"request {i + 1}", prompt=render(template_a, row))
                                                 for i, row in enumerate(rows)))]
     if second and second != template_a:

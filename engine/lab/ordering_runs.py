@@ -10,6 +10,10 @@ the presets (content lives in ``components/``) or the UI.
 A run is a generator of ``LabProgress`` events, one per finished request, so a
 caller shows progress; it stops early when ``should_stop()`` says so or when the
 caller closes the generator (the namespace is cleared either way).
+
+A run is bounded in total prompt tokens (``MAX_RUN_PROMPT_TOKENS``, all variants
+together, about three times the largest preset): on a public page one click must
+not hold the model for minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, NodeInfo, RequestMetrics, SamplingParams
+
+MAX_RUN_PROMPT_TOKENS = 24_000
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,8 @@ def new_run_id() -> str:
 
 def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1, measure_baseline: bool = True,
             should_stop: Callable[[], bool] | None = None, run_id: str | None = None,
-            namespace_of: Callable[[str], str] | None = None, tag: str = "ordering-lab") -> Iterator[LabProgress]:
+            namespace_of: Callable[[str], str] | None = None, tag: str = "ordering-lab",
+            max_prompt_tokens: int = MAX_RUN_PROMPT_TOKENS) -> Iterator[LabProgress]:
     """Run every variant's requests in order, each variant in a fresh namespace.
 
     ``namespace_of`` maps a variant's name in the run (``lab-<run id>-<index>``)
@@ -150,7 +157,8 @@ def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1
     ``sub_namespace``, so a visitor's variants stay inside their own namespace.
 
     Raises ``EngineError`` before running anything if a prompt is empty or too
-    long, if there is nothing to run, or if the engine has no prefix cache.
+    long, if all prompts together exceed ``max_prompt_tokens``, if there is
+    nothing to run, or if the engine has no prefix cache.
     """
     if not variants or not any(v.prompts for v in variants):
         raise EngineError("Nothing to run: the lab needs at least one request.")
@@ -159,6 +167,10 @@ def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1
     run_id = run_id or new_run_id()
     # Tokenize (and validate) everything first: a bad prompt fails before any work.
     ids = [[engine.prompt_ids(lab_request(p)) for p in v.prompts] for v in variants]
+    run_tokens = sum(len(p) for v in ids for p in v)
+    if run_tokens > max_prompt_tokens:
+        raise EngineError(f"This run's prompts hold {run_tokens:,} tokens in all; the limit is {max_prompt_tokens:,}. "
+                          "Use fewer or shorter requests.")
     total = sum(len(v.prompts) for v in variants)
     sampling = SamplingParams(max_new_tokens=max(1, int(max_new_tokens)))
     stop = should_stop or (lambda: False)

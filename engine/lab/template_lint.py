@@ -2,7 +2,8 @@
 
 Owns: parsing templates with ``{variables}`` (``{{`` and ``}}`` are literal
 braces), rendering them safely (plain names only: no attribute or index access),
-reading per-request values (JSON lines or a JSON list of objects), and the lint:
+reading per-request values (JSON lines or a JSON list of objects), bounding
+what rendering can produce, and the lint:
 
 - a variable is *per-request* when its value differs between requests (with no
   values given, every variable is assumed to be);
@@ -12,6 +13,13 @@ reading per-request values (JSON lines or a JSON list of objects), and the lint:
 - an estimate of the share of each prompt that later requests can reuse (the
   rendered text before the first per-request variable), now and with the
   per-request lines moved last (the suggested template).
+
+Rendering is bounded before anything is rendered or tokenized: a template holds
+at most ``MAX_PLACEHOLDERS`` variables, and one rendered prompt (static text plus,
+for every occurrence, its value) at most ``MAX_RENDERED_CHARS`` characters, all
+requests together ``MAX_RENDERED_TOTAL_CHARS``. Without it, 2,000 ``{a}`` times a
+9,900-character value renders 20 million characters per request from inputs a few
+kilobytes long.
 
 Token counts come from a ``count_tokens`` callable (the model's tokenizer in the
 app), or roughly 4 characters per token without one. Knows nothing about the UI.
@@ -32,6 +40,9 @@ STATIC_TOKENS_WORTH_A_WARNING = 8
 MAX_TEMPLATE_CHARS = 20_000
 MAX_VALUES_CHARS = 100_000
 MAX_VALUE_ROWS = 32
+MAX_PLACEHOLDERS = 256  # variable occurrences in one template
+MAX_RENDERED_CHARS = 64_000  # one rendered prompt: far over the model's context already
+MAX_RENDERED_TOTAL_CHARS = 256_000  # every request of one lint or lab run together
 
 
 class TemplateError(EngineError):
@@ -84,7 +95,31 @@ def parse_template(template: str) -> list[Segment]:
             raise TemplateError(f"{{{name}}} is not a plain variable name: use letters, digits and _ only, "
                                 "like {question}.")
         out.append(Segment(name, True))
+    placeholders = sum(seg.is_variable for seg in out)
+    if placeholders > MAX_PLACEHOLDERS:
+        raise TemplateError(f"The template uses variables {placeholders:,} times; the limit is {MAX_PLACEHOLDERS}.")
     return out
+
+
+def rendered_chars(segments: Sequence[Segment], values: Mapping[str, object]) -> int:
+    """Length of the text ``segments`` render to with ``values``, without rendering it."""
+    return sum(len(str(values.get(s.text, ""))) if s.is_variable else len(s.text) for s in segments)
+
+
+def check_render_size(template: str, rows: Sequence[Mapping[str, object]]) -> None:
+    """Refuse, before rendering, values that would make ``template`` render too much text:
+    occurrences times value length per request, and all requests together."""
+    segments = parse_template(template)
+    total = 0
+    for i, row in enumerate(rows):
+        n = rendered_chars(segments, row)
+        if n > MAX_RENDERED_CHARS:
+            raise TemplateError(f"With request {i + 1}'s values the template renders {n:,} characters; the limit "
+                                f"is {MAX_RENDERED_CHARS:,}. Use shorter values or fewer {{variables}}.")
+        total += n
+    if total > MAX_RENDERED_TOTAL_CHARS:
+        raise TemplateError(f"All requests together render {total:,} characters; the limit is "
+                            f"{MAX_RENDERED_TOTAL_CHARS:,}. Use fewer requests or shorter values.")
 
 
 def template_variables(template: str) -> list[str]:
@@ -96,8 +131,14 @@ def template_variables(template: str) -> list[str]:
 
 
 def render(template: str, values: Mapping[str, object]) -> str:
+    """``template`` with every variable replaced by its value (refused if too long, see above)."""
+    segments = parse_template(template)
+    n = rendered_chars(segments, values)
+    if n > MAX_RENDERED_CHARS:
+        raise TemplateError(f"With these values the template renders {n:,} characters; the limit is "
+                            f"{MAX_RENDERED_CHARS:,}. Use shorter values or fewer {{variables}}.")
     out = []
-    for seg in parse_template(template):
+    for seg in segments:
         if not seg.is_variable:
             out.append(seg.text)
         elif seg.text in values:
@@ -167,18 +208,19 @@ def lint_template(template: str, values: Sequence[Mapping[str, object]] = (),
     per_request = per_request_variables(variables, values)
     constant = [v for v in variables if v not in per_request]
     rows = list(values) or [dict.fromkeys(variables, "")]
+    check_render_size(template, rows)  # before anything is rendered or counted
 
     warnings: list[LintWarning] = []
-    flagged: set[str] = set()
+    seen: set[str] = set()  # a later occurrence has only part of the first one's static text after it
     for i, seg in enumerate(segments):
-        if not seg.is_variable or seg.text not in per_request or seg.text in flagged:
+        if not seg.is_variable or seg.text not in per_request or seg.text in seen:
             continue
+        seen.add(seg.text)
         static_after = "".join(s.text if not s.is_variable else (str(rows[0].get(s.text, "")) if s.text in constant
                                                                  else "") for s in segments[i + 1:]
                                if not (s.is_variable and s.text in per_request))
         n = count(static_after) if static_after.strip() else 0
         if n >= STATIC_TOKENS_WORTH_A_WARNING:
-            flagged.add(seg.text)
             warnings.append(LintWarning(seg.text, n, (
                 f"{{{seg.text}}} changes per request but comes before ~{n:,} tokens of static text: a prefix cache "
                 f"stops at the first difference, so that text is computed again on every request. Move "

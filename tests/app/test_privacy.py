@@ -18,6 +18,7 @@ from components.chat_panel import build_request, chat_messages
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
 from components.session import public_len, sub_namespace, visitor_namespace
 from engine.engine import Engine
+from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
 from engine.radix_tree import PUBLIC
 from engine.types import GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor
@@ -161,9 +162,48 @@ def test_tree_view_shows_other_visitors_as_shape_and_size_only(isolated):
             assert n.num_tokens > 0 and n.num_bytes == n.num_tokens * view.bytes_per_token
         for n in view.nodes:
             assert n.hidden or n.namespace in (PUBLIC, own) or n.namespace.startswith(own + "/")
-    # Same shape for both viewers: only the text differs.
-    assert sorted((n.node_id, n.num_tokens) for n in view_a.nodes) == \
-        sorted((n.node_id, n.num_tokens) for n in view_b.nodes)
+    # Both see the same shared nodes; the other's nodes only as coarse "others" nodes under them.
+    shared_a = sorted((n.node_id, n.num_tokens) for n in view_a.nodes if n.namespace == PUBLIC)
+    assert shared_a == sorted((n.node_id, n.num_tokens) for n in view_b.nodes if n.namespace == PUBLIC)
+    for view in (view_a, view_b):
+        for n in view.nodes:
+            if n.hidden:
+                assert n.num_tokens % HIDDEN_BUCKET_TOKENS == 0 and n.hits == n.lock_ref == 0
+                assert n.last_access_s_ago == 0.0 and n.node_id < 0
+
+
+def _others_view(engine: Engine, viewer: str, own: str) -> tuple:
+    """What ``viewer`` can read about other visitors: every snapshot field but their own nodes' clock."""
+    snap = engine.snapshot(viewer=viewer)
+    nodes = tuple(sorted((n.node_id, n.parent_id, n.num_tokens, n.depth_tokens, n.num_bytes, n.lock_ref, n.hits,
+                          n.namespace, n.hidden, n.token_ids, n.text,
+                          0.0 if n.namespace.startswith(own) else n.last_access_s_ago) for n in snap.nodes))
+    stats = engine.stats(viewer)
+    return (nodes, snap.num_tokens, snap.num_bytes, snap.evicted_tokens, stats.cached_tokens_now, stats.cache_bytes,
+            stats.num_nodes, stats.evicted_tokens, stats.requests, stats.prompt_tokens, stats.locked_tokens)
+
+
+def test_hidden_nodes_do_not_tell_which_prompt_another_visitor_sent(tiny_runner):
+    """The attack: the three starter questions differ by a few tokens, and the size of the new
+    hidden node named the one another visitor clicked in 6 of 6 trials. Now the other visitor's
+    snapshot (and the cache figures shown to them) are identical whichever was sent."""
+    from components.chat_presets import STARTER_QUESTIONS
+    from components.tree_figures import snapshot_summary, tree_figure
+
+    views, summaries = [], []
+    for question in STARTER_QUESTIONS:
+        engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+        chat(engine, "b", SYSTEM_PRESETS[DEFAULT_SYSTEM], "Where is my order?")  # the observer's own turn
+        chat(engine, "a", SYSTEM_PRESETS[DEFAULT_SYSTEM], question)
+        ns_b = visitor_namespace(session("b"), engine)
+        views.append(_others_view(engine, ns_b, ns_b))
+        summaries.append(snapshot_summary(engine.snapshot(viewer=ns_b)))  # what /tree_snapshot answers
+        snap = engine.snapshot(viewer=ns_b)
+        assert any(n.hidden for n in snap.nodes)
+        for view in ("tree", "icicle"):  # the figures still draw the aggregated nodes
+            assert tree_figure(snap, None, view=view, viewer_owns=ns_b).data
+    assert views[0] == views[1] == views[2]
+    assert summaries[0] == summaries[1] == summaries[2]
 
 
 def test_shared_mode_tree_hides_nothing(shared):

@@ -178,3 +178,92 @@ def _cached_paths(tree, ns):
 
     walk(tree.root, [])
     return out
+
+
+# ------------------------------------------------------------------ fair share
+def _owner_tokens(tree):
+    return dict(tree.owner_tokens())
+
+
+def test_fair_eviction_takes_from_the_inserter_over_its_share_first():
+    tree = RadixTree(clock=itertools.count().__next__)
+    insert(tree, range(1000, 1010), ns=PUBLIC)  # shipped: pinned against visitors' inserts
+    insert(tree, range(100, 130), ns="v-b")  # victim, oldest entry
+    for start in (200, 300):  # attacker's long unique prompts
+        insert(tree, range(start, start + 40), ns="v-a")
+    # capacity 130: share (130 - 10) / 2 = 60 each; a needs 40 more and holds 80: a's own go first
+    freed = tree.evict(40, fair_for="v-a", capacity_tokens=130)
+    assert len(freed) == 40 and all(v[1] == "v-a" for v in freed)
+    assert _owner_tokens(tree) == {PUBLIC: 10, "v-b": 30, "v-a": 40}
+    # a's own entries in use (locked): b, within its share, is not evicted for a; a stores less
+    locked = [tree.match(key(range(s, s + 40), "v-a")).node for s in (200, 300) if
+              tree.match(key(range(s, s + 40), "v-a"), touch=False).length]
+    for node in locked:
+        tree.lock(node)
+    assert tree.evict(60, fair_for="v-a", capacity_tokens=130) == []
+    for node in locked:
+        tree.unlock(node)
+    assert _owner_tokens(tree)["v-b"] == 30 and _owner_tokens(tree)[PUBLIC] == 10
+    # plain LRU (the operator's clear / budget change) still drops everything
+    tree.evict(tree.num_tokens)
+    assert tree.num_tokens == 0
+
+
+def test_fair_eviction_takes_from_owners_over_their_share_then_lru():
+    tree = RadixTree(clock=itertools.count().__next__)
+    insert(tree, range(100, 150), ns="v-a")  # 50 tokens
+    insert(tree, range(200, 210), ns="v-b")  # 10
+    insert(tree, range(300, 305), ns="v-c/lab-1")  # 5, a sub-namespace counts as c's
+    # capacity 90, three owners: share 30. c needs 10 (ends at 15, within share): a is over, a pays
+    freed = tree.evict(10, fair_for="v-c/lab-2", capacity_tokens=90)
+    assert {v[1] for v in freed} == {"v-a"} and _owner_tokens(tree)["v-b"] == 10
+    # nobody over share and c within it: plain LRU among visitors (b is the oldest)
+    tree2 = RadixTree(clock=itertools.count().__next__)
+    insert(tree2, range(200, 210), ns="v-b")
+    insert(tree2, range(100, 110), ns="v-a")
+    assert {v[1] for v in tree2.evict(5, fair_for="v-c", capacity_tokens=90)} == {"v-b"}
+
+
+fair_ops = st.lists(st.tuples(st.sampled_from(["insert", "insert", "lock", "unlock", "fair"]),
+                              st.lists(st.integers(0, 5), min_size=1, max_size=12),
+                              st.sampled_from([PUBLIC, "v-a", "v-b", "v-b/lab-1", "v-c"]),
+                              st.integers(1, 40)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fair_ops)
+def test_fair_eviction_invariants(operations):
+    """Whatever happens: the tree stays consistent, locked and PUBLIC tokens survive a fair
+    eviction, and an owner within its share loses tokens only to an inserter that ends
+    within its own share (its new tokens included)."""
+    tree = RadixTree()
+    held = []
+    for op, ids, ns, n in operations:
+        if op == "insert":
+            insert(tree, ids, ns=ns, public_len=n % 3)
+        elif op == "lock":
+            m = tree.match(key(ids, ns=ns, public_len=n % 3))
+            if m.length:
+                tree.lock(m.node)
+                held.append((m.node, key(ids[: m.length], ns=ns, public_len=n % 3)))
+        elif op == "unlock" and held:
+            tree.unlock(held.pop(n % len(held))[0])
+        elif op == "fair" and ns != PUBLIC:
+            capacity = 60
+            before = tree.owner_tokens()
+            share = tree.fair_share(ns.split("/")[0], capacity, before)
+            freed = tree.evict(n, fair_for=ns, capacity_tokens=capacity)
+            after = tree.owner_tokens()
+            assert sum(before.values()) - sum(after.values()) == len(freed)
+            assert after[PUBLIC] == before[PUBLIC]
+            me = ns.split("/")[0]
+            if after[me] + n > share:  # ends over its share (n: its incoming tokens)
+                for o, count in before.items():
+                    if o not in (PUBLIC, me) and count <= share:
+                        assert after[o] == count, (o, count, after[o], share)
+        tree.check_invariants()
+        for _, k in held:
+            assert tree.match(k, touch=False).length == len(k.ids)
+    for node, _ in held:
+        tree.unlock(node)
+    tree.check_invariants()

@@ -118,3 +118,41 @@ def test_sampling_at_extreme_temperatures_stays_a_distribution(tiny_runner):
     assert sample(logits, SamplingParams(temperature=1e-300, seed=1), g) == int(logits.argmax())
     picks = {sample(logits, SamplingParams(temperature=1e308), g) for _ in range(50)}
     assert len(picks) > 10  # a huge temperature is close to uniform
+
+
+def test_over_long_text_refused_after_tokenizing_a_bounded_prefix(engine, monkeypatch):
+    """The attack: a text just under the character bound (max_token_chars per allowed token,
+    about 660,000 characters on the real model) was tokenized in full before being refused."""
+    limit, per_token = engine.max_prompt_tokens, engine.runner.max_token_chars
+    real_encode = engine.runner.encode
+    tokenized: list[int] = []
+    monkeypatch.setattr(engine.runner, "encode", lambda text: tokenized.append(len(text)) or real_encode(text))
+    text = ("word " * (limit * per_token))[: limit * per_token - 1]  # passes the character bound
+    for req in (GenerationRequest(prompt=text), GenerationRequest(messages=({"role": "user", "content": text},))):
+        tokenized.clear()
+        with pytest.raises(EngineError, match="limit"):
+            engine.submit(req)
+        assert 0 < sum(tokenized) <= (limit + 20) * validation.PREFIX_CHARS_PER_TOKEN
+
+
+@pytest.mark.parametrize("unit", ["word ", "        x", " " * 80 + "\n", "漢字 ", "🎉 ", "a" * 30 + "\n\n"])
+def test_prefix_bound_never_rejects_a_prompt_that_fits(tiny_runner, unit):
+    text = unit * 4_000
+    n = len(tiny_runner.encode(text))
+    validation.check_text_tokens([text], n, tiny_runner.max_token_chars, tiny_runner.encode)  # exactly at the limit
+    halves = [text[: len(text) // 2], text[len(text) // 2:]]
+    n2 = len(tiny_runner.encode(halves[0])) + len(tiny_runner.encode(halves[1]))
+    validation.check_text_tokens(halves, n2, tiny_runner.max_token_chars, tiny_runner.encode)
+
+
+def test_token_pieces_is_linear_and_exact(tiny_runner, monkeypatch):
+    """Colouring a prompt decoded growing prefixes: n^2/2 tokens decoded for n tokens."""
+    text = "Hello, world! 漢字テスト 🎉🎉 naïve café  spaced   out.\n\n  code: x = [1, 2]  " * 40
+    ids = tiny_runner.encode(text)
+    real_decode = tiny_runner.decode
+    decoded: list[int] = []
+    monkeypatch.setattr(tiny_runner, "decode", lambda i: decoded.append(len(i)) or real_decode(i))
+    pieces = tiny_runner.token_pieces(ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == real_decode(ids)
+    assert sum(decoded) <= 20 * len(ids), f"{sum(decoded):,} tokens decoded for {len(ids):,}"
+    assert pieces[ids.index(tiny_runner.encode(" 🎉")[0])] == ""  # a split character shows on its last token

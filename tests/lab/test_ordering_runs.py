@@ -9,7 +9,7 @@ import pytest
 from components.lab.presets import PRESETS
 from engine.engine import Engine
 from engine.lab.granularity import simulate_blocks
-from engine.lab.ordering_runs import LabPrompt, Variant, run_lab, run_lab_to_end
+from engine.lab.ordering_runs import LabPrompt, Variant, lab_request, run_lab, run_lab_to_end
 from engine.types import EngineError, GenerationRequest
 
 
@@ -111,3 +111,12 @@ def test_no_cache_engine_is_refused(tiny_runner):
 def test_namespace_of_places_variants(engine):
     results = run_lab_to_end(engine, _variants(2), measure_baseline=False, namespace_of=lambda n: f"v-me/{n}")
     assert all(r.namespace.startswith("v-me/lab-") for r in results)
+
+
+def test_a_run_is_bounded_in_total_prompt_tokens(engine):
+    variants = _variants(4)
+    total = sum(len(engine.prompt_ids(lab_request(p))) for v in variants for p in v.prompts)
+    with pytest.raises(EngineError, match="in all"):
+        next(run_lab(engine, variants, max_prompt_tokens=total - 1))
+    assert engine.stats().requests == 0  # refused before anything ran
+    assert run_lab_to_end(engine, variants, measure_baseline=False, max_prompt_tokens=total)[0].complete

@@ -3,6 +3,8 @@ reusable share, suggests an order, and renders safely."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.lab.template_lint import (
@@ -87,3 +89,43 @@ def test_size_limits():
         parse_values('{"a": 1}\n' * (MAX_VALUE_ROWS + 1))
     with pytest.raises(TemplateError):
         parse_values(["not", "text"])
+
+
+def _guarded_counter(limit_chars: int = 100_000):
+    """A token counter that fails the test if asked to count a text no request should render."""
+    def count(text: str) -> int:
+        assert len(text) <= limit_chars, f"asked to tokenize {len(text):,} characters"
+        return (len(text) + 3) // 4
+    return count
+
+
+def test_amplification_is_refused_before_rendering():
+    """The attack: 2,000 occurrences of {a} times a 9,900-character value is 20 million characters
+    per request from inputs a few kilobytes long; refused before rendering or counting."""
+    from engine.lab.template_lint import MAX_PLACEHOLDERS, MAX_RENDERED_CHARS, MAX_RENDERED_TOTAL_CHARS
+
+    rows = [{"a": "x" * 9_900}, {"a": "y" * 9_900}]
+    with pytest.raises(TemplateError, match="limit"):
+        lint_template("{a}" * 2_000, rows, _guarded_counter())
+    with pytest.raises(TemplateError, match="limit"):  # under the occurrence cap, still far too much text
+        lint_template("{a}" * MAX_PLACEHOLDERS, rows, _guarded_counter())
+    with pytest.raises(TemplateError, match="renders"):
+        render("{a}" * MAX_PLACEHOLDERS, rows[0])
+    with pytest.raises(TemplateError, match="together"):  # each request fits, all of them do not
+        many = [{"a": str(i) * (MAX_RENDERED_CHARS - 10)} for i in range(MAX_RENDERED_TOTAL_CHARS
+                                                                        // MAX_RENDERED_CHARS + 1)]
+        lint_template("Q: {a}", many, _guarded_counter())
+    # what fits still renders and lints
+    assert len(render("{a}" * 6, rows[0])) == 6 * 9_900
+    assert lint_template("{a} static text " * 6, rows, _guarded_counter()).per_request == ("a",)
+
+
+def test_custom_lab_runs_are_bounded_before_rendering():
+    from components.lab.tab import custom_variants
+
+    values = "\n".join(json.dumps({"a": c * 9_000}) for c in "xy")
+    with pytest.raises(TemplateError, match="limit"):
+        custom_variants("{a}" * 200, "", values)
+    with pytest.raises(TemplateError, match="limit"):
+        custom_variants("Q: {a}", "{a}" * 200, values)
+    assert len(custom_variants("Static text first.\nQ: {a}", "", values)) >= 1
