@@ -11,6 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from components.common import fmt_bytes, fmt_ms
+from components.info_panel import engine_line
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
 from components.tree_panel import tree_figure_for
@@ -53,6 +54,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
 
 def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = True) -> LiveView:
     gr.Markdown("### What the cache just did", elem_classes=["side-title"])
+    gr.Markdown(engine_line(engine), elem_id="engine-line", elem_classes=["legend"])
     numbers = gr.HTML(key_numbers_html(engine, None, ""), elem_classes=["key-numbers"])
     gr.Markdown("**Live radix tree** · green: your last prompt's cached part · orange: what it computed. "
                 "Hover for text; the *Radix tree* tab has the full view.", elem_classes=["legend"])
