@@ -1,5 +1,6 @@
 """Engine info: what runs behind the page (model, device, dtype, KV geometry and
-cost per token, budget, context, isolation, limits)."""
+cost per token, budget, context, isolation, limits), and the one-line version of
+it shown next to the chat (``engine_line``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ from components.live import LiveView
 from engine.engine import Engine
 
 
+def dtype_note(dtype: str) -> str:
+    """What the number format means for a visitor reading the figures."""
+    if dtype == "float32":
+        return "full precision: reuse gives exactly the answers a cold run gives"
+    if dtype in ("bfloat16", "float16"):
+        return ("half precision: faster, half the KV bytes per token; logits agree with a cold run to about "
+                "5e-2, so a near-tie can pick a different greedy token")
+    return ""
+
+
+def engine_line(engine: Engine) -> str:
+    """One short line: which model runs where, in which dtype, and what a token of KV costs."""
+    i = engine.info()
+    return (f"Running **{i.model_name}** on {i.device} in **{i.dtype}** · KV {fmt_bytes(i.kv_bytes_per_token)} "
+            f"per token")
+
+
 def info_markdown(engine: Engine) -> str:
     i, s = engine.info(), engine.stats()
     bpt = i.kv_bytes_per_token
@@ -17,7 +35,7 @@ def info_markdown(engine: Engine) -> str:
         "| engine | |", "|---|---|",
         f"| model | **{i.model_name}** |",
         f"| device | {i.device} |",
-        f"| dtype | {i.dtype} |",
+        f"| dtype | **{i.dtype}** ({dtype_note(i.dtype)}) |" if dtype_note(i.dtype) else f"| dtype | {i.dtype} |",
         f"| layers · KV heads · head dim | {i.num_layers} · {i.num_kv_heads} · {i.head_dim} |",
         f"| KV cache per token | **{bpt:,} bytes** (2 × {i.num_layers} layers × {i.num_kv_heads} heads × "
         f"{i.head_dim} dims × {bpt // max(1, 2 * i.num_layers * i.num_kv_heads * i.head_dim)} bytes) |",

@@ -58,32 +58,59 @@ KEEP_ZOOM_JS = """
 """.replace("KEEP_ZOOM_CLASS", KEEP_ZOOM)
 
 
+REFRESH_FAILED = "⚠ Could not redraw this panel ({error}); it shows the last picture. Details are in the server log."
+
+
 @dataclass
 class LiveView:
-    """A panel's refresh: ``fn(*inputs) -> outputs``, run on every ``timer`` tick."""
+    """A panel's refresh: ``fn(*inputs) -> outputs``, run on every ``timer`` tick.
+
+    ``status`` (optional) is a one-line ``gr.Markdown`` on the panel: empty and hidden
+    while refreshes work, it says so when one fails (see ``_quiet``)."""
 
     timer: gr.Timer
     fn: Callable
     inputs: Sequence = ()
     outputs: Sequence = ()
+    status: gr.Markdown | None = None
 
     def refresh_on(self, *triggers) -> None:
-        gr.on(list(triggers), _quiet(self.fn, len(self.outputs)), list(self.inputs), list(self.outputs),
-              show_progress="hidden", api_visibility="private", queue=True, trigger_mode="always_last")
+        outputs = list(self.outputs) + ([self.status] if self.status is not None else [])
+        gr.on(list(triggers), _quiet(self.fn, len(self.outputs), self.status is not None), list(self.inputs),
+              outputs, show_progress="hidden", api_visibility="private", queue=True, trigger_mode="always_last")
 
 
-def _quiet(fn: Callable, num_outputs: int) -> Callable:
-    """A refresh that fails keeps the last picture and logs one line: a timer must never
-    show a visitor an error, let alone a traceback."""
+def status_line(**kw) -> gr.Markdown:
+    """The empty, hidden line a ``LiveView`` fills when a refresh fails; place it under the picture."""
+    return gr.Markdown("", visible=False, elem_classes=["refresh-status"], **kw)
+
+
+_failures_logged: set[tuple[str, str]] = set()
+
+
+def _quiet(fn: Callable, num_outputs: int, with_status: bool = False) -> Callable:
+    """A refresh that fails keeps the last picture and logs the detail (with the traceback):
+    a timer must never show a visitor a traceback. With ``with_status`` the panel's status
+    line (one more output) says in one short line that the picture is stale, naming only the
+    exception's type; the next refresh that works hides it again."""
 
     @functools.wraps(fn)  # Gradio reads the wrapped signature (it injects gr.Request)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
-        except Exception as exc:  # anything: once per tick, to the log only
-            log.warning("panel refresh failed: %s: %s", type(exc).__name__, exc)
+            out = fn(*args, **kwargs)
+        except Exception as exc:  # anything: once per tick, to the log; the traceback once per kind
+            where = getattr(fn, "__qualname__", repr(fn))
+            first = (where, type(exc).__name__) not in _failures_logged
+            _failures_logged.add((where, type(exc).__name__))
+            log.warning("panel refresh failed (%s): %s: %s", where, type(exc).__name__, exc, exc_info=first)
             skips = tuple(gr.skip() for _ in range(num_outputs))
+            if with_status:
+                return (*skips, gr.update(value=REFRESH_FAILED.format(error=type(exc).__name__), visible=True))
             return skips[0] if num_outputs == 1 else skips
+        if not with_status:
+            return out
+        out = (out,) if num_outputs == 1 else tuple(out)
+        return (*out, gr.update(value="", visible=False))
 
     return wrapper
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 
 from components.common import fmt_bytes, fmt_ms
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
+from components.info_panel import engine_line
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
 from components.tree_panel import tree_figure_for
 from engine.engine import Engine
@@ -53,10 +54,12 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
 
 def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = True) -> LiveView:
     gr.Markdown("### What the cache just did", elem_classes=["side-title"])
+    gr.Markdown(engine_line(engine), elem_id="engine-line", elem_classes=["legend"])
     numbers = gr.HTML(key_numbers_html(engine, None, ""), elem_classes=["key-numbers"])
     gr.Markdown("**Live radix tree** · green: your last prompt's cached part · orange: what it computed. "
                 "Hover for text; the *Radix tree* tab has the full view.", elem_classes=["legend"])
     plot = gr.Plot(show_label=False, elem_classes=["mini-tree", KEEP_ZOOM])
+    status = status_line()
     seen = gr.State(None)
 
     def refresh(metrics, seen_before, request: gr.Request):
@@ -68,6 +71,6 @@ def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = 
                               max_fan=12)
         return key_numbers_html(engine, metrics, viewer), fig, drawn(sig)
 
-    live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, seen], [numbers, plot, seen])
+    live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, seen], [numbers, plot, seen], status)
     live.refresh_on(live.timer.tick, last_metrics.change)
     return live

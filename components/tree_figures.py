@@ -14,6 +14,7 @@ or the engine object; other visitors' nodes reach it ``hidden``, without text.
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 import re
@@ -27,8 +28,8 @@ from engine.types import TreeSnapshot
 
 STATUS_COLORS = {REUSED: TOKEN_COLORS["cached"], COMPUTED: TOKEN_COLORS["computed"]}
 HIDDEN_COLOR = "#cbd5e1"
-RECENCY_SCALE = [[0.0, "#1e3a8a"], [0.35, "#3b82f6"], [0.7, "#93c5fd"], [1.0, "#e2e8f0"]]
-HITS_SCALE = [[0.0, "#ede9fe"], [0.5, "#8b5cf6"], [1.0, "#4c1d95"]]
+RECENCY_SCALE = ((0.0, "#1e3a8a"), (0.35, "#3b82f6"), (0.7, "#93c5fd"), (1.0, "#e2e8f0"))
+HITS_SCALE = ((0.0, "#ede9fe"), (0.5, "#8b5cf6"), (1.0, "#4c1d95"))
 COLOR_MODES = ("recency", "hits")
 VIEWS = ("tree", "icicle")
 _SPECIAL = re.compile(r"<\|[^|<>]{1,40}\|>")  # chat-template markers such as <|im_start|>
@@ -45,47 +46,60 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
     ``max_nodes`` and ``max_fan`` cap the marks drawn, in all and under one
     parent (defaults: 300 and 40 for the tree, where every leaf needs a row
     of its own; 2,000 and 500 for the icicle, where a leaf can be a line).
+
+    The figure is assembled from plain dicts and built without plotly's
+    per-element validation, which alone took most of a second for 2,000 marks
+    (tests validate the same dicts once: ``go.Figure(fig.to_dict())``).
     """
     icicle = view == "icicle"
     max_nodes = max_nodes or (2000 if icicle else 300)
     max_fan = max_fan or (500 if icicle else 40)
     marks = visual_tree(snapshot, path, collapse_chains, max_nodes, max_fan)
-    fig = go.Figure()
-    _base_layout(fig, snapshot, height, f"{view}-{color_by}", compact)
+    fig_layout = _base_layout(snapshot, height, f"{view}-{color_by}", compact)
     if len(marks) == 1:
-        fig.add_annotation(text="The cache is empty.<br>Send a message: its tokens appear here as a branch.",
-                           x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14))
-        return fig
+        fig_layout["annotations"] = [dict(
+            text="The cache is empty.<br>Send a message: its tokens appear here as a branch.", x=0.5, y=0.5,
+            xref="paper", yref="paper", showarrow=False, font=dict(size=14))]
+        return go.Figure(layout=fig_layout)
     pos, span = layout(marks)
     colors, cbar = _colors(marks, color_by)
     hover = {vid: _hover(m, viewer_owns) for vid, m in marks.items() if vid}
-    if view == "icicle":
-        _draw_icicle(fig, marks, span, colors, hover, label=len(marks) <= 40)
+    if icicle:
+        traces = _icicle_traces(marks, span, colors, hover, fig_layout, label=len(marks) <= 40)
     else:
-        _draw_tree(fig, marks, pos, colors, hover, label=len(marks) <= (14 if compact else 40))
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False,
-                             marker=dict(colorscale=cbar[0], cmin=cbar[1], cmax=cbar[2], color=[cbar[1]],
-                                         showscale=not compact,
-                                         colorbar=dict(title=dict(text=cbar[3], side="right"), thickness=10,
-                                                       len=0.6, tickvals=cbar[4], ticktext=cbar[5]))))
-    return fig
+        traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (14 if compact else 40))
+    traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False,
+                       marker=dict(colorscale=cbar[0], cmin=cbar[1], cmax=cbar[2], color=[cbar[1]],
+                                   showscale=not compact,
+                                   colorbar=dict(title=dict(text=cbar[3], side="right"), thickness=10,
+                                                 len=0.6, tickvals=cbar[4], ticktext=cbar[5]))))
+    return go.Figure(data=traces, layout=fig_layout, _validate=False)
 
 
-def _base_layout(fig: go.Figure, snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> None:
-    fig.update_layout(
+def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> dict:
+    out = dict(
         height=height, margin=dict(l=8, r=8, t=8 if compact else 30, b=8), plot_bgcolor="white",
         paper_bgcolor="white", hovermode="closest", showlegend=False, uirevision=revision, dragmode="zoom",
-        hoverlabel=dict(align="left", font_size=12), font=dict(size=11),
+        hoverlabel=dict(align="left", font=dict(size=12)), font=dict(size=11),
         xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
     if not compact:
-        fig.update_layout(title=dict(
+        out["title"] = dict(
             text=f"{len(snapshot.nodes):,} nodes · {snapshot.num_tokens:,} tokens · "
                  f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB",
-            x=0.01, font=dict(size=13)))
+            x=0.01, font=dict(size=13))
+    return out
 
 
-def _draw_tree(fig, marks, pos, colors, hover, label: bool) -> None:
-    max_tok = max((m.num_tokens for m in marks.values()), default=1) or 1
+def _outline(m: VisualNode) -> tuple[str, float]:
+    """Outline colour and width: the last request's status, else red when locked."""
+    if m.status:
+        return STATUS_COLORS[m.status], 3
+    return ("#dc2626", 3) if m.lock_ref else ("white", 1)
+
+
+def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool) -> list[dict]:
+    size_of = {v: m.grouped_tokens or m.num_tokens for v, m in marks.items()}
+    max_tok = max(size_of.values(), default=1) or 1
     edges: dict[str, tuple[list, list]] = {"": ([], []), REUSED: ([], []), COMPUTED: ([], [])}
     for vid, m in marks.items():
         if vid == 0:
@@ -94,42 +108,45 @@ def _draw_tree(fig, marks, pos, colors, hover, label: bool) -> None:
         xs, ys = edges[m.status]
         xs += [x0, x0, x1, None]  # elbow: down the parent's column, then across
         ys += [y0, y1, y1, None]
-    for status, (xs, ys) in edges.items():
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip",
-                                 line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status else 1.2)))
+    traces = [dict(type="scatter", x=xs, y=ys, mode="lines", hoverinfo="skip",
+                   line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status else 1.2))
+              for status, (xs, ys) in edges.items()]
     vids = [v for v in marks if v]
-    sizes = [8 + 34 * math.sqrt(marks[v].num_tokens / max_tok) for v in vids]
-    line_colors = [STATUS_COLORS.get(marks[v].status, "#dc2626" if marks[v].lock_ref else "white") for v in vids]
-    line_widths = [3 if (marks[v].status or marks[v].lock_ref) else 1 for v in vids]
-    symbols = ["diamond" if marks[v].lock_ref else "square" if marks[v].grouped_leaves else "circle" for v in vids]
-    texts = [_label(marks[v]) for v in vids] if label else None
-    fig.add_trace(go.Scatter(
-        x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids], mode="markers+text" if label else "markers",
-        text=texts, textfont=dict(size=10, color="#334155"),
-        textposition=["bottom center" if pos[v][0] % 2 else "top center" for v in vids],  # neighbours alternate
-        hovertext=[hover[v] for v in vids], hoverinfo="text",
-        marker=dict(size=sizes, color=[colors[v] for v in vids], symbol=symbols,
-                    line=dict(color=line_colors, width=line_widths), opacity=0.95)))
-    fig.add_trace(go.Scatter(x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=["root"],
-                             textposition="middle left", hoverinfo="skip",
-                             marker=dict(size=9, color="#0f172a", symbol="square")))
-    fig.update_xaxes(range=[-0.6, max(p[0] for p in pos.values()) + (1.2 if label else 0.6)])  # room for labels
+    outlines = [_outline(marks[v]) for v in vids]
+    points = dict(
+        type="scatter", x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids],
+        mode="markers+text" if label else "markers", hovertext=[hover[v] for v in vids], hoverinfo="text",
+        marker=dict(size=[8 + 34 * math.sqrt(size_of[v] / max_tok) for v in vids], color=[colors[v] for v in vids],
+                    symbol=["square" if marks[v].grouped_nodes else "diamond" if marks[v].lock_ref else "circle"
+                            for v in vids],
+                    line=dict(color=[c for c, _ in outlines], width=[w for _, w in outlines]), opacity=0.95))
+    if label:
+        points.update(text=[_label(marks[v]) for v in vids], textfont=dict(size=10, color="#334155"),
+                      textposition=["bottom center" if pos[v][0] % 2 else "top center" for v in vids])  # alternate
+    traces.append(points)
+    traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=["root"],
+                       textposition="middle left", hoverinfo="skip",
+                       marker=dict(size=9, color="#0f172a", symbol="square")))
+    fig_layout["xaxis"]["range"] = [-0.6, max(p[0] for p in pos.values()) + (1.2 if label else 0.6)]  # labels
+    return traces
 
 
-def _draw_icicle(fig, marks, span, colors, hover, label: bool) -> None:
+def _icicle_traces(marks, span, colors, hover, fig_layout: dict, label: bool) -> list[dict]:
     vids = [v for v in marks if v]
-    fig.add_trace(go.Bar(
-        text=[_label(marks[v], 40) for v in vids] if label else None, textposition="inside",
-        insidetextanchor="start", textfont=dict(size=10), constraintext="inside", orientation="h",
-        base=[marks[v].start_tokens for v in vids], x=[max(marks[v].num_tokens, 0.5) for v in vids],
-        y=[(span[v][0] + span[v][1]) / 2 for v in vids], width=[(span[v][1] - span[v][0]) * 0.94 for v in vids],
-        hovertext=[hover[v] for v in vids], hoverinfo="text",
+    outlines = [_outline(marks[v]) for v in vids]
+    bars = dict(
+        type="bar", orientation="h", base=[marks[v].start_tokens for v in vids],
+        x=[max(marks[v].num_tokens, 0.5) for v in vids], y=[(span[v][0] + span[v][1]) / 2 for v in vids],
+        width=[(span[v][1] - span[v][0]) * 0.94 for v in vids], hovertext=[hover[v] for v in vids],
+        hoverinfo="text",
         marker=dict(color=[colors[v] for v in vids],
-                    line=dict(color=[STATUS_COLORS.get(marks[v].status, "#dc2626" if marks[v].lock_ref else "white")
-                                     for v in vids],
-                              width=[3 if (marks[v].status or marks[v].lock_ref) else 0.5 for v in vids]))))
-    fig.update_layout(bargap=0, xaxis=dict(visible=True, title=dict(text="prefix length (tokens)"),
+                    line=dict(color=[c for c, _ in outlines], width=[w if w > 1 else 0.5 for _, w in outlines])))
+    if label:
+        bars.update(text=[_label(marks[v], 40) for v in vids], textposition="inside", insidetextanchor="start",
+                    textfont=dict(size=10), constraintext="inside")
+    fig_layout.update(bargap=0, xaxis=dict(visible=True, title=dict(text="prefix length (tokens)"),
                                            gridcolor="#e2e8f0", zeroline=False))
+    return [bars]
 
 
 def _colors(marks: dict[int, VisualNode], color_by: str):
@@ -138,15 +155,25 @@ def _colors(marks: dict[int, VisualNode], color_by: str):
     if color_by == "hits":
         top = max(1, max((marks[v].hits for v in vids), default=1))
         vals = {v: min(1.0, marks[v].hits / top) for v in vids}
-        scale, cbar = HITS_SCALE, (HITS_SCALE, 0, top, "hits", [0, top], ["0", f"{top:,}"])
+        scale, cbar = HITS_SCALE, (_as_lists(HITS_SCALE), 0, top, "hits", [0, top], ["0", f"{top:,}"])
     else:  # recency on a log scale: seconds to hours all stay readable
         horizon = math.log10(1 + 3600)
         vals = {v: min(1.0, math.log10(1 + marks[v].last_access_s_ago) / horizon) for v in vids}
         ticks = [0, math.log10(11) / horizon, math.log10(61) / horizon, math.log10(601) / horizon, 1]
-        scale, cbar = RECENCY_SCALE, (RECENCY_SCALE, 0, 1, "last used", ticks, ["now", "10 s", "1 min", "10 min", "1 h"])
-    sampled = sample_colorscale(scale, [vals[v] for v in vids]) if vids else []
-    colors = {v: (HIDDEN_COLOR if marks[v].hidden else c) for v, c in zip(vids, sampled, strict=True)}
+        scale, cbar = RECENCY_SCALE, (_as_lists(RECENCY_SCALE), 0, 1, "last used", ticks, ["now", "10 s", "1 min", "10 min", "1 h"])
+    lut = _palette(scale)
+    colors = {v: HIDDEN_COLOR if marks[v].hidden else lut[round(vals[v] * (len(lut) - 1))] for v in vids}
     return colors, cbar
+
+
+def _as_lists(scale: tuple) -> list[list]:
+    return [list(stop) for stop in scale]
+
+
+@functools.cache
+def _palette(scale: tuple) -> tuple[str, ...]:
+    """256 colours sampled along ``scale`` once (sampling per mark cost tens of ms per figure)."""
+    return tuple(sample_colorscale(_as_lists(scale), [i / 255 for i in range(256)]))
 
 
 def _owner(m: VisualNode, viewer_owns: str | None) -> str:
@@ -162,21 +189,34 @@ def _owner(m: VisualNode, viewer_owns: str | None) -> str:
 
 
 def _hover(m: VisualNode, viewer_owns: str | None) -> str:
-    head = (f"<b>{m.num_tokens:,} tokens</b> · {_fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
-            f"{m.end_tokens:,}")
-    lines = [head, f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)} · "
-                   + (f"<b>locked</b> by {m.lock_ref} running request(s)" if m.lock_ref else "unlocked"),
-             _owner(m, viewer_owns)]
-    if m.grouped_leaves:
-        lines.insert(0, f"<b>{m.grouped_leaves:,} smaller leaves</b> grouped to keep the view readable")
-    elif len(m.member_ids) > 1:
+    if m.grouped_nodes:
+        return _group_hover(m)
+    lines = [f"<b>{m.num_tokens:,} tokens</b> · {_fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
+             f"{m.end_tokens:,}"]
+    if not m.hidden:  # other visitors' nodes may carry no hits, times or locks at all
+        lines.append(f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)} · "
+                     + (f"<b>locked</b> by {m.lock_ref} running request(s)" if m.lock_ref else "unlocked"))
+    elif m.lock_ref:
+        lines.append(f"<b>locked</b> by {m.lock_ref} running request(s)")
+    lines.append(_owner(m, viewer_owns))
+    if len(m.member_ids) > 1:
         lines.append(f"{len(m.member_ids)} nodes in a chain, drawn as one")
     if m.status:
         lines.append({REUSED: "your last request was <b>served</b> from here",
                       COMPUTED: "your last request <b>computed</b> this"}[m.status])
-    if not m.hidden and m.text and not m.grouped_leaves:
+    if not m.hidden and m.text:
         lines.append("<i>" + _wrap(m.text) + "</i>")
     return "<br>".join(lines)
+
+
+def _group_hover(m: VisualNode) -> str:
+    """What a folded mark holds: nodes, tokens, bytes, where it starts and ends."""
+    branches = f"{m.grouped_branches:,} branches" if m.grouped_branches > 1 else "one branch"
+    return "<br>".join([
+        f"<b>{m.grouped_nodes:,} nodes · {m.grouped_tokens:,} tokens</b> folded into one mark to keep the view "
+        "readable", f"{branches} from prefix {m.start_tokens:,}, reaching {m.end_tokens:,} · {_fmt_bytes(m.num_bytes)}",
+        "all another visitor's (text hidden)" if m.hidden else
+        f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)}" + (" · some <b>locked</b>" if m.lock_ref else "")])
 
 
 def _wrap(text: str, width: int = 64, max_lines: int = 6) -> str:
@@ -191,16 +231,20 @@ def _wrap(text: str, width: int = 64, max_lines: int = 6) -> str:
             break
     shown = "\n".join(out)
     more = "…" if len(shown) < len(text.rstrip("\n")) else ""
-    return "<br>".join(html.escape(line) for line in out) + more
+    return html.escape(shown).replace("\n", "<br>") + more
 
 
 def _label(m: VisualNode, width: int = 22) -> str:
+    if m.grouped_nodes:
+        return f"+{m.grouped_nodes:,} nodes · {_fmt_tokens(m.grouped_tokens)}"
     if m.hidden:
         return "(private)"
-    if m.grouped_leaves:
-        return f"+{m.grouped_leaves} leaves"
     text = _gist(m.text)
     return f"{m.num_tokens:,} tok · " + html.escape(text[:width] + ("…" if len(text) > width else ""))
+
+
+def _fmt_tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k tok" if n >= 10_000 else f"{n:,} tok"
 
 
 def _gist(text: str) -> str:

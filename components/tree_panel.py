@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, unchanged
+from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, status_line, unchanged
 from components.session import visitor_namespace
 from components.tree_figures import snapshot_summary, tree_figure
 from components.tree_marks import request_path
@@ -22,7 +22,9 @@ LEGEND = (
     "**Size** = tokens, **colour** = how recently used (or how often hit). "
     "Your last request: <span style='color:#16a34a'>**green** = served from the cache</span>, "
     "<span style='color:#ea580c'>**orange** = computed</span>. ◆ = locked by a running request; "
-    "grey = another visitor's tokens (text hidden). Hover a node for its text; drag a box to zoom in, double-click to zoom out."
+    "grey = another visitor's tokens (text hidden); ■ **+N nodes** = whole branches folded to keep a big tree "
+    "readable (hover: how many nodes and tokens). Hover a node for its text; drag a box to zoom in, double-click to "
+    "zoom out."
 )
 
 
@@ -46,6 +48,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
         collapse = gr.Checkbox(value=True, label="Collapse chains", info="draw a run of single children as one",
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
+    status = status_line(elem_id="tree-status")
     gr.Markdown(LEGEND, elem_classes=["legend"])
     seen = gr.State(None)
 
@@ -57,7 +60,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
         return fig, drawn(sig)
 
     live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, color_by, view, collapse, seen],
-                    [plot, seen])
+                    [plot, seen], status)
     live.refresh_on(live.timer.tick, view.change, color_by.change, collapse.change)
 
     def tree_snapshot(request: gr.Request) -> dict:

@@ -1,7 +1,13 @@
 """Loading a model and tokenizer: the embedded SmolLM2 GGUF file, a hub id or a local path.
 
 Owns: finding the embedded model, converting it once and caching the converted
-weights on disk, device and dtype resolution. Knows nothing about caching KV.
+weights on disk (and removing what an interrupted conversion left behind),
+device and dtype resolution. Knows nothing about caching KV.
+
+The conversion writes ``<cache>/SmolLM2-135M-Instruct-converted.tmp<pid>`` and
+renames it into place when complete, so a killed start leaves only such a
+temporary folder (about 0.5 GB); the next start removes it once no process of
+that pid is alive (see ``remove_stale_conversions``).
 """
 
 from __future__ import annotations
@@ -9,6 +15,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
+import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +91,80 @@ def converted_cache_dir() -> Path:
     return Path(root) / "SmolLM2-135M-Instruct-converted"
 
 
+STALE_AFTER_S = 3600.0  # a conversion takes about 20 s; a temporary folder untouched this long is abandoned
+_convert_lock = threading.RLock()  # one conversion per process (its temporary folder is named by pid)
+
+
+def _tmp_dir(cached: Path, pid: int) -> Path:
+    return cached.with_name(f"{cached.name}.tmp{pid}")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists. Conservative: when unsure, it is alive."""
+    if pid == os.getpid():
+        return False  # the caller holds _convert_lock, so this process is not converting now
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there; rely on the age test
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or no pid could be that large
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def _newest_mtime(folder: Path) -> float:
+    try:
+        return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+    except OSError:
+        return time.time()
+
+
+def remove_stale_conversions(now: float | None = None) -> list[Path]:
+    """Delete the temporary folders of conversions that died midway; return them.
+
+    Only folders this module names (``<converted>.tmp<pid>``, next to the
+    converted copy) are touched, and only when their process is gone or they
+    have not changed for ``STALE_AFTER_S`` (a reused pid). A conversion running
+    in another process keeps its folder.
+    """
+    cached = converted_cache_dir()
+    pattern = re.compile(re.escape(cached.name) + r"\.tmp(\d+)")
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        entries = list(cached.parent.iterdir())
+    except OSError:  # no cache folder yet
+        return removed
+    with _convert_lock:
+        for entry in entries:
+            if _is_stale(entry, pattern, now):
+                try:
+                    shutil.rmtree(entry)
+                except OSError as exc:
+                    log.warning("could not remove the stale conversion folder %s: %s", entry, exc)
+                    continue
+                log.info("removed %s, left by a conversion that was interrupted", entry)
+                removed.append(entry)
+    return removed
+
+
+def _is_stale(entry: Path, pattern: re.Pattern, now: float) -> bool:
+    match = pattern.fullmatch(entry.name)
+    if not match or entry.is_symlink() or not entry.is_dir():
+        return False
+    return not _pid_alive(int(match.group(1))) or now - _newest_mtime(entry) >= STALE_AFTER_S
+
+
 def _load_embedded():
     """Tokenizer and fp32 model for the embedded model, converting the GGUF file once."""
+    with _convert_lock:
+        remove_stale_conversions()
+        return _load_or_convert()
+
+
+def _load_or_convert():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = converted_cache_dir()
@@ -103,8 +185,8 @@ def _load_embedded():
     log.info("converting the embedded GGUF file once (about 20 s): %s", gguf)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = _tmp_dir(cached, os.getpid())
     try:
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         # The weights are already dequantized to fp32: save them as a plain checkpoint.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -113,13 +195,12 @@ def _load_embedded():
         tok.save_pretrained(tmp)
         cached.parent.mkdir(parents=True, exist_ok=True)
         if cached.exists():
-            import shutil
-
             shutil.rmtree(cached)
         tmp.rename(cached)
         log.info("saved the converted model to %s; later starts take seconds", cached)
     except OSError as exc:
         log.warning("could not save the converted model (%s); next start converts again", exc)
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok, model, "SmolLM2-135M-Instruct (embedded)"
 
 

@@ -20,21 +20,27 @@ def tokenizer():
     return load_tokenizer()
 
 
-def make_tiny_runner(tokenizer, seed: int = 0) -> ModelRunner:
+def make_tiny_runner(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelRunner:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().to(dtype)  # the same weights in any dtype, rounded
     return ModelRunner(LoadedModel(model=model, tokenizer=tokenizer, name="tiny-random-llama",
-                                   device=torch.device("cpu"), dtype=torch.float32))
+                                   device=torch.device("cpu"), dtype=dtype))
 
 
 @pytest.fixture(scope="session")
 def tiny_runner(tokenizer) -> ModelRunner:
     return make_tiny_runner(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner_bf16(tokenizer) -> ModelRunner:
+    """The same tiny model cast to bfloat16 (the CPU fast mode, ``--dtype bfloat16``)."""
+    return make_tiny_runner(tokenizer, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""Benchmark: prefill with reuse through the engine vs full prefill vs the ideal path.
+"""Benchmark: prefill with reuse through the engine vs full prefill vs the ideal path, per dtype.
 
     python -m engine.tools.bench [--sizes 256,1024,2048,4096] [--suffix 32] [--repeats 3] [--model ID]
+                                 [--dtypes float32,bfloat16]
 
 For each cached-prefix size, all in one process and interleaved per repeat:
 
@@ -14,6 +15,13 @@ For each cached-prefix size, all in one process and interleaved per repeat:
   the engine's prefill time.
 
 Prints medians and the ratios: speedup = full / engine, overhead = engine / ideal - 1.
+Exactness, per size: the largest difference between the engine's logits and full
+prefill's, and how many tokens of a short greedy generation (``--greedy-tokens``)
+are the same with reuse (warm cache) as without (an engine with no cache); per
+dtype, whether greedy answers to a few support-chat questions are identical. With
+several ``--dtypes`` (the model is loaded once per dtype, all in one run) a second
+table puts them side by side: how much faster each path is than in the first dtype,
+and the KV bytes per token.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 
 from engine.engine import Engine
 from engine.radix_tree import CacheKey, RadixTree
+from engine.types import GenerationRequest, SamplingParams
 
 
 def _ideal_cache(prefix_kv):
@@ -42,12 +51,50 @@ def _ideal_cache(prefix_kv):
     return cache
 
 
-def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, seed: int = 0) -> dict:
+def greedy_agreement(engine: Engine, ids: list[int], new_tokens: int) -> tuple[int, int]:
+    """Greedy tokens of ``ids`` with reuse (``engine``, whose cache holds a prefix of ``ids``) vs
+    without (a twin engine with no cache): (tokens equal before the first difference, tokens compared)."""
+    request = GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=new_tokens))
+    with_reuse = engine.run(request).output_ids
+    without = Engine(engine.runner, enable_cache=False).run(request).output_ids
+    same = next((i for i, (a, b) in enumerate(zip(with_reuse, without, strict=False)) if a != b),
+                min(len(with_reuse), len(without)))
+    return same, max(len(with_reuse), len(without))  # equal lists: same == compared
+
+
+# A short support chat (a long-ish system prompt every question shares, as on the app's first tab): the
+# realistic case for answer agreement. Random-token prompts (the timing rows) have nearly flat logits, so a
+# rounding difference flips a greedy pick far more easily there: they are the worst case.
+CHAT_SYSTEM = (
+    "You are the support assistant of a small online bookshop. Orders ship within 3 business days. Shipping "
+    "is free over $40, otherwise $5. Books can be returned unread within 30 days for a full refund. Gift cards "
+    "never expire. Answer in two short, friendly sentences.")
+CHAT_QUESTIONS = ("Can I return a book I already read?", "How much is shipping on a $25 order?",
+                  "Do gift cards expire?", "How fast do you ship?")
+
+
+def chat_agreement(engine: Engine, new_tokens: int = 32) -> tuple[int, int]:
+    """Greedy answers to ``CHAT_QUESTIONS`` with reuse (the system prompt cached after the first) vs without:
+    (answers identical, answers compared); (0, 0) for a model without a chat template."""
+    if not engine.runner.has_chat_template:
+        return 0, 0
+    plain, same = Engine(engine.runner, enable_cache=False), 0
+    for question in CHAT_QUESTIONS:
+        request = GenerationRequest(messages=({"role": "system", "content": CHAT_SYSTEM},
+                                              {"role": "user", "content": question}),
+                                    sampling=SamplingParams(max_new_tokens=new_tokens))
+        same += engine.run(request).output_ids == plain.run(request).output_ids
+    return same, len(CHAT_QUESTIONS)
+
+
+def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, seed: int = 0,
+               greedy_tokens: int = 16) -> dict:
     runner = engine.runner
     vocab = len(runner.tokenizer)
     gen = torch.Generator().manual_seed(seed + prefix_len)
     prefix = torch.randint(10, vocab, (prefix_len,), generator=gen).tolist()
     suffixes = [torch.randint(10, vocab, (suffix_len,), generator=gen).tolist() for _ in range(repeats + 1)]
+    greedy_suffix = torch.randint(10, vocab, (suffix_len,), generator=gen).tolist()
 
     # Warm the cache with the prefix, and keep its KV for the ideal path.
     kv = runner.new_request_kv(prefix_len + 1)
@@ -87,9 +134,12 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
         tree_ms.append((time.perf_counter() - t0) * 1000)
         if r == 0:  # first round warms kernels for these shapes; not counted
             full, eng, ideal, tree_ms = [], [], [], []
+    same, compared = greedy_agreement(engine, prefix + greedy_suffix, greedy_tokens) if greedy_tokens else (0, 0)
     med = statistics.median
-    row = dict(cached=prefix_len, suffix=suffix_len, full_ms=med(full), engine_ms=med(eng), ideal_ms=med(ideal),
-               tree_ms=med(tree_ms), max_logit_diff=max_diff)
+    row = dict(cached=prefix_len, suffix=suffix_len, dtype=str(runner.dtype).replace("torch.", ""),
+               full_ms=med(full), engine_ms=med(eng), ideal_ms=med(ideal), tree_ms=med(tree_ms),
+               max_logit_diff=max_diff, greedy_same=same, greedy_tokens=compared,
+               kv_bytes_per_token=runner.kv_bytes_per_token)
     row["speedup"] = row["full_ms"] / row["engine_ms"]
     row["overhead"] = row["engine_ms"] / row["ideal_ms"] - 1
     row["tree_share"] = row["tree_ms"] / row["engine_ms"]
@@ -98,13 +148,34 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
 
 def format_table(rows: list[dict], title: str) -> str:
     lines = [title, "",
-             "| cached tokens | + suffix | full prefill | engine (reuse) | ideal | speedup vs full | engine overhead "
-             "vs ideal | tree match+insert | max logit diff |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cached tokens | + suffix | dtype | full prefill | engine (reuse) | ideal | speedup vs full | engine "
+             "overhead vs ideal | tree match+insert | max logit diff | greedy tokens same with/without reuse |",
+             "|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['cached']:,} | {r['suffix']} | {r['full_ms']:,.0f} ms | {r['engine_ms']:,.1f} ms | "
-                     f"{r['ideal_ms']:,.1f} ms | {r['speedup']:.1f}x | {r['overhead']:+.1%} | "
-                     f"{r['tree_ms']:.2f} ms ({r['tree_share']:.2%}) | {r['max_logit_diff']:.1e} |")
+        lines.append(f"| {r['cached']:,} | {r['suffix']} | {r.get('dtype', '')} | {r['full_ms']:,.0f} ms | "
+                     f"{r['engine_ms']:,.1f} ms | {r['ideal_ms']:,.1f} ms | {r['speedup']:.1f}x | "
+                     f"{r['overhead']:+.1%} | {r['tree_ms']:.2f} ms ({r['tree_share']:.2%}) | "
+                     f"{r['max_logit_diff']:.1e} | {r.get('greedy_same', 0)} of {r.get('greedy_tokens', 0)} |")
+    return "\n".join(lines)
+
+
+def format_dtype_table(rows: list[dict]) -> str:
+    """Each dtype against the first one, size by size: how much faster, and the KV bytes per token."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    by = {(r["dtype"], r["cached"]): r for r in rows}
+    first = dtypes[0]
+    lines = [f"| cached tokens | dtype | full prefill vs {first} | engine (reuse) vs {first} | speedup from reuse "
+             "| KV bytes per token | greedy tokens same with/without reuse |",
+             "|---:|:--|---:|---:|---:|---:|---:|"]
+    for size in dict.fromkeys(r["cached"] for r in rows):
+        base = by.get((first, size))
+        for dtype in dtypes:
+            r = by.get((dtype, size))
+            if r is None or base is None:
+                continue
+            lines.append(f"| {size:,} | {dtype} | {base['full_ms'] / r['full_ms']:.2f}x | "
+                         f"{base['engine_ms'] / r['engine_ms']:.2f}x | {r['speedup']:.1f}x | "
+                         f"{r['kv_bytes_per_token']:,} | {r['greedy_same']} of {r['greedy_tokens']} |")
     return "\n".join(lines)
 
 
@@ -113,29 +184,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="256,1024,2048,4096", help="cached prefix sizes, comma-separated")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per size (median reported)")
+    p.add_argument("--greedy-tokens", type=int, default=16,
+                   help="greedy tokens generated with and without reuse to compare (0: skip)")
     p.add_argument("--model", default="embedded")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="one dtype (auto, float32, bfloat16, float16)")
+    p.add_argument("--dtypes", default=None, help="several, side by side in one run, e.g. float32,bfloat16")
     args = p.parse_args(argv)
     from engine.model_loader import ModelLoadError, load_model
     from engine.model_runner import ModelRunner
 
-    try:
-        runner = ModelRunner(load_model(args.model, args.device, args.dtype))
-    except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    engine = Engine(runner, budget_bytes=(sum(sizes) + (args.repeats + 2) * args.suffix * len(sizes) + 64)
-                    * runner.kv_bytes_per_token)
-    rows = []
-    for size in sizes:
-        print(f"benchmarking {size} cached + {args.suffix} new tokens ...", file=sys.stderr, flush=True)
-        rows.append(bench_size(engine, size, args.suffix, args.repeats))
-    engine.check_invariants()
-    dev = runner.device
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type}, {torch.get_num_threads()} threads"
-    print(format_table(rows, f"{runner.name}, {str(runner.dtype).replace('torch.', '')}, {where}"))
+    dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
+    rows, titles, chats = [], [], []
+    for dtype in dtypes:
+        try:
+            runner = ModelRunner(load_model(args.model, args.device, dtype))
+        except ModelLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        engine = Engine(runner, budget_bytes=(sum(sizes) + (args.repeats + 3) * args.suffix * len(sizes)
+                                              + (args.greedy_tokens + 64) * len(sizes)) * runner.kv_bytes_per_token)
+        for size in sizes:
+            print(f"benchmarking {size} cached + {args.suffix} new tokens, {dtype} ...", file=sys.stderr, flush=True)
+            rows.append(bench_size(engine, size, args.suffix, args.repeats, greedy_tokens=args.greedy_tokens))
+        if args.greedy_tokens:
+            print(f"comparing chat answers with and without reuse, {dtype} ...", file=sys.stderr, flush=True)
+            same, total = chat_agreement(engine, 2 * args.greedy_tokens)
+            if total:
+                chats.append(f"{str(runner.dtype).replace('torch.', '')}: greedy answers ({2 * args.greedy_tokens} "
+                             f"tokens) to {total} support-chat questions, identical with and without reuse: "
+                             f"{same} of {total}")
+        engine.check_invariants()
+        dev = runner.device
+        where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                 else f"{dev.type}, {torch.get_num_threads()} threads")
+        titles.append(f"{runner.name}, {where}")
+        del engine, runner
+    print(format_table(rows, "; ".join(dict.fromkeys(titles))))
+    if len(dtypes) > 1:
+        print()
+        print(format_dtype_table(rows))
+    if chats:
+        print("\nGreedy tokens in the tables: a random-token prompt (the worst case: nearly flat logits).")
+        print("\n".join(chats))
     return 0
 
 

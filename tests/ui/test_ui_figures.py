@@ -99,11 +99,12 @@ def test_thousands_of_nodes_stay_readable(view):
     limit = 2000 if view == "icicle" else 300
     assert drawn_points(fig) <= limit + 1  # + the root
     marks = visual_tree(snap, max_nodes=300, max_fan=40)
-    assert len(marks) - 1 <= 300 + 30  # each fan keeps a few leaves plus one "+N leaves" mark
-    # Nothing is lost: every leaf is drawn or counted in a group.
-    leaves = sum(1 for m in marks.values() if m.vid and not m.children and not m.grouped_leaves)
-    grouped = sum(m.grouped_leaves for m in marks.values())
-    assert leaves + grouped == 30 * 60
+    assert len(marks) - 1 <= 300 + 30  # each fan keeps a few leaves plus one "+N nodes" mark
+    # Nothing is lost: every node is drawn or counted in a group, and so is every token.
+    drawn = [m for m in marks.values() if m.vid and not m.grouped_nodes]
+    groups = [m for m in marks.values() if m.grouped_nodes]
+    assert sum(len(m.member_ids) for m in drawn) + sum(g.grouped_nodes for g in groups) == len(snap.nodes)
+    assert sum(m.num_tokens for m in drawn) + sum(g.grouped_tokens for g in groups) == snap.num_tokens
 
 
 def test_a_highlighted_leaf_is_never_folded_into_a_group():

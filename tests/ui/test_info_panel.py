@@ -1,0 +1,26 @@
+"""The UI says which dtype runs: the Engine info tab and the one-line engine note beside the chat."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from components.info_panel import engine_line, info_markdown
+from components.overview_panel import build_overview_panel
+from engine.engine import Engine
+
+
+def test_the_dtype_is_named_with_what_it_means(tiny_runner, tiny_runner_bf16):
+    fast, exact = Engine(tiny_runner_bf16), Engine(tiny_runner)
+    assert "in **bfloat16**" in engine_line(fast) and "KV 256 B per token" in engine_line(fast)
+    assert "in **float32**" in engine_line(exact) and "KV 512 B per token" in engine_line(exact)
+    assert "| dtype | **bfloat16** (half precision" in info_markdown(fast)
+    assert "| dtype | **float32** (full precision" in info_markdown(exact)
+
+
+def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
+    engine = Engine(tiny_runner_bf16)
+    with gr.Blocks():
+        build_overview_panel(engine, gr.State(None))
+        blocks = gr.context.Context.root_block.blocks.values()
+    line = next(b for b in blocks if getattr(b, "elem_id", None) == "engine-line")
+    assert line.value == engine_line(engine) and "tiny-random-llama" in line.value and "bfloat16" in line.value
