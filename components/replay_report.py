@@ -24,7 +24,7 @@ from components.common import TOKEN_COLORS
 from components.lab.figures import empty_figure, granularity_figure
 from components.tree_figures import tree_figure
 from engine.lab.granularity import GranularityResult
-from engine.tools.replay_stats import EXPECTED, MissExample, ReplayReport, summary_text
+from engine.tools.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
 
 CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
 EXPECTED_COLOR = "#94a3b8"
@@ -235,7 +235,7 @@ def cost_html(report: ReplayReport) -> str:
             f"<th>with caching</th><th>saving</th></tr><tr><td>{c.requests:,}</td><td>{c.prompt_tokens:,}</td>"
             f"<td>{c.billed_cached_tokens:,} ({c.billed_cached_tokens / max(1, c.prompt_tokens):.0%})</td>"
             f"<td>${c.usd_without_caching:,.4f}</td><td>${c.usd_with_caching:,.4f}</td>"
-            f"<td>{max(0.0, c.saving_share):.0%}</td></tr></table>{note}")
+            f"<td>{percent(c.saving_share)}</td></tr></table>{note}")
 
 
 def granularity_html(report: ReplayReport) -> str:
@@ -264,7 +264,7 @@ def headline_html(report: ReplayReport) -> str:
              (f"{report.computed_tokens:,}", "prompt tokens computed"),
              (f"{report.evicted_tokens + report.expired_tokens:,}", "tokens evicted or expired")]
     if report.cost.usd_without_caching:
-        cards.append((f"{max(0.0, report.cost.saving_share):.0%}", "hosted-API input saving (estimate)"))
+        cards.append((percent(report.cost.saving_share), "hosted-API input saving (estimate)"))
     grid = "".join(f'<div class="card"><div class="val">{v}</div><div class="lab">{_e(t)}</div></div>'
                    for v, t in cards)
     notes = "".join(f"<li>{_e(n)}</li>" for n in report.notes)

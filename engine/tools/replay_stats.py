@@ -408,6 +408,11 @@ def biggest_loss(report: ReplayReport) -> CauseSummary | None:
     return next((c for c in report.causes if c.kind not in EXPECTED and c.computed_tokens > 0), None)
 
 
+def percent(share: float) -> str:
+    """A share for people: "under 1%" rather than a rounded "0%" or "1%" for small ones."""
+    return "under 1%" if 0 < share < 0.01 else f"{max(0.0, share):.0%}"
+
+
 def summary_text(report: ReplayReport) -> str:
     """The report's first paragraph, in plain words."""
     if not report.requests:
@@ -427,9 +432,8 @@ def summary_text(report: ReplayReport) -> str:
         text += (f" Measured prefill: {report.reuse_prefill_ms_measured / 1000:,.1f} s with reuse vs "
                  f"{report.baseline_prefill_ms / 1000:,.1f} s without.")
     if report.cost.billed_cached_tokens > 0:
-        saving = report.cost.saving_share
         text += (f" On a hosted API with prompt caching (estimate), input would cost "
-                 f"{f'{saving:.0%}' if saving >= 0.01 else 'under 1%'} less.")
+                 f"{percent(report.cost.saving_share)} less.")
     elif report.cost.requests:
         text += (f" A hosted API would bill nothing as cached: no cached prefix reached its "
                  f"{report.pricing.min_cacheable_tokens:,}-token minimum.")

@@ -246,8 +246,9 @@ def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry
         if should_stop():
             stopped = True
             break
-    notes = [f"Simulation: the tokenizer and the pure radix tree with the engine's budget "
-             f"({_budget(budget_tokens, geometry)}) and LRU eviction; no model ran, so there are no timings."]
+    notes = [f"Simulation: the tokenizer and the pure radix tree with a cache budget of "
+             f"{_budget(budget_tokens, geometry)} and LRU eviction, as the engine would have; no model ran, so "
+             "there are no timings."]
     if ttl_s is not None:
         notes.append(f"Time-to-live {ttl_s:,.0f} s on the log's timestamps" +
                      ("." if order.timed else ": the log has no timestamps, so nothing expired."))
