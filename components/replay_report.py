@@ -277,29 +277,47 @@ def _clip(text: str, limit: int = 3000) -> str:
 
 
 # ------------------------------------------------------------------ the page
-CSS = """
+PAGE_CSS = """
 body {font-family: system-ui, -apple-system, Segoe UI, sans-serif; max-width: 1200px; margin: 24px auto;
       padding: 0 16px; color: #0f172a}
 h1 {font-size: 1.6rem; margin-bottom: 4px} h2 {margin-top: 32px; border-bottom: 1px solid #e2e8f0}
-.summary {font-size: 1.15rem; line-height: 1.5}
-.badge {display: inline-block; padding: 3px 10px; border-radius: 6px; font-weight: 600; font-size: .85rem}
-.badge.simulation {background: #eff6ff; color: #1d4ed8} .badge.measured {background: #f0fdf4; color: #15803d}
-.cards {display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 10px; margin: 12px 0}
-.card {border: 1px solid #e2e8f0; border-radius: 10px; padding: 8px 12px; background: #f8fafc}
-.card .val {font-size: 1.6rem; font-weight: 700} .card .lab {font-size: .8rem; color: #475569}
-.notes, .note {color: #475569; font-size: .9rem}
-table {border-collapse: collapse; margin: 8px 0} td, th {border: 1px solid #e2e8f0; padding: 4px 8px;
-  text-align: left; font-size: .9rem; vertical-align: top}
-pre {background: #f8fafc; border: 1px solid #e2e8f0; padding: 8px; white-space: pre-wrap; max-height: 260px;
-     overflow: auto; font-size: .82rem}
-.example {border: 1px solid #e2e8f0; border-radius: 8px; padding: 8px; margin: 8px 0}
-.ehead {font-weight: 600} .reason {color: #334155; margin: 4px 0 6px; font-size: .9rem}
-.row {display: flex; gap: 8px; margin: 3px 0} .row .lab {flex: 0 0 150px; color: #64748b; font-size: .8rem}
-.toks {font-family: ui-monospace, monospace; font-size: .8rem; white-space: pre-wrap; line-height: 1.9}
-.tok {border: 1px solid #cbd5e1; border-radius: 3px; margin-right: 1px; padding: 0 1px}
-.tok.cached {background: #dcfce7; border-color: #86efac} .tok.computed {background: #ffedd5; border-color: #fdba74}
-.tok.held {background: #f1f5f9}
 """
+# The pieces' look, scoped to ``.replay-report`` so that the tab can inline it without touching the page.
+PIECE_CSS = """
+.replay-report .summary {font-size: 1.15rem; line-height: 1.5}
+.replay-report .badge {display: inline-block; padding: 3px 10px; border-radius: 6px; font-weight: 600;
+  font-size: .85rem}
+.replay-report .badge.simulation {background: #eff6ff; color: #1d4ed8}
+.replay-report .badge.measured {background: #f0fdf4; color: #15803d}
+.replay-report .cards {display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 10px;
+  margin: 12px 0}
+.replay-report .card {border: 1px solid #e2e8f0; border-radius: 10px; padding: 8px 12px; background: #f8fafc}
+.replay-report .card .val {font-size: 1.6rem; font-weight: 700} .replay-report .card .lab {font-size: .8rem;
+  color: #475569}
+.replay-report .notes, .replay-report .note {color: #475569; font-size: .9rem}
+.replay-report table {border-collapse: collapse; margin: 8px 0}
+.replay-report td, .replay-report th {border: 1px solid #e2e8f0; padding: 4px 8px; text-align: left;
+  font-size: .9rem; vertical-align: top}
+.replay-report pre {background: #f8fafc; border: 1px solid #e2e8f0; padding: 8px; white-space: pre-wrap;
+  max-height: 260px; overflow: auto; font-size: .82rem}
+.replay-report .example {border: 1px solid #e2e8f0; border-radius: 8px; padding: 8px; margin: 8px 0}
+.replay-report .ehead {font-weight: 600}
+.replay-report .reason {color: #334155; margin: 4px 0 6px; font-size: .9rem}
+.replay-report .row {display: flex; gap: 8px; margin: 3px 0}
+.replay-report .row .lab {flex: 0 0 150px; color: #64748b; font-size: .8rem}
+.replay-report .toks {font-family: ui-monospace, monospace; font-size: .8rem; white-space: pre-wrap;
+  line-height: 1.9}
+.replay-report .tok {border: 1px solid #cbd5e1; border-radius: 3px; margin-right: 1px; padding: 0 1px}
+.replay-report .tok.cached {background: #dcfce7; border-color: #86efac}
+.replay-report .tok.computed {background: #ffedd5; border-color: #fdba74}
+.replay-report .tok.held {background: #f1f5f9}
+"""
+
+
+def scoped(piece_html: str) -> str:
+    """An HTML piece with its look, for a page that does not carry the report's CSS (the tab)."""
+    return f'<div class="replay-report"><style>{PIECE_CSS}</style>{piece_html}</div>'
+
 
 
 def report_html(report: ReplayReport) -> str:
@@ -327,7 +345,8 @@ def report_html(report: ReplayReport) -> str:
             "<h2>Hosted-API cost</h2>", cost_html(report),
             "<h2>Skipped lines</h2>", skipped_html(report)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-            f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>")
+            f"<style>{PAGE_CSS}{PIECE_CSS}</style></head><body><div class=\"replay-report\">{''.join(body)}"
+            "</div></body></html>")
 
 
 def write_html(report: ReplayReport, path: Path) -> None:
