@@ -41,9 +41,11 @@ def _layout(fig: go.Figure, title: str, height: int = 320) -> go.Figure:
     return fig
 
 
-def _x_label(report: ReplayReport) -> str:
+def _request_axis(fig: go.Figure, report: ReplayReport) -> None:
     k = report.series.per_bucket
-    return "request (in replay order)" if k == 1 else f"request (in replay order; each point: {k:,} requests)"
+    fig.update_xaxes(title_text="request (in replay order)" if k == 1 else
+                     f"request (in replay order; each point: {k:,} requests)", tickformat=",d",
+                     dtick=1 if len(report.series.count) <= 12 else None)
 
 
 # ------------------------------------------------------------------ figures
@@ -64,7 +66,7 @@ def hit_rate_figure(report: ReplayReport, height: int = 300) -> go.Figure:
                              line=dict(color=CACHED_COLOR, width=3),
                              hovertemplate="first %{x:,} requests: %{y:.0%}<extra></extra>"))
     fig.update_yaxes(title_text="prompt tokens from cache", tickformat=".0%", range=[0, 1.02])
-    fig.update_xaxes(title_text=_x_label(report))
+    _request_axis(fig, report)
     return _layout(fig, f"Token hit rate over the log: {report.hit_rate:.0%} overall", height)
 
 
@@ -81,9 +83,10 @@ def tokens_figure(report: ReplayReport, height: int = 320) -> go.Figure:
                          hovertemplate="request %{x:,}: %{y:,.0f} cached<extra></extra>"))
     fig.add_trace(go.Bar(x=x, y=computed, name="computed", marker_color=COMPUTED_COLOR,
                          hovertemplate="request %{x:,}: %{y:,.0f} computed<extra></extra>"))
-    fig.update_layout(barmode="stack", bargap=0.05)
+    fig.update_layout(barmode="stack", bargap=0.05 if len(x) <= 200 else 0)
+    fig.update_traces(marker_line_width=0 if len(x) > 200 else 0.5)
     fig.update_yaxes(title_text=f"prompt tokens ({per})")
-    fig.update_xaxes(title_text=_x_label(report))
+    _request_axis(fig, report)
     return _layout(fig, "Cached vs computed tokens per request", height)
 
 
@@ -103,7 +106,7 @@ def prefill_figure(report: ReplayReport, height: int = 300) -> go.Figure | None:
                              mode="lines+markers", name="with the radix cache (measured)",
                              line=dict(color=CACHED_COLOR, width=3)))
     fig.update_yaxes(title_text="prefill (ms)", rangemode="tozero")
-    fig.update_xaxes(title_text=_x_label(report))
+    _request_axis(fig, report)
     title = "Prefill time per request (measured)"
     if report.baseline_prefill_ms and report.reuse_prefill_ms_measured:
         title += (f": {report.reuse_prefill_ms_measured / 1000:,.1f} s with reuse vs "

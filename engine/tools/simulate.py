@@ -101,7 +101,7 @@ class PromptEncoder:
 
     VERIFY_TEXTS = 64
 
-    def __init__(self, tokenizer: Any, max_context: int, memo_tokens: int = 4_000_000) -> None:
+    def __init__(self, tokenizer: Any, max_context: int, memo_tokens: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self._has_template = bool(getattr(tokenizer, "chat_template", None))
