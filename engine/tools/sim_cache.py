@@ -54,6 +54,12 @@ class _LeafHeapTree(RadixTree):
             heapq.heapify(self._leaves)
         return result
 
+    def has_leaf_older_than(self, cutoff: float) -> bool:
+        """Cheap test before a TTL sweep: every leaf has an entry whose stamp is at most its
+        access time, and a node is never older than its leaves, so a heap top at or after
+        ``cutoff`` means nothing is older."""
+        return bool(self._leaves) and self._leaves[0][0] < cutoff
+
     def evict(self, num_tokens: int, namespace: str | None = None) -> list[Any]:
         assert namespace is None, "the simulation has no per-namespace eviction"
         freed: list[Any] = []
@@ -123,6 +129,8 @@ class SimCache:
         if self.ttl_s is None:
             return 0
         cutoff = self.now - self.ttl_s
+        if not self.tree.has_leaf_older_than(cutoff):
+            return 0
         stale = sum(len(n.key) for n in self.tree.nodes() if n.last_access < cutoff)
         if not stale:
             return 0

@@ -124,6 +124,10 @@ def test_time_to_live_expires_entries_on_the_log_clock(tokenizer):
     n = len(reqs[0][0].ids)
     assert [s.cached_tokens for _, s, _ in reqs] == [0, n - 1, 0]
     assert [k for _, _, k in reqs] == ["cold", "full-hit", "expired"] and report.expired_tokens == n
+    other = "Completely different text about cooking pasta and boiling eggs for breakfast."
+    _, mixed = run(tokenizer, [{"prompt": STATIC, "timestamp": 0}, {"prompt": other, "timestamp": 200},
+                               {"prompt": other, "timestamp": 400}, {"prompt": STATIC, "timestamp": 450}], ttl=300.0)
+    assert [k for _, _, k in mixed][2:] == ["full-hit", "expired"]  # only the stale prompt expired
     untimed, _ = run(tokenizer, [{"prompt": STATIC}] * 3, ttl=300.0)
     assert untimed.expired_tokens == 0 and any("no timestamps" in n for n in untimed.notes)
 
