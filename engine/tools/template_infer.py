@@ -5,8 +5,9 @@ word inside sentences that differ), keeping
 the stretches they share (at least ``MIN_LITERAL_CHARS`` long) as literal text
 and turning what differs into ``{part1}``, ``{part2}`` ... ; then checking the
 other samples against it (a regex built from the literals) and reading their
-values. The result is a template in ``engine.lab.template_lint``'s syntax plus
-one row of values per matching sample: exactly what ``lint_template`` takes.
+values; samples that do not fit narrow the template to what they share. The
+result is a template in ``engine.lab.template_lint``'s syntax plus one row of
+values per matching sample: exactly what ``lint_template`` takes.
 
 An inference, not a certainty: a log whose prompts share no long stretches, or
 differ in more than ``MAX_PARTS`` places, gives no template. Knows nothing about
@@ -16,6 +17,7 @@ tokenizers, caches or the UI.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ MIN_LITERAL_CHARS = 12
 MAX_PARTS = 8
 MAX_SAMPLE_CHARS = 16_000
 MAX_REFINE_CHARS = 2_000
+_SENTINEL = "\x00"  # stands for a part while a template is narrowed: never matches a sample
 _WORDS = re.compile(r"\w+|\s+|[^\w\s]")
 _SENTENCES = re.compile(r"[^.!?\n]*(?:[.!?]+\s*|\n+|$)")
 
@@ -38,23 +41,31 @@ class InferredTemplate:
 
 
 def infer_template(samples: Sequence[str]) -> InferredTemplate | None:
-    """A template two or more of ``samples`` fit, or None (see module docstring)."""
-    distinct = list(dict.fromkeys(s for s in samples if 0 < len(s) <= MAX_SAMPLE_CHARS))
+    """A template that most of ``samples`` fit, or None (see module docstring).
+
+    The first two distinct samples give a first template; each further sample that does
+    not fit it narrows it to the literal text they share (a sample that would remove more
+    than half of the literal text is an outlier and is passed over). The template is kept
+    when at least half of the samples fit it.
+    """
+    distinct = list(dict.fromkeys(s.replace(_SENTINEL, "") for s in samples if 0 < len(s) <= MAX_SAMPLE_CHARS))
     if len(distinct) < 2:
         return None
     literals = _shared_literals(distinct[0], distinct[1])
     if literals is None:
         return None
-    pattern = re.compile("".join(("(.*?)" if lit is None else re.escape(lit)) for lit in literals) + r"\Z", re.S)
+    for sample in distinct[2:]:
+        if _pattern(literals).match(sample):
+            continue
+        narrowed = _shared_literals("".join(_SENTINEL if lit is None else lit for lit in literals), sample)
+        if narrowed is not None and _literal_chars(narrowed) >= _literal_chars(literals) / 2:
+            literals = narrowed
     parts = tuple(f"part{i + 1}" for i in range(sum(lit is None for lit in literals)))
     if not parts or len(parts) > MAX_PARTS:
         return None
-    rows = []
-    for s in distinct:
-        m = pattern.match(s)
-        if m is not None:
-            rows.append(dict(zip(parts, m.groups(), strict=True)))
-    if len(rows) < 2:
+    pattern = _pattern(literals)
+    rows = [dict(zip(parts, m.groups(), strict=True)) for s in distinct if (m := pattern.match(s)) is not None]
+    if len(rows) < max(2, math.ceil(len(distinct) / 2)):
         return None
     template, k = [], 0
     for lit in literals:
@@ -64,6 +75,14 @@ def infer_template(samples: Sequence[str]) -> InferredTemplate | None:
         else:
             template.append(lit.replace("{", "{{").replace("}", "}}"))
     return InferredTemplate("".join(template), parts, tuple(rows), len(distinct), len(rows))
+
+
+def _pattern(literals: Sequence[str | None]) -> re.Pattern:
+    return re.compile("".join("(.*?)" if lit is None else re.escape(lit) for lit in literals) + r"\Z", re.S)
+
+
+def _literal_chars(literals: Sequence[str | None]) -> int:
+    return sum(len(lit) for lit in literals if lit is not None)
 
 
 def _shared_literals(a: str, b: str) -> list[str | None] | None:

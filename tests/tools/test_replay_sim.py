@@ -186,3 +186,11 @@ def test_prompt_encoder_memo_equals_whole_tokenization(tokenizer, tiny_runner):
     assert enc._splitter is not None  # the memo stayed on: it agreed with whole tokenization
     for r, e in zip(records, got, strict=True):
         assert list(e.ids) == tiny_runner.encode_chat(r.messages)
+
+
+def test_budget_in_tokens_comes_from_the_config_without_weights(tiny_runner):
+    from engine.tools.simulate import model_geometry
+
+    g = model_geometry(dtype="float32", device="cpu")
+    assert (g.kv_bytes_per_token, g.max_context) == (2 * 30 * 3 * 64 * 4, 8192)  # SmolLM2-135M, fp32
+    assert model_geometry(dtype="bfloat16", device="cpu").kv_bytes_per_token == g.kv_bytes_per_token // 2
