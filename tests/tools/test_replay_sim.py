@@ -188,7 +188,7 @@ def test_prompt_encoder_memo_equals_whole_tokenization(tokenizer, tiny_runner):
         assert list(e.ids) == tiny_runner.encode_chat(r.messages)
 
 
-def test_budget_in_tokens_comes_from_the_config_without_weights(tiny_runner):
+def test_budget_in_tokens_comes_from_the_config_without_weights():
     from engine.tools.simulate import model_geometry
 
     g = model_geometry(dtype="float32", device="cpu")
