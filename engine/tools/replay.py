@@ -18,6 +18,7 @@ Log lines: ``{"messages": [...]}``, ``{"prompt": "..."}``, OpenAI Batch API line
 (``{"conversations": [{"from", "value"}]}``), with optional ``timestamp``,
 ``session``, ``max_new_tokens`` and ``response`` (see engine/tools/log_formats.py).
 A malformed line is reported with its number and skipped (``--strict`` stops).
+``LOG.jsonl.gz`` is read compressed.
 stdout ends with ``{"summary": {...}}``; a progress bar goes to stderr. Ctrl-C
 stops after the current request and still writes the report. Nothing in the log
 leaves this machine.
@@ -26,6 +27,7 @@ leaves this machine.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import signal
@@ -172,6 +174,14 @@ def _baseline_count(report: ReplayReport) -> int:
     return sum(report.series.baseline_count)
 
 
+def open_log(path: Path) -> TextIO:
+    """The log as text lines, streamed: ``.gz`` files decompressed on the fly, a UTF-8 byte-order
+    mark ignored, undecodable bytes replaced (the line then fails to parse and is reported)."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="replace")
+    return path.open(encoding="utf-8-sig", errors="replace")
+
+
 def write_report(report: ReplayReport, path: Path) -> None:
     """The HTML report is drawn by the UI layer's figure code (plotly), loaded only here:
     nothing in ``engine/`` imports this module, and ``engine/`` never imports the UI at
@@ -258,7 +268,7 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
                           "cached_tokens": served.cached_tokens, "evicted_tokens": served.evicted_tokens,
                           "expired_tokens": served.expired_tokens, "miss_cause": kind}), flush=False)
 
-    with StopFlag() as stop, args.log.open(encoding="utf-8", errors="replace") as fh:
+    with StopFlag() as stop, open_log(args.log) as fh:
         try:
             report = simulate_lines(fh, tokenizer, geometry, budget // geometry.kv_bytes_per_token, args.ttl,
                                     args.strict, pricing, args.log.name, on_progress=progress.update,
@@ -286,7 +296,7 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     order = LogOrder()
     progress = Progress(not args.no_progress, "replaying on the model")
     started = time.perf_counter()
-    with StopFlag() as stop, args.log.open(encoding="utf-8", errors="replace") as fh:
+    with StopFlag() as stop, open_log(args.log) as fh:
         try:
             records = read_log(fh, on_skip=stats.skip, strict=args.strict, order=order)
             stopped, peak = replay_on_engine(engine, records, stats, args.max_new_tokens, args.baseline,

@@ -58,6 +58,25 @@ def test_simulate_writes_a_self_contained_report(tmp_path, capsys):
     assert page.count("Plotly.newPlot") >= 5 and "not valid JSON" in page
 
 
+def test_gzip_bom_empty_and_all_bad_logs(tmp_path, capsys):
+    import gzip
+
+    lines = ['{"prompt": "The capital of France is"}', '{"prompt": "The capital of France is Paris"}']
+    with gzip.open(tmp_path / "log.jsonl.gz", "wt", encoding="utf-8-sig") as fh:  # with a byte-order mark
+        fh.write("\n".join(lines) + "\n")
+    out = cli(capsys, tmp_path / "log.jsonl.gz", "--simulate", "--no-progress", "--per-request")
+    assert out.returncode == 0, out.stderr[-2000:]
+    *per_request, last = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r["line"] for r in per_request] == [1, 2] and per_request[1]["cached_tokens"] == 5
+    assert last["summary"]["requests"] == 2 and last["summary"]["skipped_lines"] == 0
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    bad = write_log(tmp_path / "bad.jsonl", ["nope", "[]"])
+    for log in (tmp_path / "empty.jsonl", bad):
+        out = cli(capsys, log, "--simulate", "--no-progress", "--report", tmp_path / "r.html")
+        assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["summary"]["requests"] == 0
+        assert "No request was replayed" in (tmp_path / "r.html").read_text()
+
+
 def test_strict_stops_at_the_first_bad_line_and_flags_are_checked(tmp_path, capsys):
     log = write_log(tmp_path / "log.jsonl", ['{"prompt": "fine"}', '{"prompt": 3}'])
     out = cli(capsys, log, "--simulate", "--strict", "--no-progress")
