@@ -48,8 +48,8 @@ class StopFlag:
     """First Ctrl-C asks the replay to stop after the current request (the report is
     still written); a second one aborts at once."""
 
-    def __init__(self, err: TextIO = sys.stderr) -> None:
-        self.stop, self.err, self._previous = False, err, None
+    def __init__(self, err: TextIO | None = None) -> None:
+        self.stop, self.err, self._previous = False, err or sys.stderr, None
 
     def __enter__(self) -> StopFlag:
         self._previous = signal.signal(signal.SIGINT, self._handle)
@@ -104,10 +104,11 @@ def to_request(record: LogRecord, max_new_tokens: int, baseline: bool) -> Genera
 
 
 def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, max_new_tokens: int, baseline: bool,
-                     out: TextIO = sys.stdout, err: TextIO = sys.stderr, progress: Progress | None = None,
+                     out: TextIO | None = None, err: TextIO | None = None, progress: Progress | None = None,
                      should_stop=lambda: False) -> tuple[bool, int]:
-    """Run each record on the engine; one JSON line per request on ``out``. Returns
-    (stopped, peak cache bytes)."""
+    """Run each record on the engine; one JSON line per request on ``out`` (default: stdout,
+    looked up at call time). Returns (stopped, peak cache bytes)."""
+    out, err = out or sys.stdout, err or sys.stderr
     peak, now, index = 0, 0.0, 0
     for record in records:
         try:

@@ -131,3 +131,19 @@ def test_report_renders_offline_in_chromium(tmp_path, capsys, chromium_executabl
         browser.close()
     assert all(u.startswith(("file:", "data:", "about:")) for u in requests), requests
     assert shot.stat().st_size > 20_000
+
+
+@pytest.mark.slow
+def test_measured_replay_on_the_real_model_writes_its_report(tmp_path, capsys):
+    report = tmp_path / "measured.html"
+    out = cli(capsys, ROOT / "examples" / "trace.jsonl", "--baseline", "--max-new-tokens", "2", "--report", report,
+              "--no-progress")
+    assert out.returncode == 0, out.stderr[-2000:]
+    *per_request, last = [json.loads(x) for x in out.stdout.splitlines()]
+    summary = last["summary"]
+    assert summary["mode"] == "measured" and summary["requests"] == len(per_request) == 5
+    assert per_request[1]["cached_tokens"] > 0 and all("miss_cause" in r for r in per_request)
+    assert summary["mean_prefill_ms"] > 0 and summary["mean_baseline_prefill_ms"] > 0
+    page = report.read_text()
+    assert "MEASURED on the real model" in page and "Prefill time per request (measured)" in page
+    assert "Measured prefill:" in summary["text"]
