@@ -20,6 +20,7 @@ from components.latency_panel import build_latency_panel
 from components.live import KEEP_ZOOM_JS, LiveView
 from components.memory_panel import build_memory_panel
 from components.overview_panel import build_overview_panel
+from components.replay_panel import build_replay_panel
 from components.scheduler_panel import build_scheduler_panel
 from components.tree_panel import build_tree_panel
 from engine.engine import Engine
@@ -94,6 +95,8 @@ def build_demo(engine: Engine) -> gr.Blocks:
                 live["Scheduler"] = [build_scheduler_panel(engine, last_metrics)]
             with gr.Tab("Latency"):
                 live["Latency"] = [build_latency_panel(engine)]
+            with gr.Tab("Your traffic"):
+                build_replay_panel(engine)
             with gr.Tab("Engine info"):
                 live["Engine info"] = [build_info_panel(engine)]
         _wire_live(demo, tabs, live)
