@@ -88,6 +88,19 @@ def build_app(engine, max_queue: int = 32):
     return demo
 
 
+def server_routes(engine) -> list:
+    """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``."""
+    from server.openai_api import ApiState, api_routes
+
+    return api_routes(ApiState(get_engine=lambda: engine))
+
+
+def app_kwargs(engine) -> dict:
+    """For ``demo.launch(app_kwargs=...)``: Gradio builds its FastAPI app with these routes
+    first, so the page's catch-all routes cannot shadow them (same port as the page)."""
+    return {"routes": server_routes(engine)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -108,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from components.demo import launch_kwargs
 
     demo = build_app(engine, args.max_queue)
-    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+    demo.launch(server_name=args.host, server_port=args.port, app_kwargs=app_kwargs(engine), **launch_kwargs())
     return 0
 
 
