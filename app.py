@@ -90,9 +90,10 @@ def build_app(engine, max_queue: int = 32):
 
 def server_routes(engine) -> list:
     """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``."""
+    from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    return api_routes(ApiState(get_engine=lambda: engine))
+    return api_routes(ApiState(get_engine=lambda: engine)) + metrics_routes(EngineMetrics(lambda: engine))
 
 
 def app_kwargs(engine) -> dict:

@@ -278,3 +278,46 @@ def test_real_model_chat_reuses_its_prefix(real_runner):
         assert streamed[-1].usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     wait_idle(engine)
     assert_clean(engine)
+
+
+def test_metrics_count_cache_queries_hits_and_latencies(shared):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, url, model = shared
+
+    def scrape() -> dict[str, float]:
+        r = httpx.get(url + "metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples
+                if not s.labels or s.labels.get("le") is None}
+
+    before = scrape()
+    c = client(url)
+    chat(c, model, "Count me.", max_tokens=2)
+    again = chat(c, model, "Count me.", max_tokens=2)
+    wait_idle(engine)
+    after = scrape()
+    stats = engine.stats()
+    assert after["radix_prefix_cache_queries_total"] == stats.prompt_tokens
+    assert after["radix_prefix_cache_hits_total"] == stats.cached_tokens
+    assert after["radix_prefix_cache_hits_total"] - before.get("radix_prefix_cache_hits_total", 0) >= \
+        again.usage.prompt_tokens_details.cached_tokens
+    assert after["radix_time_to_first_token_seconds_count"] == len(engine.recent())
+    assert after["radix_prefill_seconds_count"] - before["radix_prefill_seconds_count"] == 2
+    assert after["radix_cache_bytes"] == stats.cache_bytes > 0
+    assert after["radix_cache_budget_bytes"] == stats.budget_bytes
+    assert after["radix_num_requests_waiting"] == 0
+    assert after["radix_evicted_tokens_total"] == stats.evicted_tokens
+    assert after["radix_generation_tokens_total"] >= 4
+
+
+def test_each_app_has_its_own_metrics_registry(tiny_runner):
+    from server.metrics import EngineMetrics
+
+    a, b = Engine(tiny_runner, max_new_tokens_cap=2), Engine(tiny_runner, max_new_tokens_cap=2)
+    a.run(GenerationRequest(prompt="only in a", sampling=SamplingParams(max_new_tokens=1)))
+    text_a, text_b = EngineMetrics(lambda: a).text().decode(), EngineMetrics(lambda: b).text().decode()
+    assert "radix_time_to_first_token_seconds_count 1.0" in text_a
+    assert "radix_time_to_first_token_seconds_count 0.0" in text_b
+    assert "radix_cache_budget_bytes" in text_b
+    assert EngineMetrics(lambda: None).text().startswith(b"# HELP radix_time_to_first_token")
