@@ -12,6 +12,7 @@ Starlette routes that ``app.py`` mounts ahead of the page's own routes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -42,8 +43,15 @@ class ApiState:
     get_engine: Callable[[], Engine | None]
     scope: CacheScope | None = None
     model_name: str | None = None
-    busy_retry_after_s: int = 1
-    _models: tuple[str, ...] = field(default=(), init=False)
+    api_key: str | None = None  # when set, every request must carry "Authorization: Bearer <key>"
+
+    def check_key(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "Incorrect API key: send 'Authorization: Bearer <key>' with the key this server "
+                           "was started with.", "authentication_error", None, "invalid_api_key")
 
     def engine(self) -> Engine:
         engine = self.get_engine()
@@ -113,6 +121,7 @@ class Outcome:
     text: str = ""
     metrics: RequestMetrics | None = None
     stopped: bool = False
+    token_ids: list[int] = field(default_factory=list)  # generated, up to a stop string
 
 
 async def deltas(handle: RequestHandle, stops: tuple[str, ...], out: Outcome) -> AsyncIterator[str]:
@@ -129,6 +138,7 @@ async def deltas(handle: RequestHandle, stops: tuple[str, ...], out: Outcome) ->
             break
         if event.token_id is None or matcher.stopped:  # progress events; or past a stop string
             continue
+        out.token_ids.append(event.token_id)
         text = matcher.visible(event.text)
         if matcher.stopped:
             handle.cancel()  # the engine ends it at the next token and reports its metrics
@@ -158,6 +168,7 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         try:
+            self.state.check_key(request)
             self.state.engine()
         except ApiError as exc:
             return error_response(exc)
@@ -171,6 +182,7 @@ class OpenAIApi:
 
     async def _serve(self, request: Request, parse: Callable[..., ParsedRequest], chat: bool) -> Response:
         try:
+            self.state.check_key(request)
             engine = self.state.engine()
             parsed = parse(await read_json(request), engine.max_new_tokens_cap)
             self.state.check_model(parsed.model)
@@ -198,21 +210,35 @@ class OpenAIApi:
             return error_response(ApiError(500, "The request ended without a result.", "server_error"))
         finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics)
         if chat:
-            return JSONResponse(proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use))
-        return JSONResponse(proto.completion_response(proto.new_id("cmpl"), model, out.text, finish, use))
+            body = proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use)
+        else:
+            body = proto.completion_response(proto.new_id("cmpl"), model, out.text, finish, use)
+        if parsed.return_token_ids:
+            body["prompt_token_ids"] = out.metrics.prompt_ids
+            body["choices"][0]["token_ids"] = out.token_ids
+        return JSONResponse(body)
 
     async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str,
                       chat: bool) -> AsyncIterator[bytes]:
         rid = proto.new_id("chatcmpl" if chat else "cmpl")
         usage_field = parsed.include_usage  # OpenAI sends "usage": null on every chunk but the last then
+        out = Outcome()
+        ids_sent = 0
 
         def chunk(text: str, finish: str | None = None) -> bytes:
+            nonlocal ids_sent
             if chat:
-                return sse(proto.chat_chunk(rid, model, {"content": text} if finish is None else {}, finish,
-                                            with_usage_field=usage_field))
-            return sse(proto.completion_chunk(rid, model, text, finish, with_usage_field=usage_field))
+                body = proto.chat_chunk(rid, model, {"content": text} if finish is None else {}, finish,
+                                        with_usage_field=usage_field)
+            else:
+                body = proto.completion_chunk(rid, model, text, finish, with_usage_field=usage_field)
+            if parsed.return_token_ids:  # vLLM's shape: each chunk carries its new token ids
+                body["choices"][0]["token_ids"] = out.token_ids[ids_sent:]
+                ids_sent = len(out.token_ids)
+                if finish is not None and out.metrics is not None:
+                    body["prompt_token_ids"] = out.metrics.prompt_ids
+            return sse(body)
 
-        out = Outcome()
         try:
             if chat:
                 yield sse(proto.chat_chunk(rid, model, {"role": "assistant", "content": ""},

@@ -51,6 +51,7 @@ class ParsedRequest:
     include_usage: bool
     stop: tuple[str, ...]
     cache_salt: str | None
+    return_token_ids: bool = False  # vLLM's extra: prompt and output token ids in the response
 
 
 # ------------------------------------------------------------------ reading bodies
@@ -126,8 +127,11 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
         raise bad_request("'cache_salt' must be a non-empty string of at most 256 characters.", "cache_salt")
+    if body.get("return_token_ids") not in (None, True, False):
+        raise bad_request("'return_token_ids' must be true or false.", "return_token_ids")
     return dict(model=model, sampling=sampling, stream=bool(stream),
-                include_usage=bool((options or {}).get("include_usage")), stop=_stop(body), cache_salt=salt)
+                include_usage=bool((options or {}).get("include_usage")), stop=_stop(body), cache_salt=salt,
+                return_token_ids=bool(body.get("return_token_ids")))
 
 
 def parse_chat(body: Any, max_new_tokens_cap: int) -> ParsedRequest:

@@ -1,0 +1,488 @@
+"""The dashboard in front of another server: the Engine facade over an OpenAI-compatible HTTP API.
+
+Owns: sending each request to the backend (``/v1/completions`` with the prompt as token ids,
+streamed, usage included), measuring time to first token here, reading the cached tokens
+the backend reports (``server.backend_usage``), the "without reuse" measurement (the same
+prompt again under a fresh random ``cache_salt``, which no server can have cached), and a
+*shadow* radix tree (``RadixTree`` with ``None`` values) of the token ids sent, so the tree
+view has something true to draw: what this dashboard sent, coloured by what the server said
+it reused. The server's own cache may be block-granular and evicts on its own; the shadow
+tree cannot see that, and its memory and budget are unknown here (reported as 0 with
+``RemoteEngineInfo.backend`` set, and the panels say "unknown").
+
+Namespaces become salts: a request's namespace (and an epoch that ``clear_cache`` bumps) is
+turned into a ``cache_salt`` with a secret of this process, so visitors stay apart on the
+backend too and a cleared namespace starts cold. ``PUBLIC`` sends no salt until cleared.
+
+Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
+Knows nothing about Gradio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from engine import validation
+from engine.model_runner import ModelRunner
+from engine.radix_tree import PUBLIC, CacheKey, RadixTree
+from engine.types import (
+    EngineBusy,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerationEvent,
+    GenerationRequest,
+    NodeInfo,
+    RequestMetrics,
+    TreeSnapshot,
+)
+from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+NO_CACHE_REPORT = ("The server did not report cached tokens: start vLLM with --enable-prompt-tokens-details, "
+                   "SGLang with --enable-cache-report.")
+
+
+@dataclass(frozen=True)
+class RemoteEngineInfo(EngineInfo):
+    backend: str = ""  # the server's URL; memory, budget and KV geometry are unknown here
+    backend_model: str = ""
+
+
+@dataclass
+class RemoteRequestMetrics(RequestMetrics):
+    cached_tokens_reported: bool = True  # False: the server gave no count (cached_tokens reads 0)
+
+
+class LocalTokenizer:
+    """The text side of ``ModelRunner`` (same methods, same results) without a model."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    has_chat_template = ModelRunner.has_chat_template
+    render_chat = ModelRunner.render_chat
+    encode = ModelRunner.encode
+    encode_chat = ModelRunner.encode_chat
+    decode = ModelRunner.decode
+    token_pieces = ModelRunner.token_pieces
+    max_token_chars = ModelRunner.max_token_chars
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+class RemoteHandle:
+    """A submitted request: iterate it for events; ``cancel()`` closes its connection."""
+
+    def __init__(self, request: GenerationRequest, ids: list[int]) -> None:
+        self.request, self.ids = request, ids
+        self.events: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        try:
+            while True:
+                item = self.events.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()
+
+
+@dataclass
+class StreamResult:
+    text: str
+    token_ids: list[int]
+    usage: BackendUsage | None
+    finish: str
+    ttft_ms: float
+    decode_tokens_per_s: float | None
+
+
+class _ShadowCache:
+    """What the ordering lab reads off ``engine.cache``; evictions on the server are unknown (0)."""
+
+    enabled = True
+    evicted_tokens = 0
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+
+    def match_len(self, key: CacheKey) -> int:
+        return self.tree.match(key, touch=False).length
+
+
+class RemoteEngine:
+    def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
+                 max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
+                 timeout_s: float = 300.0, history_size: int = 1000) -> None:
+        url = base_url.rstrip("/")
+        self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
+        self.model = model
+        self.text = LocalTokenizer(tokenizer)
+        self.isolation = isolation
+        context = getattr(tokenizer, "model_max_length", 0)
+        self.max_context = int(context) if isinstance(context, int) and 0 < context <= 1_000_000 else 8192
+        self.max_prompt_tokens = min(max_prompt_tokens or self.max_context, self.max_context)
+        self.max_new_tokens_cap = max_new_tokens_cap
+        self.max_queue = max_queue
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.base_url, headers=headers,
+                                 timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.tree = RadixTree()
+        self.cache = _ShadowCache(self.tree)
+        self.cache_reported: bool | None = None  # None until the first answer says
+        self._secret = secrets.token_bytes(16)
+        self._epochs: dict[str | None, int] = {}
+        self._lock = threading.RLock()
+        self._in_flight = 0
+        self._next_id = 1
+        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
+        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
+                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+
+    # ---------------------------------------------------------------- checks
+    def check_backend(self) -> None:
+        """Ask ``GET /v1/models`` once: a wrong URL, key or model name fails here with one clear message."""
+        body = self._get_json("/v1/models")
+        names = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)] if isinstance(body, dict) else []
+        if not self.model:
+            if not names:
+                raise EngineError(f"The backend at {self.base_url} lists no models at /v1/models: pass "
+                                  "--backend-model.")
+            self.model = str(names[0])
+        if names and self.model not in names:
+            raise EngineError(f"The backend at {self.base_url} does not serve '{self.model}'; it serves "
+                              f"{', '.join(map(str, names[:5]))}. Pass one of them as --backend-model.")
+
+    def _get_json(self, path: str) -> object:
+        try:
+            r = self.http.get(path)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from None
+        if r.status_code != 200:
+            raise self._status_error(r.status_code, r.content)
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineError(f"The backend at {self.base_url} answered {path} with something that is not "
+                              "JSON: is --backend the server's address?") from None
+
+    def _transport_error(self, exc: httpx.HTTPError) -> EngineError:
+        if isinstance(exc, httpx.ConnectError):
+            return EngineError(f"Cannot reach the backend at {self.base_url} ({exc or 'connection refused'}): "
+                               "is it running, and is --backend right?")
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineError(f"The backend at {self.base_url} did not answer within {self.timeout_s:.0f} s.")
+        return EngineError(f"The connection to the backend at {self.base_url} failed: {type(exc).__name__}.")
+
+    def _status_error(self, status: int, content: bytes) -> EngineError:
+        try:
+            message = error_message(json.loads(content))
+        except ValueError:
+            message = None
+        message = (message or content[:200].decode("utf-8", "replace")).strip()[:300]
+        if status in (401, 403):
+            return EngineError(f"The backend at {self.base_url} refused the API key (HTTP {status}): set "
+                               f"RADIX_BACKEND_API_KEY to a key it accepts. It said: {message}")
+        if status == 429:
+            return EngineBusy(f"The backend is busy (HTTP 429): {message}")
+        if status == 404:
+            return EngineError(f"The backend at {self.base_url} answered HTTP 404: {message} (check --backend and "
+                               "--backend-model).")
+        return EngineError(f"The backend refused the request (HTTP {status}): {message}")
+
+    # ---------------------------------------------------------------- requests
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
+        if sum(given) != 1:
+            raise EngineError("give exactly one of messages, prompt or prompt_ids")
+        text = self.text
+        if request.messages is not None:
+            messages = validation.check_messages(request.messages)
+            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
+                                       text.max_token_chars)
+            try:
+                ids = text.encode_chat(messages)
+            except Exception as exc:  # a chat template may refuse a role order
+                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
+        elif request.prompt is not None:
+            if not isinstance(request.prompt, str) or not request.prompt.strip():
+                raise EngineError(validation.EMPTY_PROMPT)
+            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, text.max_token_chars)
+            ids = text.encode(request.prompt)
+        else:
+            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
+        if not ids:
+            raise EngineError(validation.EMPTY_PROMPT)
+        if len(ids) > self.max_prompt_tokens:
+            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is {self.max_prompt_tokens:,} "
+                              "tokens. Shorten it and try again.")
+        return ids
+
+    def submit(self, request: GenerationRequest) -> RemoteHandle:
+        ids = self.prompt_ids(request)
+        request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
+        with self._lock:
+            if self._in_flight >= self.max_queue:
+                raise EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
+            self._in_flight += 1
+        handle = RemoteHandle(request, ids)
+        threading.Thread(target=self._work, args=(handle,), name="remote-request", daemon=True).start()
+        return handle
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
+        yield from self.submit(request)
+
+    def run(self, request: GenerationRequest) -> RequestMetrics:
+        last = None
+        for event in self.generate(request):
+            last = event
+        assert last is not None and last.metrics is not None
+        return last.metrics
+
+    def _work(self, handle: RemoteHandle) -> None:
+        try:
+            for event in self._run(handle):
+                handle.events.put(event)
+        except EngineError as exc:
+            handle.events.put(exc)
+        except Exception as exc:  # never a traceback for a visitor; one line in the log
+            log.exception("remote request failed")
+            handle.events.put(EngineError(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+            handle.events.put(_DONE)
+
+    def _salt(self, namespace: str) -> str | None:
+        with self._lock:
+            epoch = self._epochs.get(namespace, 0) + self._epochs.get(None, 0)
+        if namespace == PUBLIC and epoch == 0:
+            return None
+        msg = f"{namespace}#{epoch}".encode("utf-8", "surrogatepass")
+        return "radix-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:24]
+
+    def _run(self, handle: RemoteHandle) -> Iterator[GenerationEvent]:
+        req, ids = handle.request, handle.ids
+        max_new = max(1, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap))
+        result = yield from self._stream(ids, req, max_new, self._salt(req.namespace), handle)
+        baseline_ms = None
+        if req.measure_baseline and not handle.cancelled.is_set():
+            # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
+            cold = self._stream(ids, req, 1, "cold-" + secrets.token_hex(12), handle)
+            while True:
+                try:
+                    next(cold)
+                except StopIteration as done:
+                    baseline_ms = done.value.ttft_ms
+                    break
+        yield GenerationEvent(text=result.text, done=True, metrics=self._record(req, ids, result, baseline_ms))
+
+    def _body(self, ids: list[int], req: GenerationRequest, max_new: int, salt: str | None) -> dict:
+        p = req.sampling
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_new, "temperature": p.temperature,
+                "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.repetition_penalty != 1.0:
+            body["repetition_penalty"] = p.repetition_penalty
+        if p.no_repeat_ngram_size:
+            body["no_repeat_ngram_size"] = p.no_repeat_ngram_size
+        if salt is not None:
+            body["cache_salt"] = salt
+        return body
+
+    def _stream(self, ids: list[int], req: GenerationRequest, max_new: int, salt: str | None,
+                handle: RemoteHandle) -> Iterator[GenerationEvent]:
+        """Send one request and yield its text as it streams; returns a ``StreamResult``."""
+        text, token_ids, usage, finish = "", [], None, "length"
+        t0 = time.perf_counter()
+        t_first = t_last = None
+        try:
+            with self.http.stream("POST", "/v1/completions", json=self._body(ids, req, max_new, salt)) as r:
+                if r.status_code != 200:
+                    raise self._status_error(r.status_code, r.read())
+                for line in r.iter_lines():
+                    if handle.cancelled.is_set():
+                        finish = "cancelled"
+                        break
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise EngineError("The backend sent a stream chunk that is not JSON.") from None
+                    message = error_message(chunk)
+                    if message and not chunk.get("choices"):
+                        raise EngineError(f"The backend stopped this request: {message}"[:300])
+                    usage = parse_usage(chunk) or usage
+                    delta = parse_choice(chunk)
+                    if delta is None:
+                        continue
+                    t_last = time.perf_counter()
+                    if t_first is None:
+                        t_first = t_last
+                    token_ids += delta.token_ids
+                    if delta.finish_reason:
+                        finish = "stop" if delta.finish_reason != "length" else "length"
+                    if delta.text:
+                        text += delta.text
+                        yield GenerationEvent(text=text, token_id=delta.token_ids[-1] if delta.token_ids else -1)
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError) and t_first is not None:
+                raise EngineError(f"The backend at {self.base_url} closed the connection in the middle of the "
+                                  f"answer ({len(text):,} characters in). Try again.") from None
+            raise self._transport_error(exc) from None
+        if finish != "cancelled" and t_first is None and usage is None:
+            raise EngineError(f"The backend at {self.base_url} ended the stream without an answer.")
+        ttft_ms = ((t_first or time.perf_counter()) - t0) * 1000
+        n = len(token_ids) or (usage.completion_tokens if usage and usage.completion_tokens else 0)
+        tps = (n - 1) / (t_last - t_first) if n > 1 and t_first and t_last and t_last > t_first else None
+        return StreamResult(text, token_ids, usage, finish, ttft_ms, tps)
+
+    def _record(self, req: GenerationRequest, ids: list[int], res: StreamResult,
+                baseline_ms: float | None) -> RequestMetrics:
+        reported = res.usage is not None and res.usage.cached_tokens is not None
+        cached = min(res.usage.cached_tokens, len(ids)) if reported else 0
+        # The shadow tree holds what a server could have cached for the next request: the prompt
+        # and the answer's tokens whose KV it computed (all of them when it stopped on its own).
+        out_ids = list(res.token_ids) if res.token_ids else (self.text.encode(res.text) if res.text else [])
+        kept = out_ids if res.finish == "stop" else out_ids[:-1]
+        key = CacheKey(tuple(ids) + tuple(kept), req.namespace, 0)
+        with self._lock:
+            # Prompt first, then prompt plus answer, as the local engine inserts them (same node splits).
+            existing = self.tree.insert(key.prefix(len(ids)), [None] * len(ids)).existing
+            self.tree.insert(key, [None] * len(key.ids))
+            path = self.tree.match(CacheKey(tuple(ids[:cached]), req.namespace, 0), touch=False).path if cached else []
+            self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
+            rid = self._next_id
+            self._next_id += 1
+            t = self._totals
+            t["requests"] += 1
+            t["prompt_tokens"] += len(ids)
+            t["cached_tokens"] += cached
+            t["computed_tokens"] += len(ids) - cached
+            t["prefill_ms"] += res.ttft_ms
+            if baseline_ms is not None:
+                t["baseline_prefill_ms"] += baseline_ms
+                t["reuse_prefill_ms_measured"] += res.ttft_ms
+            m = RemoteRequestMetrics(
+                request_id=rid, tag=req.tag, namespace=req.namespace, prompt_tokens=len(ids), cached_tokens=cached,
+                computed_tokens=len(ids) - cached, prefill_ms=res.ttft_ms, baseline_prefill_ms=baseline_ms,
+                ttft_ms=res.ttft_ms, queue_ms=0.0, decode_tokens_per_s=res.decode_tokens_per_s,
+                output_tokens=(res.usage.completion_tokens if res.usage and res.usage.completion_tokens is not None
+                               else len(out_ids)),
+                finish_reason=res.finish, cache_bytes=0, cache_budget_bytes=0, evicted_tokens=0,
+                inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
+                output_ids=list(kept), output_text=res.text, finished_at=time.time(),
+                cached_tokens_reported=reported)
+            self.history.append(m)
+            return m
+
+    # ------------------------------------------------------------- text
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.text.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.text.decode(ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        return self.text.token_pieces(ids)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
+
+    # ------------------------------------------------------------- state
+    def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
+        """The shadow tree as plain data (no bytes: the server's memory is unknown here)."""
+        viewer = viewer if self.isolation else None
+        now = time.monotonic()
+        with self._lock:
+            infos = []
+            for node in self.tree.nodes():
+                hidden = viewer is not None and not (node.namespace == PUBLIC or node.namespace == viewer
+                                                     or node.namespace.startswith(viewer + "/"))
+                ids = () if hidden else tuple(node.key)
+                text = "" if hidden else self.decode(ids[:256]) + ("…" if len(ids) > 256 else "")
+                infos.append(NodeInfo(
+                    node_id=node.id, parent_id=node.parent.id if node.parent else 0, num_tokens=len(node.key),
+                    depth_tokens=node.depth_tokens(), num_bytes=0, lock_ref=0, hits=node.hits,
+                    last_access_s_ago=max(0.0, now - node.last_access),
+                    namespace=node.namespace if not hidden else "other", hidden=hidden, token_ids=ids, text=text))
+            return TreeSnapshot(tuple(infos), self.tree.num_tokens, 0, 0, 0, 0, 0)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
+                               num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
+
+    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
+        with self._lock:
+            items = list(self.history)
+        if namespace is not None:
+            items = [m for m in items if m.namespace == namespace]
+        return items[-n:] if n else items
+
+    def info(self) -> RemoteEngineInfo:
+        return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
+                                num_kv_heads=0, head_dim=0, kv_bytes_per_token=0, max_context=self.max_context,
+                                cache_enabled=True, isolation=self.isolation, backend=self.base_url,
+                                backend_model=self.model)
+
+    def clear_cache(self, namespace: str | None = None) -> int:
+        """Forget a namespace here and start it cold on the server: its next requests carry a
+        new salt (the server's old entries age out on its own). Returns shadow tokens dropped."""
+        with self._lock:
+            before = self.tree.num_tokens
+            self._epochs[namespace] = self._epochs.get(namespace, 0) + 1
+            self.tree.clear(namespace)
+            return before - self.tree.num_tokens
+
+    def set_budget(self, budget_bytes: int) -> int:
+        raise EngineError("The backend sizes its own cache: its budget cannot be set from this dashboard.")
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self.tree.check_invariants()
+
+    @property
+    def runner(self):
+        raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "
+                          "model.")
+
+    def close(self) -> None:
+        self.http.close()
