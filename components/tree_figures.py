@@ -80,7 +80,8 @@ def _base_layout(fig: go.Figure, snapshot: TreeSnapshot, height: int, revision: 
     if not compact:
         fig.update_layout(title=dict(
             text=f"{len(snapshot.nodes):,} nodes · {snapshot.num_tokens:,} tokens · "
-                 f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB",
+                 + (f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB"
+                    if snapshot.bytes_per_token else "shadow tree of what was sent (server memory unknown)"),
             x=0.01, font=dict(size=13)))
 
 

@@ -25,6 +25,12 @@ LEGEND = (
     "grey = another visitor's tokens (text hidden). Hover a node for its text; drag a box to zoom in, double-click to zoom out."
 )
 
+REMOTE_NOTE = (
+    "  \n**Remote server:** this is a *shadow* tree of the token ids this dashboard sent, coloured by the cached "
+    "tokens the server reported. The server's own cache may keep whole blocks only (vLLM: 16 tokens) and evicts on "
+    "its own: this tree cannot see either."
+)
+
 
 def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
                     color_by: str = "recency", view: str = "tree", collapse: bool | None = True, **kw):
@@ -46,7 +52,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
         collapse = gr.Checkbox(value=True, label="Collapse chains", info="draw a run of single children as one",
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
-    gr.Markdown(LEGEND, elem_classes=["legend"])
+    gr.Markdown(LEGEND + (REMOTE_NOTE if getattr(engine.info(), "backend", "") else ""), elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import validation
 from engine.model_runner import ModelRunner
@@ -55,8 +56,14 @@ from server.backend_usage import BackendUsage, error_message, parse_choice, pars
 log = logging.getLogger(__name__)
 
 _DONE = object()
-NO_CACHE_REPORT = ("The server did not report cached tokens: start vLLM with --enable-prompt-tokens-details, "
-                   "SGLang with --enable-cache-report.")
+# What a server's /metrics may say about its cache and queue (vLLM, SGLang, this app).
+BACKEND_METRICS = (
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+    "sglang:cache_hit_rate", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+    "radix_prefix_cache_queries_total", "radix_prefix_cache_hits_total", "radix_cache_bytes",
+    "radix_cache_budget_bytes", "radix_evicted_tokens_total", "radix_num_requests_waiting",
+)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,8 @@ class RemoteEngine:
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
                             baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+        self._metrics: dict[str, float] = {}
+        self._metrics_at: float | None = None
 
     # ---------------------------------------------------------------- checks
     def check_backend(self) -> None:
@@ -404,7 +413,7 @@ class RemoteEngine:
                                else len(out_ids)),
                 finish_reason=res.finish, cache_bytes=0, cache_budget_bytes=0, evicted_tokens=0,
                 inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
-                output_ids=list(kept), output_text=res.text, finished_at=time.time(),
+                output_ids=list(out_ids), output_text=res.text, finished_at=time.time(),
                 cached_tokens_reported=reported)
             self.history.append(m)
             return m
@@ -483,6 +492,27 @@ class RemoteEngine:
     def runner(self):
         raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "
                           "model.")
+
+    def backend_metrics(self, max_age_s: float = 10.0) -> dict[str, float]:
+        """The cache and queue numbers the server's ``/metrics`` exposes, where it has them
+        (vLLM, SGLang with ``--enable-metrics``, this app), summed over labels; ``{}`` when
+        it has none. Read at most every ``max_age_s`` seconds."""
+        now = time.monotonic()
+        if self._metrics_at is not None and now - self._metrics_at < max_age_s:
+            return self._metrics
+        self._metrics_at = now
+        try:
+            r = self.http.get("/metrics", timeout=2.0)
+            text = r.text if r.status_code == 200 else ""
+            found: dict[str, float] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in BACKEND_METRICS:
+                        found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+        except (httpx.HTTPError, ValueError):
+            found = {}
+        self._metrics = found
+        return found
 
     def close(self) -> None:
         self.http.close()
