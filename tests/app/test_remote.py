@@ -233,3 +233,40 @@ def test_a_backend_without_cache_reporting_says_so(tokenizer):
     with scripted_backend(text.encode(), finish=True) as url:  # the same stream with the details
         m = RemoteEngine(url, "m", tokenizer).run(GenerationRequest(prompt="Tell me a story"))
         assert m.cached_tokens == min(48, m.prompt_tokens) and m.cached_tokens_reported
+
+
+def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, tiny_runner, tokenizer):
+    from engine.lab.ordering_runs import LabPrompt, Variant, run_lab_to_end
+
+    _, url = backend
+    remote = remote_for(url, tokenizer)
+    shared = "Reference: " + "the radix cache keeps every computed prefix. " * 4
+    variants = [Variant("static first", tuple(LabPrompt(f"q{i}", prompt=shared + f"Question {i}?") for i in range(3))),
+                Variant("dynamic first", tuple(LabPrompt(f"q{i}", prompt=f"Question {i}? " + shared) for i in range(3)))]
+    local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    got = run_lab_to_end(remote, variants, measure_baseline=False)
+    want = run_lab_to_end(local, variants, measure_baseline=False)
+    assert [[q.cached_tokens for q in v.requests] for v in got] == [[q.cached_tokens for q in v.requests]
+                                                                    for v in want]
+    assert got[0].cached_tokens > got[1].cached_tokens
+    assert remote.snapshot().num_tokens == 0  # each variant's namespace is cleared after it ran
+
+
+def test_app_flags_build_the_remote_engine_and_serve_no_api_of_their_own(backend, tokenizer, monkeypatch):
+    _, url = backend
+    monkeypatch.setenv("RADIX_BACKEND_API_KEY", "sesame")
+    args = app.parse_args(["--backend", url.rstrip("/") + "/v1", "--max-new-tokens", "16"])
+    remote = app.build_remote_engine(args, tokenizer=tokenizer)
+    assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
+    assert app.app_kwargs(remote) == {"routes": []}  # the backend serves its own /v1 and /metrics
+    assert remote.info().backend == remote.base_url
+    with pytest.raises(EngineError, match="budget cannot be set"):
+        remote.set_budget(1)
+
+
+def test_server_package_imports_no_ui():
+    from tests.test_layering import ROOT, UI_LIBS, _imports
+
+    offenders = [f"{p.name}: {n}" for p in sorted((ROOT / "server").glob("*.py"))
+                 for n in _imports(p) if n.split(".")[0] in UI_LIBS]
+    assert not offenders, offenders
