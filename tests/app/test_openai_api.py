@@ -248,6 +248,12 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(tiny_runner):
         wait_idle(engine)
         m = engine.recent()[-1]
         assert m.finish_reason == "cancelled" and m.output_tokens < 900
+        # Not streamed: a client that gives up waiting (here, a read timeout) cancels too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "v1/completions", json=body | {"stream": False}, timeout=httpx.Timeout(60, read=1.0))
+        wait_idle(engine)
+        m = engine.recent()[-1]
+        assert m.finish_reason == "cancelled" and m.output_tokens < 900 and len(engine.recent()) == 2
         assert httpx.get(url).status_code == 200  # the page keeps working
     assert_clean(engine)
 
