@@ -171,23 +171,38 @@ def scripted_backend(answer: bytes, finish: bool) -> Iterator[str]:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
+    server.settimeout(0.1)  # so the loop sees ``stop`` soon
     stop = threading.Event()
+
+    def read_request(conn: socket.socket) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                return False
+            data += more
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                       if h.lower().startswith(b"content-length")), 0)
+        while len(body) < length:
+            more = conn.recv(65536)
+            if not more:
+                return False
+            body += more
+        return True
 
     def serve() -> None:
         while not stop.is_set():
             try:
                 conn, _ = server.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
             with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, body = data.split(b"\r\n\r\n", 1)
-                length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                               if h.lower().startswith(b"content-length")), 0)
-                while len(body) < length:
-                    body += conn.recv(65536)
+                conn.settimeout(10)
+                if not read_request(conn):
+                    continue
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
                 conn.sendall(f"{len(answer):x}\r\n".encode() + answer + b"\r\n")
@@ -200,8 +215,8 @@ def scripted_backend(answer: bytes, finish: bool) -> Iterator[str]:
         yield f"http://127.0.0.1:{server.getsockname()[1]}"
     finally:
         stop.set()
-        server.close()
         thread.join(timeout=5)
+        server.close()
 
 
 def test_a_backend_that_goes_away_mid_stream(tokenizer):
