@@ -59,6 +59,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
     p.add_argument("--no-cache", action="store_true", help="run with no prefix cache at all (for comparison)")
+    p.add_argument("--api-key", default=env("RADIX_API_KEY", ""),
+                   help="require this key (Authorization: Bearer) on the OpenAI-compatible API under /v1 "
+                        "(default: env RADIX_API_KEY; none: open)")
+    p.add_argument("--backend", default=env("RADIX_BACKEND", ""), metavar="URL",
+                   help="remote mode: send requests to this OpenAI-compatible server (vLLM, SGLang, another "
+                        "instance of this app) instead of running a model here; --model then names the "
+                        "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
+    p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
+                   help="the model name the backend serves (default: the first one its /v1/models lists)")
     return p.parse_args(argv)
 
 
@@ -88,27 +97,73 @@ def build_app(engine, max_queue: int = 32):
     return demo
 
 
+def build_remote_engine(args: argparse.Namespace, tokenizer=None):
+    """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
+    and model name once (``EngineError`` with one clear message when any is wrong)."""
+    from engine.model_loader import load_tokenizer
+    from server.remote_engine import RemoteEngine
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(args.model)
+    engine = RemoteEngine(args.backend, args.backend_model, tokenizer,
+                          api_key=os.environ.get("RADIX_BACKEND_API_KEY") or None, isolation=args.isolate,
+                          max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                          max_new_tokens_cap=args.max_new_tokens)
+    engine.check_backend()
+    return engine
+
+
+def server_routes(engine, api_key: str | None = None) -> list:
+    """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
+    (none in remote mode: the backend serves its own)."""
+    from server.metrics import EngineMetrics, metrics_routes
+    from server.openai_api import ApiState, api_routes
+
+    if getattr(engine.info(), "backend", ""):
+        return []
+    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
+            + metrics_routes(EngineMetrics(lambda: engine)))
+
+
+def app_kwargs(engine, api_key: str | None = None) -> dict:
+    """For ``demo.launch(app_kwargs=...)``: Gradio builds its FastAPI app with these routes
+    first, so the page's catch-all routes cannot shadow them (same port as the page)."""
+    return {"routes": server_routes(engine, api_key)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from engine.model_loader import ModelLoadError
+    from engine.types import EngineError
 
-    print(f"Loading model {args.model!r} on device {args.device} ...", flush=True)
-    try:
-        engine = build_engine(args)
-    except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    info = engine.info()
-    print(f"Model ready: {info.model_name} on {info.device} ({info.dtype}), "
-          f"KV {info.kv_bytes_per_token:,} bytes/token, cache budget {engine.cache.budget_bytes / 2**20:.0f} MiB, "
-          f"isolation {'on' if info.isolation else 'off'}", flush=True)
+    if args.backend:
+        print(f"Remote mode: tokenizer of {args.model!r}, backend {args.backend} ...", flush=True)
+        try:
+            engine = build_remote_engine(args)
+        except (ModelLoadError, EngineError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"Backend ready: {engine.model} at {engine.base_url}, isolation "
+              f"{'on' if engine.isolation else 'off'}", flush=True)
+    else:
+        print(f"Loading model {args.model!r} on device {args.device} ...", flush=True)
+        try:
+            engine = build_engine(args)
+        except ModelLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        info = engine.info()
+        print(f"Model ready: {info.model_name} on {info.device} ({info.dtype}), KV {info.kv_bytes_per_token:,} "
+              f"bytes/token, cache budget {engine.stats().budget_bytes / 2**20:.0f} MiB, isolation "
+              f"{'on' if info.isolation else 'off'}; OpenAI-compatible API at /v1, metrics at /metrics", flush=True)
     from components.demo import launch_kwargs
 
     demo = build_app(engine, args.max_queue)
-    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+    demo.launch(server_name=args.host, server_port=args.port, app_kwargs=app_kwargs(engine, args.api_key),
+                **launch_kwargs())
     return 0
 
 

@@ -50,6 +50,12 @@ def metrics_markdown(m: RequestMetrics) -> str:
     ]
     if m.baseline_prefill_ms is None:
         lines.append("\n*No-reuse measurement off: tick “Measure prefill without reuse” to compare.*")
+    if getattr(m, "cached_tokens_reported", None) is not None:  # remote mode (server.remote_engine)
+        lines.append("\n*Remote server: prefill times are times to first token measured here; without reuse = the "
+                     "same prompt under a fresh cache salt.*")
+        if not m.cached_tokens_reported:
+            lines.append("\n**Cached tokens unknown:** the server did not report them (start vLLM with "
+                         "`--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`).")
     return "\n".join(lines)
 
 

@@ -31,6 +31,18 @@ def engine_line(engine: Engine) -> str:
 def info_markdown(engine: Engine) -> str:
     i, s = engine.info(), engine.stats()
     bpt = i.kv_bytes_per_token
+    backend = getattr(i, "backend", "")
+    if backend:  # remote mode (server.remote_engine)
+        return "\n".join([
+            "| engine (remote) | |", "|---|---|",
+            f"| server | **{backend}** |",
+            f"| model | **{i.model_name}** (tokenized here with the same model's tokenizer) |",
+            "| device · dtype · KV geometry · memory · budget | unknown from here (the server's) |",
+            f"| cached tokens reported | {_reported(engine)} |",
+            f"| prompt cap · new-token cap | {engine.max_prompt_tokens:,} · {engine.max_new_tokens_cap:,} tokens |",
+            f"| visitor isolation | {'on: each visitor sends a cache salt of their own' if i.isolation else 'off'} |",
+            f"| requests in flight | {s.queue_depth} |",
+        ] + [f"| server metric `{k}` | {v:,.4g} |" for k, v in _backend_metrics(engine).items()])
     return "\n".join([
         "| engine | |", "|---|---|",
         f"| model | **{i.model_name}** |",
@@ -46,6 +58,19 @@ def info_markdown(engine: Engine) -> str:
         f"| visitor isolation | {'on: each visitor has a private cache namespace; app presets are shared' if i.isolation else 'off: all visitors share one cache'} |",
         f"| requests waiting | {s.queue_depth} |",
     ])
+
+
+def _reported(engine) -> str:
+    reported = getattr(engine, "cache_reported", None)
+    if reported is None:
+        return "not yet known (no request sent)"
+    return "yes" if reported else ("**no**: start vLLM with `--enable-prompt-tokens-details`, SGLang with "
+                                   "`--enable-cache-report`")
+
+
+def _backend_metrics(engine) -> dict[str, float]:
+    read = getattr(engine, "backend_metrics", None)
+    return read() if read is not None else {}
 
 
 def build_info_panel(engine: Engine, active: bool = False) -> LiveView:

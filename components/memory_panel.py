@@ -25,6 +25,7 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
     """The cache's state (as ``viewer`` may see it); with ``mine`` (isolation mode) the hit rate is the
     visitor's own."""
     s = engine.stats(viewer)
+    backend = getattr(engine.info(), "backend", "")
     if mine is not None:
         prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
         rate_row = (f"| your token hit rate | **{cached / prompt if prompt else 0:.1%}** over your {len(mine):,} "
@@ -34,6 +35,14 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
                     f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |")
     used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
     bpt = engine.info().kv_bytes_per_token
+    if backend:  # remote mode: the server's memory is its own
+        return "\n".join([
+            "| cache (remote server) | |", "|---|---|",
+            f"| server | {backend} |",
+            "| KV in use · budget · evictions | **unknown** from here (the server's; see its /metrics) |",
+            f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |",
+            rate_row.replace("from the cache)", "reported cached by the server)"),
+        ])
     return "\n".join([
         "| cache right now | |", "|---|---|",
         f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}) |",
@@ -59,7 +68,8 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
                                maximum=round(budget_mib, 1), precision=1, interactive=not engine.isolation, scale=2,
                                info="shrinking evicts least-recently-used leaves"
                                if not engine.isolation else "fixed on a shared public deployment")
-        apply = gr.Button("Apply budget", scale=1, interactive=not engine.isolation)
+        apply = gr.Button("Apply budget", scale=1,
+                          interactive=not engine.isolation and not getattr(engine.info(), "backend", ""))
         clear = gr.Button("Clear your cached prompts" if engine.isolation else "Clear the cache", variant="stop",
                           scale=1)
     seen = gr.State(None)
@@ -71,8 +81,8 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         ns = own_namespace(request, engine)
         history = engine.recent(HISTORY, namespace=ns)
         mine = engine.recent(namespace=ns) if engine.isolation else None
-        return (memory_gauge(engine.stats(ns)), memory_markdown(engine, mine, ns), hit_rate_figure(history),
-                drawn(sig))
+        gauge_fig = None if getattr(engine.info(), "backend", "") else memory_gauge(engine.stats(ns))
+        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(history), drawn(sig)
 
     def set_budget(mib):
         if engine.isolation:

@@ -43,10 +43,15 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
     else:
         prompt, cached, who, requests = stats.prompt_tokens, stats.cached_tokens, "all", stats.requests
     rate = cached / prompt if prompt else 0.0
+    memory_card = (
+        _card("unknown", f"the remote server's KV memory; {stats.cached_tokens_now:,} tokens sent, in "
+                         f"{stats.num_nodes:,} nodes of the shadow tree")
+        if getattr(engine.info(), "backend", "") else
+        _card(fmt_bytes(stats.cache_bytes), f"KV cached, {stats.cached_tokens_now:,} tokens in "
+                                            f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"))
     engine_cards = [
         _card(f"{rate:.0%}", f"token hit rate over {who} {requests:,} request{'s' * (requests != 1)}"),
-        _card(fmt_bytes(stats.cache_bytes), f"KV cached, {stats.cached_tokens_now:,} tokens in "
-                                            f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"),
+        memory_card,
     ]
     return ("<div class='kgrid'>" + "".join(last) + "</div><div class='kgrid small'>" + "".join(engine_cards)
             + "</div>")

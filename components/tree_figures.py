@@ -85,7 +85,8 @@ def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bo
     if not compact:
         out["title"] = dict(
             text=f"{len(snapshot.nodes):,} nodes · {snapshot.num_tokens:,} tokens · "
-                 f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB",
+                 + (f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB"
+                    if snapshot.bytes_per_token else "shadow tree of what was sent (server memory unknown)"),
             x=0.01, font=dict(size=13))
     return out
 

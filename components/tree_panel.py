@@ -27,6 +27,12 @@ LEGEND = (
     "zoom out."
 )
 
+REMOTE_NOTE = (
+    "  \n**Remote server:** this is a *shadow* tree of the token ids this dashboard sent, coloured by the cached "
+    "tokens the server reported. The server's own cache may keep whole blocks only (vLLM: 16 tokens) and evicts on "
+    "its own: this tree cannot see either."
+)
+
 
 def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
                     color_by: str = "recency", view: str = "tree", collapse: bool | None = True, **kw):
@@ -49,7 +55,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
     status = status_line(elem_id="tree-status")
-    gr.Markdown(LEGEND, elem_classes=["legend"])
+    gr.Markdown(LEGEND + (REMOTE_NOTE if getattr(engine.info(), "backend", "") else ""), elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):

@@ -319,8 +319,9 @@ def build_ordering_lab(engine: Engine) -> None:
     def run_schedule(groups, per_group, budget, progress=gr.Progress()):
         queue = scheduling_queue(_clamp(per_group, 2, 4, 3), _clamp(groups, 2, 4, 3))
         budget = _clamp(budget, 16, 20_000, 520)
-        events = request_order_demo_for(engine).compare(queue, budget)
+        events = None
         try:
+            events = request_order_demo_for(engine).compare(queue, budget)
             for ev in events:
                 progress((ev.done, ev.total), desc=ev.message, unit="requests")
                 text = (views.schedule_markdown(ev.results, budget, engine.info().kv_bytes_per_token, ev.stopped)
@@ -330,7 +331,8 @@ def build_ordering_lab(engine: Engine) -> None:
             warn(exc)
             yield gr.skip(), gr.skip()
         finally:
-            events.close()  # releases the small engine for the next visitor
+            if events is not None:
+                events.close()  # releases the small engine for the next visitor
 
     sched_event = sched_btn.click(run_schedule, [sched_groups, sched_per, sched_budget], [sched_text, sched_plot],
                                   api_name="ordering_schedule", show_progress="minimal", concurrency_limit=2)

@@ -1,0 +1,127 @@
+"""``GET /metrics``: the engine's numbers in Prometheus text format (``prometheus_client``).
+
+Owns: one registry per app (never the global one, so tests can build several apps), the
+metric names, and reading the engine at scrape time:
+
+- counters mirrored from ``engine.stats()`` running totals: prefix-cache queries and hits
+  in tokens (as vLLM's ``vllm:prefix_cache_queries_total`` / ``..._hits_total``, under this
+  project's ``radix_`` prefix), requests, evicted tokens;
+- gauges: requests running and waiting, cache bytes, budget and tokens now;
+- histograms of time to first token and prefill time, observed from each finished
+  request's metrics (``engine.recent()``, read by request id at each scrape, so the page's
+  requests and the API's count alike; a scrape that comes after more than the history's
+  length of requests misses the oldest of them).
+
+A value the engine cannot know (a remote backend's memory) is left out, not guessed.
+Knows nothing about the UI or the API's requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+from fastapi import Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute, Route
+
+PREFIX = "radix"
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                  80.0)
+PREFILL_BUCKETS_S = TTFT_BUCKETS_S
+
+# Field names the engine's stats may use for running and waiting requests (a batching
+# scheduler reports both; a one-at-a-time engine only its queue depth).
+RUNNING_FIELDS = ("num_running", "running_requests", "running")
+WAITING_FIELDS = ("num_waiting", "waiting_requests", "waiting", "queue_depth")
+
+
+def _first(obj: object, names: tuple[str, ...]) -> float | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+class _StatsCollector(Collector):
+    """Counters and gauges read from ``engine.stats()`` when scraped."""
+
+    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+        self.get_engine = get_engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.get_engine()
+        if engine is None:
+            return
+        stats = engine.stats()  # type: ignore[attr-defined]
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prompt_tokens"),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "cached_tokens"),
+            ("requests", "Requests finished.", "requests"),
+            ("evicted_tokens", "Tokens evicted from the prefix cache.", "evicted_tokens"),
+        )
+        for name, doc, field in counters:
+            value = _first(stats, (field,))
+            if value is not None:
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        gauges = (
+            ("num_requests_running", "Requests running now.", RUNNING_FIELDS),
+            ("num_requests_waiting", "Requests waiting for the model.", WAITING_FIELDS),
+            ("cache_bytes", "Bytes of KV held by the prefix cache.", ("cache_bytes",)),
+            ("cache_budget_bytes", "The prefix cache's budget in bytes.", ("budget_bytes",)),
+            ("cache_tokens", "Tokens held by the prefix cache.", ("cached_tokens_now",)),
+        )
+        for name, doc, fields in gauges:
+            value = _first(stats, fields)
+            if value is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class EngineMetrics:
+    """The registry for one app and the histograms fed from finished requests."""
+
+    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+        self.get_engine = get_engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StatsCollector(get_engine))
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token per request.",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.prefill = Histogram(f"{PREFIX}_prefill_seconds", "Prefill time per request (match, copy, forward).",
+                                 buckets=PREFILL_BUCKETS_S, registry=self.registry)
+        self.generated = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
+        self._seen: set[int] = set()  # request ids in the history at the last scrape
+        self._lock = threading.Lock()
+
+    def sync(self) -> None:
+        """Observe every request finished since the last scrape."""
+        engine = self.get_engine()
+        if engine is None:
+            return
+        with self._lock:
+            history = engine.recent()  # type: ignore[attr-defined]
+            for m in history:  # requests may finish out of id order: compare sets, not a high-water mark
+                if m.request_id in self._seen:
+                    continue
+                if m.ttft_ms is not None:
+                    self.ttft.observe(m.ttft_ms / 1000)
+                if m.prefill_ms is not None:
+                    self.prefill.observe(m.prefill_ms / 1000)
+                self.generated.inc(m.output_tokens)
+            self._seen = {m.request_id for m in history}
+
+    def text(self) -> bytes:
+        self.sync()
+        return generate_latest(self.registry)
+
+
+def metrics_routes(metrics: EngineMetrics) -> list[BaseRoute]:
+    async def scrape(request: Request) -> Response:
+        from starlette.concurrency import run_in_threadpool
+
+        return Response(await run_in_threadpool(metrics.text), media_type=CONTENT_TYPE_LATEST)
+
+    return [Route("/metrics", scrape, methods=["GET"])]

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Owns: the HTTP flow of one API request (read the body, check it, pick its cache namespace,
+submit it to the engine, stream or collect its events, cut at stop strings) and the mapping
+of failures to OpenAI-shaped errors: 400 bad input, 404 unknown model, 429 queue full, 503
+not ready, 500 anything else, never a traceback. A client that goes away cancels its
+request. Requests go through the same engine as the page (tag ``"api"``), so they show in
+the live tree and charts. Knows nothing about Gradio: ``api_routes`` returns plain
+Starlette routes that ``app.py`` mounts ahead of the page's own routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import BaseRoute
+
+from engine.engine import Engine, RequestHandle
+from engine.types import EngineBusy, EngineError, GenerationEvent, GenerationRequest, RequestMetrics
+from server import openai_protocol as proto
+from server.cache_scope import CacheScope
+from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 2**20
+API_TAG = "api"
+
+
+@dataclass
+class ApiState:
+    """What the routes share: how to reach the engine (``None`` while it loads) and the salt secret."""
+
+    get_engine: Callable[[], Engine | None]
+    scope: CacheScope | None = None
+    model_name: str | None = None
+    api_key: str | None = None  # when set, every request must carry "Authorization: Bearer <key>"
+
+    def check_key(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "Incorrect API key: send 'Authorization: Bearer <key>' with the key this server "
+                           "was started with.", "authentication_error", None, "invalid_api_key")
+
+    def engine(self) -> Engine:
+        engine = self.get_engine()
+        if engine is None:
+            raise ApiError(503, "The model is still loading; try again in a moment.", "server_error", None,
+                           "model_loading")
+        if self.scope is None:
+            self.scope = CacheScope(isolation=bool(engine.isolation))
+        if not self.model_name:
+            self.model_name = engine.info().model_name
+        return engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model '{model[:100]}' does not exist here; this server serves "
+                           f"'{self.model_name}' (GET /v1/models).", "invalid_request_error", "model",
+                           "model_not_found")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Any failure as the error a client gets: a message for a person, no traceback."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineBusy):
+        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full")
+    if isinstance(exc, EngineError):
+        return ApiError(400, str(exc), "invalid_request_error")
+    log.exception("API request failed")
+    return ApiError(500, f"The server failed on this request ({type(exc).__name__}).", "server_error")
+
+
+async def read_json(request: Request) -> object:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB.")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise proto.bad_request("The request body is not valid JSON.") from None
+
+
+async def events_of(handle: RequestHandle) -> AsyncIterator[GenerationEvent]:
+    """The handle's events without blocking the event loop; cancelling the consumer
+    (a client gone) cancels the request at its next token."""
+    it = iter(handle)
+    try:
+        while True:
+            event = await anyio.to_thread.run_sync(next, it, None, abandon_on_cancel=True)
+            if event is None:
+                return
+            yield event
+    finally:
+        handle.cancel()
+
+
+@dataclass
+class Outcome:
+    """What one request produced, as the client sees it (text cut at a stop string)."""
+
+    text: str = ""
+    metrics: RequestMetrics | None = None
+    stopped: bool = False
+    token_ids: list[int] = field(default_factory=list)  # generated, up to a stop string
+
+
+async def deltas(handle: RequestHandle, stops: tuple[str, ...], out: Outcome) -> AsyncIterator[str]:
+    """New visible text as it comes; fills ``out`` (the final text and metrics) on the way."""
+    matcher = StopMatcher(stops)
+    async for event in events_of(handle):
+        if event.done:
+            out.metrics = event.metrics
+            if not matcher.stopped:
+                text = matcher.visible(event.text, final=True)
+                if len(text) > len(out.text):
+                    yield text[len(out.text):]
+                    out.text = text
+            break
+        if event.token_id is None or matcher.stopped:  # progress events; or past a stop string
+            continue
+        out.token_ids.append(event.token_id)
+        text = matcher.visible(event.text)
+        if matcher.stopped:
+            handle.cancel()  # the engine ends it at the next token and reports its metrics
+        if len(text) > len(out.text) and text.startswith(out.text):
+            yield text[len(out.text):]
+            out.text = text
+    out.stopped = matcher.stopped
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+async def watch_disconnect(request: Request, handle: RequestHandle) -> None:
+    """Cancel ``handle`` when the client closes its connection (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+class OpenAIApi:
+    def __init__(self, state: ApiState) -> None:
+        self.state = state
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.state.check_key(request)
+            self.state.engine()
+        except ApiError as exc:
+            return error_response(exc)
+        return JSONResponse(proto.models_list(self.state.model_name or ""))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, proto.parse_chat, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, proto.parse_completion, chat=False)
+
+    async def _serve(self, request: Request, parse: Callable[..., ParsedRequest], chat: bool) -> Response:
+        try:
+            self.state.check_key(request)
+            engine = self.state.engine()
+            parsed = parse(await read_json(request), engine.max_new_tokens_cap)
+            self.state.check_model(parsed.model)
+            assert self.state.scope is not None
+            gen = GenerationRequest(messages=parsed.messages, prompt=parsed.prompt, prompt_ids=parsed.prompt_ids,
+                                    sampling=parsed.sampling, namespace=self.state.scope.namespace(parsed.cache_salt),
+                                    tag=API_TAG)
+            handle = await run_in_threadpool(engine.submit, gen)  # tokenizing a long prompt takes a while
+        except Exception as exc:
+            return error_response(api_error(exc))
+        model = self.state.model_name or ""
+        if parsed.stream:
+            return StreamingResponse(self._stream(handle, parsed, model, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(watch_disconnect(request, handle))
+        out = Outcome()
+        try:
+            async for _ in deltas(handle, parsed.stop, out):
+                pass
+        except Exception as exc:
+            return error_response(api_error(exc))
+        finally:
+            watcher.cancel()
+        if out.metrics is None:
+            return error_response(ApiError(500, "The request ended without a result.", "server_error"))
+        finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics)
+        if chat:
+            body = proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use)
+        else:
+            body = proto.completion_response(proto.new_id("cmpl"), model, out.text, finish, use)
+        if parsed.return_token_ids:
+            body["prompt_token_ids"] = out.metrics.prompt_ids
+            body["choices"][0]["token_ids"] = out.token_ids
+        return JSONResponse(body)
+
+    async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str,
+                      chat: bool) -> AsyncIterator[bytes]:
+        rid = proto.new_id("chatcmpl" if chat else "cmpl")
+        usage_field = parsed.include_usage  # OpenAI sends "usage": null on every chunk but the last then
+        out = Outcome()
+        ids_sent = 0
+
+        def chunk(text: str, finish: str | None = None) -> bytes:
+            nonlocal ids_sent
+            if chat:
+                body = proto.chat_chunk(rid, model, {"content": text} if finish is None else {}, finish,
+                                        with_usage_field=usage_field)
+            else:
+                body = proto.completion_chunk(rid, model, text, finish, with_usage_field=usage_field)
+            if parsed.return_token_ids:  # vLLM's shape: each chunk carries its new token ids
+                body["choices"][0]["token_ids"] = out.token_ids[ids_sent:]
+                ids_sent = len(out.token_ids)
+                if finish is not None and out.metrics is not None:
+                    body["prompt_token_ids"] = out.metrics.prompt_ids
+            return sse(body)
+
+        try:
+            if chat:
+                yield sse(proto.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                           with_usage_field=usage_field))
+            async for delta in deltas(handle, parsed.stop, out):
+                yield chunk(delta)
+            if out.metrics is None:
+                raise ApiError(500, "The request ended without a result.", "server_error")
+            yield chunk("", proto.finish_reason(out.metrics, out.stopped))
+            if parsed.include_usage:
+                use = proto.usage(out.metrics)
+                yield sse(proto.chat_chunk(rid, model, {}, use=use) if chat
+                          else proto.completion_chunk(rid, model, "", use=use))
+        except Exception as exc:  # headers are sent: report in the stream, as vLLM does
+            yield sse(api_error(exc).body())
+        finally:
+            handle.cancel()
+        yield sse("[DONE]")
+
+
+def api_routes(state: ApiState) -> list[BaseRoute]:
+    """The routes to mount ahead of the page's (``FastAPI(routes=...)``, via Gradio's ``app_kwargs``)."""
+    api = OpenAIApi(state)
+    router = APIRouter()
+    router.add_api_route("/v1/models", api.models, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], include_in_schema=False)
+    router.add_api_route("/v1/completions", api.completions, methods=["POST"], include_in_schema=False)
+    return list(router.routes)

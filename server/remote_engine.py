@@ -1,0 +1,366 @@
+"""The dashboard in front of another server: the Engine facade over an OpenAI-compatible HTTP API.
+
+Owns: the facade's surface (submit/run, stats, recent, snapshot, info, text methods), one
+thread per request that streams it from the backend (``server.backend_client``: token ids
+to ``/v1/completions``, time to first token measured here, cached tokens as the server
+reports them), the "without reuse" measurement (the same
+prompt again under a fresh random ``cache_salt``, which no server can have cached), and a
+*shadow* radix tree (``RadixTree`` with ``None`` values) of the token ids sent, so the tree
+view has something true to draw: what this dashboard sent, coloured by what the server said
+it reused. The server's own cache may be block-granular and evicts on its own; the shadow
+tree cannot see that, and its memory and budget are unknown here (reported as 0 with
+``RemoteEngineInfo.backend`` set, and the panels say "unknown").
+
+Namespaces become salts: a request's namespace (and an epoch that ``clear_cache`` bumps) is
+turned into a ``cache_salt`` with a secret of this process, so visitors stay apart on the
+backend too and a cleared namespace starts cold. ``PUBLIC`` sends no salt until cleared.
+
+Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
+Knows nothing about Gradio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from engine import validation
+from engine.model_runner import ModelRunner
+from engine.radix_tree import PUBLIC, CacheKey, RadixTree
+from engine.types import (
+    EngineBusy,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerationEvent,
+    GenerationRequest,
+    NodeInfo,
+    RequestMetrics,
+    TreeSnapshot,
+)
+from server.backend_client import BackendClient, StreamResult
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+@dataclass(frozen=True)
+class RemoteEngineInfo(EngineInfo):
+    backend: str = ""  # the server's URL; memory, budget and KV geometry are unknown here
+    backend_model: str = ""
+
+
+@dataclass
+class RemoteRequestMetrics(RequestMetrics):
+    cached_tokens_reported: bool = True  # False: the server gave no count (cached_tokens reads 0)
+
+
+class LocalTokenizer:
+    """The text side of ``ModelRunner`` (same methods, same results) without a model."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    has_chat_template = ModelRunner.has_chat_template
+    render_chat = ModelRunner.render_chat
+    encode = ModelRunner.encode
+    encode_chat = ModelRunner.encode_chat
+    decode = ModelRunner.decode
+    token_pieces = ModelRunner.token_pieces
+    max_token_chars = ModelRunner.max_token_chars
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+class RemoteHandle:
+    """A submitted request: iterate it for events; ``cancel()`` closes its connection."""
+
+    def __init__(self, request: GenerationRequest, ids: list[int]) -> None:
+        self.request, self.ids = request, ids
+        self.events: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        try:
+            while True:
+                item = self.events.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()
+
+
+class _ShadowCache:
+    """What the ordering lab reads off ``engine.cache``; evictions on the server are unknown (0)."""
+
+    enabled = True
+    evicted_tokens = 0
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+
+    def match_len(self, key: CacheKey) -> int:
+        return self.tree.match(key, touch=False).length
+
+
+class RemoteEngine:
+    def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
+                 max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
+                 timeout_s: float = 300.0, history_size: int = 1000) -> None:
+        self.client = BackendClient(base_url, model, api_key, timeout_s)
+        self.text = LocalTokenizer(tokenizer)
+        self.isolation = isolation
+        context = getattr(tokenizer, "model_max_length", 0)
+        self.max_context = int(context) if isinstance(context, int) and 0 < context <= 1_000_000 else 8192
+        self.max_prompt_tokens = min(max_prompt_tokens or self.max_context, self.max_context)
+        self.max_new_tokens_cap = max_new_tokens_cap
+        self.max_queue = max_queue
+        self.tree = RadixTree()
+        self.cache = _ShadowCache(self.tree)
+        self.cache_reported: bool | None = None  # None until the first answer says
+        self._secret = secrets.token_bytes(16)
+        self._epochs: dict[str | None, int] = {}
+        self._lock = threading.RLock()
+        self._in_flight = 0
+        self._next_id = 1
+        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
+        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
+                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+
+    # ---------------------------------------------------------------- requests
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
+        if sum(given) != 1:
+            raise EngineError("give exactly one of messages, prompt or prompt_ids")
+        text = self.text
+        if request.messages is not None:
+            messages = validation.check_messages(request.messages)
+            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
+                                       text.max_token_chars)
+            try:
+                ids = text.encode_chat(messages)
+            except Exception as exc:  # a chat template may refuse a role order
+                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
+        elif request.prompt is not None:
+            if not isinstance(request.prompt, str) or not request.prompt.strip():
+                raise EngineError(validation.EMPTY_PROMPT)
+            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, text.max_token_chars)
+            ids = text.encode(request.prompt)
+        else:
+            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
+        if not ids:
+            raise EngineError(validation.EMPTY_PROMPT)
+        if len(ids) > self.max_prompt_tokens:
+            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is {self.max_prompt_tokens:,} "
+                              "tokens. Shorten it and try again.")
+        return ids
+
+    def submit(self, request: GenerationRequest) -> RemoteHandle:
+        ids = self.prompt_ids(request)
+        request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
+        with self._lock:
+            if self._in_flight >= self.max_queue:
+                raise EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
+            self._in_flight += 1
+        handle = RemoteHandle(request, ids)
+        threading.Thread(target=self._work, args=(handle,), name="remote-request", daemon=True).start()
+        return handle
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
+        yield from self.submit(request)
+
+    def run(self, request: GenerationRequest) -> RequestMetrics:
+        last = None
+        for event in self.generate(request):
+            last = event
+        assert last is not None and last.metrics is not None
+        return last.metrics
+
+    def _work(self, handle: RemoteHandle) -> None:
+        try:
+            for event in self._run(handle):
+                handle.events.put(event)
+        except EngineError as exc:
+            handle.events.put(exc)
+        except Exception as exc:  # never a traceback for a visitor; one line in the log
+            log.exception("remote request failed")
+            handle.events.put(EngineError(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+            handle.events.put(_DONE)
+
+    def _salt(self, namespace: str) -> str | None:
+        with self._lock:
+            epoch = self._epochs.get(namespace, 0) + self._epochs.get(None, 0)
+        if namespace == PUBLIC and epoch == 0:
+            return None
+        msg = f"{namespace}#{epoch}".encode("utf-8", "surrogatepass")
+        return "radix-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:24]
+
+    def _run(self, handle: RemoteHandle) -> Iterator[GenerationEvent]:
+        req, ids = handle.request, handle.ids
+        max_new = max(1, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap))
+        result = yield from self.client.stream(ids, req.sampling, max_new, self._salt(req.namespace),
+                                               handle.cancelled)
+        baseline_ms = None
+        if req.measure_baseline and not handle.cancelled.is_set():
+            # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
+            cold = self.client.stream(ids, req.sampling, 1, "cold-" + secrets.token_hex(12), handle.cancelled)
+            while True:
+                try:
+                    next(cold)
+                except StopIteration as done:
+                    baseline_ms = done.value.ttft_ms
+                    break
+        yield GenerationEvent(text=result.text, done=True, metrics=self._record(req, ids, result, baseline_ms))
+
+    def _record(self, req: GenerationRequest, ids: list[int], res: StreamResult,
+                baseline_ms: float | None) -> RequestMetrics:
+        reported = res.usage is not None and res.usage.cached_tokens is not None
+        cached = min(res.usage.cached_tokens, len(ids)) if reported else 0
+        # The shadow tree holds what a server could have cached for the next request: the prompt
+        # and the answer's tokens whose KV it computed (all of them when it stopped on its own).
+        out_ids = list(res.token_ids) if res.token_ids else (self.text.encode(res.text) if res.text else [])
+        kept = out_ids if res.finish == "stop" else out_ids[:-1]
+        key = CacheKey(tuple(ids) + tuple(kept), req.namespace, 0)
+        with self._lock:
+            # Prompt first, then prompt plus answer, as the local engine inserts them (same node splits).
+            existing = self.tree.insert(key.prefix(len(ids)), [None] * len(ids)).existing
+            self.tree.insert(key, [None] * len(key.ids))
+            path = self.tree.match(CacheKey(tuple(ids[:cached]), req.namespace, 0), touch=False).path if cached else []
+            self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
+            rid = self._next_id
+            self._next_id += 1
+            t = self._totals
+            t["requests"] += 1
+            t["prompt_tokens"] += len(ids)
+            t["cached_tokens"] += cached
+            t["computed_tokens"] += len(ids) - cached
+            t["prefill_ms"] += res.ttft_ms
+            if baseline_ms is not None:
+                t["baseline_prefill_ms"] += baseline_ms
+                t["reuse_prefill_ms_measured"] += res.ttft_ms
+            m = RemoteRequestMetrics(
+                request_id=rid, tag=req.tag, namespace=req.namespace, prompt_tokens=len(ids), cached_tokens=cached,
+                computed_tokens=len(ids) - cached, prefill_ms=res.ttft_ms, baseline_prefill_ms=baseline_ms,
+                ttft_ms=res.ttft_ms, queue_ms=0.0, decode_tokens_per_s=res.decode_tokens_per_s,
+                output_tokens=(res.usage.completion_tokens if res.usage and res.usage.completion_tokens is not None
+                               else len(out_ids)),
+                finish_reason=res.finish, cache_bytes=0, cache_budget_bytes=0, evicted_tokens=0,
+                inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
+                output_ids=list(out_ids), output_text=res.text, finished_at=time.time(),
+                cached_tokens_reported=reported)
+            self.history.append(m)
+            return m
+
+    # ------------------------------------------------------------- text
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.text.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.text.decode(ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        return self.text.token_pieces(ids)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
+
+    # ------------------------------------------------------------- state
+    def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
+        """The shadow tree as plain data (no bytes: the server's memory is unknown here)."""
+        viewer = viewer if self.isolation else None
+        now = time.monotonic()
+        with self._lock:
+            infos = []
+            for node in self.tree.nodes():
+                hidden = viewer is not None and not (node.namespace == PUBLIC or node.namespace == viewer
+                                                     or node.namespace.startswith(viewer + "/"))
+                ids = () if hidden else tuple(node.key)
+                text = "" if hidden else self.decode(ids[:256]) + ("…" if len(ids) > 256 else "")
+                infos.append(NodeInfo(
+                    node_id=node.id, parent_id=node.parent.id if node.parent else 0, num_tokens=len(node.key),
+                    depth_tokens=node.depth_tokens(), num_bytes=0, lock_ref=0, hits=node.hits,
+                    last_access_s_ago=max(0.0, now - node.last_access),
+                    namespace=node.namespace if not hidden else "other", hidden=hidden, token_ids=ids, text=text))
+            return TreeSnapshot(tuple(infos), self.tree.num_tokens, 0, 0, 0, 0, 0)
+
+    def stats(self, viewer: str | None = None) -> EngineStats:
+        """This dashboard's totals over what it sent (``viewer`` is accepted for the local
+        engine's signature; the shadow tree holds only this dashboard's own requests)."""
+        with self._lock:
+            return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
+                               num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
+
+    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
+        with self._lock:
+            items = list(self.history)
+        if namespace is not None:
+            items = [m for m in items if m.namespace == namespace]
+        return items[-n:] if n else items
+
+    def info(self) -> RemoteEngineInfo:
+        return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
+                                num_kv_heads=0, head_dim=0, kv_bytes_per_token=0, max_context=self.max_context,
+                                cache_enabled=True, isolation=self.isolation, backend=self.base_url,
+                                backend_model=self.model)
+
+    def clear_cache(self, namespace: str | None = None) -> int:
+        """Forget a namespace here and start it cold on the server: its next requests carry a
+        new salt (the server's old entries age out on its own). Returns shadow tokens dropped."""
+        with self._lock:
+            before = self.tree.num_tokens
+            self._epochs[namespace] = self._epochs.get(namespace, 0) + 1
+            self.tree.clear(namespace)
+            return before - self.tree.num_tokens
+
+    def set_budget(self, budget_bytes: int) -> int:
+        raise EngineError("The backend sizes its own cache: its budget cannot be set from this dashboard.")
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self.tree.check_invariants()
+
+    @property
+    def runner(self):
+        raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "
+                          "model.")
+
+    def backend_metrics(self) -> dict[str, float]:
+        return self.client.metrics()
+
+    def check_backend(self) -> None:
+        self.client.check()
+
+    @property
+    def model(self) -> str:
+        return self.client.model
+
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+    def close(self) -> None:
+        self.client.close()

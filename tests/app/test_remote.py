@@ -1,0 +1,287 @@
+"""Remote mode: the dashboard in front of an OpenAI-compatible server.
+
+The backend is a second instance of this app served on loopback (a real HTTP server, no mock
+transport); broken backends are tiny real TCP servers that answer in vLLM's shapes and then
+misbehave. Response bodies in vLLM's, SGLang's and llama.cpp's shapes (tests/app/fixtures/)
+are parsed as each engine writes them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import app
+from engine.engine import Engine
+from engine.types import EngineError, GenerationRequest, SamplingParams
+from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
+from server.remote_engine import RemoteEngine
+from tests.helpers_app import assert_clean, free_port, launched_app, shown_logs, visitor, wait_idle
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SYSTEM = "You are a patient tutor who explains how serving engines reuse the KV cache of shared prefixes. " * 2
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def stream_chunks(name: str) -> list[dict]:
+    lines = (FIXTURES / name).read_text().splitlines()
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:") and line.strip() != "data: [DONE]"]
+
+
+# ------------------------------------------------------------------ the parser, on each engine's shapes
+def test_vllm_usage_with_and_without_prompt_tokens_details():
+    assert parse_usage(fixture("vllm_chat_with_details.json")) == BackendUsage(812, 3, 800)
+    assert parse_usage(fixture("vllm_chat_without_details.json")) == BackendUsage(812, 3, None)
+    assert parse_choice(fixture("vllm_chat_with_details.json")).text == "Paris."
+
+
+def test_vllm_stream_carries_usage_on_its_last_chunk():
+    chunks = stream_chunks("vllm_completions_stream.txt")
+    assert [parse_usage(c) for c in chunks[:-1]] == [None] * (len(chunks) - 1)  # "usage": null
+    assert parse_usage(chunks[-1]) == BackendUsage(64, 2, 48)
+    assert "".join(parse_choice(c).text for c in chunks[:-1]) == " The cache"
+    assert parse_choice(chunks[-2]).finish_reason == "length" and parse_choice(chunks[-1]) is None
+
+
+def test_sglang_native_meta_info_and_openai_cache_report():
+    native = fixture("sglang_generate.json")
+    assert parse_usage(native) == BackendUsage(40, 8, 32)
+    assert parse_choice(native).finish_reason == "length" and parse_choice(native).text.startswith(" Paris")
+    assert parse_usage(fixture("sglang_chat_cache_report.json")) == BackendUsage(36, 3, 32)
+
+
+def test_llamacpp_timings_and_error_bodies():
+    assert parse_usage(fixture("llamacpp_completion.json")) == BackendUsage(40, 3, 36)
+    assert error_message(fixture("vllm_error.json")) == "The model `gpt-4` does not exist."
+    assert error_message({"object": "error", "message": "flat", "type": "BadRequestError"}) == "flat"
+    assert parse_usage({"usage": {"prompt_tokens": True}}) == BackendUsage(None, None, None)
+    assert parse_usage([]) is None and parse_choice({"choices": []}) is None
+
+
+# ------------------------------------------------------------------ against a second instance of this app
+@pytest.fixture(scope="module")
+def backend(tiny_runner):
+    """This app, served on loopback as the backend, with an API key."""
+    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    from components.demo import launch_kwargs
+
+    demo = app.build_app(engine)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                app_kwargs=app.app_kwargs(engine, api_key="sesame"), **launch_kwargs())
+    try:
+        yield engine, demo.local_url
+    finally:
+        demo.close()
+
+
+def remote_for(url: str, tokenizer, key: str | None = "sesame", **kw) -> RemoteEngine:
+    engine = RemoteEngine(url, "", tokenizer, api_key=key, max_new_tokens_cap=16, **kw)
+    engine.check_backend()
+    return engine
+
+
+def _requests() -> list[GenerationRequest]:
+    ask = [("user", "What is a radix tree?"), ("user", "And a KV cache?"), ("user", "What is a radix tree?")]
+    out = []
+    for _, question in ask:
+        msgs = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": question})
+        out.append(GenerationRequest(messages=msgs, sampling=SamplingParams(max_new_tokens=6), measure_baseline=True,
+                                     tag="chat"))
+    out.append(GenerationRequest(prompt="Hello there, general", sampling=SamplingParams(max_new_tokens=4)))
+    return out
+
+
+def _tree(snapshot) -> list[tuple]:
+    return sorted((n.depth_tokens, n.token_ids) for n in snapshot.nodes)
+
+
+def test_remote_mode_shows_what_local_mode_shows(backend, tiny_runner, tokenizer):
+    _, url = backend
+    remote = remote_for(url, tokenizer)
+    local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    for req in _requests():
+        r, m = remote.run(req), local.run(req)
+        assert (r.prompt_tokens, r.cached_tokens, r.output_text, r.output_ids) == \
+            (m.prompt_tokens, m.cached_tokens, m.output_text, m.output_ids)
+        assert r.cached_tokens_reported and r.ttft_ms > 0
+        assert (r.baseline_prefill_ms is None) == (m.baseline_prefill_ms is None)
+    assert remote.recent()[2].cached_tokens == remote.recent()[2].prompt_tokens - 1
+    assert _tree(remote.snapshot()) == _tree(local.snapshot())  # the same tree, node for node
+    assert remote.stats().cached_tokens == local.stats().cached_tokens
+    assert remote.cache_reported is True
+    remote.check_invariants()
+    metrics = remote.backend_metrics()
+    assert metrics["radix_prefix_cache_hits_total"] >= remote.stats().cached_tokens
+    wait_idle(local)
+    assert_clean(local)
+
+
+def test_clearing_a_namespace_starts_it_cold_on_the_server(backend, tokenizer):
+    _, url = backend
+    remote = remote_for(url, tokenizer)
+    req = GenerationRequest(prompt="A prompt to forget about, please.", sampling=SamplingParams(max_new_tokens=2),
+                            namespace="visitor-1")
+    remote.run(req)
+    assert remote.run(req).cached_tokens > 0
+    assert remote.clear_cache("visitor-1") > 0
+    assert remote.run(req).cached_tokens == 0  # a new salt: nothing on the server for it
+    other = GenerationRequest(prompt="A prompt to forget about, please.", sampling=SamplingParams(max_new_tokens=2),
+                              namespace="visitor-2")
+    assert remote.run(other).cached_tokens == 0  # namespaces stay apart on the server too
+
+
+def test_the_page_runs_in_remote_mode(backend, tokenizer):
+    backend_engine, url = backend
+    remote = remote_for(url, tokenizer)
+    with launched_app(remote) as page:
+        a = visitor(page)
+        first = a.predict("What is a radix tree?", [], "Pirate", "", 4, True, api_name="/chat")
+        second = a.predict("And a KV cache?", first[0], "Pirate", "", 4, True, api_name="/chat")
+        assert len(second[0]) == 4 and "served from the cache" in second[3]
+        assert "Remote server" in second[3] and remote.recent()[-1].cached_tokens > 0
+        assert backend_engine.recent()[-1].tag == "api"  # it really ran on the backend
+    remote.check_invariants()
+
+
+# ------------------------------------------------------------------ backends that go wrong
+def test_wrong_url_key_and_model_each_get_one_clear_message(backend, tokenizer, capsys):
+    _, url = backend
+    with pytest.raises(EngineError, match="Cannot reach the backend .* is it running"):
+        remote_for(f"http://127.0.0.1:{free_port()}", tokenizer)
+    with pytest.raises(EngineError, match="refused the API key \\(HTTP 401\\).*RADIX_BACKEND_API_KEY"):
+        remote_for(url, tokenizer, key="wrong")
+    with pytest.raises(EngineError, match="does not serve 'nope'.*--backend-model"):
+        RemoteEngine(url, "nope", tokenizer, api_key="sesame").check_backend()
+    assert app.main(["--backend", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "error: Cannot reach the backend" in capsys.readouterr().err
+
+
+@contextmanager
+def scripted_backend(answer: bytes, finish: bool) -> Iterator[str]:
+    """A real HTTP server on loopback that answers every request with ``answer`` as a chunked
+    event stream, then ends the body properly (``finish``) or drops the connection mid-stream."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.1)  # so the loop sees ``stop`` soon
+    stop = threading.Event()
+
+    def read_request(conn: socket.socket) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                return False
+            data += more
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                       if h.lower().startswith(b"content-length")), 0)
+        while len(body) < length:
+            more = conn.recv(65536)
+            if not more:
+                return False
+            body += more
+        return True
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                if not read_request(conn):
+                    continue
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                conn.sendall(f"{len(answer):x}\r\n".encode() + answer + b"\r\n")
+                if finish:
+                    conn.sendall(b"0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_a_backend_that_goes_away_mid_stream(tokenizer):
+    half = (FIXTURES / "vllm_completions_stream.txt").read_bytes().split(b"\n\n")[0] + b"\n\n"
+    with scripted_backend(half, finish=False) as url:
+        remote = RemoteEngine(url, "m", tokenizer)
+        with pytest.raises(EngineError, match="closed the connection in the middle of the answer"):
+            remote.run(GenerationRequest(prompt="Tell me a story", sampling=SamplingParams(max_new_tokens=4)))
+        with launched_app(remote) as page:
+            job = visitor(page).submit("Tell me a story", [], "Pirate", "", 4, False, api_name="/chat")
+            history = job.result(timeout=60)[0]
+            assert any("closed the connection" in msg and level == "warning" for msg, level in shown_logs(job))
+            assert len(history) == 2  # the question stays; the page keeps working
+    assert remote.stats().requests == 0
+
+
+def test_a_backend_without_cache_reporting_says_so(tokenizer):
+    text = (FIXTURES / "vllm_completions_stream.txt").read_text()
+    without = text.replace(',"prompt_tokens_details":{"cached_tokens":48}', "").encode()
+    assert b"prompt_tokens_details" not in without
+    with scripted_backend(without, finish=True) as url:
+        remote = RemoteEngine(url, "m", tokenizer)
+        m = remote.run(GenerationRequest(prompt="Tell me a story", sampling=SamplingParams(max_new_tokens=2)))
+        assert m.output_text == " The cache" and m.output_tokens == 2 and m.finish_reason == "length"
+        assert m.cached_tokens == 0 and m.cached_tokens_reported is False and remote.cache_reported is False
+        with launched_app(remote) as page:
+            out = visitor(page).predict("Tell me a story", [], "Pirate", "", 2, False, api_name="/chat")
+            assert "Cached tokens unknown" in out[3] and "--enable-prompt-tokens-details" in out[3]
+    with scripted_backend(text.encode(), finish=True) as url:  # the same stream with the details
+        m = RemoteEngine(url, "m", tokenizer).run(GenerationRequest(prompt="Tell me a story"))
+        assert m.cached_tokens == min(48, m.prompt_tokens) and m.cached_tokens_reported
+
+
+def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, tiny_runner, tokenizer):
+    from engine.lab.ordering_runs import LabPrompt, Variant, run_lab_to_end
+
+    _, url = backend
+    remote = remote_for(url, tokenizer)
+    shared = "Reference: " + "the radix cache keeps every computed prefix. " * 4
+    variants = [Variant("static first", tuple(LabPrompt(f"q{i}", prompt=shared + f"Question {i}?") for i in range(3))),
+                Variant("dynamic first", tuple(LabPrompt(f"q{i}", prompt=f"Question {i}? " + shared) for i in range(3)))]
+    local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    got = run_lab_to_end(remote, variants, measure_baseline=False)
+    want = run_lab_to_end(local, variants, measure_baseline=False)
+    assert [[q.cached_tokens for q in v.requests] for v in got] == [[q.cached_tokens for q in v.requests]
+                                                                    for v in want]
+    assert got[0].cached_tokens > got[1].cached_tokens
+    assert remote.snapshot().num_tokens == 0  # each variant's namespace is cleared after it ran
+
+
+def test_app_flags_build_the_remote_engine_and_serve_no_api_of_their_own(backend, tokenizer, monkeypatch):
+    _, url = backend
+    monkeypatch.setenv("RADIX_BACKEND_API_KEY", "sesame")
+    args = app.parse_args(["--backend", url.rstrip("/") + "/v1", "--max-new-tokens", "16"])
+    remote = app.build_remote_engine(args, tokenizer=tokenizer)
+    assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
+    assert app.app_kwargs(remote) == {"routes": []}  # the backend serves its own /v1 and /metrics
+    assert remote.info().backend == remote.base_url
+    with pytest.raises(EngineError, match="budget cannot be set"):
+        remote.set_budget(1)
+
+
+def test_server_package_imports_no_ui():
+    from tests.test_layering import ROOT, UI_LIBS, _imports
+
+    offenders = [f"{p.name}: {n}" for p in sorted((ROOT / "server").glob("*.py"))
+                 for n in _imports(p) if n.split(".")[0] in UI_LIBS]
+    assert not offenders, offenders
