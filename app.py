@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from components.demo import launch_kwargs
 
     demo = build_app(engine, args.max_queue)
-    demo.launch(server_name=args.host, server_port=args.port, app_kwargs=app_kwargs(engine, args.api_key),
-                **launch_kwargs())
+    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
     return 0
 
 

@@ -53,17 +53,18 @@ CSS = """
 """
 
 
-def launch_kwargs() -> dict:
+def launch_kwargs(app_kwargs: dict | None = None) -> dict:
     """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks.
 
     Public-page settings (tests/app/test_public_hosting.py checks them): no error details to
     visitors; no run history (Gradio would keep each visitor's prompts in the browser, or
     in a bucket); no /monitoring page; uploads and deep links refused and request bodies capped
     (``components.hardening.RequestGuard``: the app takes no files); Gradio keeps per-session
-    state (inputs, ``gr.State``) for at most ``STATE_SESSIONS`` sessions, oldest dropped first."""
+    state (inputs, ``gr.State``) for at most ``STATE_SESSIONS`` sessions, oldest dropped first.
+    ``app_kwargs`` (the HTTP API's routes, see ``app.app_kwargs``) join the guard's middleware."""
     return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],
                 run_history=False, enable_monitoring=False, max_file_size="1kb",
-                state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware()})
+                state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware(), **(app_kwargs or {})})
 
 
 def build_demo(engine: Engine) -> gr.Blocks:

@@ -32,7 +32,7 @@ def served(engine: Engine, max_queue: int = 32) -> Iterator[str]:
 
     demo = app.build_app(engine, max_queue)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                app_kwargs=app.app_kwargs(engine), **launch_kwargs())
+                **launch_kwargs(app.app_kwargs(engine)))
     try:
         yield demo.local_url
     finally:

@@ -75,7 +75,7 @@ def backend(tiny_runner):
 
     demo = app.build_app(engine)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                app_kwargs=app.app_kwargs(engine, api_key="sesame"), **launch_kwargs())
+                **launch_kwargs(app.app_kwargs(engine, api_key="sesame")))
     try:
         yield engine, demo.local_url
     finally:
