@@ -28,11 +28,15 @@ SYSTEM_PRESETS: dict[str, str] = {
 DEFAULT_SYSTEM = "Support agent (long policy)"
 CUSTOM_SYSTEM = "Custom…"
 
-STARTER_QUESTIONS = [
-    "Can I return a tent I used once?",
-    "How much is express shipping?",
-    "Do sleeping bags have a warranty?",
-]
+# Questions the system prompt answers directly (the tiny model guesses less on those),
+# per preset; the first preset's are the page's starters.
+STARTERS_BY_PRESET: dict[str, list[str]] = {
+    "Support agent (long policy)": ["How long is the warranty on tents?", "How much is express shipping?",
+                                    "Where do orders ship from?"],
+    "Concise tutor": ["What is a prime number?", "Why is the sky blue?", "What does a verb do?"],
+    "Pirate": ["Where is your ship?", "What do pirates eat?", "How do I find treasure?"],
+}
+STARTER_QUESTIONS = STARTERS_BY_PRESET[DEFAULT_SYSTEM]
 
 FEW_SHOT_PRESETS: dict[str, dict] = {
     "Sentiment": {

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 
 from components.charts import hit_rate_figure, memory_gauge
-from components.common import fmt_bytes, warn
+from components.common import playground_history, totals, warn
+from components.format import fmt_bytes, fmt_ms, plural
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import own_namespace
 from engine.engine import Engine
@@ -22,27 +23,31 @@ HISTORY = 200
 
 
 def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None) -> str:
-    """The cache's state; with ``mine`` (isolation mode) the hit rate is the visitor's own."""
+    """The cache's state (everyone's) and the hit rate over ``mine``: the playground's
+    requests, lab runs left out (the visitor's own in isolation mode)."""
     s = engine.stats()
-    if mine is not None:
-        prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
-        rate_row = (f"| your token hit rate | **{cached / prompt if prompt else 0:.1%}** over your {len(mine):,} "
-                    f"requests ({cached:,} of {prompt:,} prompt tokens from the cache) |")
-    else:
-        rate_row = (f"| token hit rate | **{s.hit_rate:.1%}** over {s.requests:,} requests "
-                    f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |")
+    history = mine if mine is not None else playground_history(engine)
+    cached, prompt = totals(history)
+    whose = "your" if engine.isolation else "the playground's"
+    timed = [m for m in history if m.baseline_prefill_ms is not None]
+    saved_ms = max(0.0, sum(m.baseline_prefill_ms - m.prefill_ms for m in timed))
     used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
     bpt = engine.info().kv_bytes_per_token
+    everyone = " (everyone's)" if engine.isolation else ""
     return "\n".join([
-        "| cache right now | |", "|---|---|",
+        f"| cache right now{everyone} | |", "|---|---|",
         f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}) |",
         f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",
-        f"| tokens evicted so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}) |",
-        rate_row,
-    ] + ([] if mine is not None else [
-        f"| prefill time saved | {s.prefill_ms_saved / 1000:,.1f} s (on requests that measured a baseline) |"]))
+        f"| tokens evicted or cleared so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}; the lab "
+        "clears its own runs when they end, and “clear” counts too) |",
+        f"| token hit rate, {whose} requests | **{cached / prompt if prompt else 0:.1%}** over "
+        f"{plural(len(history), 'request')} ({cached:,} of {prompt:,} prompt tokens from the cache; lab runs not "
+        "counted) |",
+        f"| prefill time saved | {fmt_ms(saved_ms)} over {plural(len(timed), 'request')} that measured prefill "
+        "without reuse |",
+    ])
 
 
 def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
@@ -68,9 +73,10 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), gr.skip(), seen_before
         ns = own_namespace(request, engine)
-        history = engine.recent(HISTORY, namespace=ns)
-        mine = engine.recent(namespace=ns) if engine.isolation else None
-        return memory_gauge(engine.stats()), memory_markdown(engine, mine), hit_rate_figure(history), drawn(sig)
+        mine = playground_history(engine, namespace=ns)
+        title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
+        return (memory_gauge(engine.stats()), memory_markdown(engine, mine),
+                hit_rate_figure(mine[-HISTORY:], title=title), drawn(sig))
 
     def set_budget(mib):
         if engine.isolation:
