@@ -21,7 +21,8 @@ import re
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from components.common import TOKEN_COLORS
+from components.chart_style import TOKEN_COLORS
+from components.format import fmt_ago, fmt_bytes
 from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, visual_tree
 from engine.types import TreeSnapshot
 
@@ -162,9 +163,9 @@ def _owner(m: VisualNode, viewer_owns: str | None) -> str:
 
 
 def _hover(m: VisualNode, viewer_owns: str | None) -> str:
-    head = (f"<b>{m.num_tokens:,} tokens</b> · {_fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
+    head = (f"<b>{m.num_tokens:,} tokens</b> · {fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
             f"{m.end_tokens:,}")
-    lines = [head, f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)} · "
+    lines = [head, f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)} · "
                    + (f"<b>locked</b> by {m.lock_ref} running request(s)" if m.lock_ref else "unlocked"),
              _owner(m, viewer_owns)]
     if m.grouped_leaves:
@@ -212,21 +213,6 @@ def _gist(text: str) -> str:
     if sep and role.isalpha() and len(role) <= 12:
         seg = f"{role}: {rest}"
     return " ".join(seg.split())
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------- plain data
