@@ -25,6 +25,7 @@ def styled(fig: go.Figure, height: int, title: str = "", legend_below: bool = Fa
     legend = (dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5) if legend_below else
               dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0))
     top = (62 if title else 44) if not legend_below else (60 if title else 56)
+    top += 16 * title.count("<br>")  # a second title line (a <sup> subtitle) needs its own room
     fig.update_layout(height=height, margin=dict(l=56, r=20, t=top, b=90 if legend_below else 44),
                       plot_bgcolor="white", paper_bgcolor="white",
                       title=dict(text=title, x=0.01, xanchor="left", y=0.99, yanchor="top", yref="container",

@@ -159,7 +159,7 @@ def new_chat():
 def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     with gr.Row(elem_classes=["system-row"]):
         preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=DEFAULT_SYSTEM, label="System prompt",
-                             scale=1, min_width=220, elem_classes=["system-pick"])
+                             scale=1, min_width=270, elem_classes=["system-pick"])
         custom = gr.Textbox(label="Custom system prompt", lines=3, visible=False, scale=2, placeholder="You are …")
         system_view = gr.Textbox(value=SYSTEM_PRESETS[DEFAULT_SYSTEM], label="Its text (static: cached once, "
                                  "reused by every question)", lines=3, interactive=False, max_lines=3, scale=2)
@@ -170,17 +170,20 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     chatbot = gr.Chatbot(label="Chat (yours only)", show_label=False, height=280, buttons=["copy"],
                          elem_classes=["chat-box"])
     with gr.Row(elem_classes=["send-row"]):
-        message = gr.Textbox(placeholder="Ask something, or click a question above", show_label=False,
-                             scale=1, min_width=200, max_length=200_000)
+        message = gr.Textbox(placeholder="Ask something…", show_label=False, scale=1, min_width=180,
+                             max_length=200_000)
         send = gr.Button("Send", variant="primary", scale=0, min_width=80)
         stop = gr.Button("Stop", variant="stop", scale=0, min_width=70)
         clear = gr.Button("New chat", scale=0, min_width=100)
-    with gr.Row():
-        baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too (skipped above "
-                               f"{BASELINE_MAX_TOKENS:,} prompt tokens)")
-        loop_guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
-        max_new = gr.Slider(1, engine.max_new_tokens_cap, value=min(48, engine.max_new_tokens_cap), step=1,
-                            label="Max new tokens")
+    with gr.Row():  # a column each, so that they wrap on a phone instead of squeezing
+        with gr.Column(min_width=220):
+            baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too (skipped above "
+                                   f"{BASELINE_MAX_TOKENS:,} prompt tokens)")
+        with gr.Column(min_width=220):
+            loop_guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
+        with gr.Column(min_width=220):
+            max_new = gr.Slider(1, engine.max_new_tokens_cap, value=min(48, engine.max_new_tokens_cap), step=1,
+                                label="Max new tokens")
     numbers = gr.Markdown(IDLE_NUMBERS, elem_classes=["turn-numbers"])
     notes = ([ISOLATION_NOTE] if engine.isolation else []) + [MODEL_NOTE, RELOAD_NOTE]
     gr.Markdown("  \n".join(notes), elem_classes=["chat-notes"])

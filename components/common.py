@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import gradio as gr
 
 from components.chart_style import TOKEN_COLORS
-from components.format import fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.format import SAME_SPEED, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
 from engine.types import EngineError, GenerationEvent, RequestMetrics
 
 CACHED, COMPUTED = "cached", "computed"
@@ -58,9 +58,9 @@ def reuse_note(m: RequestMetrics) -> str | None:
     if reuse_is_noise(m.cached_tokens, m.prompt_tokens):
         what = "nothing was reused" if m.cached_tokens == 0 else f"only {m.cached_tokens:,} tokens were reused"
         return f"{what.capitalize()}: both runs computed (almost) every token, so the difference is timing noise."
-    if (m.speedup or 0) < 1:
-        return ("Reuse measured slower here: at this size, copying the cached part costs about as much as "
-                "computing it, and the two timings differ by noise.")
+    if (m.speedup or 0) < 1 + SAME_SPEED:
+        return ("Reuse gained nothing measurable here: at this size, copying the cached part costs about as much "
+                "as computing it, and the two timings differ by noise.")
     return None
 
 

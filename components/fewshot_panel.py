@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
+from components.chart_style import empty_figure
 from components.charts import reuse_bars
 from components.chat_panel import LOOP_GUARD_LABEL, baseline_skipped, build_request, stop_running, stream_request
 from components.chat_presets import FEW_SHOT_PRESETS, few_shot_prompt
@@ -156,11 +157,14 @@ def build_fewshot_panel(engine: Engine, last_metrics: gr.State) -> None:
         preset = gr.Dropdown(list(FEW_SHOT_PRESETS), value=DEFAULT_PRESET, label="Example set", scale=1)
         max_new = gr.Slider(1, min(128, engine.max_new_tokens_cap), value=min(16, engine.max_new_tokens_cap),
                             step=1, label="Max new tokens", scale=1)
-    with gr.Row():
-        shuffle = gr.Checkbox(value=False, label="Shuffle example order per request (breaks the shared prefix: "
-                              "watch reuse collapse)")
-        baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too")
-        guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
+    with gr.Row():  # a column each, so that they wrap on a phone instead of squeezing
+        with gr.Column(min_width=220):
+            shuffle = gr.Checkbox(value=False, label="Shuffle example order per request (breaks the shared "
+                                  "prefix: watch reuse collapse)")
+        with gr.Column(min_width=220):
+            baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too")
+        with gr.Column(min_width=220):
+            guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
     instruction = gr.Textbox(value=preset0["instruction"], label="Instruction (static: cached once)", lines=1)
     examples = gr.Dataframe(value=_preset_rows(DEFAULT_PRESET), headers=["Input", "Output"], column_count=(2, "fixed"),
                             row_count=(len(preset0["examples"]), "dynamic"), type="array", interactive=True,
@@ -206,7 +210,7 @@ def _build_batch(engine: Engine, last_metrics: gr.State, preset0: dict, shared: 
             run_n = gr.Button("Run N queries", variant="primary")
             stop = gr.Button("Stop", variant="stop")
     summary = gr.Markdown()
-    chart = gr.Plot(show_label=False)
+    chart = gr.Plot(empty_figure("Run N queries: one bar per request, cached vs computed", 240), show_label=False)
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, wrap=True, max_height=320,
                          elem_classes=["fewshot-table"])
 

@@ -31,8 +31,10 @@ def _speed_card(m: RequestMetrics) -> str:
     times = f"{fmt_ms(m.prefill_ms)} with reuse vs {fmt_ms(m.baseline_prefill_ms)} without"
     if reuse_is_noise(m.cached_tokens, m.prompt_tokens):
         return _card("no reuse", f"{words}: both runs computed every token ({times}: timing noise)", "blue")
+    if words.startswith("about"):
+        return _card("≈ 1×", f"prefill at about the same speed: {times}", "blue")
     value, _, rest = words.partition(" ")
-    return _card(value, f"{rest or words} prefill: {times}", "blue")
+    return _card(value, f"{rest} prefill: {times}", "blue")
 
 
 def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str) -> str:

@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 from components.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, empty_figure, styled
 from components.format import fmt_ms
-from components.lab.markdown import comparison
+from components.lab.markdown import comparison, short_name
 from engine.lab.granularity import GranularityResult
 from engine.lab.ordering_runs import VariantResult
 from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
@@ -37,7 +37,7 @@ def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) 
     (the same prompts prefilled from scratch, measured), one row per ordering."""
     if not results or not any(r.requests for r in results):
         return empty_figure("Click a preset to run it", height)
-    names = [r.name for r in results][::-1]
+    names = [short_name(r.name) for r in results][::-1]  # short: the full names are in the table
     rows = list(results)[::-1]
     fig = go.Figure()
     if all(r.baseline_total_ms is not None for r in rows):
@@ -53,8 +53,10 @@ def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) 
     fig.update_layout(barmode="group", bargap=0.3)
     fig.update_xaxes(title_text="total prefill time of all requests (ms)")
     found = comparison(results)
-    title = (f"{found.subject}: {found.words} prefill ({fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)})"
-             if found else "Total prefill time")
+    phrase = (f"prefill at {found.words}" if found.words.startswith("about") else f"{found.words} prefill") \
+        if found else ""
+    title = (f"{found.subject}: {phrase}<br><sup>{fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}, "
+             "total prefill with the radix cache</sup>" if found else "Total prefill time")
     return _layout(fig, height, title)
 
 
@@ -68,7 +70,7 @@ def per_request_figure(results: Sequence[VariantResult], height: int = 360) -> g
     if not results:
         return empty_figure("Per-request tokens appear here", height)
     fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
-                        subplot_titles=[f"{r.name}<br><sup>{r.hit_rate:.0%} of prompt tokens cached</sup>"
+                        subplot_titles=[f"{short_name(r.name)}<br><sup>{r.hit_rate:.0%} cached</sup>"
                                         for r in results])
     for col, r in enumerate(results, start=1):
         x = [req.label for req in r.requests]
@@ -139,8 +141,8 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
     if not results:
         return empty_figure("The trees each ordering leaves behind appear here", height)
     fig = make_subplots(rows=1, cols=len(results), horizontal_spacing=0.05,
-                        subplot_titles=[f"{r.name}<br><sup>{len(r.tree)} nodes, "
-                                        f"{sum(n.num_tokens for n in r.tree):,} tokens cached</sup>" for r in results])
+                        subplot_titles=[f"{short_name(r.name)}<br><sup>{len(r.tree)} nodes, "
+                                        f"{sum(n.num_tokens for n in r.tree):,} tokens</sup>" for r in results])
     for col, r in enumerate(results, start=1):
         rows = tree_rows(r.tree)
         reused = reuse_counts(r)
@@ -167,7 +169,7 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color="#94a3b8", width=1),
                                      hoverinfo="skip", showlegend=False), row=1, col=col)
         fig.update_yaxes(visible=False, row=1, col=col)
-        fig.update_xaxes(title_text="prefix length (tokens)", rangemode="tozero", row=1, col=col)
+        fig.update_xaxes(title_text="prefix (tokens)", rangemode="tozero", row=1, col=col)
     fig.update_layout(barmode="overlay")
     for ann in fig.layout.annotations:
         ann.font.size = 13
@@ -226,5 +228,6 @@ def granularity_figure(rows: Sequence[tuple[str, Sequence[GranularityResult]]], 
                              hovertemplate="%{x}<br>%{y:,} tokens cached<extra>" +
                                            ("per token" if size == 1 else f"{size}-token blocks") + "</extra>"))
     fig.update_layout(barmode="group", bargap=0.25)
-    fig.update_yaxes(title_text="cached prompt tokens (simulated)")
+    top = max((g.cached_tokens for _, gs in rows for g in gs), default=0)
+    fig.update_yaxes(title_text="cached prompt tokens (simulated)", range=[0, max(1, top) * 1.25])  # room for labels
     return _layout(fig, height, "Simulation: block matching over this run's real token ids")

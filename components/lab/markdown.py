@@ -39,7 +39,8 @@ def ordering_name(name: str) -> str:
     return f"{head} ordering ({rest})" if sep and head in ("Good", "Bad") else name
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
+    """"Bad: x" -> "Bad ordering" (for narrow titles); other names as they are."""
     head, sep, _ = name.partition(": ")
     return f"{head} ordering" if sep and head in ("Good", "Bad") else name
 
@@ -55,7 +56,7 @@ def comparison(results: Sequence[VariantResult]) -> Comparison | None:
     if len(results) < 2 or not results[-1].requests or results[0].total_prefill_ms <= 0:
         return None
     ref, other = results[0], results[-1]
-    return Comparison(_short(other.name), _reference(ref.name), ratio_words(ref.total_prefill_ms,
+    return Comparison(short_name(other.name), _reference(ref.name), ratio_words(ref.total_prefill_ms,
                       other.total_prefill_ms), other.total_prefill_ms, ref.total_prefill_ms)
 
 
@@ -68,19 +69,21 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False, t
     found = comparison(results)
     if found:
         ref, other = results[0], results[-1]
-        lines.append(f"## {ordering_name(other.name)}: prefill **{found.words}** than {found.reference} "
+        verb = (f"prefill at **{found.words}** as" if found.words.startswith("about") else
+                f"prefill **{found.words}** than")
+        lines.append(f"## {ordering_name(other.name)}: {verb} {found.reference} "
                      f"({fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}) · cache hit rate "
                      f"**{other.hit_rate:.0%}** vs **{ref.hit_rate:.0%}**")
     lines.append("")
-    lines.append("| ordering | token hit rate | tokens computed | total prefill | mean prefill | no reuse | speedup |")
+    lines.append("| ordering | token hit rate | tokens computed | total prefill | mean prefill | no reuse | with reuse |")
     lines.append("|---|---|---|---|---|---|---|")
     for r in results:
-        speed = f"{r.speedup:.1f}×" if r.speedup else "–"
+        speed = ratio_words(r.baseline_total_ms, r.total_prefill_ms) if r.baseline_total_ms else "–"
         lines.append(f"| {r.name} | {r.hit_rate:.0%} | {r.computed_tokens:,} of {r.prompt_tokens:,} | "
                      f"{fmt_ms(r.total_prefill_ms)} | {fmt_ms(r.mean_prefill_ms)} | "
                      f"{fmt_ms(r.baseline_total_ms)} | {speed} |")
     notes = ["Each ordering ran from an empty cache (a namespace of its own); *no reuse* is the same prompts "
-             "prefilled from scratch in the same process; speedup = no reuse ÷ with reuse."]
+             "prefilled from scratch in the same process; “with reuse” compares the two."]
     if stopped:
         notes.append("**Stopped**: the numbers cover the requests that finished.")
     if any(r.evicted_tokens for r in results):

@@ -371,13 +371,16 @@ def _build_cost(state: gr.State, runs: list) -> None:
                     "documented 1,024-token minimum and 128-token increments; the discount differs by model and "
                     "provider). Every parameter is editable; the result is an **estimate**.")
         with gr.Row(elem_classes=["cost-row"]):
-            price = gr.Number(2.50, label="Input price, $ per million tokens", minimum=0, min_width=150)
-            fraction = gr.Number(0.5, label="Cached input billed at (fraction of price)", minimum=0, maximum=1,
-                                 min_width=150)
-            minimum = gr.Number(1024, label="Minimum cacheable prefix (tokens)", minimum=0, precision=0,
-                                min_width=150)
-            increment = gr.Number(128, label="Increment (tokens)", minimum=1, precision=0, min_width=150)
-            scale = gr.Number(4, label="Prompt-length factor (demo prompts are short)", minimum=0.01, min_width=150)
+            # Short labels, one line each, so the five fields line up.
+            price = gr.Number(2.50, label="$ per M input tokens", minimum=0, min_width=150,
+                              info="input price")
+            fraction = gr.Number(0.5, label="Cached share of price", minimum=0, maximum=1, min_width=150,
+                                 info="cached tokens billed at")
+            minimum = gr.Number(1024, label="Min cached prefix", minimum=0, precision=0, min_width=150,
+                                info="tokens")
+            increment = gr.Number(128, label="Increment", minimum=1, precision=0, min_width=150, info="tokens")
+            scale = gr.Number(4, label="Length factor", minimum=0.01, min_width=150,
+                              info="demo prompts are short")
         out = gr.Markdown(cost_view(None, 0, 0, 0, 1, 1))
     inputs = [state, price, fraction, minimum, increment, scale]
     for ev in runs:
