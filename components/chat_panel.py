@@ -113,6 +113,7 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
                             max_new_tokens, measure, request, tag="chat", loop_guard=loop_guard)
         ahead = engine.stats().queue_depth
         handle = engine.submit(req)
+        RUNNING.started(request, "chat", handle)  # Stop works from here on, even while it waits
     except EngineError as exc:
         warn(exc)
         yield history, text, gr.skip(), gr.skip(), gr.skip()

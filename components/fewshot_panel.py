@@ -20,6 +20,7 @@ from components.chat_panel import LOOP_GUARD_LABEL, baseline_skipped, build_requ
 from components.chat_presets import FEW_SHOT_PRESETS, few_shot_prompt
 from components.common import TOKEN_COLORS, highlighted_prompt, metrics_markdown, warn
 from components.format import clamp_int, fmt_ms, plural, ratio_words
+from components.session import RUNNING
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
 
@@ -81,7 +82,9 @@ def _submit(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
         exs = shuffled(exs, rng)
     req = build_request(engine, _messages(instr, exs, text), max_new_tokens, measure, request, tag=tag,
                         loop_guard=guard)
-    return req, engine.submit(req)
+    handle = engine.submit(req)
+    RUNNING.started(request, "fewshot", handle)  # Stop works from here on, even while it waits
+    return req, handle
 
 
 def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard=True,

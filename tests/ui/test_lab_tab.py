@@ -109,3 +109,15 @@ def test_tab_runs_through_gradio_client(engine):
         assert engine.cache.locked_tokens() == 0
     finally:
         demo.close()
+
+
+def test_template_headline_names_both_orderings_the_right_way_round(engine):
+    """Issue 15 item 2: "Other order ordering: prefill 0.6× faster" said it backwards."""
+    results = run_lab_to_end(engine, custom_variants(CUSTOM_TEMPLATE, "", CUSTOM_VALUES), measure_baseline=False)
+    mine, suggested = results
+    head = views.headline_markdown(results, title="Your template against the suggested order")
+    assert "## Suggested order: prefill" in head and "than your template" in head and "ordering:" not in head
+    expected = "faster" if suggested.total_prefill_ms < mine.total_prefill_ms * 0.9 else "slower" \
+        if suggested.total_prefill_ms > mine.total_prefill_ms * 1.1 else "about the same"
+    assert expected in head and "0." not in head.split("×")[0][-4:]  # never a ratio below 1
+    assert "Suggested order" in figs.prefill_summary_figure(results).layout.title.text
