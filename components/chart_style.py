@@ -19,17 +19,18 @@ MiB = 2**20
 
 
 def styled(fig: go.Figure, height: int, title: str = "", legend_below: bool = False,
-           revision: str | None = None) -> go.Figure:
+           revision: str | None = None, subtitle: str = "") -> go.Figure:
     """House look. ``legend_below`` for side-by-side subplots, whose titles sit where a
-    legend would; ``revision`` keeps the visitor's zoom across redraws of the same chart."""
+    legend would; ``subtitle`` is a smaller second line under the title; ``revision`` keeps
+    the visitor's zoom across redraws of the same chart."""
     legend = (dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5) if legend_below else
               dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0))
     top = (62 if title else 44) if not legend_below else (60 if title else 56)
-    top += 16 * title.count("<br>")  # a second title line (a <sup> subtitle) needs its own room
+    top += 18 if subtitle else 0
     fig.update_layout(height=height, margin=dict(l=56, r=20, t=top, b=90 if legend_below else 44),
                       plot_bgcolor="white", paper_bgcolor="white",
-                      title=dict(text=title, x=0.01, xanchor="left", y=0.99, yanchor="top", yref="container",
-                                 font=dict(size=14)),
+                      title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top", yref="container",
+                                 font=dict(size=14), subtitle=dict(text=subtitle, font=dict(size=11, color=MUTED_TEXT))),
                       legend=legend, font=dict(size=12), uirevision=revision or title or "chart")
     fig.update_xaxes(gridcolor="#f1f5f9")
     fig.update_yaxes(gridcolor="#e2e8f0", zeroline=False)

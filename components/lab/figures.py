@@ -55,9 +55,10 @@ def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) 
     found = comparison(results)
     phrase = (f"prefill at {found.words}" if found.words.startswith("about") else f"{found.words} prefill") \
         if found else ""
-    title = (f"{found.subject}: {phrase}<br><sup>{fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}, "
-             "total prefill with the radix cache</sup>" if found else "Total prefill time")
-    return _layout(fig, height, title)
+    title = f"{found.subject}: {phrase}" if found else "Total prefill time"
+    subtitle = (f"{fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}: total prefill with the radix cache"
+                if found else "")
+    return styled(fig, height, title, subtitle=subtitle)
 
 
 def _variant_color(r: VariantResult, results: Sequence[VariantResult]) -> str:
