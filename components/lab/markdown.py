@@ -82,7 +82,7 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False, t
         lines.append(f"| {r.name} | {r.hit_rate:.0%} | {r.computed_tokens:,} of {r.prompt_tokens:,} | "
                      f"{fmt_ms(r.total_prefill_ms)} | {fmt_ms(r.mean_prefill_ms)} | "
                      f"{fmt_ms(r.baseline_total_ms)} | {speed} |")
-    notes = ["Each ordering ran from an empty cache (a namespace of its own); *no reuse* is the same prompts "
+    notes = ["Each ordering ran from an empty cache (a namespace of its own); “no reuse” is the same prompts "
              "prefilled from scratch in the same process; “with reuse” compares the two."]
     if stopped:
         notes.append("**Stopped**: the numbers cover the requests that finished.")
