@@ -202,7 +202,10 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
 
     inputs = [message, chatbot, preset, custom, max_new, baseline, loop_guard]
     outputs = [chatbot, message, tokens, numbers, last_metrics]
-    send.click(chat, inputs, outputs, api_name="chat", show_progress="minimal")
+    # The public ``chat`` endpoint keeps its six inputs (raw-protocol clients send exactly those) and
+    # runs with the loop guard on; its trigger never shows. Registered first, so it owns the name.
+    gr.Button(visible=False).click(chat, inputs[:-1], outputs, api_name="chat", show_progress="minimal")
+    send.click(chat, inputs, outputs, api_visibility="private", show_progress="minimal")
     message.submit(chat, inputs, outputs, api_visibility="private", show_progress="minimal")
     for b in starters:
         b.click(lambda q: q, b, message, api_visibility="private").then(

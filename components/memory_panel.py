@@ -50,6 +50,45 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None) ->
     ])
 
 
+def set_budget(engine: Engine, max_mib: float, mib):
+    """Apply a new budget (never above ``max_mib``, what the host sized memory for); says what it evicted."""
+    if engine.isolation:
+        gr.Warning("The cache budget is fixed on a shared deployment.")
+        return gr.skip()
+    try:
+        mib = float(mib)
+    except (TypeError, ValueError):
+        gr.Warning("Type a budget in MiB, for example 256.")
+        return gr.skip()
+    mib = max(0.0, min(mib, max_mib))
+    before = engine.stats()
+    try:
+        evicted = engine.set_budget(int(mib * MiB))
+    except EngineError as exc:
+        warn(exc)
+        return gr.skip()
+    after = engine.stats()
+    bpt = engine.info().kv_bytes_per_token
+    gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
+            f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
+            f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
+    return round(mib, 1)
+
+def clear_cache(engine: Engine, request: gr.Request | None = None):
+    """Clear the visitor's own cached prompts (everything, when the cache is shared); says what it freed."""
+    ns = own_namespace(request, engine)
+    if engine.isolation and not ns:
+        gr.Warning("No session: nothing of yours to clear.")
+        return
+    before = engine.stats()
+    freed = engine.clear_cache(namespace=ns)
+    after = engine.stats()
+    kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
+    gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
+            f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
+
+
+
 def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
     budget_mib = engine.stats().budget_bytes / MiB
     with gr.Row():
@@ -78,50 +117,20 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         return (memory_gauge(engine.stats()), memory_markdown(engine, mine),
                 hit_rate_figure(mine[-HISTORY:], title=title), drawn(sig))
 
-    def set_budget(mib):
-        if engine.isolation:
-            gr.Warning("The cache budget is fixed on a shared deployment.")
-            return gr.skip()
-        try:
-            mib = float(mib)
-        except (TypeError, ValueError):
-            gr.Warning("Type a budget in MiB, for example 256.")
-            return gr.skip()
-        # Never above the budget the server started with: that is what the host sized memory for.
-        mib = max(0.0, min(mib, budget_mib))
-        before = engine.stats()
-        try:
-            evicted = engine.set_budget(int(mib * MiB))
-        except EngineError as exc:
-            warn(exc)
-            return gr.skip()
-        after = engine.stats()
-        bpt = engine.info().kv_bytes_per_token
-        gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
-                f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
-                f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
-        return round(mib, 1)
-
-    def clear_cache(request: gr.Request):
-        ns = own_namespace(request, engine)
-        if engine.isolation and not ns:
-            gr.Warning("No session: nothing of yours to clear.")
-            return
-        before = engine.stats()
-        freed = engine.clear_cache(namespace=ns)
-        after = engine.stats()
-        kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
-        gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
-                f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
-
     def redraw(request: gr.Request):
         return refresh(None, request)
 
     outputs = [gauge, table, hit_rate, seen]
     live = LiveView(gr.Timer(3.0, active=active), refresh, [seen], outputs)
     live.refresh_on(live.timer.tick)
-    apply.click(set_budget, new_budget, new_budget, api_visibility="private").then(
+    def apply_budget(mib):
+        return set_budget(engine, budget_mib, mib)
+
+    def clear_mine(request: gr.Request):
+        clear_cache(engine, request)
+
+    apply.click(apply_budget, new_budget, new_budget, api_visibility="private").then(
         redraw, None, outputs, api_visibility="private", show_progress="hidden")
-    clear.click(clear_cache, None, None, api_visibility="private").then(
+    clear.click(clear_mine, None, None, api_visibility="private").then(
         redraw, None, outputs, api_visibility="private", show_progress="hidden")
     return live
