@@ -11,39 +11,21 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from components.common import TOKEN_COLORS
+from components.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, MiB, empty_figure, styled
+from components.format import reuse_words
 from engine.types import EngineStats, RequestMetrics
 
-CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
-BASELINE_COLOR = "#94a3b8"
-MiB = 2**20
 
-
-def _figure(height: int, title: str = "", revision: str | None = None) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(height=height, margin=dict(l=50, r=16, t=40 if title else 12, b=40), plot_bgcolor="white",
-                      paper_bgcolor="white", title=dict(text=title, x=0.01, font=dict(size=14)),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1),
-                      uirevision=revision or title, font=dict(size=11))
-    fig.update_xaxes(gridcolor="#f1f5f9")
-    fig.update_yaxes(gridcolor="#e2e8f0", zeroline=False)
-    return fig
-
-
-def _empty(fig: go.Figure, text: str) -> go.Figure:
-    fig.add_annotation(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=13, color="#64748b"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
+def _figure(height: int, title: str = "") -> go.Figure:
+    return styled(go.Figure(), height, title)
 
 
 def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[str] | None = None,
                title: str = "Prompt tokens per request: cached vs computed", height: int = 300) -> go.Figure:
     """Stacked bars, one per request, in the order the requests ran."""
-    fig = _figure(height, title)
     if not cached:
-        return _empty(fig, "No requests yet")
+        return empty_figure("No requests yet", height, title)
+    fig = _figure(height, title)
     x = list(range(1, len(cached) + 1))
     hover = list(labels) if labels else None
     fig.add_trace(go.Bar(x=x, y=list(cached), name="served from cache", marker_color=CACHED_COLOR,
@@ -71,12 +53,13 @@ def memory_gauge(stats: EngineStats, height: int = 260) -> go.Figure:
     return fig
 
 
-def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300) -> go.Figure:
+def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300, title: str = "") -> go.Figure:
     """Per-request share of prompt tokens served from the cache, the running token hit
     rate, and the cache's size after each request."""
-    fig = _figure(height, "Hit rate over time")
+    title = title or "Hit rate over time"
     if not history:
-        return _empty(fig, "No requests yet: send a chat message or a few-shot query")
+        return empty_figure("No requests yet: send a chat message or a few-shot query", height, title)
+    fig = _figure(height, title)
     x = [m.request_id for m in history]
     share = [m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0 for m in history]
     running, cached, total = [], 0, 0
@@ -100,18 +83,24 @@ def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300) -> go.
 
 def latency_bars(history: Sequence[RequestMetrics], height: int = 340) -> go.Figure:
     """Prefill with reuse against without, for requests that measured both."""
-    fig = _figure(height, "Prefill time per request: with reuse vs without (same request)")
+    title = "Prefill per request: with vs without reuse"
     rows = [m for m in history if m.baseline_prefill_ms is not None]
     if not rows:
-        return _empty(fig, "No request measured a baseline yet (tick “Measure prefill without reuse”)")
+        return empty_figure("No request measured a baseline yet (tick “Measure prefill without reuse”)", height,
+                            title)
+    fig = _figure(height, title)
     x = [f"#{m.request_id} {m.tag}" for m in rows]
-    info = [[m.cached_tokens, m.prompt_tokens, m.speedup or 0] for m in rows]
+    words = [reuse_words(m.cached_tokens, m.prompt_tokens, m.baseline_prefill_ms, m.prefill_ms) for m in rows]
+    info = [[m.cached_tokens, m.prompt_tokens, w] for m, w in zip(rows, words, strict=True)]
     tmpl = ("%{x}: %{y:,.0f} ms<br>%{customdata[0]:,} of %{customdata[1]:,} tokens cached · "
-            "%{customdata[2]:.1f}× faster<extra>%{fullData.name}</extra>")
+            "with reuse: %{customdata[2]}<extra>%{fullData.name}</extra>")
+    # Say why on bars where reuse did not help: nothing reused (noise) or measured slower.
+    flags = ["" if w.endswith("faster") else w.replace("about the same speed", "same") for w in words]
     fig.add_trace(go.Bar(x=x, y=[m.baseline_prefill_ms for m in rows], name="without reuse",
                          marker_color=BASELINE_COLOR, customdata=info, hovertemplate=tmpl))
     fig.add_trace(go.Bar(x=x, y=[m.prefill_ms for m in rows], name="with reuse", marker_color=CACHED_COLOR,
-                         customdata=info, hovertemplate=tmpl))
+                         customdata=info, hovertemplate=tmpl, text=flags, textposition="outside",
+                         cliponaxis=False, textfont=dict(size=10, color="#b45309")))
     fig.update_layout(barmode="group", bargap=0.25, yaxis=dict(title="prefill ms"),
                       xaxis=dict(type="category", title="request"))
     return fig
@@ -119,10 +108,11 @@ def latency_bars(history: Sequence[RequestMetrics], height: int = 340) -> go.Fig
 
 def speedup_scatter(history: Sequence[RequestMetrics], height: int = 340) -> go.Figure:
     """Prefill speedup against the number of tokens served from the cache."""
-    fig = _figure(height, "Speedup vs cached tokens")
+    title = "Speedup vs cached tokens"
     rows = [m for m in history if m.speedup is not None]
     if not rows:
-        return _empty(fig, "Speedups appear once requests measure a baseline")
+        return empty_figure("Speedups appear once requests measure a baseline", height, title)
+    fig = _figure(height, title)
     fig.add_trace(go.Scatter(
         x=[m.cached_tokens for m in rows], y=[m.speedup for m in rows], mode="markers",
         marker=dict(size=11, color=[m.computed_tokens for m in rows], colorscale="Oranges", showscale=True,

@@ -7,7 +7,7 @@ Shipped content may be shared across visitors even in isolation mode (see
 from __future__ import annotations
 
 SYSTEM_PRESETS: dict[str, str] = {
-    "Support agent (long policy)": (
+    "Support agent": (
         "You are the support assistant of Northwind Outfitters, an online shop for hiking and camping gear.\n"
         "Policies you must follow:\n"
         "1. Orders ship within 2 business days from our warehouse in Denver, Colorado.\n"
@@ -25,14 +25,18 @@ SYSTEM_PRESETS: dict[str, str] = {
     "Pirate": "You are a friendly pirate. Answer every question briefly, in pirate speak.",
 }
 
-DEFAULT_SYSTEM = "Support agent (long policy)"
+DEFAULT_SYSTEM = "Support agent"
 CUSTOM_SYSTEM = "Custom…"
 
-STARTER_QUESTIONS = [
-    "Can I return a tent I used once?",
-    "How much is express shipping?",
-    "Do sleeping bags have a warranty?",
-]
+# Questions the system prompt answers directly (the tiny model guesses less on those),
+# per preset; the first preset's are the page's starters.
+STARTERS_BY_PRESET: dict[str, list[str]] = {
+    "Support agent": ["How long is the warranty on tents?", "How much is express shipping?",
+                                    "Where do orders ship from?"],
+    "Concise tutor": ["What is a prime number?", "Why is the sky blue?", "What does a verb do?"],
+    "Pirate": ["Where is your ship?", "What do pirates eat?", "How do I find treasure?"],
+}
+STARTER_QUESTIONS = STARTERS_BY_PRESET[DEFAULT_SYSTEM]
 
 FEW_SHOT_PRESETS: dict[str, dict] = {
     "Sentiment": {

@@ -1,26 +1,41 @@
-"""Small helpers shared by the panels: number formatting, the token colouring, errors."""
+"""What the chat and few-shot panels share: the prompt coloured token by token, the
+numbers card of one request, the status line while a request runs, which requests
+count as the playground's (lab runs do not), and errors as toasts.
+
+Formatting lives in ``components.format`` and colours in ``components.chart_style``;
+this module only puts them together.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import gradio as gr
 
-from engine.types import EngineError, RequestMetrics
+from components.chart_style import TOKEN_COLORS
+from components.format import SAME_SPEED, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from engine.types import EngineError, GenerationEvent, RequestMetrics
 
 CACHED, COMPUTED = "cached", "computed"
-TOKEN_COLORS = {CACHED: "#22c55e", COMPUTED: "#f97316"}
+__all__ = ["TOKEN_COLORS", "highlighted_prompt", "metrics_markdown", "status_markdown", "playground_history",
+           "is_lab_run", "warn", "MODEL_NOTE", "reuse_note"]
+
+LAB_TAGS = ("ordering-lab", "scheduling-lab")
+MODEL_NOTE = ("The model is tiny (135M parameters): its answers are often wrong, even against the policy it was "
+              "given. The cache never changes what it says: the tests check that every reused answer equals the same "
+              "request run with no cache.")
 
 
-def fmt_ms(ms: float | None) -> str:
-    if ms is None:
-        return "–"
-    return f"{ms / 1000:.2f} s" if ms >= 10_000 else f"{ms:,.0f} ms"
+def is_lab_run(m: RequestMetrics) -> bool:
+    """A lab run: deliberately bad orderings, kept out of the playground's numbers."""
+    return m.tag in LAB_TAGS or m.tag.startswith("lab")
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+def playground_history(engine, namespace: str | None = None, n: int | None = None) -> list[RequestMetrics]:
+    """The playground's requests (chat, few-shot, API), oldest first: lab runs left out;
+    only ``namespace``'s when given (a visitor's own in isolation mode)."""
+    items = [m for m in engine.recent(namespace=namespace) if not is_lab_run(m)]
+    return items[-n:] if n else items
 
 
 def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]]:
@@ -36,30 +51,95 @@ def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]
     return spans
 
 
-def metrics_markdown(m: RequestMetrics) -> str:
+def reuse_note(m: RequestMetrics) -> str | None:
+    """Why a with/without comparison says nothing, or says "slower", in words; None when it is a real gain."""
+    if m.baseline_prefill_ms is None:
+        return None
+    if reuse_is_noise(m.cached_tokens, m.prompt_tokens):
+        what = "nothing was reused" if m.cached_tokens == 0 else f"only {m.cached_tokens:,} tokens were reused"
+        return f"{what.capitalize()}: both runs computed (almost) every token, so the difference is timing noise."
+    if (m.speedup or 0) < 1 + SAME_SPEED:
+        return ("Reuse gained nothing measurable here: at this size, copying the cached part costs about as much "
+                "as computing it, and the two timings differ by noise.")
+    return None
+
+
+def speed_cell(m: RequestMetrics) -> str:
+    """The comparison column: honest words, never "0.7× faster"."""
+    return reuse_words(m.cached_tokens, m.prompt_tokens, m.baseline_prefill_ms, m.prefill_ms)
+
+
+def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> str:
+    """One request's numbers: what the cache served, prefill with and without reuse, and
+    the time the visitor actually waited (queue plus engine) next to the engine's own."""
     share = m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0
-    lines = [
+    waited_ms = m.queue_ms + m.ttft_ms
+    lines = []
+    if m.finish_reason == "cancelled":
+        lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
+    lines += [
         f"**{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens served from the cache** "
-        f"({share:.0%}); {m.computed_tokens:,} computed.",
+        f"({fmt_pct(share)}); {m.computed_tokens:,} computed.",
         "",
-        "| prefill with reuse | prefill without reuse | speedup | time to first token | decode |",
+        "| prefill with reuse | without reuse | compared | first text after | decode |",
         "|---|---|---|---|---|",
-        f"| {fmt_ms(m.prefill_ms)} | {fmt_ms(m.baseline_prefill_ms)} | "
-        f"{f'{m.speedup:.1f}×' if m.speedup else '–'} | {fmt_ms(m.ttft_ms)} | "
+        f"| {fmt_ms(m.prefill_ms)} | {fmt_ms(m.baseline_prefill_ms)} | {speed_cell(m)} | "
+        f"{fmt_ms(waited_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(m.ttft_ms)}) | "
         f"{f'{m.decode_tokens_per_s:.1f} tok/s' if m.decode_tokens_per_s else '–'} |",
     ]
-    if m.baseline_prefill_ms is None:
-        lines.append("\n*No-reuse measurement off: tick “Measure prefill without reuse” to compare.*")
+    notes = []
+    note = reuse_note(m)
+    if note:
+        notes.append(note)
+    if getattr(m, "prefill_shared_step", False):
+        notes.append("Part of this prefill ran in the same steps as other requests' decoding, so it reads high.")
+    if getattr(m, "batch_size_max", 1) > 1:
+        notes.append(f"It ran batched with other requests (up to {m.batch_size_max} at once).")
+    if baseline_skipped:
+        notes.append(baseline_skipped)
+    elif m.baseline_prefill_ms is None and m.finish_reason != "cancelled":
+        notes.append("No-reuse measurement off: tick “Measure prefill without reuse” to compare.")
     if getattr(m, "cached_tokens_reported", None) is not None:  # remote mode (server.remote_engine)
-        lines.append("\n*Remote server: prefill times are times to first token measured here; without reuse = the "
-                     "same prompt under a fresh cache salt.*")
+        notes.append("Remote server: prefill times are times to first token measured here; without reuse = the "
+                     "same prompt under a fresh cache salt.")
         if not m.cached_tokens_reported:
-            lines.append("\n**Cached tokens unknown:** the server did not report them (start vLLM with "
+            notes.append("Cached tokens unknown: the server did not report them (start vLLM with "
                          "`--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`).")
+    if notes:
+        lines += ["", " ".join(f"*{n}*" for n in notes)]
     return "\n".join(lines)
+
+
+def status_markdown(event: GenerationEvent | None, waited_s: float = 0.0) -> str:
+    """The phase a running request is in, in words: queued (behind how many), prefilling
+    (how far), writing the answer, or measuring prefill without reuse."""
+    if event is None:
+        return f"*Waiting for the model… ({waited_s:.0f} s)*" if waited_s >= 1 else "*Waiting for the model…*"
+    phase = getattr(event, "phase", "decode")
+    if phase == "queued":
+        ahead = getattr(event, "queue_ahead", 0)
+        return (f"*Waiting for {plural(ahead, 'request')} ahead of you… ({waited_s:.0f} s)*" if ahead else
+                f"*Waiting for the model… ({waited_s:.0f} s)*")
+    if phase == "prefill":
+        total, done, cached = event.prompt_tokens, event.prefilled_tokens, event.cached_tokens
+        if total:
+            return (f"*Prefilling the prompt: {done:,} of {total:,} tokens ({fmt_pct(done / total)}); "
+                    f"{cached:,} of them from the cache…*")
+        return "*Prefilling the prompt…*"
+    if phase == "baseline":
+        return "*Answer done. Now timing the same prompt without reuse (a second full prefill)… Stop skips it.*"
+    if phase == "done":
+        return "*Done.*"
+    words = len(event.text.split())
+    return f"*Writing the answer… ({plural(words, 'word')} so far)*"
 
 
 def warn(exc: Exception) -> None:
     """Show an engine error to the visitor as a toast, never a traceback."""
     msg = str(exc) if isinstance(exc, EngineError) else f"Something went wrong: {type(exc).__name__}"
     gr.Warning(msg)
+
+
+def totals(history: Sequence[RequestMetrics]) -> tuple[int, int]:
+    """(cached, prompt) tokens over ``history``."""
+    return sum(m.cached_tokens for m in history), sum(m.prompt_tokens for m in history)

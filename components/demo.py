@@ -52,6 +52,26 @@ CSS = """
 .klab {font-size: 0.8rem; color: #475569}
 """
 
+# ---- Layout fixes from the first-visitor walk (issue 15, items 12-13; UI helper's block) ----
+CSS += """
+.prose table {display: block; overflow-x: auto; max-width: 100%}
+.prose th, .prose td, .fewshot-table th, .fewshot-table th * {word-break: normal !important;
+  overflow-wrap: normal !important; hyphens: none}
+.turn-numbers th {white-space: nowrap}
+.prompt-tokens {max-height: 240px; overflow-y: auto}
+.chat-notes {font-size: 0.82rem; color: #475569}
+.chat-notes p {margin: 0}
+.send-row button, .starters button {white-space: nowrap}
+.starters button {white-space: normal}
+.system-pick input {padding-right: 30px !important; text-overflow: ellipsis}
+@media (max-width: 640px) {
+  .gradio-container {padding-left: 6px !important; padding-right: 6px !important}
+  .kval {font-size: 1.3rem}
+  .prose th, .prose td {white-space: nowrap}
+  #lab-results h2 {font-size: 1.15rem}
+}
+"""
+
 
 def launch_kwargs(app_kwargs: dict | None = None) -> dict:
     """Settings for ``demo.launch``: theme and CSS go here in Gradio 6, not to Blocks.
@@ -73,7 +93,7 @@ def build_demo(engine: Engine) -> gr.Blocks:
         gr.Markdown(f"# {TITLE}")
         gr.Markdown(STORY, elem_id="story")
         last_metrics = gr.State(None)  # this visitor's last RequestMetrics
-        with gr.Tabs() as tabs:
+        with gr.Tabs(overflow_behavior="wrap") as tabs:  # every tab one tap away on a phone
             with gr.Tab("Chat"):
                 with gr.Row():
                     with gr.Column(scale=3):

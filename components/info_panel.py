@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.common import fmt_bytes
+from components.format import fmt_bytes
 from components.live import LiveView
 from engine.engine import Engine
 

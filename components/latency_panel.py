@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 
 from components.charts import latency_bars, speedup_scatter
-from components.common import fmt_ms
+from components.common import playground_history
+from components.format import fmt_ms, plural, ratio_words, reuse_is_noise
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import own_namespace
 from engine.engine import Engine
@@ -21,6 +22,8 @@ HISTORY = 40
 
 
 def latency_summary(history: list[RequestMetrics]) -> str:
+    """Prefill with reuse against without over the measured requests, in honest words:
+    requests that reused (almost) nothing, or measured slower, are counted apart."""
     timed = [m for m in history if m.baseline_prefill_ms is not None]
     if not timed:
         return ("No request has measured prefill without reuse yet. Chat or run few-shot queries with "
@@ -28,11 +31,20 @@ def latency_summary(history: list[RequestMetrics]) -> str:
     with_reuse = sum(m.prefill_ms for m in timed)
     without = sum(m.baseline_prefill_ms for m in timed)
     best = max(timed, key=lambda m: m.speedup or 0)
-    return (f"Over the last **{len(timed)}** measured requests: prefill took **{fmt_ms(with_reuse)}** with reuse "
-            f"against **{fmt_ms(without)}** without "
-            f"(**{without / with_reuse:.1f}×** speedup overall; best {best.speedup:.1f}× on request "
+    noise = [m for m in timed if reuse_is_noise(m.cached_tokens, m.prompt_tokens)]
+    slower = [m for m in timed if m not in noise and (m.speedup or 0) < 1]
+    text = (f"Over the last **{plural(len(timed), 'measured request')}** (lab runs not counted): prefill took "
+            f"**{fmt_ms(with_reuse)}** with reuse against **{fmt_ms(without)}** without "
+            f"(**{ratio_words(without, with_reuse)}** overall; best {best.speedup or 0:.1f}× on request "
             f"#{best.request_id}, {best.cached_tokens:,} of {best.prompt_tokens:,} tokens cached). Both numbers "
             "are measured on the same request in the same process.")
+    if noise:
+        text += (f"\n\n*{plural(len(noise), 'request')} reused (almost) nothing: both runs computed every token, "
+                 "so their difference is timing noise (bars marked “nothing reused”).*")
+    if slower:
+        text += (f"\n\n*{plural(len(slower), 'request')} measured slower with reuse: with few tokens to compute "
+                 "either way, copying the cached part costs about as much as computing it, and timing noise decides.*")
+    return text
 
 
 def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
@@ -46,7 +58,7 @@ def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), gr.skip(), seen_before
         ns = own_namespace(request, engine)
-        history = engine.recent(HISTORY, namespace=ns)
+        history = playground_history(engine, namespace=ns, n=HISTORY)
         return latency_summary(history), latency_bars(history), speedup_scatter(history), drawn(sig)
 
     live = LiveView(gr.Timer(3.0, active=active), refresh, [seen], [summary, bars, scatter, seen])

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gradio as gr
 
 from components.charts import hit_rate_figure, memory_gauge
-from components.common import fmt_bytes, warn
+from components.common import playground_history, totals, warn
+from components.format import fmt_bytes, fmt_ms, plural
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
 from components.session import own_namespace
 from engine.engine import Engine
@@ -22,37 +23,81 @@ HISTORY = 200
 
 
 def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
-    """The cache's state (as ``viewer`` may see it); with ``mine`` (isolation mode) the hit rate is the
-    visitor's own."""
+    """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
+    mode) and the hit rate over ``mine``: the playground's requests, lab runs left out (the
+    visitor's own in isolation mode)."""
     s = engine.stats(viewer)
-    backend = getattr(engine.info(), "backend", "")
-    if mine is not None:
-        prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
-        rate_row = (f"| your token hit rate | **{cached / prompt if prompt else 0:.1%}** over your {len(mine):,} "
-                    f"requests ({cached:,} of {prompt:,} prompt tokens from the cache) |")
-    else:
-        rate_row = (f"| token hit rate | **{s.hit_rate:.1%}** over {s.requests:,} requests "
-                    f"({s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens from the cache) |")
+    history = mine if mine is not None else playground_history(engine)
+    cached, prompt = totals(history)
+    whose = "your" if engine.isolation else "the playground's"
+    timed = [m for m in history if m.baseline_prefill_ms is not None]
+    saved_ms = max(0.0, sum(m.baseline_prefill_ms - m.prefill_ms for m in timed))
     used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
     bpt = engine.info().kv_bytes_per_token
+    everyone = " (everyone's)" if engine.isolation else ""
+    rate_row = (f"| token hit rate, {whose} requests | **{cached / prompt if prompt else 0:.1%}** over "
+                f"{plural(len(history), 'request')} ({cached:,} of {prompt:,} prompt tokens from the cache; lab runs "
+                "not counted) |")
+    backend = getattr(engine.info(), "backend", "")
     if backend:  # remote mode: the server's memory is its own
         return "\n".join([
             "| cache (remote server) | |", "|---|---|",
             f"| server | {backend} |",
             "| KV in use · budget · evictions | **unknown** from here (the server's; see its /metrics) |",
             f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |",
-            rate_row.replace("from the cache)", "reported cached by the server)"),
+            rate_row.replace("from the cache;", "reported cached by the server;"),
         ])
     return "\n".join([
-        "| cache right now | |", "|---|---|",
+        f"| cache right now{everyone} | |", "|---|---|",
         f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}) |",
         f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",
-        f"| tokens evicted so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}) |",
+        f"| tokens evicted or cleared so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}; the lab "
+        "clears its own runs when they end, and “clear” counts too) |",
         rate_row,
-    ] + ([] if mine is not None else [
-        f"| prefill time saved | {s.prefill_ms_saved / 1000:,.1f} s (on requests that measured a baseline) |"]))
+        f"| prefill time saved | {fmt_ms(saved_ms)} over {plural(len(timed), 'request')} that measured prefill "
+        "without reuse |",
+    ])
+
+
+def set_budget(engine: Engine, max_mib: float, mib):
+    """Apply a new budget (never above ``max_mib``, what the host sized memory for); says what it evicted."""
+    if engine.isolation:
+        gr.Warning("The cache budget is fixed on a shared deployment.")
+        return gr.skip()
+    try:
+        mib = float(mib)
+    except (TypeError, ValueError):
+        gr.Warning("Type a budget in MiB, for example 256.")
+        return gr.skip()
+    mib = max(0.0, min(mib, max_mib))
+    before = engine.stats()
+    try:
+        evicted = engine.set_budget(int(mib * MiB))
+    except EngineError as exc:
+        warn(exc)
+        return gr.skip()
+    after = engine.stats()
+    bpt = engine.info().kv_bytes_per_token
+    gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
+            f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
+            f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
+    return round(mib, 1)
+
+def clear_cache(engine: Engine, request: gr.Request | None = None):
+    """Clear the visitor's own cached prompts (everything, when the cache is shared); says what it freed."""
+    ns = own_namespace(request, engine)
+    if engine.isolation and not ns:
+        gr.Warning("No session: nothing of yours to clear.")
+        return
+    before = engine.stats(ns)
+    freed = engine.clear_cache(namespace=ns)
+    after = engine.stats(ns)
+    kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
+    gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
+            f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
+
 
 
 def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
@@ -79,46 +124,11 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), gr.skip(), seen_before
         ns = own_namespace(request, engine)
-        history = engine.recent(HISTORY, namespace=ns)
-        mine = engine.recent(namespace=ns) if engine.isolation else None
+        mine = playground_history(engine, namespace=ns)
+        title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
         gauge_fig = None if getattr(engine.info(), "backend", "") else memory_gauge(engine.stats(ns))
-        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(history), drawn(sig)
-
-    def set_budget(mib):
-        if engine.isolation:
-            gr.Warning("The cache budget is fixed on a shared deployment.")
-            return gr.skip()
-        try:
-            mib = float(mib)
-        except (TypeError, ValueError):
-            gr.Warning("Type a budget in MiB, for example 256.")
-            return gr.skip()
-        # Never above the budget the server started with: that is what the host sized memory for.
-        mib = max(0.0, min(mib, budget_mib))
-        before = engine.stats()
-        try:
-            evicted = engine.set_budget(int(mib * MiB))
-        except EngineError as exc:
-            warn(exc)
-            return gr.skip()
-        after = engine.stats()
-        bpt = engine.info().kv_bytes_per_token
-        gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
-                f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
-                f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
-        return round(mib, 1)
-
-    def clear_cache(request: gr.Request):
-        ns = own_namespace(request, engine)
-        if engine.isolation and not ns:
-            gr.Warning("No session: nothing of yours to clear.")
-            return
-        before = engine.stats(ns)
-        freed = engine.clear_cache(namespace=ns)
-        after = engine.stats(ns)
-        kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
-        gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
-                f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
+        return (gauge_fig, memory_markdown(engine, mine, ns),
+                hit_rate_figure(mine[-HISTORY:], title=title), drawn(sig))
 
     def redraw(request: gr.Request):
         return refresh(None, request)
@@ -126,8 +136,14 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
     outputs = [gauge, table, hit_rate, seen]
     live = LiveView(gr.Timer(3.0, active=active), refresh, [seen], outputs)
     live.refresh_on(live.timer.tick)
-    apply.click(set_budget, new_budget, new_budget, api_visibility="private").then(
+    def apply_budget(mib):
+        return set_budget(engine, budget_mib, mib)
+
+    def clear_mine(request: gr.Request):
+        clear_cache(engine, request)
+
+    apply.click(apply_budget, new_budget, new_budget, api_visibility="private").then(
         redraw, None, outputs, api_visibility="private", show_progress="hidden")
-    clear.click(clear_cache, None, None, api_visibility="private").then(
+    clear.click(clear_mine, None, None, api_visibility="private").then(
         redraw, None, outputs, api_visibility="private", show_progress="hidden")
     return live

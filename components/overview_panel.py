@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.common import fmt_bytes, fmt_ms
+from components.common import playground_history, totals
+from components.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
 from components.info_panel import engine_line
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
@@ -23,35 +24,45 @@ def _card(value: str, label: str, cls: str = "") -> str:
     return f"<div class='kcard {cls}'><div class='kval'>{value}</div><div class='klab'>{label}</div></div>"
 
 
+def _speed_card(m: RequestMetrics) -> str:
+    """The prefill comparison, honestly: no ratio when nothing was reused, "slower" when slower."""
+    if m.baseline_prefill_ms is None:
+        return _card("–", f"prefill {fmt_ms(m.prefill_ms)} (no-reuse timing off)", "blue")
+    words = reuse_words(m.cached_tokens, m.prompt_tokens, m.baseline_prefill_ms, m.prefill_ms)
+    times = f"{fmt_ms(m.prefill_ms)} with reuse vs {fmt_ms(m.baseline_prefill_ms)} without"
+    if reuse_is_noise(m.cached_tokens, m.prompt_tokens):
+        return _card("no reuse", f"{words}: both runs computed every token ({times}: timing noise)", "blue")
+    if words.startswith("about"):
+        return _card("≈ 1×", f"prefill at about the same speed: {times}", "blue")
+    value, _, rest = words.partition(" ")
+    return _card(value, f"{rest} prefill: {times}", "blue")
+
+
 def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str) -> str:
-    """Cards with numbers only (no prompt text, so nothing to escape or leak)."""
+    """Cards with numbers only (no prompt text, so nothing to escape or leak). Totals are
+    the playground's (lab runs left out); in isolation mode, the visitor's own."""
     if metrics is None:
-        last = [_card("–", "of your last prompt served from the cache"),
-                _card("–", "faster prefill than without reuse")]
+        last = [_card("–", "of your prompt served from the cache (shown when a request finishes)"),
+                _card("–", "prefill with reuse vs without")]
     else:
         share = metrics.cached_tokens / metrics.prompt_tokens if metrics.prompt_tokens else 0.0
-        last = [_card(f"{share:.0%}", f"of your last prompt from the cache "
+        stopped = " (stopped early)" if metrics.finish_reason == "cancelled" else ""
+        last = [_card(fmt_pct(share), f"of your last prompt from the cache{stopped} "
                                       f"({metrics.cached_tokens:,} of {metrics.prompt_tokens:,} tokens)", "green"),
-                _card(f"{metrics.speedup:.1f}×" if metrics.speedup else "–",
-                      f"faster prefill: {fmt_ms(metrics.prefill_ms)} vs {fmt_ms(metrics.baseline_prefill_ms)}"
-                      if metrics.speedup else f"prefill {fmt_ms(metrics.prefill_ms)} (no baseline measured)", "blue")]
+                _speed_card(metrics)]
     stats = engine.stats(viewer)  # in isolation mode: others' activity only in coarse figures
-    if engine.isolation:
-        mine = engine.recent(namespace=viewer)
-        prompt, cached = sum(m.prompt_tokens for m in mine), sum(m.cached_tokens for m in mine)
-        who, requests = "your", len(mine)
-    else:
-        prompt, cached, who, requests = stats.prompt_tokens, stats.cached_tokens, "all", stats.requests
+    mine = playground_history(engine, namespace=viewer if engine.isolation else None)
+    cached, prompt = totals(mine)
     rate = cached / prompt if prompt else 0.0
-    memory_card = (
+    whose = "your" if engine.isolation else "the playground's"
+    cache_label = "everyone's KV cache" if engine.isolation else "KV cache"
+    engine_cards = [
+        _card(fmt_pct(rate), f"token hit rate over {whose} {plural(len(mine), 'request')} (lab runs not counted)"),
         _card("unknown", f"the remote server's KV memory; {stats.cached_tokens_now:,} tokens sent, in "
                          f"{stats.num_nodes:,} nodes of the shadow tree")
         if getattr(engine.info(), "backend", "") else
-        _card(fmt_bytes(stats.cache_bytes), f"KV cached, {stats.cached_tokens_now:,} tokens in "
-                                            f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"))
-    engine_cards = [
-        _card(f"{rate:.0%}", f"token hit rate over {who} {requests:,} request{'s' * (requests != 1)}"),
-        memory_card,
+        _card(fmt_bytes(stats.cache_bytes), f"{cache_label}: {stats.cached_tokens_now:,} tokens in "
+                                            f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"),
     ]
     return ("<div class='kgrid'>" + "".join(last) + "</div><div class='kgrid small'>" + "".join(engine_cards)
             + "</div>")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 from functools import lru_cache
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
@@ -72,3 +73,50 @@ def own_namespace(request, engine: Engine) -> str | None:
     """What a visitor's history and controls cover: their namespace in isolation
     mode, ``None`` (everything) when the whole cache is shared."""
     return visitor_namespace(request, engine) if engine.isolation else None
+
+
+class RunningRequests:
+    """Each visitor's running request per panel, so that Stop cancels the request itself
+    (the engine then ends it with ``finish_reason="cancelled"`` and its partial numbers)
+    instead of killing the event that streams it, which left the status stuck."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[tuple[str, str], object] = {}
+
+    @staticmethod
+    def _key(request, panel: str) -> tuple[str, str] | None:
+        session = getattr(request, "session_hash", None) if request is not None else None
+        return (str(session), panel) if session else None
+
+    def started(self, request, panel: str, handle) -> None:
+        key = self._key(request, panel)
+        if key is not None:
+            with self._lock:
+                self._handles[key] = handle
+
+    def finished(self, request, panel: str, handle) -> None:
+        key = self._key(request, panel)
+        if key is not None:
+            with self._lock:
+                if self._handles.get(key) is handle:
+                    del self._handles[key]
+
+    def cancel(self, request, panel: str) -> bool:
+        """Cancel this visitor's running request in ``panel``; False when none runs."""
+        key = self._key(request, panel)
+        with self._lock:
+            handle = self._handles.pop(key, None) if key is not None else None
+        if handle is None:
+            return False
+        handle.cancel()
+        return True
+
+
+RUNNING = RunningRequests()
+
+ISOLATION_NOTE = (
+    "**Private mode.** Your chat, the prompts you cache and every figure marked *yours* are yours alone: other "
+    "visitors never get a cache hit on your text. Shared: the preset system prompts and few-shot sets (cached once "
+    "for everyone), and the cache's size and memory (*everyone's*).")
+RELOAD_NOTE = "Reloading the page starts a new chat: the conversation is kept only while this page is open."

@@ -22,7 +22,8 @@ import re
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from components.common import TOKEN_COLORS
+from components.chart_style import TOKEN_COLORS
+from components.format import fmt_ago, fmt_bytes
 from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, visual_tree
 from engine.types import TreeSnapshot
 
@@ -192,10 +193,10 @@ def _owner(m: VisualNode, viewer_owns: str | None) -> str:
 def _hover(m: VisualNode, viewer_owns: str | None) -> str:
     if m.grouped_nodes:
         return _group_hover(m)
-    lines = [f"<b>{m.num_tokens:,} tokens</b> · {_fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
+    lines = [f"<b>{m.num_tokens:,} tokens</b> · {fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
              f"{m.end_tokens:,}"]
     if not m.hidden:  # other visitors' nodes may carry no hits, times or locks at all
-        lines.append(f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)} · "
+        lines.append(f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)} · "
                      + (f"<b>locked</b> by {m.lock_ref} running request(s)" if m.lock_ref else "unlocked"))
     elif m.lock_ref:
         lines.append(f"<b>locked</b> by {m.lock_ref} running request(s)")
@@ -215,9 +216,9 @@ def _group_hover(m: VisualNode) -> str:
     branches = f"{m.grouped_branches:,} branches" if m.grouped_branches > 1 else "one branch"
     return "<br>".join([
         f"<b>{m.grouped_nodes:,} nodes · {m.grouped_tokens:,} tokens</b> folded into one mark to keep the view "
-        "readable", f"{branches} from prefix {m.start_tokens:,}, reaching {m.end_tokens:,} · {_fmt_bytes(m.num_bytes)}",
+        "readable", f"{branches} from prefix {m.start_tokens:,}, reaching {m.end_tokens:,} · {fmt_bytes(m.num_bytes)}",
         "all another visitor's (text hidden)" if m.hidden else
-        f"hits {m.hits:,} · last used {_ago(m.last_access_s_ago)}" + (" · some <b>locked</b>" if m.lock_ref else "")])
+        f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)}" + (" · some <b>locked</b>" if m.lock_ref else "")])
 
 
 def _wrap(text: str, width: int = 64, max_lines: int = 6) -> str:
@@ -257,21 +258,6 @@ def _gist(text: str) -> str:
     if sep and role.isalpha() and len(role) <= 12:
         seg = f"{role}: {rest}"
     return " ".join(seg.split())
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------- plain data

@@ -14,41 +14,22 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from components.common import TOKEN_COLORS
+from components.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, empty_figure, styled
+from components.format import fmt_ms
+from components.lab.markdown import comparison, short_name
 from engine.lab.granularity import GranularityResult
 from engine.lab.ordering_runs import VariantResult
 from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
 from engine.types import NodeInfo
 
-CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
-BASELINE_COLOR = "#94a3b8"
+__all__ = ["empty_figure", "granularity_figure", "per_request_figure", "prefill_summary_figure", "schedule_figure",
+           "trees_figure"]
 SHARED_COLOR, PRIVATE_COLOR = "#16a34a", "#fb923c"
 BLOCK_COLORS = {1: "#16a34a", 16: "#2563eb", 64: "#7c3aed"}
 
 
 def _layout(fig: go.Figure, height: int, title: str, legend_below: bool = False) -> go.Figure:
-    """House look; ``legend_below`` for side-by-side panels, whose titles sit where a legend would."""
-    legend = (dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5) if legend_below else
-              dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
-    fig.update_layout(height=height, margin=dict(l=60, r=20, t=64 if title else 56, b=90 if legend_below else 44),
-                      plot_bgcolor="white", paper_bgcolor="white", title=dict(text=title, x=0.01, font=dict(size=15)),
-                      legend=legend, font=dict(size=12), uirevision=title)
-    fig.update_xaxes(gridcolor="#f1f5f9")
-    fig.update_yaxes(gridcolor="#e2e8f0", zeroline=False)
-    return fig
-
-
-def empty_figure(text: str, height: int = 260) -> go.Figure:
-    fig = _layout(go.Figure(), height, "")
-    fig.add_annotation(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=14, color="#64748b"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
-
-
-def _secs(ms: float) -> str:
-    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+    return styled(fig, height, title, legend_below=legend_below)
 
 
 def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) -> go.Figure:
@@ -56,29 +37,28 @@ def prefill_summary_figure(results: Sequence[VariantResult], height: int = 300) 
     (the same prompts prefilled from scratch, measured), one row per ordering."""
     if not results or not any(r.requests for r in results):
         return empty_figure("Click a preset to run it", height)
-    names = [r.name for r in results][::-1]
+    names = [short_name(r.name) for r in results][::-1]  # short: the full names are in the table
     rows = list(results)[::-1]
     fig = go.Figure()
     if all(r.baseline_total_ms is not None for r in rows):
         fig.add_trace(go.Bar(y=names, x=[r.baseline_total_ms for r in rows], orientation="h",
                              name="without reuse (measured)", marker_color=BASELINE_COLOR,
-                             text=[_secs(r.baseline_total_ms) for r in rows], textposition="auto",
+                             text=[fmt_ms(r.baseline_total_ms) for r in rows], textposition="auto",
                              hovertemplate="%{y}<br>no reuse: %{x:,.0f} ms<extra></extra>"))
     fig.add_trace(go.Bar(y=names, x=[r.total_prefill_ms for r in rows], orientation="h",
                          name="with the radix cache", marker_color=[_variant_color(r, results) for r in rows],
-                         text=[f"{_secs(r.total_prefill_ms)} · {r.hit_rate:.0%} cached" for r in rows],
+                         text=[f"{fmt_ms(r.total_prefill_ms)} · {r.hit_rate:.0%} cached" for r in rows],
                          textposition="auto",
                          hovertemplate="%{y}<br>with reuse: %{x:,.0f} ms<extra></extra>"))
     fig.update_layout(barmode="group", bargap=0.3)
     fig.update_xaxes(title_text="total prefill time of all requests (ms)")
-    good, bad = results[0], results[-1]
-    title = "Total prefill time"
-    if len(results) >= 2 and good.total_prefill_ms > 0:
-        ratio = bad.total_prefill_ms / good.total_prefill_ms
-        title = (f"{bad.name.split(':')[0]} ordering: prefill {ratio:.1f}× "
-                 f"{'slower' if ratio >= 1 else 'faster'} ({_secs(bad.total_prefill_ms)} vs "
-                 f"{_secs(good.total_prefill_ms)})")
-    return _layout(fig, height, title)
+    found = comparison(results)
+    phrase = (f"prefill at {found.words}" if found.words.startswith("about") else f"{found.words} prefill") \
+        if found else ""
+    title = f"{found.subject}: {phrase}" if found else "Total prefill time"
+    subtitle = (f"{fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}: total prefill with the radix cache"
+                if found else "")
+    return styled(fig, height, title, subtitle=subtitle)
 
 
 def _variant_color(r: VariantResult, results: Sequence[VariantResult]) -> str:
@@ -91,7 +71,7 @@ def per_request_figure(results: Sequence[VariantResult], height: int = 360) -> g
     if not results:
         return empty_figure("Per-request tokens appear here", height)
     fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
-                        subplot_titles=[f"{r.name}<br><sup>{r.hit_rate:.0%} of prompt tokens cached</sup>"
+                        subplot_titles=[f"{short_name(r.name)}<br><sup>{r.hit_rate:.0%} cached</sup>"
                                         for r in results])
     for col, r in enumerate(results, start=1):
         x = [req.label for req in r.requests]
@@ -162,8 +142,8 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
     if not results:
         return empty_figure("The trees each ordering leaves behind appear here", height)
     fig = make_subplots(rows=1, cols=len(results), horizontal_spacing=0.05,
-                        subplot_titles=[f"{r.name}<br><sup>{len(r.tree)} nodes, "
-                                        f"{sum(n.num_tokens for n in r.tree):,} tokens cached</sup>" for r in results])
+                        subplot_titles=[f"{short_name(r.name)}<br><sup>{len(r.tree)} nodes, "
+                                        f"{sum(n.num_tokens for n in r.tree):,} tokens</sup>" for r in results])
     for col, r in enumerate(results, start=1):
         rows = tree_rows(r.tree)
         reused = reuse_counts(r)
@@ -190,7 +170,7 @@ def trees_figure(results: Sequence[VariantResult], height: int = 380) -> go.Figu
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color="#94a3b8", width=1),
                                      hoverinfo="skip", showlegend=False), row=1, col=col)
         fig.update_yaxes(visible=False, row=1, col=col)
-        fig.update_xaxes(title_text="prefix length (tokens)", rangemode="tozero", row=1, col=col)
+        fig.update_xaxes(title_text="prefix (tokens)", rangemode="tozero", row=1, col=col)
     fig.update_layout(barmode="overlay")
     for ann in fig.layout.annotations:
         ann.font.size = 13
@@ -212,7 +192,7 @@ def schedule_figure(results: Sequence[ScheduleResult], height: int = 340) -> go.
     if not results:
         return empty_figure("Run the queue to compare the two orders", height)
     titles = [f"{POLICY_NAMES.get(r.policy, r.policy)}<br><sup>{r.hit_rate:.0%} cached · "
-              f"{_secs(r.total_prefill_ms)} prefill · {r.evicted_tokens:,} tokens evicted</sup>" for r in results]
+              f"{fmt_ms(r.total_prefill_ms)} prefill · {r.evicted_tokens:,} tokens evicted</sup>" for r in results]
     fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=titles)
     for col, r in enumerate(results, start=1):
@@ -249,5 +229,6 @@ def granularity_figure(rows: Sequence[tuple[str, Sequence[GranularityResult]]], 
                              hovertemplate="%{x}<br>%{y:,} tokens cached<extra>" +
                                            ("per token" if size == 1 else f"{size}-token blocks") + "</extra>"))
     fig.update_layout(barmode="group", bargap=0.25)
-    fig.update_yaxes(title_text="cached prompt tokens (simulated)")
+    top = max((g.cached_tokens for _, gs in rows for g in gs), default=0)
+    fig.update_yaxes(title_text="cached prompt tokens (simulated)", range=[0, max(1, top) * 1.25])  # room for labels
     return _layout(fig, height, "Simulation: block matching over this run's real token ids")

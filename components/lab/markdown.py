@@ -9,7 +9,9 @@ template lint and the cost estimate. Pure functions of plain data (plus a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+from components.format import fmt_ms, ratio_words
 from engine.lab.cost_estimate import CostEstimate
 from engine.lab.granularity import GranularityResult, tokens_lost_to_alignment
 from engine.lab.miss_explainer import MissExplanation
@@ -20,41 +22,74 @@ from engine.lab.template_lint import LintReport
 TABLE_HEADERS = ["ordering", "request", "prompt tokens", "cached", "computed", "prefill ms", "no-reuse ms"]
 
 
-def headline_markdown(results: Sequence[VariantResult], stopped: bool = False) -> str:
-    """The one line a visitor reads: how much slower the bad ordering made prefill."""
+class Comparison(NamedTuple):
+    """The last ordering measured against the first: "Bad ordering (x)" against "Good ordering (y)",
+    or "Suggested order" against "Your template", and how its total prefill compares."""
+
+    subject: str
+    reference: str
+    words: str  # "3.1× slower", "1.7× faster", "about the same speed"
+    subject_ms: float
+    reference_ms: float
+
+
+def ordering_name(name: str) -> str:
+    """"Bad: time and id at the top" -> "Bad ordering (time and id at the top)"; other names as they are."""
+    head, sep, rest = name.partition(": ")
+    return f"{head} ordering ({rest})" if sep and head in ("Good", "Bad") else name
+
+
+def short_name(name: str) -> str:
+    """"Bad: x" -> "Bad ordering" (for narrow titles); other names as they are."""
+    head, sep, _ = name.partition(": ")
+    return f"{head} ordering" if sep and head in ("Good", "Bad") else name
+
+
+def _reference(name: str) -> str:
+    head, sep, _ = name.partition(": ")
+    if sep and head in ("Good", "Bad"):
+        return f"the {head.lower()} ordering"
+    return "your template" if name == "Your template" else name
+
+
+def comparison(results: Sequence[VariantResult]) -> Comparison | None:
+    if len(results) < 2 or not results[-1].requests or results[0].total_prefill_ms <= 0:
+        return None
+    ref, other = results[0], results[-1]
+    return Comparison(short_name(other.name), _reference(ref.name), ratio_words(ref.total_prefill_ms,
+                      other.total_prefill_ms), other.total_prefill_ms, ref.total_prefill_ms)
+
+
+def headline_markdown(results: Sequence[VariantResult], stopped: bool = False, title: str | None = None) -> str:
+    """The one line a visitor reads: how the second ordering's prefill compares with the first's,
+    the right way round ("1.7× faster", never "0.6× slower"); ``title`` names what ran."""
     if not results or not any(r.requests for r in results):
         return "Click a preset: the lab runs the same requests in both orderings on the real model."
-    lines = []
-    if len(results) >= 2 and results[0].total_prefill_ms > 0 and results[-1].requests:
-        good, bad = results[0], results[-1]
-        ratio = bad.total_prefill_ms / good.total_prefill_ms
-        lines.append(f"## {bad.name.split(':')[0]} ordering: prefill **{ratio:.1f}× "
-                     f"{'slower' if ratio >= 1 else 'faster'}** ({secs(bad.total_prefill_ms)} vs "
-                     f"{secs(good.total_prefill_ms)}) · cache hit rate **{bad.hit_rate:.0%}** vs "
-                     f"**{good.hit_rate:.0%}**")
+    lines = [f"**{title}**"] if title else []
+    found = comparison(results)
+    if found:
+        ref, other = results[0], results[-1]
+        verb = (f"prefill at **{found.words}** as" if found.words.startswith("about") else
+                f"prefill **{found.words}** than")
+        lines.append(f"## {ordering_name(other.name)}: {verb} {found.reference} "
+                     f"({fmt_ms(found.subject_ms)} vs {fmt_ms(found.reference_ms)}) · cache hit rate "
+                     f"**{other.hit_rate:.0%}** vs **{ref.hit_rate:.0%}**")
     lines.append("")
-    lines.append("| ordering | token hit rate | tokens computed | total prefill | mean prefill | no reuse | speedup |")
+    lines.append("| ordering | token hit rate | tokens computed | total prefill | mean prefill | no reuse | with reuse |")
     lines.append("|---|---|---|---|---|---|---|")
     for r in results:
-        speed = f"{r.speedup:.1f}×" if r.speedup else "–"
+        speed = ratio_words(r.baseline_total_ms, r.total_prefill_ms) if r.baseline_total_ms else "–"
         lines.append(f"| {r.name} | {r.hit_rate:.0%} | {r.computed_tokens:,} of {r.prompt_tokens:,} | "
-                     f"{secs(r.total_prefill_ms)} | {secs(r.mean_prefill_ms)} | "
-                     f"{secs(r.baseline_total_ms)} | {speed} |")
-    notes = ["Each ordering ran from an empty cache (a namespace of its own); *no reuse* is the same prompts "
-             "prefilled from scratch in the same process; speedup = no reuse ÷ with reuse."]
+                     f"{fmt_ms(r.total_prefill_ms)} | {fmt_ms(r.mean_prefill_ms)} | "
+                     f"{fmt_ms(r.baseline_total_ms)} | {speed} |")
+    notes = ["Each ordering ran from an empty cache (a namespace of its own); “no reuse” is the same prompts "
+             "prefilled from scratch in the same process; “with reuse” compares the two."]
     if stopped:
         notes.append("**Stopped**: the numbers cover the requests that finished.")
     if any(r.evicted_tokens for r in results):
         notes.append("The cache evicted tokens during the run (budget too small or other visitors' requests): "
                      "see the Memory tab.")
     return "\n".join(lines) + "\n\n" + " ".join(f"*{n}*" for n in notes)
-
-
-def secs(ms: float | None) -> str:
-    """Seconds with one decimal for totals (one unit across a comparison), ms under a second."""
-    if ms is None:
-        return "–"
-    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
 def progress_markdown(done: int, total: int, message: str) -> str:
@@ -189,7 +224,7 @@ def schedule_markdown(results: Sequence[ScheduleResult], budget_tokens: int, byt
              "| policy | token hit rate | total prefill | tokens evicted | run order |", "|---|---|---|---|---|"]
     for r in results:
         order = " ".join(q.label for q in r.requests)
-        lines.append(f"| {POLICY_NAMES.get(r.policy, r.policy)} | {r.hit_rate:.0%} | {secs(r.total_prefill_ms)} | "
+        lines.append(f"| {POLICY_NAMES.get(r.policy, r.policy)} | {r.hit_rate:.0%} | {fmt_ms(r.total_prefill_ms)} | "
                      f"{r.evicted_tokens:,} | {order} |")
     if len(results) == 2 and results[1].total_prefill_ms > 0 and results[0].complete and results[1].complete:
         ratio = results[0].total_prefill_ms / results[1].total_prefill_ms

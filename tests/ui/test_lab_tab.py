@@ -4,9 +4,12 @@ the tab launched alone, driven by gradio_client through its ``ordering_lab`` and
 
 from __future__ import annotations
 
+import re
+
 import gradio as gr
 import pytest
 
+from components.format import ratio_words
 from components.lab import figures as figs
 from components.lab import markdown as views
 from components.lab.presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS
@@ -30,7 +33,7 @@ def results(engine):
 def test_figures_are_pure_functions_of_results(results):
     summary = figs.prefill_summary_figure(results)
     assert [t.name for t in summary.data] == ["without reuse (measured)", "with the radix cache"]
-    assert "slower" in summary.layout.title.text or "faster" in summary.layout.title.text
+    assert any(w in summary.layout.title.text for w in ("slower", "faster", "about the same"))
     per_request = figs.per_request_figure(results)
     assert len(per_request.data) == 4  # cached + computed, per ordering
     assert list(per_request.data[0].y) == [q.cached_tokens for q in results[0].requests]
@@ -58,7 +61,7 @@ def test_tree_rows_put_parents_between_children():
 
 def test_text_views(results):
     head = views.headline_markdown(results)
-    assert "×" in head and "Good" in head and "Bad" in head
+    assert ("×" in head or "about the same speed" in head) and "Bad ordering" in head and " the good ordering (" in head
     table = views.results_table(results)
     assert len(table) == 6 and table[0][3] == 0
     data = views.results_json(results, "t")
@@ -109,3 +112,14 @@ def test_tab_runs_through_gradio_client(engine):
         assert engine.cache.locked_tokens() == 0
     finally:
         demo.close()
+
+
+def test_template_headline_names_both_orderings_the_right_way_round(engine):
+    """Issue 15 item 2: "Other order ordering: prefill 0.6× faster" said it backwards."""
+    results = run_lab_to_end(engine, custom_variants(CUSTOM_TEMPLATE, "", CUSTOM_VALUES), measure_baseline=False)
+    mine, suggested = results
+    head = views.headline_markdown(results, title="Your template against the suggested order")
+    assert "## Suggested order: prefill" in head and " your template (" in head and "ordering:" not in head
+    assert ratio_words(mine.total_prefill_ms, suggested.total_prefill_ms) in head
+    assert all(float(r) >= 1 for r in re.findall(r"(\d+\.\d)×", head))  # never "0.6× faster"
+    assert "Suggested order" in figs.prefill_summary_figure(results).layout.title.text

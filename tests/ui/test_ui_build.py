@@ -69,7 +69,7 @@ def test_panel_text_reports_real_numbers(engine):
     assert "token hit rate" in html and "<script" not in html
     assert f"**{engine.stats().cached_tokens_now:,}**" in memory_markdown(engine)
     assert f"{engine.info().kv_bytes_per_token:,} bytes" in info_markdown(engine)  # the tiny model's own
-    assert "**2** measured requests" in latency_summary([m, m2])
+    assert "**2 measured requests**" in latency_summary([m, m2])
 
 
 def tree_paths(snapshot: dict) -> list[str]:
