@@ -79,10 +79,11 @@ class PrefixCache(Protocol):
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
 
-    def reserve(self, num_tokens: int) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
         """Hold ``num_tokens`` of the budget for a running request's own KV (inserts then
-        leave it free), evicting unlocked entries for room. False, with nothing evicted,
-        when even evicting every unlocked entry would not make room."""
+        leave it free), evicting unlocked entries for room (by fair share for ``namespace``,
+        as ``insert`` does). False, with nothing evicted, when even evicting every unlocked
+        entry would not make room."""
 
     def unreserve(self, num_tokens: int) -> None:
         """Give back what ``reserve`` held."""
@@ -137,7 +138,7 @@ class NoPrefixCache:
         self.reserved_tokens = 0
         self._lock = threading.Lock()
 
-    def reserve(self, num_tokens: int) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
         with self._lock:
             if self.reserved_tokens + num_tokens > self.budget_bytes // self.bytes_per_token:
                 return False
@@ -208,17 +209,25 @@ class RadixCache:
         """Free slots that no running request has reserved."""
         return self.pool.num_free - self.reserved_tokens
 
-    def reserve(self, num_tokens: int) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
         with self._lock:
             if num_tokens > self.pool.capacity - self.reserved_tokens - self.locked_tokens():
                 return False
             short = num_tokens - self._room()
             if short > 0:
-                self.pool.free(self.tree.evict(short))
+                self.pool.free(self._evict_for(short, namespace, num_tokens))
             if self._room() < num_tokens:
                 return False
             self.reserved_tokens += num_tokens
             return True
+
+    def _evict_for(self, num_tokens: int, namespace: str | None, incoming_tokens: int) -> list:
+        """Evict ``num_tokens`` to make room for ``namespace``'s ``incoming_tokens``: by fair
+        share in isolation mode (shipped ``PUBLIC`` content is never evicted for a visitor),
+        else least recently used. Call with the lock held."""
+        fair = self.fair_share and namespace is not None and namespace != PUBLIC
+        return self.tree.evict(num_tokens, fair_for=namespace if fair else None,
+                               capacity_tokens=self.pool.capacity, incoming_tokens=incoming_tokens)
 
     def unreserve(self, num_tokens: int) -> None:
         with self._lock:
@@ -312,9 +321,7 @@ class RadixCache:
             try:
                 short = need - self._room()
                 if short > 0:
-                    fair = self.fair_share and key.namespace != PUBLIC
-                    self.pool.free(self.tree.evict(short, fair_for=key.namespace if fair else None,
-                                                   capacity_tokens=self.pool.capacity, incoming_tokens=need))
+                    self.pool.free(self._evict_for(short, key.namespace, need))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)

@@ -215,7 +215,7 @@ class Scheduler:
         kv = runner.new_request_kv(need)
         handle = cache.acquire(r.key, len(r.ids) - 1, kv)  # locks the match first: eviction spares it
         need -= handle.cached_tokens  # the cached prefix is counted once, in the cache, and stays locked
-        if cache.reserve(need):
+        if cache.reserve(need, r.namespace):
             r.reserved_tokens = need
         elif self.running:
             cache.release(handle)
@@ -353,7 +353,7 @@ class Scheduler:
         if self._wants_baseline(r):
             r.state = State.BASELINE
             r.baseline_kv = self.runner.new_request_kv(len(r.ids))
-            if self.cache.reserve(len(r.ids)):
+            if self.cache.reserve(len(r.ids), r.namespace):
                 r.reserved_tokens = len(r.ids)
             r.emit(GenerationEvent(text=r.text, phase="baseline", prompt_tokens=len(r.ids),
                                    cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
