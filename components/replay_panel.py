@@ -63,21 +63,27 @@ def check_pasted(text: object) -> str:
     return text
 
 
+def _default_budget_mib(engine: Engine) -> float:
+    """The app's own cache budget (a remote server's is unknown: 1 GiB then)."""
+    return (engine.stats().budget_bytes or 2**30) / 2**20
+
+
 def simulate_pasted(engine: Engine, text: object, ttl: object, budget_mb: object) -> ReplayReport:
     """The simulated report of a pasted log, on a cache of its own. Raises EngineError."""
     text = check_pasted(text)
     ttl_s = None if str(ttl) in ("", "none", "None") else parse_ttl(str(ttl)) if str(ttl) in TTL_CHOICES else None
-    runner = engine.runner
+    info = engine.info()
     try:
         mb = float(budget_mb)
     except (TypeError, ValueError):
-        mb = engine.cache.budget_bytes / 2**20
+        mb = _default_budget_mib(engine)
     mb = min(max(mb, 1.0), 4096.0) if mb == mb else 64.0  # NaN -> a small default
-    geometry = ModelGeometry(runner.name, runner.kv_bytes_per_token, runner.max_context,
-                             str(runner.dtype).removeprefix("torch."))
+    geometry = ModelGeometry(info.model_name, info.kv_bytes_per_token, info.max_context, info.dtype)
+    # A remote server's KV size is unknown here: then the simulated cache has no budget (said in the report).
+    budget_tokens = int(mb * 2**20) // info.kv_bytes_per_token if info.kv_bytes_per_token else None
     try:
-        return simulate_lines(text.splitlines(), runner.tokenizer, geometry,
-                              int(mb * 2**20) // runner.kv_bytes_per_token, ttl_s, log_name="pasted log")
+        return simulate_lines(text.splitlines(), engine.tokenizer, geometry, budget_tokens, ttl_s,
+                              log_name="pasted log")
     except LogLineError as exc:
         raise EngineError(str(exc)) from None
 
@@ -91,7 +97,7 @@ def build_replay_panel(engine: Engine) -> None:
                                          '{"role": "user", "content": "..."}], "timestamp": "2026-01-01T10:00:00Z"}')
         with gr.Column(scale=1):
             ttl = gr.Dropdown(TTL_CHOICES, value="none", label="time-to-live (needs timestamps)")
-            budget = gr.Number(value=round(engine.cache.budget_bytes / 2**20), label="cache budget (MiB)",
+            budget = gr.Number(value=round(_default_budget_mib(engine)), label="cache budget (MiB)",
                                minimum=1, maximum=4096)
             run = gr.Button("Simulate my log", variant="primary")
             example = gr.Button("Fill in a generated example")

@@ -186,6 +186,11 @@ class Engine:
         return self.runner.token_pieces(ids)
 
     @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, for tools that simulate without the model."""
+        return self.runner.tokenizer
+
+    @property
     def special_token_ids(self) -> frozenset[int]:
         return frozenset(getattr(self.runner.tokenizer, "all_special_ids", []) or [])
 

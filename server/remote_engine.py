@@ -272,6 +272,11 @@ class RemoteEngine:
             return m
 
     # ------------------------------------------------------------- text
+    @property
+    def tokenizer(self):
+        """The local tokenizer of the same model (prompts are tokenized here)."""
+        return self.text.tokenizer
+
     def encode(self, text: str) -> list[int]:
         return self.text.encode(text)
 
