@@ -58,6 +58,27 @@ def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
     engine.check_invariants()
 
 
+def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
+    """One packed forward holding a fresh prompt, a second chunk of a prompt, and decode tokens:
+    each segment's logits equal a from-scratch forward, and the KV it wrote serves later steps."""
+    vocab = len(tiny_runner.tokenizer)
+    seqs = [rand_ids(80 + i, n, vocab) for i, n in enumerate((12, 30, 7, 19))]
+    kvs = [tiny_runner.new_request_kv(64) for _ in seqs]
+    tiny_runner.forward_last(seqs[1][:10], kvs[1])  # a prompt half prefilled
+    tiny_runner.forward_last(seqs[2], kvs[2])  # two requests decoding
+    tiny_runner.forward_last(seqs[3], kvs[3])
+    fed = [list(seqs[0]), list(seqs[1]), seqs[2] + [5], seqs[3] + [6]]
+    segments = [(seqs[0], kvs[0]), (seqs[1][10:], kvs[1]), ([5], kvs[2]), ([6], kvs[3])]
+    for _ in range(3):
+        logits = tiny_runner.forward_packed(segments)
+        for i, seq in enumerate(fed):
+            ref, _ = tiny_runner.baseline_prefill(seq)
+            assert torch.allclose(logits[i], ref, atol=1e-4), (i, (logits[i] - ref).abs().max())
+            assert kvs[i].length == len(seq)
+        segments = [([7 + i], kv) for i, kv in enumerate(kvs)]
+        fed = [seq + [7 + i] for i, seq in enumerate(fed)]
+
+
 def test_chunked_prefill_logits_exact(tiny_runner):
     ids = rand_ids(9, 53, len(tiny_runner.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
