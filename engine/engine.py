@@ -258,6 +258,9 @@ class Engine:
                     idle = not self.scheduler.has_work()
                 if idle and self._queue.empty():
                     break
+                # Locks are not fair: pause a moment so that other engines sharing the runner (and
+                # anyone else waiting on its lock) get their turn between our steps.
+                time.sleep(0.001)
 
     def _take(self, pending: list[RequestHandle]) -> None:
         """Move the inbox into the scheduler's waiting list."""
