@@ -45,13 +45,8 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     if kvs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer, outs, start = module.layer_idx, [], 0
-    for kv, n in zip(kvs, _batch.lens, strict=True):
+    for kv, n, mask in zip(kvs, _batch.lens, _batch.masks, strict=True):
         row = kv.layers[layer]
-        mask = None
-        if n > 1:  # causal within the new tokens, after everything already in the buffer
-            total = row.keys.shape[-2]
-            pos = torch.arange(total, device=query.device)
-            mask = (pos[None, :] <= pos[total - n:, None]).view(1, 1, n, total)
         out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], row.keys, row.values, mask, **kwargs)
         outs.append(out)
         start += n
@@ -245,13 +240,22 @@ class ModelRunner:
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         # A 4D mask is taken as given (no mask is built); the row-wise attention makes its own.
         mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        _batch.kvs, _batch.lens = kvs, lens
+        _batch.kvs, _batch.lens, _batch.masks = kvs, lens, [self._chunk_mask(kv.length, n) for kv, n in
+                                                            zip(kvs, lens, strict=True)]
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                              cache=RowsCache(kvs, lens), use_cache=True, logits_to_keep=last)
         finally:
-            _batch.kvs = _batch.lens = None
+            _batch.kvs = _batch.lens = _batch.masks = None
         return out.logits[0].float()
+
+    def _chunk_mask(self, past: int, n: int) -> torch.Tensor | None:
+        """Boolean mask ``[1, 1, n, past + n]`` of ``n`` new tokens after ``past`` cached ones:
+        causal among the new tokens, everything before them visible. None for one token."""
+        if n == 1:
+            return None
+        pos = torch.arange(past + n, device=self.device)
+        return (pos[None, :] <= pos[past:, None]).view(1, 1, n, past + n)
 
     @torch.inference_mode()
     def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:

@@ -180,3 +180,18 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
         assert m.output_ids == alone.run(r).output_ids, m.output_text
     assert max(m.batch_size_max for m in metrics) >= 6
     assert sum(m.cached_tokens > 0 for m in metrics) >= 7  # the system prompt was computed once
+
+
+def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
+    """The streamed text (a short window decoded per token) is always a prefix of, and at the
+    end equal to, decoding the whole answer, across multi-byte characters."""
+    from engine.request import Request, RequestHandle
+
+    text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
+    ids = tiny_runner.encode(text)
+    r = Request(RequestHandle(req([1]), [1]), CacheKey((1,)), max_new_tokens=len(ids), seq=1)
+    whole = tiny_runner.decode(ids)
+    for tok in ids:
+        streamed = r.append_token(tok, tiny_runner.decode)
+        assert whole.startswith(streamed)
+    assert streamed == whole
