@@ -89,6 +89,7 @@ class Scheduler:
         self._log_lock = threading.Lock()
         self._step_id = 0
         self._rate: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
+        self._memory_short = False  # admission found no room; retried once budget is given back
 
     # ---------------------------------------------------------------- facts
     def has_work(self) -> bool:
@@ -176,6 +177,9 @@ class Scheduler:
         return sum(1 for r in self.running if r.state in (State.PREFILL, State.DECODE))
 
     def _admit(self) -> None:
+        if self._memory_short and self.running:
+            return  # nothing was given back since admission last ran out of room
+        self._memory_short = False
         admitted_any = True
         while admitted_any and self.waiting and self._rows_used() < self.config.max_batch:
             admitted_any = False
@@ -187,6 +191,7 @@ class Scheduler:
                     continue  # wait for the other request's prompt to be cached, then hit it
                 result = self._try_admit(r)
                 if result is None:
+                    self._memory_short = True
                     return  # out of memory until something finishes: keep the order, admit nobody else
                 if result:
                     admitted_any = True
@@ -401,6 +406,7 @@ class Scheduler:
         if n:
             self.cache.unreserve(n)
             r.reserved_tokens -= n
+        self._memory_short = False  # room may have come back (also when a pinned prompt is released)
 
     # -------------------------------------------------------------- showing
     def _report_queue(self) -> None:
