@@ -220,3 +220,17 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     assert all(m.baseline_prefill_ms is None for m in ma)
     a_second = [i for i, rec in enumerate(log) if ma[1].request_id in rec.request_ids]
     assert min(a_second) > max(i for i, rec in enumerate(log) if ma[0].request_id in rec.request_ids)
+
+
+def test_close_finishes_submitted_work_then_stops(tiny_runner):
+    import pytest
+
+    from engine.types import EngineError
+
+    engine = Engine(tiny_runner)
+    handle = engine.submit(req(rand_ids(140, 10, len(tiny_runner.tokenizer)), 3))
+    engine.close()
+    assert list(handle)[-1].done
+    assert not engine._worker.is_alive()
+    with pytest.raises(EngineError, match="shut down"):
+        engine.submit(req([11, 12], 1))
