@@ -70,8 +70,8 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             marker_opacity=1.0 if mine else 0.35, marker_line_width=1 if mine else 0,
             marker_line_color="#0f172a"))
     fig.update_layout(barmode="overlay", height=max(260, 40 + 18 * len(order)), bargap=0.25,
-                      margin=dict(l=10, r=10, t=30, b=10), uirevision="scheduler",
-                      legend=dict(orientation="h", y=1.08, x=0),
+                      margin=dict(l=10, r=10, t=50, b=10), uirevision="scheduler",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
                       xaxis_title="seconds before now (last forward shown)")
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed([f"#{r}" for r in order])),
                      title="request")
