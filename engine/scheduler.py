@@ -298,6 +298,9 @@ class Scheduler:
         r.inserted_tokens += self.cache.insert(r.key, r.kv)
         self.cache.release(r.cache_handle)
         r.cache_handle = self.cache.pin(r.key)
+        uncached = len(r.ids) - r.cache_handle.cached_tokens  # what did not fit stays the request's own
+        if uncached > 0 and self.cache.reserve(uncached):
+            r.reserved_tokens += uncached
         r.state = State.DECODE
         if r.max_new_tokens <= 0:
             r.first_token_at = time.perf_counter()
