@@ -45,12 +45,24 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     if kvs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer, outs, start = module.layer_idx, [], 0
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
     for kv, n, mask in zip(kvs, _batch.lens, _batch.masks, strict=True):
         row = kv.layers[layer]
-        out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], row.keys, row.values, mask, **kwargs)
+        q = query[:, :, start:start + n]
+        if mask is None and plain:
+            # One new token, no mask: the very call sdpa_attention_forward makes for it,
+            # without its per-call checks and transposes (this runs layers x requests times).
+            extra = {"enable_gqa": True} if gqa else {}
+            out = torch.nn.functional.scaled_dot_product_attention(q, row.keys, row.values, dropout_p=dropout,
+                                                                   scale=scale, **extra)
+        else:
+            out, _ = sdpa_attention_forward(module, q, row.keys, row.values, mask, **kwargs)
+            out = out.transpose(1, 2)
         outs.append(out)
         start += n
-    return torch.cat(outs, dim=1), None
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _register_rows_attention() -> None:

@@ -195,3 +195,21 @@ def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
         streamed = r.append_token(tok, tiny_runner.decode)
         assert whole.startswith(streamed)
     assert streamed == whole
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
+    from engine.model_loader import LoadedModel
+    from engine.model_runner import ModelRunner
+    from tests.engine.test_model_families import tiny
+
+    runner = ModelRunner(LoadedModel(tiny(family, len(tokenizer)).eval(), tokenizer, f"tiny-{family}",
+                                     torch.device("cpu"), torch.float32))
+    vocab = len(tokenizer)
+    shared = rand_ids(200, 20, vocab)
+    requests = [req(shared + rand_ids(201 + i, 3 + 5 * i, vocab), n=5 + i) for i in range(4)]
+    metrics = together(Engine(runner, chunk_tokens=12), requests)
+    alone = Engine(runner, enable_cache=False, max_batch=1)
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == alone.run(r).output_ids
+    assert max(m.batch_size_max for m in metrics) >= 3
