@@ -1,9 +1,9 @@
 """Scheduler panel: what the engine ran, forward by forward, for everyone at once.
 
 A timeline of the last forwards from ``Engine.step_log``: one row per request,
-one bar per forward it took part in (a prefill chunk, a batched decode or a
-no-reuse baseline chunk), so the batches read as columns of bars that share a
-time span. The viewer's own requests are drawn solid and the others faded: in
+one bar per forward it took part in (coloured by what it did there: a prefill
+chunk, a decode token or a no-reuse baseline chunk), so a forward that served
+many requests reads as a column of bars sharing a time span. The viewer's own requests are drawn solid and the others faded: in
 isolation mode these are the requests of the viewer's namespace; on a shared
 (non-isolated) engine everyone shares one namespace, so it is the request of
 the viewer's last answer. Beside it: requests running and waiting, the decode
@@ -54,14 +54,15 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
         start = rec.finished_at - rec.duration_ms / 1000 - end
         for i, rid in enumerate(rec.request_ids):
             mine = _is_mine(rec, i, namespace, set(my_ids))
-            s = series.setdefault((rec.kind, mine), dict(x=[], base=[], y=[], text=[]))
+            kind = "baseline" if rec.kind == "baseline" else "prefill" if rid in rec.prefill_request_ids else "decode"
+            s = series.setdefault((kind, mine), dict(x=[], base=[], y=[], text=[]))
             s["x"].append(max(rec.duration_ms / 1000, 1e-3))
             s["base"].append(start)
             s["y"].append(f"#{rid}")
             cached = f", {rec.cached_tokens:,} from cache" if rec.cached_tokens else ""
-            s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[rec.kind]} in step "
-                             f"{rec.step_id}: batch of {rec.batch_size}<br>{rec.computed_tokens:,} tokens computed"
-                             f"{cached}<br>{rec.duration_ms:.0f} ms")
+            s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[kind]} in step "
+                             f"{rec.step_id}, one forward for {rec.batch_size} request(s)<br>"
+                             f"{rec.computed_tokens:,} tokens computed in it{cached}<br>{rec.duration_ms:.0f} ms")
     for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
         fig.add_trace(go.Bar(
             x=s["x"], base=s["base"], y=s["y"], orientation="h", hovertext=s["text"], hoverinfo="text",
@@ -69,8 +70,8 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             marker_opacity=1.0 if mine else 0.35, marker_line_width=1 if mine else 0,
             marker_line_color="#0f172a"))
     fig.update_layout(barmode="overlay", height=max(260, 40 + 18 * len(order)), bargap=0.25,
-                      margin=dict(l=10, r=10, t=30, b=10), uirevision="scheduler",
-                      legend=dict(orientation="h", y=1.08, x=0),
+                      margin=dict(l=10, r=10, t=50, b=10), uirevision="scheduler",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
                       xaxis_title="seconds before now (last forward shown)")
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed([f"#{r}" for r in order])),
                      title="request")
@@ -97,9 +98,10 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord]) -> str:
 
 
 def build_scheduler_panel(engine: Engine, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
-    gr.Markdown("Every forward the engine ran, newest at the right. Requests decode **together**: each batched "
-                "decode is one column of blue bars; long prompts are prefilled in **chunks** (orange) between "
-                "decodes, so nobody's stream stops. Your requests are drawn solid.", elem_classes=["legend"])
+    gr.Markdown("Every forward the engine ran, newest at the right. Requests run **together**: one forward is a "
+                "column of bars, a decode token (blue) for each answering request and prompt **chunks** (orange) "
+                "for new ones, so a long prompt never stops anyone's stream. Your requests are drawn solid.",
+                elem_classes=["legend"])
     with gr.Row():
         with gr.Column(scale=3):
             plot = gr.Plot(show_label=False, elem_id="scheduler-plot", elem_classes=[KEEP_ZOOM])

@@ -48,6 +48,8 @@ from engine.types import (
 
 log = logging.getLogger(__name__)
 
+_STOP = object()  # inbox marker: the worker ends (Engine.close)
+
 __all__ = ["Engine", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
 
 
@@ -104,6 +106,7 @@ class Engine:
                                  chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
                                  isolation=isolation)
         self.scheduler = Scheduler(runner, self.cache, config, self._request_key, self._record)
+        self._closed = self._stopping = False
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
 
@@ -113,6 +116,8 @@ class Engine:
 
         Validation happens here, before anything touches the cache.
         """
+        if self._closed:
+            raise EngineError("This engine has been shut down.")
         ids = self.prompt_ids(request)
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         with self._stats_lock:
@@ -266,9 +271,19 @@ class Engine:
         return self.cache_key(ids, r.req)
 
     # ---------------------------------------------------------------- worker
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the worker once the requests already submitted are done; later submits raise
+        ``EngineError``. For command lines that build engines one after another."""
+        self._closed = True
+        self._queue.put(_STOP)
+        self._worker.join(timeout_s)
+
     def _work(self) -> None:
         while True:
-            pending = [self._queue.get()]  # sleeps while idle
+            first = self._queue.get()  # sleeps while idle
+            if first is _STOP:
+                return
+            pending = [first]
             while True:
                 try:
                     with self.runner.lock:  # engines sharing one runner take turns, step by step
@@ -280,8 +295,13 @@ class Engine:
                     log.exception("scheduler step failed")
                     self.scheduler.fail_all(exc)
                     idle = not self.scheduler.has_work()
+                if idle and self._stopping:
+                    return
                 if idle and self._queue.empty():
                     break
+                # Locks are not fair: pause a moment so that other engines sharing the runner (and
+                # anyone else waiting on its lock) get their turn between our steps.
+                time.sleep(0.001)
 
     def _take(self, pending: list[RequestHandle]) -> None:
         """Move the inbox into the scheduler's waiting list."""
@@ -291,6 +311,9 @@ class Engine:
             except queue.Empty:
                 break
         for handle in pending:
+            if handle is _STOP:
+                self._stopping = True
+                continue
             if handle.cancelled.is_set():
                 handle.events.put(DONE)
                 continue

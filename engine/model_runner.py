@@ -5,13 +5,15 @@ KV buffer, batched decode forwards over many requests' buffers, the no-reuse
 baseline prefill and detokenizing. Knows nothing about the radix tree, the
 pool or the scheduler: it is handed token ids and buffers.
 
-Batched decode (``decode_batch``): one forward over B requests, one new token
-each. Everything but attention (embeddings, projections, MLP, logits) runs as
-one ``[B, 1]`` batch, which is where the time goes on a CPU. Attention runs per
-row on that row's own buffer (``_rows_attention``, registered with
-transformers' ``AttentionInterface``): no padding, no mask, no copy of anyone's
-KV, and each row attends with exactly the call a lone decode makes, so a
-batched answer equals a lone one (fp32). Outside a batched forward the same
+Batched forwards (``forward_packed``; ``decode_batch`` is its one-token case):
+several requests' new tokens (decode tokens and prefill chunks alike) packed
+into one ``[1, total]`` sequence, each token with its own position. Everything
+but attention (embeddings, projections, MLP, logits) runs once over the pack,
+which is where the time goes on a CPU (the weights are read once per forward).
+Attention runs per request on that request's own buffer (``_rows_attention``,
+registered with transformers' ``AttentionInterface``): no padding, no copy of
+anyone's KV, and each request attends with the SDPA call a lone forward makes,
+so a batched answer equals a lone one (fp32). Outside a batched forward the same
 registered function is plain SDPA with SDPA's masks: single-request paths are
 unchanged.
 """
@@ -35,19 +37,32 @@ _batch = threading.local()  # the buffers of the batched forward running on this
 
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, except inside ``decode_batch``: there each row attends over its own buffer."""
+    """SDPA, except inside ``forward_packed``: there the packed tokens are split back into
+    their requests and each request's tokens attend over that request's own buffer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kvs = getattr(_batch, "kvs", None)
     if kvs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layer = module.layer_idx
-    outs = []
-    for i, kv in enumerate(kvs):
+    layer, outs, start = module.layer_idx, [], 0
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+    for kv, n, mask in zip(kvs, _batch.lens, _batch.masks, strict=True):
         row = kv.layers[layer]
-        out, _ = sdpa_attention_forward(module, query[i:i + 1], row.keys, row.values, None, **kwargs)
+        q = query[:, :, start:start + n]
+        if mask is None and plain:
+            # One new token, no mask: the very call sdpa_attention_forward makes for it,
+            # without its per-call checks and transposes (this runs layers x requests times).
+            extra = {"enable_gqa": True} if gqa else {}
+            out = torch.nn.functional.scaled_dot_product_attention(q, row.keys, row.values, dropout_p=dropout,
+                                                                   scale=scale, **extra)
+        else:
+            out, _ = sdpa_attention_forward(module, q, row.keys, row.values, mask, **kwargs)
+            out = out.transpose(1, 2)
         outs.append(out)
-    return torch.cat(outs, dim=0), None
+        start += n
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _register_rows_attention() -> None:
@@ -107,7 +122,7 @@ class ModelRunner:
         self.baseline_prefill(ids)
         other = self.new_request_kv(4)
         self.forward_last(ids[:3], other)
-        self.decode_batch([1, 2], [kv, other])
+        self.forward_packed([([1], kv), ([2, 3], other)])
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -217,28 +232,50 @@ class ModelRunner:
                          logits_to_keep=1)
         return out.logits[0, -1].float()
 
-    @torch.inference_mode()
     def decode_batch(self, tokens: Sequence[int], kvs: Sequence[RequestKV]) -> torch.Tensor:
         """One new token per request: ``tokens[i]`` runs after the ``kvs[i].length`` tokens in
-        ``kvs[i]`` (lengths may differ) and its KV is appended there. Returns fp32 logits
-        ``[len(tokens), vocab]``. One request, or a model without row-wise attention, takes
-        the single-request path per row."""
+        ``kvs[i]`` (lengths may differ). Returns fp32 logits ``[len(tokens), vocab]``."""
         if len(tokens) != len(kvs) or not tokens:
             raise EngineError("decode_batch needs one token per buffer")
-        if len(tokens) == 1 or not self.can_batch:
-            return torch.stack([self.forward_last([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
-        b = len(tokens)
-        input_ids = torch.tensor([[t] for t in tokens], device=self.device)
-        positions = torch.tensor([[kv.length] for kv in kvs], device=self.device)
-        # A 4D mask is taken as given (no mask is built); the row-wise attention ignores it.
-        mask = torch.ones((b, 1, 1, 1), dtype=torch.bool, device=self.device)
-        _batch.kvs = list(kvs)
+        return self.forward_packed([([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
+
+    @torch.inference_mode()
+    def forward_packed(self, segments: Sequence[tuple[Sequence[int], RequestKV]]) -> torch.Tensor:
+        """Several requests' new tokens in one forward: ``segments[i] = (ids, kv)`` runs ``ids``
+        after the ``kv.length`` tokens already in ``kv`` and appends their KV there (a decode
+        token, or a prefill chunk). The tokens are packed into one ``[1, total]`` sequence
+        with each token's own position; attention is per request. Returns fp32 logits of each
+        segment's last token: ``[len(segments), vocab]``. One segment, or a model without
+        row-wise attention, takes the single-request path per segment."""
+        segments = [(list(ids), kv) for ids, kv in segments]
+        if not segments or any(not ids for ids, _ in segments):
+            raise EngineError("nothing to compute: every segment needs at least one token")
+        if len(segments) == 1 or not self.can_batch:
+            return torch.stack([self.forward_last(ids, kv) for ids, kv in segments])
+        lens = [len(ids) for ids, _ in segments]
+        kvs = [kv for _, kv in segments]
+        input_ids = torch.tensor([[t for ids, _ in segments for t in ids]], device=self.device)
+        positions = torch.tensor([[p for ids, kv in segments for p in range(kv.length, kv.length + len(ids))]],
+                                 device=self.device)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        # A 4D mask is taken as given (no mask is built); the row-wise attention makes its own.
+        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        _batch.kvs, _batch.lens, _batch.masks = kvs, lens, [self._chunk_mask(kv.length, n) for kv, n in
+                                                            zip(kvs, lens, strict=True)]
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                             cache=RowsCache(kvs), use_cache=True, logits_to_keep=1)
+                             cache=RowsCache(kvs, lens), use_cache=True, logits_to_keep=last)
         finally:
-            _batch.kvs = None
-        return out.logits[:, -1].float()
+            _batch.kvs = _batch.lens = _batch.masks = None
+        return out.logits[0].float()
+
+    def _chunk_mask(self, past: int, n: int) -> torch.Tensor | None:
+        """Boolean mask ``[1, 1, n, past + n]`` of ``n`` new tokens after ``past`` cached ones:
+        causal among the new tokens, everything before them visible. None for one token."""
+        if n == 1:
+            return None
+        pos = torch.arange(past + n, device=self.device)
+        return (pos[None, :] <= pos[past:, None]).view(1, 1, n, past + n)
 
     @torch.inference_mode()
     def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:

@@ -9,9 +9,10 @@ cached prefix) and then only appended to, so the prefix is copied exactly once.
 Buffer layout: ``k[layer, kv_head, token, head_dim]``, the pool's layout, so
 pool <-> buffer copies are plain slice copies.
 
-``RowsCache`` is the cache object of a batched decode forward: row ``i`` of the
-batch appends its new key and value to its own ``RequestKV``; the model runner's
-row-wise attention then reads each row's buffer. No KV is gathered or padded.
+``RowsCache`` is the cache object of a packed forward (several requests' new
+tokens in one sequence): request ``i``'s slice of the new keys and values is
+appended to its own ``RequestKV``; the model runner's per-request attention then
+reads each buffer. No KV is gathered or padded.
 """
 
 from __future__ import annotations
@@ -97,11 +98,11 @@ class RequestKV:
 
 
 class _RowsLayer(DynamicLayer):
-    """One layer of a batched decode: hands row ``i``'s new KV to buffer ``i``."""
+    """One layer of a packed forward: hands each request's slice of the new KV to its buffer."""
 
-    def __init__(self, kvs: list[RequestKV], layer_idx: int) -> None:
+    def __init__(self, kvs: list[RequestKV], lens: list[int], layer_idx: int) -> None:
         super().__init__()
-        self._kvs, self._idx = kvs, layer_idx
+        self._kvs, self._lens, self._idx = kvs, lens, layer_idx
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -110,20 +111,23 @@ class _RowsLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        for i, kv in enumerate(self._kvs):
-            kv.layers[self._idx].update(key_states[i:i + 1], value_states[i:i + 1])
-        return key_states, value_states  # attention reads the rows' buffers, not these
+        start = 0
+        for kv, n in zip(self._kvs, self._lens, strict=True):
+            kv.layers[self._idx].update(key_states[:, :, start:start + n], value_states[:, :, start:start + n])
+            start += n
+        return key_states, value_states  # attention reads the requests' buffers, not these
 
     def get_seq_length(self) -> int:
         return 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("batched decode caches are never cropped")
+        raise NotImplementedError("packed forward caches are never cropped")
 
 
 class RowsCache(Cache):
-    """A batched decode's cache: one ``RequestKV`` per batch row, lengths may differ."""
+    """A packed forward's cache: request ``i`` owns the next ``lens[i]`` tokens of the pack and
+    its KV goes to ``kvs[i]``; the requests' lengths may differ."""
 
-    def __init__(self, kvs) -> None:
-        kvs = list(kvs)
-        super().__init__(layers=[_RowsLayer(kvs, i) for i in range(len(kvs[0].layers))])
+    def __init__(self, kvs, lens) -> None:
+        kvs, lens = list(kvs), list(lens)
+        super().__init__(layers=[_RowsLayer(kvs, lens, i) for i in range(len(kvs[0].layers))])

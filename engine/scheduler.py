@@ -21,14 +21,19 @@ One step, in order:
    tree, locks the match, copies it into the request's buffer and reserves the
    buffer's capacity from the byte budget (evicting unlocked cache; if that is
    not enough the request waits; alone, an oversized request still runs).
-3. Prefill work, at most ``chunk_tokens`` prompt tokens per step (chunked
-   prefill: a 4,000-token prompt cannot freeze the others' streams). Prompts
-   with fewer chunks done go first, so a short newcomer is not stuck behind a
-   long prompt. A finished prompt is cached (later arrivals hit it), its lock
-   released, and its first token sampled from the prefill's logits.
-4. One batched decode forward: one token for every request in decode.
-5. No-reuse baselines with what is left of the step's token budget (work of
-   their own: they never run inside someone's prefill or stall the decodes).
+3. One forward: prefill chunks, at most ``chunk_tokens`` prompt tokens per step
+   (chunked prefill: a 4,000-token prompt cannot freeze the others' streams;
+   prompts with fewer chunks done go first, so a short newcomer is not stuck
+   behind a long prompt), packed with one decode token for every request in
+   decode. A finished prompt is cached (later arrivals hit it) and stays pinned
+   while its request runs; its first token comes from the prefill's logits. A
+   request measuring the no-reuse baseline prefills in forwards of its own, so
+   its with-reuse figure is its own work only.
+4. No-reuse baselines with what is left of the step's token budget (work of
+   their own: never inside someone's prefill, never stalling the decodes).
+   With isolation on (a public deployment) the baseline is skipped above
+   ``baseline_max_tokens_isolated`` (2,000) prompt tokens and the metrics say
+   None: a long from-scratch prefill is costly work that only shows a figure.
 
 Every forward is logged as a ``StepRecord`` (bounded), for the scheduler view.
 """
@@ -84,6 +89,7 @@ class Scheduler:
         self._log_lock = threading.Lock()
         self._step_id = 0
         self._rate: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
+        self._memory_short = False  # admission found no room; retried once budget is given back
 
     # ---------------------------------------------------------------- facts
     def has_work(self) -> bool:
@@ -112,10 +118,7 @@ class Scheduler:
         self._step_id += 1
         self._drop_cancelled()
         self._admit()
-        budget = self.config.chunk_tokens
-        decoding = any(r.state is State.DECODE for r in self.running)
-        budget = self._prefill_work(budget, decoding)
-        self._decode_work()
+        budget = self._forward(self.config.chunk_tokens)
         self._baseline_work(budget)
         self._report_queue()
 
@@ -174,6 +177,9 @@ class Scheduler:
         return sum(1 for r in self.running if r.state in (State.PREFILL, State.DECODE))
 
     def _admit(self) -> None:
+        if self._memory_short and self.running:
+            return  # nothing was given back since admission last ran out of room
+        self._memory_short = False
         admitted_any = True
         while admitted_any and self.waiting and self._rows_used() < self.config.max_batch:
             admitted_any = False
@@ -185,6 +191,7 @@ class Scheduler:
                     continue  # wait for the other request's prompt to be cached, then hit it
                 result = self._try_admit(r)
                 if result is None:
+                    self._memory_short = True
                     return  # out of memory until something finishes: keep the order, admit nobody else
                 if result:
                     admitted_any = True
@@ -233,34 +240,56 @@ class Scheduler:
         return True
 
     # ---------------------------------------------------------------- work
-    def _prefill_work(self, budget: int, decoding: bool) -> int:
-        prefills = sorted((r for r in self.running if r.state is State.PREFILL),
-                          key=lambda r: (r.prefill_chunks, r.seq))
-        for r in prefills:
+    def _forward(self, budget: int) -> int:
+        """This step's model work: prefill chunks (at most ``budget`` tokens, newcomers first)
+        and one token for every request in decode, packed into one forward. A request that
+        measures the no-reuse baseline prefills in forwards of its own, so its with-reuse
+        figure holds only its own work. Returns what is left of the token budget."""
+        own, packed = [], []
+        for r in sorted((r for r in self.running if r.state is State.PREFILL), key=lambda r: (r.prefill_chunks, r.seq)):
             if budget <= 0:
                 break
             start = r.prefilled
             n = min(len(r.ids) - start, budget)
-            try:
-                t0 = time.perf_counter()
-                logits = self.runner.forward_last(r.ids[start:start + n], r.kv)
-                self.runner.synchronize()
-                ms = (time.perf_counter() - t0) * 1000
-            except Exception as exc:
-                self._fail(r, exc)
-                continue
             budget -= n
+            (own if r.req.measure_baseline else packed).append((r, start, n))
+        decoding = [r for r in self.running if r.state is State.DECODE]
+        for chunk in own:
+            self._run([chunk], [])
+        if packed or decoding:
+            self._run(packed, decoding)
+        return budget
+
+    def _run(self, chunks: list[tuple[Request, int, int]], decoding: list[Request]) -> None:
+        """One forward over prefill ``chunks`` (request, start, tokens) and ``decoding`` requests."""
+        segments = [(r.ids[start:start + n], r.kv) for r, start, n in chunks]
+        segments += [([r.out_ids[-1]], r.kv) for r in decoding]
+        everyone = [r for r, _, _ in chunks] + decoding
+        try:
+            t0 = time.perf_counter()
+            logits = self.runner.forward_packed(segments)
+            self.runner.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+        except Exception as exc:
+            for r in everyone:
+                self._fail(r, exc)
+            return
+        kind = "decode" if not chunks else "prefill" if not decoding else "mixed"
+        cached = sum(r.cached_tokens for r, start, _ in chunks if start == r.cached_tokens)
+        self._log(kind, everyone, computed=sum(n for _, _, n in chunks) + len(decoding), cached=cached,
+                  duration_ms=ms, prefilling=tuple(r.request_id for r, _, _ in chunks))
+        for i, (r, _, _) in enumerate(chunks):
             r.prefill_ms += ms
             r.prefill_chunks += 1
-            r.prefill_shared_step = r.prefill_shared_step or decoding
-            self._log("prefill", [r], computed=n, cached=r.cached_tokens if start == r.cached_tokens else 0,
-                      duration_ms=ms)
+            r.prefill_shared_step = r.prefill_shared_step or len(everyone) > 1
             if r.prefilled < len(r.ids):
                 r.emit(GenerationEvent(text="", phase="prefill", prompt_tokens=len(r.ids),
                                        cached_tokens=r.cached_tokens, prefilled_tokens=r.prefilled))
             else:
-                self._prefill_done(r, logits)
-        return budget
+                self._prefill_done(r, logits[i])
+        for i, r in enumerate(decoding, start=len(chunks)):
+            r.batch_sizes.append(len(everyone))
+            self._take_token(r, logits[i])
 
     def _prefill_done(self, r: Request, logits) -> None:
         # The prompt moves from the request's reservation into the cache, where later
@@ -269,30 +298,15 @@ class Scheduler:
         r.inserted_tokens += self.cache.insert(r.key, r.kv)
         self.cache.release(r.cache_handle)
         r.cache_handle = self.cache.pin(r.key)
+        uncached = len(r.ids) - r.cache_handle.cached_tokens  # what did not fit stays the request's own
+        if uncached > 0 and self.cache.reserve(uncached):
+            r.reserved_tokens += uncached
         r.state = State.DECODE
         if r.max_new_tokens <= 0:
             r.first_token_at = time.perf_counter()
             self._finish(r, "length")
             return
         self._take_token(r, logits)
-
-    def _decode_work(self) -> None:
-        rows = [r for r in self.running if r.state is State.DECODE]
-        if not rows:
-            return
-        try:
-            t0 = time.perf_counter()
-            logits = self.runner.decode_batch([r.out_ids[-1] for r in rows], [r.kv for r in rows])
-            self.runner.synchronize()
-            ms = (time.perf_counter() - t0) * 1000
-        except Exception as exc:
-            for r in rows:
-                self._fail(r, exc)
-            return
-        self._log("decode", rows, computed=len(rows), cached=0, duration_ms=ms)
-        for i, r in enumerate(rows):
-            r.batch_sizes.append(len(rows))
-            self._take_token(r, logits[i])
 
     def _take_token(self, r: Request, logits) -> None:
         """Sample ``r``'s next token from its logits row; stream it or finish."""
@@ -395,6 +409,7 @@ class Scheduler:
         if n:
             self.cache.unreserve(n)
             r.reserved_tokens -= n
+        self._memory_short = False  # room may have come back (also when a pinned prompt is released)
 
     # -------------------------------------------------------------- showing
     def _report_queue(self) -> None:
@@ -406,8 +421,10 @@ class Scheduler:
                 r.last_queue_ahead = i
                 r.emit(GenerationEvent(text="", phase="queued", queue_ahead=i, prompt_tokens=len(r.ids)))
 
-    def _log(self, kind: str, rows: list[Request], computed: int, cached: int, duration_ms: float) -> None:
+    def _log(self, kind: str, rows: list[Request], computed: int, cached: int, duration_ms: float,
+             prefilling: tuple[int, ...] = ()) -> None:
         rec = StepRecord(step_id=self._step_id, kind=kind, request_ids=tuple(r.request_id for r in rows),
+                         prefill_request_ids=prefilling,
                          namespaces=tuple(r.namespace for r in rows), batch_size=len(rows),
                          computed_tokens=computed, cached_tokens=cached, duration_ms=duration_ms,
                          finished_at=time.time(), running=len(self.running), waiting=len(self.waiting))

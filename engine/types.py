@@ -78,9 +78,9 @@ class RequestMetrics:
     finished_at: float = 0.0
     # How the request ran under the batching scheduler: the largest and mean number of
     # requests in the decode forwards it took part in, how many prefill chunks its prompt
-    # took, and whether other requests' decodes ran in the steps of its prefill. The
-    # scheduler runs a prefill chunk as a forward of its own, so ``prefill_ms`` (its own
-    # forwards plus the match and copy) never includes their work; ``ttft_ms`` does.
+    # took, and whether any of its prefill chunks shared a forward with other requests
+    # (then ``prefill_ms`` includes their work and reads high). Requests that measure the
+    # no-reuse baseline prefill in forwards of their own, so the side-by-side stays clean.
     batch_size_max: int = 1
     batch_size_mean: float = 1.0
     prefill_chunks: int = 1
@@ -115,12 +115,13 @@ class GenerationEvent:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One forward the scheduler ran: a prefill chunk (one request), a batched decode
-    (one token per request in it) or a no-reuse baseline chunk. Steps group forwards:
-    a step runs prefill chunks, then one decode, then baseline chunks."""
+    """One forward the scheduler ran: prefill chunks and decode tokens of several requests
+    packed together, or a no-reuse baseline chunk. Steps group forwards: a step runs the
+    prefills of requests measuring the baseline (alone), one packed forward, then
+    baseline chunks."""
 
     step_id: int
-    kind: str  # "prefill", "decode" or "baseline"
+    kind: str  # "prefill", "decode", "mixed" (prefill chunks packed with decodes) or "baseline"
     request_ids: tuple[int, ...]
     namespaces: tuple[str, ...]
     batch_size: int
@@ -130,6 +131,7 @@ class StepRecord:
     finished_at: float  # time.time()
     running: int = 0  # requests admitted after this forward
     waiting: int = 0
+    prefill_request_ids: tuple[int, ...] = ()  # those of ``request_ids`` that ran a prefill chunk
 
 
 @dataclass(frozen=True)

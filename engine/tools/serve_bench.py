@@ -109,7 +109,9 @@ def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: 
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0, ttfts, outputs
+    wall = time.perf_counter() - t0
+    engine.close()
+    return wall, ttfts, outputs
 
 
 def hf_peer(runner: ModelRunner):
@@ -152,6 +154,7 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
     requests = chat_requests(n_requests, max_new_tokens)
     alone = Engine(runner, enable_cache=False, max_batch=1)
     reference = [alone.run(r).output_ids for r in requests]
+    alone.close()
     peer = hf_peer(runner) if "hf" in engines else None
     rows = []
     for c in streams:

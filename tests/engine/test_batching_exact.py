@@ -58,6 +58,27 @@ def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
     engine.check_invariants()
 
 
+def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
+    """One packed forward holding a fresh prompt, a second chunk of a prompt, and decode tokens:
+    each segment's logits equal a from-scratch forward, and the KV it wrote serves later steps."""
+    vocab = len(tiny_runner.tokenizer)
+    seqs = [rand_ids(80 + i, n, vocab) for i, n in enumerate((12, 30, 7, 19))]
+    kvs = [tiny_runner.new_request_kv(64) for _ in seqs]
+    tiny_runner.forward_last(seqs[1][:10], kvs[1])  # a prompt half prefilled
+    tiny_runner.forward_last(seqs[2], kvs[2])  # two requests decoding
+    tiny_runner.forward_last(seqs[3], kvs[3])
+    fed = [list(seqs[0]), list(seqs[1]), seqs[2] + [5], seqs[3] + [6]]
+    segments = [(seqs[0], kvs[0]), (seqs[1][10:], kvs[1]), ([5], kvs[2]), ([6], kvs[3])]
+    for _ in range(3):
+        logits = tiny_runner.forward_packed(segments)
+        for i, seq in enumerate(fed):
+            ref, _ = tiny_runner.baseline_prefill(seq)
+            assert torch.allclose(logits[i], ref, atol=1e-4), (i, (logits[i] - ref).abs().max())
+            assert kvs[i].length == len(seq)
+        segments = [([7 + i], kv) for i, kv in enumerate(kvs)]
+        fed = [seq + [7 + i] for i, seq in enumerate(fed)]
+
+
 def test_chunked_prefill_logits_exact(tiny_runner):
     ids = rand_ids(9, 53, len(tiny_runner.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
@@ -159,3 +180,36 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
         assert m.output_ids == alone.run(r).output_ids, m.output_text
     assert max(m.batch_size_max for m in metrics) >= 6
     assert sum(m.cached_tokens > 0 for m in metrics) >= 7  # the system prompt was computed once
+
+
+def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
+    """The streamed text (a short window decoded per token) is always a prefix of, and at the
+    end equal to, decoding the whole answer, across multi-byte characters."""
+    from engine.request import Request, RequestHandle
+
+    text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
+    ids = tiny_runner.encode(text)
+    r = Request(RequestHandle(req([1]), [1]), CacheKey((1,)), max_new_tokens=len(ids), seq=1)
+    whole = tiny_runner.decode(ids)
+    for tok in ids:
+        streamed = r.append_token(tok, tiny_runner.decode)
+        assert whole.startswith(streamed)
+    assert streamed == whole
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
+    from engine.model_loader import LoadedModel
+    from engine.model_runner import ModelRunner
+    from tests.engine.test_model_families import tiny
+
+    runner = ModelRunner(LoadedModel(tiny(family, len(tokenizer)).eval(), tokenizer, f"tiny-{family}",
+                                     torch.device("cpu"), torch.float32))
+    vocab = len(tokenizer)
+    shared = rand_ids(200, 20, vocab)
+    requests = [req(shared + rand_ids(201 + i, 3 + 5 * i, vocab), n=5 + i) for i in range(4)]
+    metrics = together(Engine(runner, chunk_tokens=12), requests)
+    alone = Engine(runner, enable_cache=False, max_batch=1)
+    for r, m in zip(requests, metrics, strict=True):
+        assert m.output_ids == alone.run(r).output_ids
+    assert max(m.batch_size_max for m in metrics) >= 3

@@ -196,3 +196,41 @@ def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
     wait_idle(engine)
     assert_clean(engine)
     assert engine.cache.reserved_tokens == 0
+
+
+def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
+    """Issue 14's starvation case, in steps: visitor A sends two long prompts, B a short
+    question. B's prefill runs before A's first prompt has finished its chunks, A's second
+    prompt waits behind A's first, and A's no-reuse baseline is skipped (long, public)."""
+    vocab = len(tiny_runner.tokenizer)
+    engine = configure(Engine(tiny_runner, isolation=True, chunk_tokens=8), baseline_max_tokens_isolated=100)
+    a = [req(rand_ids(120 + i, 400, vocab), 3, namespace="v-a", measure_baseline=True) for i in range(2)]
+    with tiny_runner.lock:
+        ha = [engine.submit(r) for r in a]
+    first = iter(ha[0])
+    next(first)  # A's first prompt is being prefilled (50 chunks)
+    with tiny_runner.lock:
+        hb = engine.submit(req(rand_ids(130, 6, vocab), 3, namespace="v-b"))
+    mb = list(hb)[-1].metrics
+    ma = [list(first)[-1].metrics, list(ha[1])[-1].metrics]
+    log = engine.step_log()
+    a_chunks = [i for i, rec in enumerate(log) if rec.request_ids == (ma[0].request_id,) and rec.kind == "prefill"]
+    b_first = next(i for i, rec in enumerate(log) if mb.request_id in rec.request_ids)
+    assert b_first < a_chunks[-1]
+    assert all(m.baseline_prefill_ms is None for m in ma)
+    a_second = [i for i, rec in enumerate(log) if ma[1].request_id in rec.request_ids]
+    assert min(a_second) > max(i for i, rec in enumerate(log) if ma[0].request_id in rec.request_ids)
+
+
+def test_close_finishes_submitted_work_then_stops(tiny_runner):
+    import pytest
+
+    from engine.types import EngineError
+
+    engine = Engine(tiny_runner)
+    handle = engine.submit(req(rand_ids(140, 10, len(tiny_runner.tokenizer)), 3))
+    engine.close()
+    assert list(handle)[-1].done
+    assert not engine._worker.is_alive()
+    with pytest.raises(EngineError, match="shut down"):
+        engine.submit(req([11, 12], 1))

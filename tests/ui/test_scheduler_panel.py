@@ -28,6 +28,17 @@ def test_timeline_from_a_real_batch(tiny_runner):
     assert "requests running" in text and "output tokens/s" in text
 
 
+def test_mixed_forward_colours_each_request_by_its_work():
+    from engine.types import StepRecord
+
+    rec = StepRecord(step_id=3, kind="mixed", request_ids=(1, 2), namespaces=("v-a", "v-b"), batch_size=2,
+                     computed_tokens=17, cached_tokens=40, duration_ms=80.0, finished_at=100.0,
+                     prefill_request_ids=(2,))
+    fig = timeline_figure([rec], namespace="v-a")
+    by_name = {t.name: list(t.y) for t in fig.data}
+    assert by_name == {"batched decode (yours)": ["#1"], "prefill chunk": ["#2"]}
+
+
 def test_empty_timeline_says_so():
     fig = timeline_figure([])
     assert "No forwards yet" in fig.layout.annotations[0].text
