@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cap on new tokens per request (default 512)")
     p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
+    p.add_argument("--max-batch", type=_positive_int, default=env("RADIX_MAX_BATCH", "16"),
+                   help="requests decoded together in one forward (continuous batching); 1 runs one at a time")
+    p.add_argument("--chunk-tokens", type=_limit, default=env("RADIX_CHUNK_TOKENS", "0"),
+                   help="prompt tokens prefilled per scheduler step, so a long prompt cannot freeze other "
+                        "visitors' streams (default: 256 on CPU, 2048 on GPU)")
     p.add_argument("--no-cache", action="store_true", help="run with no prefix cache at all (for comparison)")
     p.add_argument("--api-key", default=env("RADIX_API_KEY", ""),
                    help="require this key (Authorization: Bearer) on the OpenAI-compatible API under /v1 "
@@ -82,7 +87,7 @@ def build_engine(args: argparse.Namespace, runner=None):
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens_cap=args.max_new_tokens)
+                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens)
 
 
 def build_app(engine, max_queue: int = 32):

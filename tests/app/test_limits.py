@@ -83,7 +83,17 @@ def test_flag_caps_never_exceed_the_model_context(tiny_runner):
     assert engine.max_prompt_tokens == tiny_runner.max_context
 
 
+def test_batching_flags_and_env(tiny_runner, monkeypatch):
+    monkeypatch.delenv("RADIX_MAX_BATCH", raising=False)
+    monkeypatch.setenv("RADIX_CHUNK_TOKENS", "64")
+    engine = app.build_engine(app.parse_args(["--max-batch", "1"]), runner=tiny_runner)
+    assert (engine.scheduler.config.max_batch, engine.scheduler.config.chunk_tokens) == (1, 64)
+    engine = app.build_engine(app.parse_args([]), runner=tiny_runner)
+    assert engine.scheduler.config.max_batch == 16
+
+
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--max-queue", "-1"], ["--max-prompt-tokens", "x"],
+                                  ["--max-batch", "0"], ["--chunk-tokens", "-3"],
                                   ["--cache-budget-mb", "-5"], ["--cache-budget-mb", "nan"]])
 def test_bad_flag_values_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
