@@ -221,6 +221,16 @@ class Engine:
                            tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
                            reserved_bytes=self.cache.reserved_tokens * self.cache.bytes_per_token)
 
+    def configure_scheduler(self, **changes) -> None:
+        """Change the scheduler's policy knobs (fields of ``SchedulerConfig``: ``max_batch``,
+        ``lpm_queue_limit``, ``max_wait_s``, ...) from the next step on. The request-order
+        demo uses it to run one queue first-come-first-served (``lpm_queue_limit=0``) and
+        longest-prefix-match first on the scheduler's own admission code."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(SchedulerConfig)}
+        if unknown:
+            raise EngineError(f"unknown scheduler setting(s): {', '.join(sorted(unknown))}")
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, **changes)
+
     def step_log(self, n: int | None = None) -> list[StepRecord]:
         """The scheduler's last ``n`` forwards (all kept ones if None), oldest first."""
         return self.scheduler.step_log(n)

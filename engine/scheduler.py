@@ -68,6 +68,7 @@ class SchedulerConfig:
     max_wait_s: float = 10.0  # waited longer: admitted first, in arrival order (ageing guard)
     share_min_tokens: int = 16  # hold a request back while another prefills this many of its uncached tokens
     baseline_max_tokens_isolated: int = 2000  # with isolation, no no-reuse baseline above this prompt length
+    match_refresh_s: float = 0.25  # a waiting request's cached-prefix length is re-matched this often
     step_log_size: int = 600
     rate_window_s: float = 10.0  # tokens/s is measured over this window
 
@@ -154,7 +155,7 @@ class Scheduler:
         fcfs = len(self.waiting) > cfg.lpm_queue_limit
         if not fcfs:
             for r in self.waiting:
-                if now - r.match_checked_at > 0.25:
+                if now - r.match_checked_at > cfg.match_refresh_s:
                     r.match_len = self.cache.match_len(r.key)
                     r.match_checked_at = now
         active = self._active_per_visitor()

@@ -3,21 +3,29 @@
 Owns: running one queue of waiting requests through a dedicated small-budget
 ``Engine`` built on the app's ``ModelRunner`` (``runner.lock`` serialises model
 use with the app's engine), once per policy from an empty cache, and the
-per-policy results. Every number comes from the real engine.
+per-policy results. Every number comes from the real engine, and the order
+comes from the real scheduler's admission code (``engine/scheduler.py``): the
+whole queue is submitted at once and the scheduler picks.
 
-- ``fcfs``: requests run in arrival order.
-- ``lpm``: before each request, the scheduler matches every waiting request
-  against the tree and runs the one with the longest cached prefix (ties: the
+- ``fcfs``: requests run in arrival order (the scheduler's first-come-first-served
+  fallback, forced with ``lpm_queue_limit=0``).
+- ``lpm``: before each admission the scheduler matches every waiting request
+  against the tree and admits the one with the longest cached prefix (ties: the
   earliest), as SGLang's scheduler does with its ``lpm`` policy. Requests that
   share a prefix then run back to back, before eviction can take that prefix
-  away. (SGLang falls back to FCFS for very long queues, where matching every
-  request costs too much; and LPM can delay a lone request: fairness is the price.)
+  away. (The app's scheduler falls back to FCFS above 16 waiting requests, where
+  matching every request costs too much, and admits anyone who waited over 10 s
+  first: LPM can delay a lone request. The demo lifts both limits to show the
+  policy itself.)
 
-The engine runs one request at a time, so a "batch" here is one request.
+The demo's engine admits one request at a time (``max_batch=1``), so each
+request's prefill sees exactly what the ones before it left in the cache.
 """
 
 from __future__ import annotations
 
+import math
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -73,7 +81,7 @@ class RequestOrderDemo:
     def _engine_for(self, budget_tokens: int) -> Engine:
         budget = budget_tokens * self.runner.kv_bytes_per_token
         if self._engine is None:
-            self._engine = Engine(self.runner, budget_bytes=budget, max_queue=4)
+            self._engine = Engine(self.runner, budget_bytes=budget, max_queue=64, max_batch=1)
         else:
             self._engine.clear_cache()
             self._engine.set_budget(budget)
@@ -106,31 +114,66 @@ class RequestOrderDemo:
         total, done, results = len(prompts) * len(policies), 0, []
         for policy in policies:
             engine.clear_cache()
-            evicted_before = engine.cache.evicted_tokens
-            waiting = list(range(len(prompts)))
+            evicted_before = engine.stats().evicted_tokens
+            engine.configure_scheduler(lpm_queue_limit=0 if policy == FCFS else len(prompts) + 1,
+                                       max_wait_s=math.inf, match_refresh_s=0.0)
+            finished: queue.Queue = queue.Queue()
+            handles = [engine.submit(_req(ids[i], sampling)) for i in range(len(prompts))]
+            for i, handle in enumerate(handles):
+                threading.Thread(target=_collect, args=(i, handle, finished), daemon=True).start()
             ran: list[ScheduledRequest] = []
-            while waiting and not stop():
-                matches = {i: engine.cache.match_len(engine.cache_key(ids[i], _req(ids[i], sampling)))
-                           for i in waiting}
-                pick = waiting[0] if policy == FCFS else max(waiting, key=lambda i: (matches[i], -i))
-                waiting.remove(pick)
-                m = engine.run(_req(ids[pick], sampling))
+            while len(ran) < len(prompts) and not stop():
+                try:
+                    pick, m = finished.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if m is None:  # failed or cancelled: the demo stops
+                    break
+                # With one request admitted at a time, the order requests finish in is the order
+                # the scheduler admitted them; what it matched then is what it reused.
                 ran.append(ScheduledRequest(len(ran), pick, prompts[pick].label, m.prompt_tokens, m.cached_tokens,
-                                            m.computed_tokens, m.prefill_ms, matches[pick]))
+                                            m.computed_tokens, m.prefill_ms, m.cached_tokens))
                 done += 1
                 current = ScheduleResult(policy, tuple(ran), len(prompts), budget_tokens,
-                                         engine.cache.evicted_tokens - evicted_before)
+                                         engine.stats().evicted_tokens - evicted_before)
                 yield ScheduleProgress(done, total, f"{POLICY_NAMES[policy]}: request {len(ran)} of {len(prompts)}",
                                        tuple(results) + (current,))
+            for handle in handles:
+                handle.cancel()
             results.append(ScheduleResult(policy, tuple(ran), len(prompts), budget_tokens,
-                                          engine.cache.evicted_tokens - evicted_before))
-            engine.check_invariants()
-            if stop() or waiting:
+                                          engine.stats().evicted_tokens - evicted_before))
+            if len(ran) < len(prompts):
+                _wait_idle(engine)
                 engine.clear_cache()
                 yield ScheduleProgress(done, total, "Stopped.", tuple(results), finished=True, stopped=True)
                 return
+            engine.check_invariants()
         engine.clear_cache()  # give the memory back between demos
         yield ScheduleProgress(done, total, "Done.", tuple(results), finished=True)
+
+
+def _collect(index: int, handle, out: queue.Queue) -> None:
+    """Drain one request's events; put (index, metrics or None) when it ends."""
+    metrics = None
+    try:
+        for event in handle:
+            if event.done:
+                metrics = event.metrics
+    except EngineError:
+        metrics = None
+    out.put((index, metrics if metrics is not None and metrics.finish_reason != "cancelled" else None))
+
+
+def _wait_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+    """Until the cancelled requests have left the engine (so clearing frees everything)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.running == 0 and s.waiting == 0:
+            return
+        time.sleep(0.02)
 
 
 def _req(ids: Sequence[int], sampling: SamplingParams) -> GenerationRequest:
