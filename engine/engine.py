@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
-__all__ = ["Engine", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
+__all__ = ["Engine", "TextFacade", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
 
 
 def default_budget_bytes(device: torch.device) -> int:
@@ -75,7 +75,40 @@ class PrefillResult(NamedTuple):
     path: tuple[int, ...]
 
 
-class Engine:
+class TextFacade:
+    """The text side of an engine, for the UI and the lab: tokenize, render, detokenize.
+
+    Reads ``self.text``: an object with the ``ModelRunner``'s text methods (the runner
+    itself here; a model-free stand-in in ``server.remote_engine``)."""
+
+    text: ModelRunner
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as is (no chat template, no BOS)."""
+        return self.text.encode(text)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        return self.text.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.text.decode(ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """One display string per token; their concatenation is ``decode(ids)``."""
+        return self.text.token_pieces(ids)
+
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, for tools that simulate without the model."""
+        return self.text.tokenizer
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
+
+
+class Engine(TextFacade):
     """Requests in, events out. ``max_batch`` requests run together (1 gives the
     one-at-a-time engine); ``chunk_tokens`` bounds the prompt tokens computed per step."""
 
@@ -83,7 +116,7 @@ class Engine:
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
                  chunk_tokens: int | None = None) -> None:
-        self.runner = runner
+        self.runner = self.text = runner
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         if enable_cache:
             pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
@@ -173,31 +206,6 @@ class Engine:
             raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is "
                               f"{self.max_prompt_tokens:,} tokens. Shorten it and try again.")
         return ids
-
-    # ------------------------------------------------- text, for the UI and the lab
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as is (no chat template, no BOS)."""
-        return self.runner.encode(text)
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
-        return self.runner.render_chat(messages, add_generation_prompt=add_generation_prompt)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.runner.decode(ids)
-
-    def token_pieces(self, ids: Sequence[int]) -> list[str]:
-        """One display string per token; their concatenation is ``decode(ids)``."""
-        return self.runner.token_pieces(ids)
-
-    @property
-    def tokenizer(self):
-        """The model's Hugging Face tokenizer, for tools that simulate without the model."""
-        return self.runner.tokenizer
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(getattr(self.runner.tokenizer, "all_special_ids", []) or [])
 
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The tree as plain data; in isolation mode ``viewer`` (a namespace) sees

@@ -26,17 +26,18 @@ import functools
 import hashlib
 import hmac
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine import validation
+from engine.engine import TextFacade
 from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
+from engine.request import DONE, RequestHandle
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -52,7 +53,6 @@ from server.backend_client import BackendClient, StreamResult
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
 @dataclass(frozen=True)
 class RemoteEngineInfo(EngineInfo):
     backend: str = ""  # the server's URL; memory, budget and KV geometry are unknown here
@@ -83,30 +83,6 @@ class LocalTokenizer:
         return len(self.tokenizer)
 
 
-class RemoteHandle:
-    """A submitted request: iterate it for events; ``cancel()`` closes its connection."""
-
-    def __init__(self, request: GenerationRequest, ids: list[int]) -> None:
-        self.request, self.ids = request, ids
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def __iter__(self) -> Iterator[GenerationEvent]:
-        try:
-            while True:
-                item = self.events.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel()
-
-
 class _ShadowCache:
     """What the ordering lab reads off ``engine.cache``; evictions on the server are unknown (0)."""
 
@@ -120,7 +96,7 @@ class _ShadowCache:
         return self.tree.match(key, touch=False).length
 
 
-class RemoteEngine:
+class RemoteEngine(TextFacade):
     def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
                  max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
                  timeout_s: float = 300.0, history_size: int = 1000) -> None:
@@ -172,14 +148,14 @@ class RemoteEngine:
                               "tokens. Shorten it and try again.")
         return ids
 
-    def submit(self, request: GenerationRequest) -> RemoteHandle:
+    def submit(self, request: GenerationRequest) -> RequestHandle:
         ids = self.prompt_ids(request)
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         with self._lock:
             if self._in_flight >= self.max_queue:
                 raise EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
             self._in_flight += 1
-        handle = RemoteHandle(request, ids)
+        handle = RequestHandle(request, ids)
         threading.Thread(target=self._work, args=(handle,), name="remote-request", daemon=True).start()
         return handle
 
@@ -193,7 +169,7 @@ class RemoteEngine:
         assert last is not None and last.metrics is not None
         return last.metrics
 
-    def _work(self, handle: RemoteHandle) -> None:
+    def _work(self, handle: RequestHandle) -> None:
         try:
             for event in self._run(handle):
                 handle.events.put(event)
@@ -205,7 +181,7 @@ class RemoteEngine:
         finally:
             with self._lock:
                 self._in_flight -= 1
-            handle.events.put(_DONE)
+            handle.events.put(DONE)
 
     def _salt(self, namespace: str) -> str | None:
         with self._lock:
@@ -215,7 +191,7 @@ class RemoteEngine:
         msg = f"{namespace}#{epoch}".encode("utf-8", "surrogatepass")
         return "radix-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:24]
 
-    def _run(self, handle: RemoteHandle) -> Iterator[GenerationEvent]:
+    def _run(self, handle: RequestHandle) -> Iterator[GenerationEvent]:
         req, ids = handle.request, handle.ids
         max_new = max(1, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap))
         result = yield from self.client.stream(ids, req.sampling, max_new, self._salt(req.namespace),
@@ -270,28 +246,6 @@ class RemoteEngine:
                 cached_tokens_reported=reported)
             self.history.append(m)
             return m
-
-    # ------------------------------------------------------------- text
-    @property
-    def tokenizer(self):
-        """The local tokenizer of the same model (prompts are tokenized here)."""
-        return self.text.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.text.encode(text)
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        return self.text.render_chat(messages, add_generation_prompt=add_generation_prompt)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.text.decode(ids)
-
-    def token_pieces(self, ids: Sequence[int]) -> list[str]:
-        return self.text.token_pieces(ids)
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
 
     # ------------------------------------------------------------- state
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
