@@ -16,7 +16,15 @@ from collections.abc import Iterator
 import gradio as gr
 
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
-from components.common import MODEL_NOTE, TOKEN_COLORS, highlighted_prompt, metrics_markdown, status_markdown, warn
+from components.common import (
+    MODEL_NOTE,
+    TOKEN_COLORS,
+    highlighted_prompt,
+    long_prompt_note,
+    metrics_markdown,
+    status_markdown,
+    warn,
+)
 from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
 from engine.engine import Engine
@@ -120,8 +128,10 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
         return
     skipped = baseline_skipped(measure, req)
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-    waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else "*Waiting for the model…*")
-    yield history, "", [], waiting + (f"\n\n*{skipped}*" if skipped else ""), None
+    waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else
+               "*Prefilling the prompt…*")
+    notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped) if n]
+    yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None
     try:
         for answer, status, metrics in stream_request(engine, handle, request, "chat"):
             history[-1] = {"role": "assistant", "content": answer}

@@ -38,6 +38,20 @@ def playground_history(engine, namespace: str | None = None, n: int | None = Non
     return items[-n:] if n else items
 
 
+LONG_PROMPT_TOKENS = 1024
+
+
+def long_prompt_note(engine, prompt_tokens: int) -> str | None:
+    """For a long prompt, what to expect: its size and an estimate of its prefill from this
+    machine's recent speed (measured on earlier requests); None for a short prompt."""
+    if prompt_tokens < LONG_PROMPT_TOKENS:
+        return None
+    recent = [m for m in engine.recent(50) if m.computed_tokens >= 64 and m.prefill_ms > 0]
+    ms_per_token = (sum(m.prefill_ms for m in recent) / sum(m.computed_tokens for m in recent)) if recent else None
+    estimate = f", about {fmt_ms(ms_per_token * prompt_tokens)} at this machine's recent speed" if ms_per_token else ""
+    return f"Long prompt: {prompt_tokens:,} tokens to prefill{estimate} (less if part of it is cached)."
+
+
 def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]]:
     """The prompt as (text, label) spans: cached tokens first, computed after."""
     pieces = engine.token_pieces(m.prompt_ids)

@@ -98,7 +98,7 @@ def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
         req, handle = _submit(engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard, request,
                               "few-shot", random.Random())
         skipped = baseline_skipped(measure, req)
-        yield "", [], "*Waiting for the model…*", None
+        yield "", [], "*Prefilling the prompt…*", None
         for answer, status, metrics in stream_request(engine, handle, request, "fewshot"):
             if metrics is not None:
                 yield answer, highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
