@@ -8,7 +8,7 @@ this module only puts them together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import gradio as gr
 
@@ -50,6 +50,21 @@ def long_prompt_note(engine, prompt_tokens: int) -> str | None:
     ms_per_token = (sum(m.prefill_ms for m in recent) / sum(m.computed_tokens for m in recent)) if recent else None
     estimate = f", about {fmt_ms(ms_per_token * prompt_tokens)} at this machine's recent speed" if ms_per_token else ""
     return f"Long prompt: {prompt_tokens:,} tokens to prefill{estimate} (less if part of it is cached)."
+
+
+def history_refresh(engine, draw: Callable[[list[RequestMetrics]], tuple], n_outputs: int) -> Callable:
+    """A live panel's refresh: redraw (``draw`` over the visitor's playground history, lab runs
+    left out) only when the engine changed since this visitor's last picture."""
+    from components.live import drawn, engine_signature, unchanged
+    from components.session import own_namespace
+
+    def refresh(seen_before, request: gr.Request):
+        sig = engine_signature(engine)
+        if unchanged(seen_before, sig):
+            return (gr.skip(),) * n_outputs + (seen_before,)
+        return (*draw(playground_history(engine, namespace=own_namespace(request, engine))), drawn(sig))
+
+    return refresh
 
 
 def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]]:
