@@ -63,7 +63,6 @@ CSS += """
 @media (max-width: 640px) {
   .gradio-container {padding-left: 6px !important; padding-right: 6px !important}
   .kval {font-size: 1.3rem}
-  .prose th, .prose td {white-space: nowrap}
   #lab-results h2 {font-size: 1.15rem}
 }
 """
