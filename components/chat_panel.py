@@ -220,5 +220,5 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     for b in starters:
         b.click(lambda q: q, b, message, api_visibility="private").then(
             chat, inputs, outputs, api_visibility="private", show_progress="minimal")
-    stop.click(stop_chat, None, None, api_visibility="private")
+    stop.click(stop_chat, None, None, api_visibility="private", queue=False)  # never behind a busy queue
     clear.click(new_chat, None, [chatbot, message, tokens, numbers, last_metrics], api_visibility="private")

@@ -197,7 +197,7 @@ def _build_one_query(engine: Engine, last_metrics: gr.State, preset0: dict, shar
     one_outputs = [answer, tokens, numbers, last_metrics]
     run.click(one, one_inputs, one_outputs, api_name="fewshot", show_progress="minimal")
     query.submit(one, one_inputs, one_outputs, api_visibility="private", show_progress="minimal")
-    stop_one.click(stop_fewshot, None, None, api_visibility="private")
+    stop_one.click(stop_fewshot, None, None, api_visibility="private", queue=False)
     return query
 
 
@@ -224,7 +224,7 @@ def _build_batch(engine: Engine, last_metrics: gr.State, preset0: dict, shared: 
 
     run_n.click(batch, [instruction, examples, queries, n_runs, shuffle, max_new, baseline, guard],
                 [summary, chart, table, last_metrics], api_name="fewshot_batch", show_progress="minimal")
-    stop.click(stop_fewshot, None, None, api_visibility="private")
+    stop.click(stop_fewshot, None, None, api_visibility="private", queue=False)
     return queries
 
 
