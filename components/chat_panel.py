@@ -132,13 +132,15 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
                "*Prefilling the prompt…*")
     notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped) if n]
     yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None
+    shown = None
     try:
         for answer, status, metrics in stream_request(engine, handle, request, "chat"):
             history[-1] = {"role": "assistant", "content": answer}
             if metrics is not None:
                 yield history, "", highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
-            else:
-                yield history, "", gr.skip(), status, gr.skip()
+            else:  # the status only when it changes, not once per token
+                yield history, "", gr.skip(), status if status != shown else gr.skip(), gr.skip()
+                shown = status
     except EngineError as exc:
         warn(exc)
         yield history, "", gr.skip(), "*The request failed; see the message above.*", gr.skip()

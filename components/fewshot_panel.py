@@ -99,11 +99,13 @@ def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
                               "few-shot", random.Random())
         skipped = baseline_skipped(measure, req)
         yield "", [], "*Prefilling the prompt…*", None
+        shown = None
         for answer, status, metrics in stream_request(engine, handle, request, "fewshot"):
             if metrics is not None:
                 yield answer, highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
-            else:
-                yield answer, gr.skip(), status, gr.skip()
+            else:  # the status only when it changes, not once per token
+                yield answer, gr.skip(), status if status != shown else gr.skip(), gr.skip()
+                shown = status
     except EngineError as exc:
         warn(exc)
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
