@@ -39,12 +39,13 @@ def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[
     return fig
 
 
-def memory_gauge(stats: EngineStats, height: int = 260) -> go.Figure:
-    """Bytes of KV in use against the budget."""
+def memory_gauge(stats: EngineStats, height: int = 260, everyone: bool = False) -> go.Figure:
+    """Bytes of KV in use against the budget (``everyone``: say it counts every visitor's)."""
     used, budget = stats.cache_bytes / MiB, max(stats.budget_bytes, 1) / MiB
     fig = go.Figure(go.Indicator(
         mode="gauge+number", value=used, number=dict(suffix=" MiB", valueformat=",.1f", font=dict(size=36)),
-        title=dict(text=f"KV cache in use, of {budget:,.0f} MiB budget", font=dict(size=14)),
+        title=dict(text=f"KV cache in use{' (everyone’s)' if everyone else ''}, of {budget:,.0f} MiB budget",
+                   font=dict(size=14)),
         gauge=dict(axis=dict(range=[0, budget]), bar=dict(color=CACHED_COLOR),
                    steps=[dict(range=[0, budget], color="#f1f5f9")],
                    threshold=dict(line=dict(color="#dc2626", width=3), thickness=0.8, value=budget))))

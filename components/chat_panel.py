@@ -16,7 +16,15 @@ from collections.abc import Iterator
 import gradio as gr
 
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
-from components.common import MODEL_NOTE, TOKEN_COLORS, highlighted_prompt, metrics_markdown, status_markdown, warn
+from components.common import (
+    MODEL_NOTE,
+    TOKEN_COLORS,
+    highlighted_prompt,
+    long_prompt_note,
+    metrics_markdown,
+    status_markdown,
+    warn,
+)
 from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
 from engine.engine import Engine
@@ -120,15 +128,19 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
         return
     skipped = baseline_skipped(measure, req)
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-    waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else "*Waiting for the model…*")
-    yield history, "", [], waiting + (f"\n\n*{skipped}*" if skipped else ""), None
+    waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else
+               "*Prefilling the prompt…*")
+    notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped) if n]
+    yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None
+    shown = None
     try:
         for answer, status, metrics in stream_request(engine, handle, request, "chat"):
             history[-1] = {"role": "assistant", "content": answer}
             if metrics is not None:
                 yield history, "", highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
-            else:
-                yield history, "", gr.skip(), status, gr.skip()
+            else:  # the status only when it changes, not once per token
+                yield history, "", gr.skip(), status if status != shown else gr.skip(), gr.skip()
+                shown = status
     except EngineError as exc:
         warn(exc)
         yield history, "", gr.skip(), "*The request failed; see the message above.*", gr.skip()
@@ -210,5 +222,5 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     for b in starters:
         b.click(lambda q: q, b, message, api_visibility="private").then(
             chat, inputs, outputs, api_visibility="private", show_progress="minimal")
-    stop.click(stop_chat, None, None, api_visibility="private")
+    stop.click(stop_chat, None, None, api_visibility="private", queue=False)  # never behind a busy queue
     clear.click(new_chat, None, [chatbot, message, tokens, numbers, last_metrics], api_visibility="private")

@@ -8,7 +8,7 @@ this module only puts them together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import gradio as gr
 
@@ -36,6 +36,37 @@ def playground_history(engine, namespace: str | None = None, n: int | None = Non
     only ``namespace``'s when given (a visitor's own in isolation mode)."""
     items = [m for m in engine.recent(namespace=namespace) if not is_lab_run(m)]
     return items[-n:] if n else items
+
+
+LONG_PROMPT_TOKENS = 1024
+
+
+def long_prompt_note(engine, prompt_tokens: int) -> str | None:
+    """For a long prompt, what to expect: its size and an estimate of its prefill from this
+    machine's recent speed (measured on earlier requests); None for a short prompt."""
+    if prompt_tokens < LONG_PROMPT_TOKENS:
+        return None
+    recent = [m for m in engine.recent(50) if m.computed_tokens >= 64 and m.prefill_ms > 0]
+    ms_per_token = (sum(m.prefill_ms for m in recent) / sum(m.computed_tokens for m in recent)) if recent else None
+    estimate = f", about {fmt_ms(ms_per_token * prompt_tokens)} at this machine's recent speed" if ms_per_token else ""
+    return f"Long prompt: {prompt_tokens:,} tokens to prefill{estimate} (less if part of it is cached)."
+
+
+def history_refresh(engine, draw: Callable[[list[RequestMetrics], str | None], tuple], n_outputs: int) -> Callable:
+    """A live panel's refresh: redraw (``draw`` over the visitor's playground history, lab runs
+    left out, and the namespace the visitor's figures cover: ``None`` = everything) only when
+    the engine changed since this visitor's last picture."""
+    from components.live import drawn, engine_signature, unchanged
+    from components.session import own_namespace
+
+    def refresh(seen_before, request: gr.Request):
+        sig = engine_signature(engine)
+        if unchanged(seen_before, sig):
+            return (gr.skip(),) * n_outputs + (seen_before,)
+        ns = own_namespace(request, engine)
+        return (*draw(playground_history(engine, namespace=ns), ns), drawn(sig))
+
+    return refresh
 
 
 def highlighted_prompt(engine, m: RequestMetrics) -> list[tuple[str, str | None]]:

@@ -61,13 +61,11 @@ CSS += """
 .prompt-tokens {max-height: 240px; overflow-y: auto}
 .chat-notes {font-size: 0.82rem; color: #475569}
 .chat-notes p {margin: 0}
-.send-row button, .starters button {white-space: nowrap}
-.starters button {white-space: normal}
+.send-row button {white-space: nowrap}
 .system-pick input {padding-right: 30px !important; text-overflow: ellipsis}
 @media (max-width: 640px) {
   .gradio-container {padding-left: 6px !important; padding-right: 6px !important}
   .kval {font-size: 1.3rem}
-  .prose th, .prose td {white-space: nowrap}
   #lab-results h2 {font-size: 1.15rem}
 }
 """

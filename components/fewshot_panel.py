@@ -98,12 +98,14 @@ def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
         req, handle = _submit(engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard, request,
                               "few-shot", random.Random())
         skipped = baseline_skipped(measure, req)
-        yield "", [], "*Waiting for the model…*", None
+        yield "", [], "*Prefilling the prompt…*", None
+        shown = None
         for answer, status, metrics in stream_request(engine, handle, request, "fewshot"):
             if metrics is not None:
                 yield answer, highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
-            else:
-                yield answer, gr.skip(), status, gr.skip()
+            else:  # the status only when it changes, not once per token
+                yield answer, gr.skip(), status if status != shown else gr.skip(), gr.skip()
+                shown = status
     except EngineError as exc:
         warn(exc)
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -197,7 +199,7 @@ def _build_one_query(engine: Engine, last_metrics: gr.State, preset0: dict, shar
     one_outputs = [answer, tokens, numbers, last_metrics]
     run.click(one, one_inputs, one_outputs, api_name="fewshot", show_progress="minimal")
     query.submit(one, one_inputs, one_outputs, api_visibility="private", show_progress="minimal")
-    stop_one.click(stop_fewshot, None, None, api_visibility="private")
+    stop_one.click(stop_fewshot, None, None, api_visibility="private", queue=False)
     return query
 
 
@@ -224,7 +226,7 @@ def _build_batch(engine: Engine, last_metrics: gr.State, preset0: dict, shared: 
 
     run_n.click(batch, [instruction, examples, queries, n_runs, shuffle, max_new, baseline, guard],
                 [summary, chart, table, last_metrics], api_name="fewshot_batch", show_progress="minimal")
-    stop.click(stop_fewshot, None, None, api_visibility="private")
+    stop.click(stop_fewshot, None, None, api_visibility="private", queue=False)
     return queries
 
 

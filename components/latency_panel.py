@@ -11,17 +11,16 @@ from __future__ import annotations
 import gradio as gr
 
 from components.charts import latency_bars, speedup_scatter
-from components.common import playground_history
+from components.common import history_refresh
 from components.format import fmt_ms, plural, ratio_words, reuse_is_noise
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
-from components.session import own_namespace
+from components.live import KEEP_ZOOM, LiveView
 from engine.engine import Engine
 from engine.types import RequestMetrics
 
 HISTORY = 40
 
 
-def latency_summary(history: list[RequestMetrics]) -> str:
+def latency_summary(history: list[RequestMetrics], mine: bool = False) -> str:
     """Prefill with reuse against without over the measured requests, in honest words:
     requests that reused (almost) nothing, or measured slower, are counted apart."""
     timed = [m for m in history if m.baseline_prefill_ms is not None]
@@ -33,7 +32,8 @@ def latency_summary(history: list[RequestMetrics]) -> str:
     best = max(timed, key=lambda m: m.speedup or 0)
     noise = [m for m in timed if reuse_is_noise(m.cached_tokens, m.prompt_tokens)]
     slower = [m for m in timed if m not in noise and (m.speedup or 0) < 1]
-    text = (f"Over the last **{plural(len(timed), 'measured request')}** (lab runs not counted): prefill took "
+    whose = "your last" if mine else "the last"
+    text = (f"Over {whose} **{plural(len(timed), 'measured request')}** (lab runs not counted): prefill took "
             f"**{fmt_ms(with_reuse)}** with reuse against **{fmt_ms(without)}** without "
             f"(**{ratio_words(without, with_reuse)}** overall; best {best.speedup or 0:.1f}× on request "
             f"#{best.request_id}, {best.cached_tokens:,} of {best.prompt_tokens:,} tokens cached). Both numbers "
@@ -53,14 +53,11 @@ def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
     scatter = gr.Plot(show_label=False, elem_id="speedup-scatter", elem_classes=[KEEP_ZOOM])
     seen = gr.State(None)
 
-    def refresh(seen_before, request: gr.Request):
-        sig = engine_signature(engine)
-        if unchanged(seen_before, sig):
-            return gr.skip(), gr.skip(), gr.skip(), seen_before
-        ns = own_namespace(request, engine)
-        history = playground_history(engine, namespace=ns, n=HISTORY)
-        return latency_summary(history), latency_bars(history), speedup_scatter(history), drawn(sig)
+    def draw(history: list[RequestMetrics], ns: str | None) -> tuple:
+        history = history[-HISTORY:]
+        return latency_summary(history, mine=engine.isolation), latency_bars(history), speedup_scatter(history)
 
+    refresh = history_refresh(engine, draw, 3)
     live = LiveView(gr.Timer(3.0, active=active), refresh, [seen], [summary, bars, scatter, seen])
     live.refresh_on(live.timer.tick)
     return live

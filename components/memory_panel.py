@@ -11,9 +11,9 @@ from __future__ import annotations
 import gradio as gr
 
 from components.charts import hit_rate_figure, memory_gauge
-from components.common import playground_history, totals, warn
+from components.common import history_refresh, playground_history, totals, warn
 from components.format import fmt_bytes, fmt_ms, plural
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, unchanged
+from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
@@ -119,16 +119,13 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
                           scale=1)
     seen = gr.State(None)
 
-    def refresh(seen_before, request: gr.Request):
-        sig = engine_signature(engine)
-        if unchanged(seen_before, sig):
-            return gr.skip(), gr.skip(), gr.skip(), seen_before
-        ns = own_namespace(request, engine)
-        mine = playground_history(engine, namespace=ns)
+    def draw(mine: list[RequestMetrics], ns: str | None) -> tuple:
         title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
-        gauge_fig = None if getattr(engine.info(), "backend", "") else memory_gauge(engine.stats(ns))
-        return (gauge_fig, memory_markdown(engine, mine, ns),
-                hit_rate_figure(mine[-HISTORY:], title=title), drawn(sig))
+        gauge_fig = (None if getattr(engine.info(), "backend", "") else
+                     memory_gauge(engine.stats(ns), everyone=engine.isolation))
+        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title)
+
+    refresh = history_refresh(engine, draw, 3)
 
     def redraw(request: gr.Request):
         return refresh(None, request)

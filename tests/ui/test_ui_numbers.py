@@ -12,7 +12,7 @@ import pytest
 
 from components.chat_panel import IDLE_NUMBERS, on_preset, respond, stop_running
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET
-from components.common import metrics_markdown, playground_history, status_markdown
+from components.common import long_prompt_note, metrics_markdown, playground_history, status_markdown
 from components.format import clamp_int, fmt_ms, plural, ratio_words, reuse_words
 from components.overview_panel import key_numbers_html
 from components.session import visitor_namespace
@@ -55,6 +55,13 @@ def test_numbers_card_when_nothing_was_reused_and_after_stop(engine):
     assert stopped.startswith("**Stopped** after 1 token")
 
 
+def test_long_prompt_gets_a_size_and_an_estimate(engine):
+    run(engine, "word " * 80)  # one request to learn this machine's speed from
+    assert long_prompt_note(engine, 100) is None
+    note = long_prompt_note(engine, 5000)
+    assert "5,000 tokens to prefill, about " in note and "recent speed" in note
+
+
 def test_status_names_the_phase():
     assert "3 requests ahead of you" in status_markdown(GenerationEvent("", phase="queued", queue_ahead=3), 2.0)
     prefill = status_markdown(GenerationEvent("", phase="prefill", prompt_tokens=1000, prefilled_tokens=250,
@@ -83,7 +90,7 @@ def test_stop_on_a_queued_request_says_stopped(tiny_runner):
     with engine.runner.lock:  # the worker cannot start the request: it waits in the queue
         steps = respond(engine, "Hello?", [], "Pirate", "", 8, True, True, visitor)
         first = next(steps)
-        assert "Waiting" in first[3]
+        assert "Waiting" in first[3] or "Prefilling" in first[3]
         stop_running("chat", visitor)
         # The request was registered and cancelled; the stream ends saying so.
     outs = list(steps)
