@@ -79,7 +79,7 @@ class PrefixCache(Protocol):
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
 
-    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
         """Hold ``num_tokens`` of the budget for a running request's own KV (inserts then
         leave it free), evicting unlocked entries for room (by fair share for ``namespace``,
         as ``insert`` does). False, with nothing evicted, when even evicting every unlocked
@@ -138,7 +138,7 @@ class NoPrefixCache:
         self.reserved_tokens = 0
         self._lock = threading.Lock()
 
-    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
         with self._lock:
             if self.reserved_tokens + num_tokens > self.budget_bytes // self.bytes_per_token:
                 return False
@@ -209,7 +209,7 @@ class RadixCache:
         """Free slots that no running request has reserved."""
         return self.pool.num_free - self.reserved_tokens
 
-    def reserve(self, num_tokens: int, namespace: str | None = None) -> bool:
+    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
         with self._lock:
             if num_tokens > self.pool.capacity - self.reserved_tokens - self.locked_tokens():
                 return False

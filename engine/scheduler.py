@@ -300,7 +300,7 @@ class Scheduler:
         self.cache.release(r.cache_handle)
         r.cache_handle = self.cache.pin(r.key)
         uncached = len(r.ids) - r.cache_handle.cached_tokens  # what did not fit stays the request's own
-        if uncached > 0 and self.cache.reserve(uncached):
+        if uncached > 0 and self.cache.reserve(uncached, r.namespace):
             r.reserved_tokens += uncached
         r.state = State.DECODE
         if r.max_new_tokens <= 0:
