@@ -201,10 +201,11 @@ def check_idle(engine) -> list[str]:
 
 
 def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log=print) -> None:
-    """Re-run every distinct prompt alone, greedy, on a fresh engine with no prefix cache."""
-    from components.chat_panel import chat_messages
+    """Re-run every distinct prompt alone, greedy, on a fresh engine with no prefix cache, with the
+    sampling the page's chat endpoint uses (its loop guard on)."""
+    from components.chat_panel import chat_messages, sampling_for
     from engine.engine import Engine
-    from engine.types import GenerationRequest, SamplingParams
+    from engine.types import GenerationRequest
 
     alone = Engine(runner, enable_cache=False, max_new_tokens_cap=max_new_tokens)
     reference: dict[tuple, str] = {}
@@ -215,7 +216,7 @@ def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log
         if key not in reference:
             history = [{"role": r, "content": t} for r, t in turn.history]
             msgs = chat_messages(SYSTEM_PRESETS[turn.system_name], history, turn.question)
-            req = GenerationRequest(messages=tuple(msgs), sampling=SamplingParams(max_new_tokens=max_new_tokens))
+            req = GenerationRequest(messages=tuple(msgs), sampling=sampling_for(alone, max_new_tokens, True))
             reference[key] = alone.run(req).output_text
             if len(reference) % 10 == 0:
                 log(f"  ... {len(reference)} prompts re-run alone")
