@@ -27,6 +27,7 @@ leaves this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import re
@@ -94,9 +95,12 @@ class Progress:
 
 
 # ------------------------------------------------------------------ the real model
-def to_request(record: LogRecord, max_new_tokens: int, baseline: bool) -> GenerationRequest:
-    sampling = SamplingParams(max_new_tokens=record.max_new_tokens if record.max_new_tokens is not None
-                              else max_new_tokens)
+def to_request(record: LogRecord, max_new_tokens: int, baseline: bool,
+               sampling: SamplingParams | None = None) -> GenerationRequest:
+    """The engine request for one log record; ``sampling`` carries the loop guard (greedy, off by default)."""
+    sampling = dataclasses.replace(sampling or SamplingParams(),
+                                   max_new_tokens=record.max_new_tokens if record.max_new_tokens is not None
+                                   else max_new_tokens)
     common = dict(sampling=sampling, measure_baseline=baseline, namespace=record.session, tag="replay")
     if record.messages is not None:
         return GenerationRequest(messages=record.messages, **common)
@@ -105,14 +109,14 @@ def to_request(record: LogRecord, max_new_tokens: int, baseline: bool) -> Genera
 
 def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, max_new_tokens: int, baseline: bool,
                      out: TextIO | None = None, err: TextIO | None = None, progress: Progress | None = None,
-                     should_stop=lambda: False) -> tuple[bool, int]:
+                     should_stop=lambda: False, sampling: SamplingParams | None = None) -> tuple[bool, int]:
     """Run each record on the engine; one JSON line per request on ``out`` (default: stdout,
     looked up at call time). Returns (stopped, peak cache bytes)."""
     out, err = out or sys.stdout, err or sys.stderr
     peak, now, index = 0, 0.0, 0
     for record in records:
         try:
-            m = engine.run(to_request(record, max_new_tokens, baseline))
+            m = engine.run(to_request(record, max_new_tokens, baseline, sampling))
         except EngineError as exc:
             print(f"line {record.line}: skipped: {exc}", file=err, flush=True)
             stats.skip(SkippedLine(record.line, str(exc)))
@@ -206,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cache", action="store_true", help="real model: no reuse at all (cached_tokens is 0)")
     p.add_argument("--baseline", action="store_true", help="real model: also time each prefill with no reuse")
     p.add_argument("--max-new-tokens", type=int, default=32, help="real model: default per request")
+    p.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+                   help="real model: loop guard, never repeat an N-gram of the answer (0: off; the page uses 4)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                   help="real model: loop guard, divide the logits of tokens already in the answer (1: off; the "
+                        "page uses 1.1)")
     p.add_argument("--per-request", action="store_true", help="simulation: also print one JSON line per request")
     p.add_argument("--price-usd-per-mtok", type=float, default=PricingRules.input_usd_per_mtok,
                    help="cost estimate: input price per million tokens")
@@ -300,8 +309,10 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     with StopFlag() as stop, open_log(args.log) as fh:
         try:
             records = read_log(fh, on_skip=stats.skip, strict=args.strict, order=order)
+            guard = SamplingParams(no_repeat_ngram_size=args.no_repeat_ngram,
+                                   repetition_penalty=args.repetition_penalty)
             stopped, peak = replay_on_engine(engine, records, stats, args.max_new_tokens, args.baseline,
-                                             progress=progress, should_stop=stop)
+                                             progress=progress, should_stop=stop, sampling=guard)
         finally:
             progress.close()
     s = engine.stats()

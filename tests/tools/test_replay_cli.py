@@ -147,3 +147,26 @@ def test_measured_replay_on_the_real_model_writes_its_report(tmp_path, capsys):
     page = report.read_text()
     assert "MEASURED on the real model" in page and "Prefill time per request (measured)" in page
     assert "Measured prefill:" in summary["text"]
+
+
+def test_replay_honours_the_loop_guard(tiny_runner):
+    """``--no-repeat-ngram`` / ``--repetition-penalty`` reach the engine: the replayed answer is the
+    one a direct run with the same guard gives, and the guard changes the request's sampling."""
+    from engine.engine import Engine
+    from engine.tools.log_formats import LogRecord
+    from engine.tools.replay import to_request
+    from engine.types import GenerationRequest, SamplingParams
+
+    guard = SamplingParams(no_repeat_ngram_size=2, repetition_penalty=1.3)
+    record = LogRecord(line=1, messages=None, prompt="one two three one two three one two", max_new_tokens=12)
+    req = to_request(record, 32, False, guard)
+    assert (req.sampling.max_new_tokens, req.sampling.no_repeat_ngram_size, req.sampling.repetition_penalty) == (
+        12, 2, 1.3)
+    assert to_request(record, 32, False).sampling.no_repeat_ngram_size == 0  # off unless asked
+    engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
+    direct = engine.run(GenerationRequest(prompt=record.prompt, sampling=SamplingParams(max_new_tokens=12,
+                                                                                         no_repeat_ngram_size=2,
+                                                                                         repetition_penalty=1.3)))
+    assert engine.run(req).output_ids == direct.output_ids
+    out = direct.output_ids
+    assert len({tuple(out[i:i + 2]) for i in range(len(out) - 1)}) == len(out) - 1  # no bigram repeats
