@@ -24,6 +24,17 @@ def _limit(text: str) -> int | None:
     return None if text.strip() in ("", "0") else _positive_int(text)
 
 
+def _positive_or_unset(text: str) -> int | None:
+    """A whole number >= 1, or empty for the default (which depends on ``--isolate``)."""
+    return None if not text.strip() else _positive_int(text)
+
+
+# A public deployment (--isolate) gets lower defaults, so that one visitor's request stays
+# short next to everyone else's; explicit flags or env vars always win.
+PUBLIC_MAX_NEW_TOKENS, PRIVATE_MAX_NEW_TOKENS = 256, 512
+PUBLIC_MAX_PROMPT_TOKENS = 4096
+
+
 def _budget_mb(text: str) -> float | None:
     """Megabytes > 0, or 0 for the device default (None)."""
     try:
@@ -53,9 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    in ("1", "true", "yes", "on"),
                    help="give each visitor a private cache namespace (on by default on Hugging Face Spaces)")
     p.add_argument("--max-prompt-tokens", type=_limit, default=env("RADIX_MAX_PROMPT_TOKENS", "0"),
-                   help="cap on prompt tokens per request (default: the model's context)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=env("RADIX_MAX_NEW_TOKENS", "512"),
-                   help="cap on new tokens per request (default 512)")
+                   help=f"cap on prompt tokens per request (default: the model's context; "
+                        f"{PUBLIC_MAX_PROMPT_TOKENS} with --isolate)")
+    p.add_argument("--max-new-tokens", type=_positive_or_unset, default=env("RADIX_MAX_NEW_TOKENS", ""),
+                   help=f"cap on new tokens per request (default {PRIVATE_MAX_NEW_TOKENS}; "
+                        f"{PUBLIC_MAX_NEW_TOKENS} with --isolate)")
     p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
     p.add_argument("--max-batch", type=_positive_int, default=env("RADIX_MAX_BATCH", "16"),
@@ -73,7 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
     p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
                    help="the model name the backend serves (default: the first one its /v1/models lists)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
+    if args.max_prompt_tokens is None and args.isolate:
+        args.max_prompt_tokens = PUBLIC_MAX_PROMPT_TOKENS
+    return args
 
 
 def build_engine(args: argparse.Namespace, runner=None):

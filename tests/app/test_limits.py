@@ -83,6 +83,16 @@ def test_flag_caps_never_exceed_the_model_context(tiny_runner):
     assert engine.max_prompt_tokens == tiny_runner.max_context
 
 
+def test_public_deployment_gets_lower_defaults(monkeypatch):
+    for var in ("RADIX_MAX_PROMPT_TOKENS", "RADIX_MAX_NEW_TOKENS", "RADIX_ISOLATE", "SYSTEM"):
+        monkeypatch.delenv(var, raising=False)
+    local, public = app.parse_args([]), app.parse_args(["--isolate"])
+    assert (local.max_new_tokens, local.max_prompt_tokens) == (512, None)
+    assert (public.max_new_tokens, public.max_prompt_tokens) == (256, 4096)
+    explicit = app.parse_args(["--isolate", "--max-new-tokens", "400", "--max-prompt-tokens", "6000"])
+    assert (explicit.max_new_tokens, explicit.max_prompt_tokens) == (400, 6000)
+
+
 def test_batching_flags_and_env(tiny_runner, monkeypatch):
     monkeypatch.delenv("RADIX_MAX_BATCH", raising=False)
     monkeypatch.setenv("RADIX_CHUNK_TOKENS", "64")
