@@ -68,7 +68,8 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
     if icicle:
         traces = _icicle_traces(marks, span, colors, hover, fig_layout, label=len(marks) <= 40)
     else:
-        traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (14 if compact else 40))
+        traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (14 if compact else 40),
+                              label_width=12 if compact else 22)
     traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False,
                        marker=dict(colorscale=cbar[0], cmin=cbar[1], cmax=cbar[2], color=[cbar[1]],
                                    showscale=not compact,
@@ -79,7 +80,8 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
 
 def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> dict:
     out = dict(
-        height=height, margin=dict(l=8, r=8, t=8 if compact else 30, b=8), plot_bgcolor="white",
+        # compact (beside the chat): room above for plotly's toolbar, so no label sits under it
+        height=height, margin=dict(l=8, r=8, t=28 if compact else 30, b=8), plot_bgcolor="white",
         paper_bgcolor="white", hovermode="closest", showlegend=False, uirevision=revision, dragmode="zoom",
         hoverlabel=dict(align="left", font=dict(size=12)), font=dict(size=11),
         xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
@@ -99,7 +101,7 @@ def _outline(m: VisualNode) -> tuple[str, float]:
     return ("#dc2626", 3) if m.lock_ref else ("white", 1)
 
 
-def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool) -> list[dict]:
+def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label_width: int = 22) -> list[dict]:
     size_of = {v: m.grouped_tokens or m.num_tokens for v, m in marks.items()}
     max_tok = max(size_of.values(), default=1) or 1
     edges: dict[str, tuple[list, list]] = {"": ([], []), REUSED: ([], []), COMPUTED: ([], [])}
@@ -123,13 +125,17 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool) -> li
                             for v in vids],
                     line=dict(color=[c for c, _ in outlines], width=[w for _, w in outlines]), opacity=0.95))
     if label:
-        points.update(text=[_label(marks[v]) for v in vids], textfont=dict(size=10, color="#334155"),
+        points.update(text=[_label(marks[v], label_width) for v in vids], textfont=dict(size=10, color="#334155"),
                       textposition=["bottom center" if pos[v][0] % 2 else "top center" for v in vids])  # alternate
     traces.append(points)
     traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=["root"],
                        textposition="middle left", hoverinfo="skip",
                        marker=dict(size=9, color="#0f172a", symbol="square")))
     fig_layout["xaxis"]["range"] = [-0.6, max(p[0] for p in pos.values()) + (1.2 if label else 0.6)]  # labels
+    if label:  # half a row more above and below, so the top and bottom rows' labels are not cut off
+        ys = [p[1] for p in pos.values()]
+        fig_layout["yaxis"]["range"] = [max(ys) + 0.8, min(ys) - 0.8]  # reversed: the first row on top
+        fig_layout["yaxis"].pop("autorange", None)
     return traces
 
 
