@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
-__all__ = ["Engine", "TextFacade", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
+__all__ = ["Engine", "FacadeBase", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
 
 
 def default_budget_bytes(device: torch.device) -> int:
@@ -75,13 +75,63 @@ class PrefillResult(NamedTuple):
     path: tuple[int, ...]
 
 
-class TextFacade:
-    """The text side of an engine, for the UI and the lab: tokenize, render, detokenize.
+class FacadeBase:
+    """What the local engine and ``server.remote_engine.RemoteEngine`` share: validating and
+    tokenizing a request (``prompt_ids``), ``generate``/``run`` over ``submit``, and the
+    text side for the UI and the lab (tokenize, render, detokenize).
 
-    Reads ``self.text``: an object with the ``ModelRunner``'s text methods (the runner
-    itself here; a model-free stand-in in ``server.remote_engine``)."""
+    Reads ``self.text`` (an object with the ``ModelRunner``'s text methods: the runner
+    itself here, a model-free stand-in remotely) and ``self.max_prompt_tokens``;
+    subclasses provide ``submit``."""
 
     text: ModelRunner
+    max_prompt_tokens: int
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        raise NotImplementedError
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
+        yield from self.submit(request)
+
+    def run(self, request: GenerationRequest) -> RequestMetrics:
+        """Run a request to the end; return its metrics."""
+        last = None
+        for event in self.generate(request):
+            last = event
+        assert last is not None and last.metrics is not None
+        return last.metrics
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The request's token ids, validated: EngineError (for a person) before anything runs."""
+        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
+        if sum(given) != 1:
+            raise EngineError("give exactly one of messages, prompt or prompt_ids")
+        runner = self.text
+        if request.messages is not None:
+            messages = validation.check_messages(request.messages)
+            validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
+                                         runner.max_token_chars, runner.encode)
+            try:
+                ids = runner.encode_chat(messages)
+            except Exception as exc:  # a chat template may refuse a role order (jinja raises)
+                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
+        elif request.prompt is not None:
+            if not isinstance(request.prompt, str):
+                raise EngineError("The prompt must be text.")
+            if not request.prompt.strip():
+                raise EngineError(validation.EMPTY_PROMPT)
+            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
+                                         runner.encode)
+            ids = runner.encode(request.prompt)
+        else:
+            ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
+        if not ids:
+            raise EngineError("The prompt is empty: type something first.")
+        if len(ids) > self.max_prompt_tokens:
+            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is "
+                              f"{self.max_prompt_tokens:,} tokens. Shorten it and try again.")
+        return ids
+
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as is (no chat template, no BOS)."""
@@ -108,7 +158,7 @@ class TextFacade:
         return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
 
 
-class Engine(TextFacade):
+class Engine(FacadeBase):
     """Requests in, events out. ``max_batch`` requests run together (1 gives the
     one-at-a-time engine); ``chunk_tokens`` bounds the prompt tokens computed per step."""
 
@@ -165,47 +215,6 @@ class Engine(TextFacade):
         except queue.Full:
             raise busy from None
         return handle
-
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
-        yield from self.submit(request)
-
-    def run(self, request: GenerationRequest) -> RequestMetrics:
-        """Run a request to the end; return its metrics."""
-        last = None
-        for event in self.generate(request):
-            last = event
-        assert last is not None and last.metrics is not None
-        return last.metrics
-
-    def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
-        if sum(given) != 1:
-            raise EngineError("give exactly one of messages, prompt or prompt_ids")
-        runner = self.runner
-        if request.messages is not None:
-            messages = validation.check_messages(request.messages)
-            validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
-                                         runner.max_token_chars, runner.encode)
-            try:
-                ids = runner.encode_chat(messages)
-            except Exception as exc:  # a chat template may refuse a role order (jinja raises)
-                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
-        elif request.prompt is not None:
-            if not isinstance(request.prompt, str):
-                raise EngineError("The prompt must be text.")
-            if not request.prompt.strip():
-                raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
-                                         runner.encode)
-            ids = runner.encode(request.prompt)
-        else:
-            ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
-        if not ids:
-            raise EngineError("The prompt is empty: type something first.")
-        if len(ids) > self.max_prompt_tokens:
-            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is "
-                              f"{self.max_prompt_tokens:,} tokens. Shorten it and try again.")
-        return ids
 
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The tree as plain data; in isolation mode ``viewer`` (a namespace) sees

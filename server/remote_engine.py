@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine import validation
-from engine.engine import TextFacade
+from engine.engine import FacadeBase
 from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
 from engine.request import DONE, RequestHandle
@@ -96,7 +96,7 @@ class _ShadowCache:
         return self.tree.match(key, touch=False).length
 
 
-class RemoteEngine(TextFacade):
+class RemoteEngine(FacadeBase):
     def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
                  max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
                  timeout_s: float = 300.0, history_size: int = 1000) -> None:
@@ -121,33 +121,6 @@ class RemoteEngine(TextFacade):
                             baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
 
     # ---------------------------------------------------------------- requests
-    def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
-        if sum(given) != 1:
-            raise EngineError("give exactly one of messages, prompt or prompt_ids")
-        text = self.text
-        if request.messages is not None:
-            messages = validation.check_messages(request.messages)
-            validation.check_text_size(sum(len(m["content"]) for m in messages), self.max_prompt_tokens,
-                                       text.max_token_chars)
-            try:
-                ids = text.encode_chat(messages)
-            except Exception as exc:  # a chat template may refuse a role order
-                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
-        elif request.prompt is not None:
-            if not isinstance(request.prompt, str) or not request.prompt.strip():
-                raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_size(len(request.prompt), self.max_prompt_tokens, text.max_token_chars)
-            ids = text.encode(request.prompt)
-        else:
-            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
-        if not ids:
-            raise EngineError(validation.EMPTY_PROMPT)
-        if len(ids) > self.max_prompt_tokens:
-            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is {self.max_prompt_tokens:,} "
-                              "tokens. Shorten it and try again.")
-        return ids
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         ids = self.prompt_ids(request)
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
@@ -158,16 +131,6 @@ class RemoteEngine(TextFacade):
         handle = RequestHandle(request, ids)
         threading.Thread(target=self._work, args=(handle,), name="remote-request", daemon=True).start()
         return handle
-
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
-        yield from self.submit(request)
-
-    def run(self, request: GenerationRequest) -> RequestMetrics:
-        last = None
-        for event in self.generate(request):
-            last = event
-        assert last is not None and last.metrics is not None
-        return last.metrics
 
     def _work(self, handle: RequestHandle) -> None:
         try:

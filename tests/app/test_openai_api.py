@@ -7,36 +7,22 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 
-import app
 from engine.engine import Engine
 from engine.radix_tree import PUBLIC
 from engine.types import EngineBusy, GenerationRequest, SamplingParams
 from server.cache_scope import CacheScope
 from server.openai_protocol import StopMatcher
-from tests.helpers_app import assert_clean, free_port, wait_idle
+from tests.helpers_app import assert_clean, launched_app, wait_idle
 
 SYSTEM = "You are a careful assistant who answers questions about prefix caching in one short sentence. " * 3
 
 
-@contextmanager
-def served(engine: Engine, max_queue: int = 32) -> Iterator[str]:
-    """The app as ``python app.py`` serves it (page, API and metrics on one port); yields its URL."""
-    from components.demo import launch_kwargs
-
-    demo = app.build_app(engine, max_queue)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                **launch_kwargs(app.app_kwargs(engine)))
-    try:
-        yield demo.local_url
-    finally:
-        demo.close()
+served = launched_app  # the app as ``python app.py`` serves it: page, API and metrics on one port
 
 
 def client(url: str) -> openai.OpenAI:
