@@ -281,10 +281,10 @@ class Engine(FacadeBase):
 
     def clear_cache(self, namespace: str | None = None) -> int:
         """Evict every unlocked node (of one namespace only, if given); returns tokens freed."""
-        return self.cache.clear(namespace)
+        return self.runner.compute.call(self.cache.clear, namespace)
 
     def set_budget(self, budget_bytes: int) -> int:
-        return self.cache.set_budget(budget_bytes)
+        return self.runner.compute.call(self.cache.set_budget, budget_bytes)
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
@@ -316,7 +316,7 @@ class Engine(FacadeBase):
                     with self.runner.lock:  # engines sharing one runner take turns, step by step
                         self._take(pending)
                         pending = []
-                        self.scheduler.step()
+                        self.runner.compute.call(self.scheduler.step)  # torch runs on one thread
                         idle = not self.scheduler.has_work()
                 except Exception as exc:  # never kill the worker; fail what was running, report one line
                     log.exception("scheduler step failed")
@@ -353,6 +353,9 @@ class Engine(FacadeBase):
     def prefill(self, key: CacheKey, kv) -> PrefillResult:
         """Prefill ``key.ids`` into the empty buffer ``kv``, reusing the longest cached
         prefix, then cache the prompt. ``prefill_ms`` covers match, copy and forward."""
+        return self.runner.compute.call(self._prefill, key, kv)
+
+    def _prefill(self, key: CacheKey, kv) -> PrefillResult:
         runner = self.runner
         runner.synchronize()
         t0 = time.perf_counter()

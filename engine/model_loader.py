@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from engine.compute_thread import in_fresh_thread
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded"
@@ -233,7 +235,14 @@ def _check_local_path(model: str) -> None:
 
 
 def load_model(model: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load tokenizer and model; raise ModelLoadError with a one-line reason on failure."""
+    """Load tokenizer and model; raise ModelLoadError with a one-line reason on failure.
+
+    Loads on a thread of its own that then exits, so the caller's thread keeps no OpenMP
+    pool (see ``engine.compute_thread``: the forwards run on the runner's compute thread)."""
+    return in_fresh_thread(_load_model, model, device, dtype)
+
+
+def _load_model(model: str, device: str, dtype: str) -> LoadedModel:
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     try:

@@ -27,7 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.compute_thread import ComputeThread
 from engine.model_loader import LoadedModel
+from engine.packed_linear import pack_linears
 from engine.request_kv import RequestKV, RowsCache
 from engine.types import EngineError
 from engine.validation import flatten_content, valid_text
@@ -73,19 +75,28 @@ def _register_rows_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, sdpa_mask)
 
 
+def _on_compute_thread(method):
+    """Run a runner method on the runner's compute thread, whichever thread calls it."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return self.compute.call(method, self, *args, **kwargs)
+
+    return wrapper
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel) -> None:
+        # Every forward runs on this one thread (see engine.compute_thread: one OpenMP pool).
+        self.compute = ComputeThread()
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.name, self.device, self.dtype = loaded.name, loaded.device, loaded.dtype
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
         # Read the KV geometry off a one-token forward: works for any architecture.
-        from transformers import DynamicCache
-
-        with torch.inference_mode():
-            out = self.model(torch.tensor([[0]], device=self.device), cache=DynamicCache(), use_cache=True)
-        layers = out.cache.layers
+        self.packed_linears = self.compute.call(pack_linears, self.model)  # CPU fp32: oneDNN-packed weights
+        layers = self.compute.call(self._probe_layers)
         self.num_layers = len(layers)
         _, self.num_kv_heads, _, self.head_dim = layers[0].keys.shape
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -93,7 +104,14 @@ class ModelRunner:
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()  # one forward at a time, whichever engine asks
         self.can_batch = self._enable_batching()
-        self._warm_up()
+        self.compute.call(self._warm_up)
+
+    @torch.inference_mode()
+    def _probe_layers(self) -> list:
+        from transformers import DynamicCache
+
+        out = self.model(torch.tensor([[0]], device=self.device), cache=DynamicCache(), use_cache=True)
+        return out.cache.layers
 
     def _enable_batching(self) -> bool:
         """Switch the model to the row-wise attention, where that is exact: SDPA models
@@ -208,6 +226,7 @@ class ModelRunner:
     def new_request_kv(self, capacity: int) -> RequestKV:
         return RequestKV(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
+    @_on_compute_thread
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], kv: RequestKV) -> torch.Tensor:
         """Run ``ids`` after the ``kv.length`` tokens already in ``kv``; append their KV.
@@ -222,6 +241,7 @@ class ModelRunner:
         out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True)
         return out.logits[0].float()
 
+    @_on_compute_thread
     @torch.inference_mode()
     def forward_last(self, ids: Sequence[int], kv: RequestKV) -> torch.Tensor:
         """Like ``forward`` but computes logits for the last position only (a prefill's need)."""
@@ -239,6 +259,7 @@ class ModelRunner:
             raise EngineError("decode_batch needs one token per buffer")
         return self.forward_packed([([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
 
+    @_on_compute_thread
     @torch.inference_mode()
     def forward_packed(self, segments: Sequence[tuple[Sequence[int], RequestKV]]) -> torch.Tensor:
         """Several requests' new tokens in one forward: ``segments[i] = (ids, kv)`` runs ``ids``
@@ -277,6 +298,7 @@ class ModelRunner:
         pos = torch.arange(past + n, device=self.device)
         return (pos[None, :] <= pos[past:, None]).view(1, 1, n, past + n)
 
+    @_on_compute_thread
     @torch.inference_mode()
     def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:
         """Prefill every token from scratch with a fresh ``DynamicCache``: no reuse,

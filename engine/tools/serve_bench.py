@@ -12,7 +12,9 @@ when its answer is done), through:
 - ``one``: this engine one request at a time (``Engine(max_batch=1)``), radix cache on;
 - ``batched``: this engine with continuous batching (``max_batch`` 16), radix cache on;
 - ``hf``: transformers' ``generate_batch`` (paged KV, ``allow_block_sharing=True``,
-  page size 16, at most ``c`` requests per batch), all requests handed over at once.
+  page size 16, at most ``c`` requests per batch), all requests handed over at once. It runs in a child process with the model exactly as
+  transformers loads it (plain linears, SDPA), so its threads, like ours, have the
+  CPU's OpenMP pool to themselves (see ``engine.compute_thread``).
 
 Each run starts from a cold cache. Printed per row: output tokens per second (all
 streams together, wall clock), time to first token p50/p95 (from sending the request
@@ -25,13 +27,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from engine.compute_thread import in_fresh_thread
 from engine.engine import Engine
 from engine.model_runner import ModelRunner
+from engine.packed_linear import unpack_linears
 from engine.types import GenerationRequest, SamplingParams
 
 SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
@@ -115,19 +121,21 @@ def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: 
 
 
 def hf_peer(runner: ModelRunner):
-    """A copy of the model on plain SDPA attention for transformers' own continuous batching."""
-    model = copy.deepcopy(runner.model)
+    """A copy of the model as transformers ships it (plain ``nn.Linear``, SDPA attention), for an
+    in-process peer run (the tiny test model, which no child process can load by name)."""
+    model = runner.compute.call(copy.deepcopy, runner.model)
+    unpack_linears(model)
     model.set_attn_implementation("sdpa")
     return model
 
 
-def run_hf(model, runner: ModelRunner, requests: list[GenerationRequest], streams: int,
+def run_hf(model, ids: list[list[int]], eos_ids: list[int], streams: int,
            max_new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
+    """transformers' ``generate_batch`` over prompt ids; returns wall s, TTFTs (ms), outputs."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    ids = [runner.encode_chat(r.messages) for r in requests]
-    eos = sorted(runner.eos_ids)
+    eos = sorted(eos_ids)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                            pad_token_id=eos[0] if eos else 0)
     longest = max(len(i) for i in ids) + max_new_tokens
@@ -141,7 +149,7 @@ def run_hf(model, runner: ModelRunner, requests: list[GenerationRequest], stream
     outputs, ttfts = [], []
     for out in results.values():
         toks = [t for t in out.generated_tokens]
-        while toks and toks[-1] in runner.eos_ids:
+        while toks and toks[-1] in eos_ids:
             toks.pop()
         outputs.append(toks)
         stamps = out.timestamps or []
@@ -149,24 +157,72 @@ def run_hf(model, runner: ModelRunner, requests: list[GenerationRequest], stream
     return wall, ttfts, outputs
 
 
+# The peer in a child process of its own (the command line): its threads then have the CPU's
+# OpenMP pool to themselves, as ours do (see engine.compute_thread), and it runs the model
+# exactly as transformers loads it.
+_CHILD_MODEL = None
+
+
+def _child_load(model: str, device: str, dtype: str) -> None:
+    global _CHILD_MODEL
+    from engine.model_loader import load_model
+
+    _CHILD_MODEL = load_model(model, device=device, dtype=dtype).model
+    _CHILD_MODEL.set_attn_implementation("sdpa")
+
+
+def _child_run(ids: list[list[int]], eos_ids: list[int], streams: int, max_new_tokens: int):
+    return in_fresh_thread(run_hf, _CHILD_MODEL, ids, eos_ids, streams, max_new_tokens)
+
+
+class HfPeer:
+    """transformers' ``generate_batch``: in a child process (``model`` named) or in this one."""
+
+    def __init__(self, runner: ModelRunner, model: str | None = None, device: str = "auto",
+                 dtype: str = "auto") -> None:
+        self._pool = self._model = None
+        if model is None:
+            self._model = hf_peer(runner)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_child_load,
+                                             initargs=(model, device, dtype))
+
+    def run(self, ids, eos_ids, streams: int, max_new_tokens: int):
+        if self._pool is not None:
+            return self._pool.submit(_child_run, ids, sorted(eos_ids), streams, max_new_tokens).result()
+        return in_fresh_thread(run_hf, self._model, ids, sorted(eos_ids), streams, max_new_tokens)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
 def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_tokens: int,
-              engines: list[str], log=print) -> list[Row]:
+              engines: list[str], log=print, peer_model: str | None = None, device: str = "auto",
+              dtype: str = "auto") -> list[Row]:
+    """``peer_model`` names the model for a peer in a child process; None runs the peer here."""
     requests = chat_requests(n_requests, max_new_tokens)
     alone = Engine(runner, enable_cache=False, max_batch=1)
     reference = [alone.run(r).output_ids for r in requests]
     alone.close()
-    peer = hf_peer(runner) if "hf" in engines else None
+    peer = HfPeer(runner, peer_model, device, dtype) if "hf" in engines else None
+    ids = [runner.encode_chat(r.messages) for r in requests]
     rows = []
-    for c in streams:
-        for kind in engines:
-            if kind == "hf":
-                wall, ttfts, outs = run_hf(peer, runner, requests, c, max_new_tokens)
-            else:
-                wall, ttfts, outs = run_engine(runner, requests, c, 1 if kind == "one" else 16, reference)
-            same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
-            row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same)
-            rows.append(row)
-            log(format_row(row))
+    try:
+        for c in streams:
+            for kind in engines:
+                if kind == "hf":
+                    wall, ttfts, outs = peer.run(ids, runner.eos_ids, c, max_new_tokens)
+                else:
+                    wall, ttfts, outs = run_engine(runner, requests, c, 1 if kind == "one" else 16, reference)
+                same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
+                row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same)
+                rows.append(row)
+                log(format_row(row))
+    finally:
+        if peer is not None:
+            peer.close()
     return rows
 
 
@@ -217,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{title}: {args.requests} chat requests, {args.max_new_tokens} new tokens, streams {streams}",
           flush=True)
     rows = run_bench(runner, streams, args.requests, args.max_new_tokens, engines,
-                     log=lambda s: print(s, flush=True))
+                     log=lambda s: print(s, flush=True), peer_model=args.model, device=args.device, dtype=args.dtype)
     print()
     print(format_table(rows, title))
     return 0 if all(r.identical == r.requests for r in rows if r.engine != "hf") else 1

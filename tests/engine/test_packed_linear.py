@@ -1,0 +1,71 @@
+"""oneDNN-packed linears compute what ``nn.Linear`` computes, and packing can be undone or turned off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from engine.packed_linear import ENV_SWITCH, PackedLinear, can_pack, pack_linears, unpack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def _mlp(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 48), nn.ReLU(), nn.Linear(48, 16, bias=False)).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 130])
+def test_packed_equals_plain(rows):
+    plain = _mlp()
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 2
+    assert all(isinstance(m, PackedLinear) for m in (packed[0], packed[2]))
+    x = torch.randn(1, rows, 24)
+    with torch.inference_mode():
+        assert torch.allclose(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
+def test_weights_stay_shared_and_unpack_restores_linear():
+    model = _mlp()
+    weight = model[0].weight
+    pack_linears(model)
+    assert model[0].weight is weight  # state_dict and tied embeddings still see the parameter
+    assert set(model.state_dict()) == set(_mlp().state_dict())
+    assert unpack_linears(model) == 2
+    assert type(model[0]) is nn.Linear and model[0].weight is weight
+
+
+def test_deepcopy_repacks_and_keeps_ties():
+    emb = nn.Embedding(10, 8)
+    head = nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    pack_linears(model)
+    twin = copy.deepcopy(model)
+    assert twin["head"].weight is twin["emb"].weight and twin["head"].weight is not emb.weight
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        assert torch.allclose(twin["head"](x), model["head"](x))
+
+
+def test_not_packed_in_bf16_or_when_switched_off(monkeypatch):
+    assert not can_pack(_mlp(torch.bfloat16)) and pack_linears(_mlp(torch.bfloat16)) == 0
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert pack_linears(_mlp()) == 0
+
+
+def test_gradients_fall_back_to_plain_linear():
+    model = _mlp()
+    pack_linears(model)
+    x = torch.randn(2, 24, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_runner_packs_the_tiny_model(tiny_runner):
+    assert tiny_runner.packed_linears > 0
+    assert isinstance(tiny_runner.model.lm_head, PackedLinear)
