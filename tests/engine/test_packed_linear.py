@@ -69,3 +69,10 @@ def test_gradients_fall_back_to_plain_linear():
 def test_runner_packs_the_tiny_model(tiny_runner):
     assert tiny_runner.packed_linears > 0
     assert isinstance(tiny_runner.model.lm_head, PackedLinear)
+
+
+def test_not_packed_where_a_packed_product_fails(monkeypatch):
+    import engine.packed_linear as pl
+
+    monkeypatch.setattr(pl, "_packing_works", lambda: False)
+    assert pack_linears(_mlp()) == 0
