@@ -5,7 +5,8 @@ picks and places:
 
 - ``tree``: node-link diagram, root on the left, a column per cached run and a row per
   branch, placed so that a redraw after new requests moves no node drawn before
-  (``tree_marks.stable_layout``); labels only where they collide with nothing;
+  (``tree_marks.stable_layout``; a big tree that had to be folded is laid out depth
+  first instead, and says its marks may move); labels only where they collide with nothing;
 - ``icicle``: one bar per node, x = prefix length in tokens, so depth reads as
   how far into the prompt a node starts and ends.
 
@@ -69,7 +70,14 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
     if icicle:
         traces = _icicle_traces(marks, layout(marks)[1], colors, hover, fig_layout, label=len(marks) <= 40)
     else:
-        pos = stable_layout(marks, node_places(snapshot))
+        if any(m.grouped_nodes for m in marks.values()):
+            # Folded (a big tree): which subtrees fold changes as the tree grows, so places cannot
+            # be kept anyway; the compact depth-first layout reads best, and the title says so.
+            pos = {vid: (float(x), y) for vid, (x, y) in layout(marks)[0].items()}
+            if "title" in fig_layout:
+                fig_layout["title"]["text"] += " · big tree folded: marks may move as it grows"
+        else:
+            pos = stable_layout(marks, node_places(snapshot))
         traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (30 if compact else 60),
                               label_width=12 if compact else 22, compact=compact)
     traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False,
@@ -206,15 +214,16 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
         points.update(text=[_label(marks[v], label_width) if v in where else "" for v in vids],
                       textfont=dict(size=LABEL_FONT_PX, color="#334155"),
                       textposition=[where.get(v, "top center") for v in vids])
-    else:
-        x_range, y_range = [x_lo - 0.6, x_hi + 0.6], [last_row + 0.6, -0.6]
+    else:  # no labels: plotly's own autorange leaves room for the markers
+        x_range, y_range = [x_lo - 0.6, x_hi + 0.6], None
     traces.append(points)
     traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=[ROOT_LABEL],
                        textposition="middle left", hoverinfo="skip", textfont=dict(size=LABEL_FONT_PX),
                        marker=dict(size=size_px[0], color="#0f172a", symbol="square")))
     fig_layout["xaxis"]["range"] = x_range
-    fig_layout["yaxis"]["range"] = y_range
-    fig_layout["yaxis"].pop("autorange", None)
+    if y_range:
+        fig_layout["yaxis"]["range"] = y_range
+        fig_layout["yaxis"].pop("autorange", None)
     return traces
 
 
