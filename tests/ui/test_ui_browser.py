@@ -2,7 +2,7 @@
 two starter questions show a cache hit on the first screen (and the first, which reused
 nothing, claims no speedup), Stop leaves a "stopped" state with the partial request's
 numbers, and the tree tab redraws by itself while another visitor sends requests, keeping
-the zoom the visitor chose.
+the zoom the visitor chose and every node under it in place.
 
 ``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/ui/test_ui_browser.py`` also saves the
 first screen after two chat turns (the picture in the README).
@@ -27,6 +27,9 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--
 TURN_TIMEOUT_MS = 240_000
 AXIS_RANGES = """() => { const l = document.querySelector('#tree-plot .js-plotly-plot')._fullLayout;
                         return [...l.xaxis.range, ...l.yaxis.range]; }"""
+NODE_PLACES = """() => { const gd = document.querySelector('#tree-plot .js-plotly-plot');
+                        const t = gd.data.find((d) => d.customdata);
+                        return t ? Array.from(t.customdata, (v, i) => [v, t.x[i], t.y[i]]) : []; }"""
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,11 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     nodes_before = int(before.split(" nodes")[0].replace(",", ""))
     assert nodes_before == len(engine.snapshot().nodes)
 
+    # Node by node (chains not collapsed: a chain's end moves when another turn extends it).
+    page.get_by_label("Collapse chains").uncheck()
+    page.wait_for_function("n => { const gd = document.querySelector('#tree-plot .js-plotly-plot');"
+                           " const t = gd && gd.data.find((d) => d.customdata); return t && t.x.length === n; }",
+                           arg=nodes_before, timeout=30_000)
     # The visitor zooms in (drags a box); the zoom must survive the redraws that follow.
     box = page.locator("#tree-plot .nsewdrag").first.bounding_box()
     cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
@@ -134,6 +142,8 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     page.mouse.up()
     page.wait_for_timeout(500)
     zoomed = page.evaluate(AXIS_RANGES)
+    places = {v: (x, y) for v, x, y in page.evaluate(NODE_PLACES)}
+    assert len(places) == nodes_before
 
     other = visitor(url)  # another visitor; this page does nothing but wait
     other.predict("What is your warranty on tents?", [], DEFAULT_SYSTEM, "", 4, False, api_name="/chat")
@@ -143,6 +153,9 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     assert int(title.text_content().split(" nodes")[0].replace(",", "")) > nodes_before
     page.wait_for_timeout(500)
     assert page.evaluate(AXIS_RANGES) == pytest.approx(zoomed)
+    # ... and the nodes under it did not move (issue 15 item 11): the zoomed window shows the same region.
+    now = {v: (x, y) for v, x, y in page.evaluate(NODE_PLACES)}
+    assert len(now) > len(places) and all(now[v] == pytest.approx(xy) for v, xy in places.items())
 
     page.get_by_label("icicle").check()
     page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
