@@ -267,10 +267,11 @@ def _replace_by_group(marks: dict[int, VisualNode], info: dict[int, _Subtree], p
 def layout(marks: dict[int, VisualNode]) -> tuple[dict[int, tuple[int, float]], dict[int, tuple[int, int]]]:
     """Depth in marks (x) and leaf order (y), plus each mark's leaf span (rows ``[first, last)``).
 
-    Children are ordered by their oldest member id, so a refresh adds new
-    branches below the old ones instead of reshuffling the picture; a
-    group of folded subtrees comes last among its siblings. A parent sits
-    midway between its first and last child.
+    The icicle's layout (a subtree's leaves on adjacent rows, so a bar spans
+    its children's), also the tree view's once a big tree is folded. Children
+    are ordered by their oldest member id; a group of folded subtrees comes
+    last among its siblings. A parent sits midway between its first and last
+    child. A new branch shifts the rows below it: ``stable_layout`` does not.
     """
     order = {vid: (m.grouped_nodes > 0, min(m.member_ids, default=0)) for vid, m in marks.items()}
     kids = {vid: sorted(m.children, key=order.__getitem__) for vid, m in marks.items()}

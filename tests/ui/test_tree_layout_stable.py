@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import html
 import itertools
+import random
 
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
+from components.tree_bench import Traffic, traffic_snapshot
 from components.tree_figures import COLORBAR_PX, LABEL_WIDTH_PX, tree_figure
-from components.tree_marks import node_places, request_path
+from components.tree_marks import node_places, request_path, stable_layout, visual_tree
 from engine.engine import Engine
+from engine.radix_tree import CacheKey, RadixTree
 from engine.types import GenerationRequest, SamplingParams, TreeSnapshot
 
 FOLLOW_UPS = ("And how long does that take?", "Can I pay by card?", "What if it arrives broken?",
@@ -151,6 +154,67 @@ def test_other_visitors_never_move_what_a_viewer_sees(tiny_runner):
         engine.close()
 
 
+def tree_places(tree: RadixTree, viewer: str | None = None) -> dict[int, tuple[float, float]]:
+    """Node id -> (x, row) of the tree view, node by node (no chains collapsed), of a bare ``RadixTree``."""
+    snap = traffic_snapshot(Traffic(tree, 0.0, (), (), 0, viewer or ""), viewer)
+    return stable_layout(visual_tree(snap, collapse_chains=False), node_places(snap))
+
+
+def test_cuts_of_one_run_sit_between_and_never_move_each_other():
+    tree = RadixTree()
+    run = tuple(range(100, 120))
+    tree.insert(CacheKey(run), [None] * 20)  # node 1
+    before = tree_places(tree)
+    assert before[1] == (1.0, 0.0)
+    cuts = []
+    for at in (10, 5, 15, 12):  # each insert leaves the run at ``at``: one cut, one new branch
+        ids = run[:at] + (900 + at,)
+        tree.insert(CacheKey(ids), [None] * len(ids))
+        now = tree_places(tree)
+        assert all(now[k] == before[k] for k in before), "an older cut moved"
+        cut = tree.match(CacheKey(run[:at])).node.id
+        cuts.append(cut)
+        assert 0 < now[cut][0] < 1 and now[cut][1] == 0.0 and now[1] == (1.0, 0.0)  # on the run's row, before it
+        before = now
+    xs = [before[c][0] for c in cuts]
+    assert xs == [0.5, 0.25, 0.75, 0.625]  # halfway between neighbours on the path, oldest cut first
+    by_depth = sorted(cuts, key=lambda c: tree.match(CacheKey(run)).path.index(c))
+    assert [before[c][0] for c in by_depth] == sorted(xs), "left to right in path order"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_inserts_never_move_a_drawn_node(seed):
+    """Inserts from a small alphabet make many splits and branches anywhere in the tree: after each,
+    every node that existed keeps its (x, row); new nodes land on no existing place."""
+    rng = random.Random(seed)
+    tree, places = RadixTree(), {}
+    prefixes = [()]
+    for _ in range(60):
+        base = rng.choice(prefixes)
+        ids = base[: rng.randint(0, len(base))] + tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 8)))
+        tree.insert(CacheKey(ids), [None] * len(ids))
+        prefixes.append(ids)
+        tree.check_invariants()
+        now = tree_places(tree)
+        assert {k: now[k] for k in places} == places
+        assert len(set(now.values())) == len(now), "two nodes on one place"
+        places = now
+    assert len(places) > 40
+
+
+def test_a_folded_tree_says_its_marks_may_move():
+    """Past the marks a view can draw, subtrees fold into groups and which ones fold changes as the tree
+    grows: there the figure does not promise places, it says so in its title."""
+    tree = RadixTree()
+    for i in range(60):  # 60 conversations under one system prompt: more than 40 children under one parent
+        ids = tuple(range(10)) + (1000 + i, 2000 + i)
+        tree.insert(CacheKey(ids), [None] * len(ids))
+    snap = traffic_snapshot(Traffic(tree, 0.0, (), (), 0, ""))
+    assert "marks may move" in tree_figure(snap).layout.title.text
+    small = traffic_snapshot(Traffic(RadixTree(), 0.0, (), (), 0, ""))
+    assert "may move" not in (tree_figure(small).layout.title.text or "")
+
+
 # ---------------------------------------------------------------- item 12: labels do not collide
 def label_boxes(fig, width_px: int) -> tuple[list[tuple], list[tuple], tuple[float, float]]:
     """Label boxes and marker boxes in pixels (y down) as plotly draws them at ``width_px``, and the plot area.
@@ -206,10 +270,17 @@ def assert_labels_clear(fig, width_px: int) -> int:
     return len(labels)
 
 
-@pytest.mark.parametrize("turns,conversations", [(3, 2), (4, 2), (5, 3), (6, 3)])
-def test_live_tree_labels_do_not_overlap_after_a_few_turns(engine, turns, conversations):
-    _, metrics = chats(engine, turns, conversations)
-    snap = engine.snapshot()
+@pytest.mark.parametrize("turns,conversations,isolated", [(3, 2, False), (4, 2, False), (5, 3, False), (6, 3, False),
+                                                           (4, 2, True)])
+def test_live_tree_labels_do_not_overlap_after_a_few_turns(tiny_runner, turns, conversations, isolated):
+    engine = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, isolation=isolated)
+    try:
+        if isolated:  # another visitor's chat shows as one grey "(private)" mark
+            chats(engine, 2, 2, namespace="other")
+        _, metrics = chats(engine, turns, conversations, namespace="me" if isolated else "")
+        snap = engine.snapshot(viewer="me" if isolated else None)
+    finally:
+        engine.close()
     path = request_path(snap, metrics)
     small = tree_figure(snap, path, compact=True, height=330, max_nodes=120, max_fan=12,
                         collapse_chains=len(snap.nodes) > 24)  # as the chat tab draws it
