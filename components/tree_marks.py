@@ -325,8 +325,9 @@ def node_places(snapshot: TreeSnapshot) -> NodePlaces:
       each later cut of the same run halfway between its neighbours on the path,
       taken oldest first (ids again), so a new cut never moves an older one.
 
-    Other visitors' hidden nodes (sizes rounded, ids made up) order after every
-    visible sibling. Eviction removes nodes and may change keys: then nodes move.
+    Other visitors' hidden nodes order after every visible sibling (the engine
+    folds each hidden subtree into one node with a made-up id; a remote shadow
+    tree keeps theirs). Eviction removes nodes and may change keys: then nodes move.
     """
     kids: dict[int, list[NodeInfo]] = {}
     for n in snapshot.nodes:
@@ -337,23 +338,24 @@ def node_places(snapshot: TreeSnapshot) -> NodePlaces:
         n = stack.pop()
         order.append(n)
         stack.extend(kids.get(n.node_id, ()))
+    own = {n.node_id: HIDDEN_KEY + n.node_id if n.hidden else n.node_id for n in order}
     key: dict[int, int] = {0: -1}
     for n in reversed(order):
-        k = HIDDEN_KEY + n.node_id if n.hidden else n.node_id
+        k = own[n.node_id]
         for c in kids.get(n.node_id, ()):
             k = min(k, key[c.node_id])
         key[n.node_id] = k
-    split = {n.node_id for n in order if not n.hidden and key[n.node_id] < n.node_id}
+    split = {n.node_id for n in order if key[n.node_id] < own[n.node_id]}
     parent_of = {n.node_id: n.parent_id for n in order}
     runs: dict[int, int] = {0: 0}  # first-cached runs from the root
     for n in order:
         runs[n.node_id] = runs[n.parent_id] + (n.node_id not in split)
     column: dict[int, float] = {nid: float(r) for nid, r in runs.items() if nid not in split}
     for n in order:  # each first-cached run below cuts: place the cuts above it, oldest first
-        if n.node_id in split or key[n.parent_id] != n.node_id:
+        if n.node_id in split or key[n.parent_id] != own[n.node_id]:
             continue
         cuts, up = [], n.parent_id  # the run's upper parts (their key is the run's id), up to where it started
-        while up in split and key[up] == n.node_id:
+        while up in split and key[up] == own[n.node_id]:
             cuts.append(up)
             up = parent_of[up]
         at = {up: 0, n.node_id: len(cuts) + 1}  # path order: the start, the cuts top down, the run itself

@@ -183,20 +183,25 @@ def test_cuts_of_one_run_sit_between_and_never_move_each_other():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_inserts_never_move_a_drawn_node(seed):
+@pytest.mark.parametrize("viewer", [None, "a"])
+def test_random_inserts_never_move_a_drawn_node(seed, viewer):
     """Inserts from a small alphabet make many splits and branches anywhere in the tree: after each,
-    every node that existed keeps its (x, row); new nodes land on no existing place."""
+    every node that existed keeps its (x, row); new nodes land on no existing place. With a viewer,
+    other namespaces' nodes are hidden (kept node by node, as a remote shadow tree does): the viewer's
+    own and the shared nodes never move."""
     rng = random.Random(seed)
     tree, places = RadixTree(), {}
     prefixes = [()]
     for _ in range(60):
         base = rng.choice(prefixes)
         ids = base[: rng.randint(0, len(base))] + tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 8)))
-        tree.insert(CacheKey(ids), [None] * len(ids))
+        namespace = rng.choice(["a", "b", "c"]) if viewer else ""
+        tree.insert(CacheKey(ids, namespace, public_len=rng.randint(0, 3)), [None] * len(ids))
         prefixes.append(ids)
         tree.check_invariants()
-        now = tree_places(tree)
-        assert {k: now[k] for k in places} == places
+        now = tree_places(tree, viewer)
+        seen = {n.id for n in tree.nodes() if viewer is None or n.namespace in ("", viewer)}
+        assert {k: now[k] for k in places if k in seen} == {k: xy for k, xy in places.items() if k in seen}
         assert len(set(now.values())) == len(now), "two nodes on one place"
         places = now
     assert len(places) > 40
