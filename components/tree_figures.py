@@ -152,7 +152,7 @@ def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, 
     cx, cy = to_px(*pos[0])
     taken = [label_box(cx, cy, size_px[0], ROOT_LABEL, "middle left")]
     out: dict[int, str] = {}
-    for v in sorted(vids, key=lambda v: (not marks[v].status, -(marks[v].grouped_tokens or marks[v].num_tokens), v)):
+    for v in sorted(vids, key=lambda v: _label_rank(marks[v])):
         cx, cy = to_px(*pos[v])
         text = _label(marks[v], label_width)
         first, second = ("top", "bottom") if round(pos[v][0]) % 2 == 0 else ("bottom", "top")
@@ -167,6 +167,11 @@ def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, 
             out[v] = where
             break
     return out
+
+
+def _label_rank(m: VisualNode) -> tuple:
+    """Which labels matter most: the last request's path, then the biggest marks."""
+    return (not m.status, -(m.grouped_tokens or m.num_tokens), m.vid)
 
 
 def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label_width: int = 22,
@@ -186,7 +191,8 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
     traces = [dict(type="scatter", x=xs, y=ys, mode="lines", hoverinfo="skip",
                    line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status else 1.2))
               for status, (xs, ys) in edges.items()]
-    vids = [v for v in marks if v]
+    # most telling first: labels are placed in this order, and the page script hides later ones first
+    vids = sorted((v for v in marks if v), key=lambda v: _label_rank(marks[v]))
     outlines = [_outline(marks[v]) for v in vids]
     points = dict(
         type="scatter", x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids], customdata=vids,
@@ -216,10 +222,10 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
                       textposition=[where.get(v, "top center") for v in vids])
     else:  # no labels: plotly's own autorange leaves room for the markers
         x_range, y_range = [x_lo - 0.6, x_hi + 0.6], None
-    traces.append(points)
     traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=[ROOT_LABEL],
                        textposition="middle left", hoverinfo="skip", textfont=dict(size=LABEL_FONT_PX),
                        marker=dict(size=size_px[0], color="#0f172a", symbol="square")))
+    traces.append(points)
     fig_layout["xaxis"]["range"] = x_range
     if y_range:
         fig_layout["yaxis"]["range"] = y_range

@@ -27,6 +27,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--
 TURN_TIMEOUT_MS = 240_000
 AXIS_RANGES = """() => { const l = document.querySelector('#tree-plot .js-plotly-plot')._fullLayout;
                         return [...l.xaxis.range, ...l.yaxis.range]; }"""
+SHOWN_LABELS = """sel => Array.from(document.querySelectorAll(sel + ' .scatterlayer .textpoint text'))
+    .filter((t) => t.textContent && getComputedStyle(t).visibility !== 'hidden')
+    .map((t) => { const r = t.getBoundingClientRect(); return [t.textContent, r.left, r.top, r.right, r.bottom]; })
+    .filter((b) => b[3] > b[1])"""
 NODE_PLACES = """() => { const gd = document.querySelector('#tree-plot .js-plotly-plot');
                         const t = gd.data.find((d) => d.customdata);
                         return t ? Array.from(t.customdata, (v, i) => [v, t.x[i], t.y[i]]) : []; }"""
@@ -58,6 +62,27 @@ def numbers_text(page) -> str:
 
 
 COUNTS = r"([\d,]+) of ([\d,]+) prompt tokens"
+
+
+def assert_labels_apart(page, selector: str) -> int:
+    """No two tree labels the visitor can see overlap (issue 15 item 12); returns how many are shown."""
+    boxes = page.evaluate(SHOWN_LABELS, selector)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            apart = a[3] <= b[1] + 0.5 or b[3] <= a[1] + 0.5 or a[4] <= b[2] + 0.5 or b[4] <= a[2] + 0.5
+            assert apart, f"labels {a[0]!r} and {b[0]!r} overlap in {selector}"
+    return len(boxes)
+
+
+def at_phone_width(page, selector: str) -> int:
+    """Labels checked with the page at 390 px (plotly redraws the plot narrower), then back at 1440."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(1500)
+    try:
+        return assert_labels_apart(page, selector)
+    finally:
+        page.set_viewport_size({"width": 1440, "height": 900})
+        page.wait_for_timeout(1000)
 
 
 def click_starter_and_wait(page, question: str) -> str:
@@ -97,6 +122,8 @@ def test_first_screen_tells_the_story(page, tmp_path):
     assert page.locator(".mini-tree .js-plotly-plot").count() == 1
     assert page.locator(".mini-tree .js-plotly-plot .scatterlayer .point").count() >= 2  # nodes drawn
     page.wait_for_timeout(2500)
+    assert assert_labels_apart(page, ".mini-tree") >= 2  # root and at least one node named
+    at_phone_width(page, ".mini-tree")
     shot = tmp_path / "after_two_turns.png"
     page.screenshot(path=str(shot))
     if os.environ.get("RADIX_SCREENSHOT"):
@@ -156,6 +183,10 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     # ... and the nodes under it did not move (issue 15 item 11): the zoomed window shows the same region.
     now = {v: (x, y) for v, x, y in page.evaluate(NODE_PLACES)}
     assert len(now) > len(places) and all(now[v] == pytest.approx(xy) for v, xy in places.items())
+    page.mouse.dblclick(cx, cy)  # zoom out: the whole tree, labels that collide hidden at any width
+    page.wait_for_timeout(800)
+    assert assert_labels_apart(page, "#tree-plot") >= 2
+    at_phone_width(page, "#tree-plot")
 
     page.get_by_label("icicle").check()
     page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
