@@ -142,7 +142,7 @@ def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, 
                   size_px: dict[int, float], to_px, area: tuple[float, float], label_width: int) -> dict[int, str]:
     """Mark -> textposition for the labels that fit; the rest keep their text in the hover only.
 
-    Greedy, most telling marks first (the last request's path, then the biggest): each label
+    Greedy, most telling marks first (``vids`` come sorted by ``_label_rank``): each label
     tries above or below its marker (alternating by column, as before), then beside it, and
     takes the first place that stays inside the plot and covers no other label and no marker.
     """
@@ -152,7 +152,7 @@ def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, 
     cx, cy = to_px(*pos[0])
     taken = [label_box(cx, cy, size_px[0], ROOT_LABEL, "middle left")]
     out: dict[int, str] = {}
-    for v in sorted(vids, key=lambda v: _label_rank(marks[v])):
+    for v in vids:  # in ``_label_rank`` order
         cx, cy = to_px(*pos[v])
         text = _label(marks[v], label_width)
         first, second = ("top", "bottom") if round(pos[v][0]) % 2 == 0 else ("bottom", "top")
