@@ -5,7 +5,8 @@ Owns: the ``LiveView`` a panel hands back (its timer and refresh function, so
 the timers of hidden tabs), a cheap signature of the engine's state (so a tick
 that would redraw the same picture sends nothing), a short-lived snapshot
 shared by every visitor who sees the same thing, and the page script that
-keeps a visitor's zoom across redraws (``KEEP_ZOOM_JS``).
+keeps a visitor's zoom across redraws and hides tree labels that would collide
+on a plot narrower than they were placed for (``KEEP_ZOOM_JS``).
 """
 
 from __future__ import annotations
@@ -32,15 +33,37 @@ KEEP_ZOOM = "keep-zoom"  # elem_classes of a gr.Plot whose zoom survives redraws
 # the axis ranges a visitor zoomed or panned to in each ``.keep-zoom`` plot
 # (keyed by its elem_id and the figure's uirevision) and puts them back on the
 # next figure; a double-click (autorange) forgets them.
+#
+# The same script declutters the tree plots' labels after every draw (a zoom, a
+# resize): ``components.tree_figures`` places them for a plot of a given width
+# and lists the most telling first; on a narrower plot (the tree tab on a phone)
+# a label that would cover an earlier one, or stick out of the plot, is hidden
+# (its text stays in the hover), and a zoom that makes room shows it again.
+TREE_PLOTS = "#tree-plot, .mini-tree"
 KEEP_ZOOM_JS = """
 () => {
   const saved = {};
   const keys = ["xaxis.range[0]", "xaxis.range[1]", "yaxis.range[0]", "yaxis.range[1]"];
+  const declutter = (el) => {
+    const drag = el.querySelector(".nsewdrag");
+    if (!drag) return;
+    const a = drag.getBoundingClientRect();
+    const kept = [];
+    el.querySelectorAll(".scatterlayer .textpoint text").forEach((t) => {
+      t.style.visibility = "";
+      if (!t.textContent) return;
+      const r = t.getBoundingClientRect();
+      const out = r.left < a.left - 1 || r.right > a.right + 1 || r.top < a.top - 1 || r.bottom > a.bottom + 1;
+      const hit = kept.some((k) => r.left < k.right && k.left < r.right && r.top < k.bottom && k.top < r.bottom);
+      if (out || hit) { t.style.visibility = "hidden"; } else { kept.push(r); }
+    });
+  };
   const hook = () => {
     document.querySelectorAll(".KEEP_ZOOM_CLASS .js-plotly-plot").forEach((el) => {
       if (el.__keepZoom || !el._fullLayout || !el.on || !window.Plotly) return;
       el.__keepZoom = true;
       const box = el.closest(".KEEP_ZOOM_CLASS");
+      if (box.matches("TREE_PLOTS")) { el.on("plotly_afterplot", () => declutter(el)); declutter(el); }
       const key = (box.id || "plot") + "|" + (el.layout.uirevision || "");
       if (saved[key]) window.Plotly.relayout(el, saved[key]);
       el.on("plotly_relayout", (ev) => {
@@ -55,7 +78,7 @@ KEEP_ZOOM_JS = """
   };
   new MutationObserver(hook).observe(document.body, {childList: true, subtree: true});
 }
-""".replace("KEEP_ZOOM_CLASS", KEEP_ZOOM)
+""".replace("KEEP_ZOOM_CLASS", KEEP_ZOOM).replace("TREE_PLOTS", TREE_PLOTS)
 
 
 REFRESH_FAILED = "⚠ Could not redraw this panel ({error}); it shows the last picture. Details are in the server log."

@@ -3,7 +3,10 @@
 Owns the look of the tree in two views, from the marks ``components.tree_marks``
 picks and places:
 
-- ``tree``: node-link diagram, root on the left, one row per leaf;
+- ``tree``: node-link diagram, root on the left, a column per cached run and a row per
+  branch, placed so that a redraw after new requests moves no node drawn before
+  (``tree_marks.stable_layout``; a big tree that had to be folded is laid out depth
+  first instead, and says its marks may move); labels only where they collide with nothing;
 - ``icicle``: one bar per node, x = prefix length in tokens, so depth reads as
   how far into the prompt a node starts and ends.
 
@@ -24,7 +27,7 @@ from plotly.colors import sample_colorscale
 
 from components.chart_style import TOKEN_COLORS
 from components.format import fmt_ago, fmt_bytes
-from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, visual_tree
+from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
 from engine.types import TreeSnapshot
 
 STATUS_COLORS = {REUSED: TOKEN_COLORS["cached"], COMPUTED: TOKEN_COLORS["computed"]}
@@ -62,14 +65,21 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
             text="The cache is empty.<br>Send a message: its tokens appear here as a branch.", x=0.5, y=0.5,
             xref="paper", yref="paper", showarrow=False, font=dict(size=14))]
         return go.Figure(layout=fig_layout)
-    pos, span = layout(marks)
     colors, cbar = _colors(marks, color_by)
     hover = {vid: _hover(m, viewer_owns) for vid, m in marks.items() if vid}
     if icicle:
-        traces = _icicle_traces(marks, span, colors, hover, fig_layout, label=len(marks) <= 40)
+        traces = _icicle_traces(marks, layout(marks)[1], colors, hover, fig_layout, label=len(marks) <= 40)
     else:
-        traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (14 if compact else 40),
-                              label_width=12 if compact else 22)
+        if any(m.grouped_nodes for m in marks.values()):
+            # Folded (a big tree): which subtrees fold changes as the tree grows, so places cannot
+            # be kept anyway; the compact depth-first layout reads best, and the title says so.
+            pos = {vid: (float(x), y) for vid, (x, y) in layout(marks)[0].items()}
+            if "title" in fig_layout:
+                fig_layout["title"]["text"] += " · big tree folded: marks may move as it grows"
+        else:
+            pos = stable_layout(marks, node_places(snapshot))
+        traces = _tree_traces(marks, pos, colors, hover, fig_layout, label=len(marks) <= (30 if compact else 60),
+                              label_width=12 if compact else 22, compact=compact)
     traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False,
                        marker=dict(colorscale=cbar[0], cmin=cbar[1], cmax=cbar[2], color=[cbar[1]],
                                    showscale=not compact,
@@ -101,9 +111,75 @@ def _outline(m: VisualNode) -> tuple[str, float]:
     return ("#dc2626", 3) if m.lock_ref else ("white", 1)
 
 
-def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label_width: int = 22) -> list[dict]:
+# Label geometry, in pixels. The figure's width is the page's to choose (Gradio sizes the plot to its
+# column), so labels are placed for a narrow plot: the small tree on a phone (about 326 px wide, 480 on
+# a desktop) and the tree tab on a laptop; a wider plot only spreads the marks apart.
+LABEL_FONT_PX = 10
+CHAR_WIDTH_EM = 0.6  # a generous average glyph width of plotly's sans-serif font, in font sizes
+LABEL_WIDTH_PX = {True: 320, False: 900}  # compact (beside the chat) or not: the narrowest plot labels are placed for
+COLORBAR_PX = 70  # what the colour bar (and its tick labels) takes off the plot's width
+PAD_PX = dict(left=40, right=16, top=20, bottom=20)  # around the marks, for the root's label and the edge rows'
+ROOT_LABEL = "root"
+
+
+def label_box(cx: float, cy: float, marker_px: float, text: str, where: str,
+              font_px: float = LABEL_FONT_PX) -> tuple[float, float, float, float]:
+    """The box (x0, y0, x1, y1; pixels, y down) plotly gives a point's text at ``where``
+    (a ``textposition``): offset from the marker by plotly's own rule (radius / 0.8 + 1)."""
+    w, h = len(text) * font_px * CHAR_WIDTH_EM, font_px * 1.1
+    r = marker_px / 1.6 + 1
+    vertical, _, horizontal = where.partition(" ")
+    x0 = {"center": cx - w / 2, "right": cx + r, "left": cx - r - w}[horizontal]
+    y0 = {"top": cy - r - h, "bottom": cy + r, "middle": cy - h / 2}[vertical]
+    return (x0, y0, x0 + w, y0 + h)
+
+
+def _overlaps(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, tuple[float, float]],
+                  size_px: dict[int, float], to_px, area: tuple[float, float], label_width: int) -> dict[int, str]:
+    """Mark -> textposition for the labels that fit; the rest keep their text in the hover only.
+
+    Greedy, most telling marks first (``vids`` come sorted by ``_label_rank``): each label
+    tries above or below its marker (alternating by column, as before), then beside it, and
+    takes the first place that stays inside the plot and covers no other label and no marker.
+    """
+    w, h = area
+    markers = {v: (x - size_px[v] / 2, y - size_px[v] / 2, x + size_px[v] / 2, y + size_px[v] / 2)
+               for v in [0, *vids] for x, y in [to_px(*pos[v])]}
+    cx, cy = to_px(*pos[0])
+    taken = [label_box(cx, cy, size_px[0], ROOT_LABEL, "middle left")]
+    out: dict[int, str] = {}
+    for v in vids:  # in ``_label_rank`` order
+        cx, cy = to_px(*pos[v])
+        text = _label(marks[v], label_width)
+        first, second = ("top", "bottom") if round(pos[v][0]) % 2 == 0 else ("bottom", "top")
+        for where in (f"{first} center", f"{second} center", f"{first} right", f"{second} right",
+                      f"{first} left", f"{second} left"):
+            box = label_box(cx, cy, size_px[v], html.unescape(text), where)
+            if (box[0] < 0 or box[1] < 0 or box[2] > w or box[3] > h
+                    or any(_overlaps(box, b) for b in taken)
+                    or any(_overlaps(box, b) for u, b in markers.items() if u != v)):
+                continue
+            taken.append(box)
+            out[v] = where
+            break
+    return out
+
+
+def _label_rank(m: VisualNode) -> tuple:
+    """Which labels matter most: the last request's path, then the biggest marks."""
+    return (not m.status, -(m.grouped_tokens or m.num_tokens), m.vid)
+
+
+def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label_width: int = 22,
+                 compact: bool = False) -> list[dict]:
     size_of = {v: m.grouped_tokens or m.num_tokens for v, m in marks.items()}
     max_tok = max(size_of.values(), default=1) or 1
+    size_px = {v: 8 + 34 * math.sqrt(size_of[v] / max_tok) for v in marks}
+    size_px[0] = 9
     edges: dict[str, tuple[list, list]] = {"": ([], []), REUSED: ([], []), COMPUTED: ([], [])}
     for vid, m in marks.items():
         if vid == 0:
@@ -115,26 +191,44 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
     traces = [dict(type="scatter", x=xs, y=ys, mode="lines", hoverinfo="skip",
                    line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status else 1.2))
               for status, (xs, ys) in edges.items()]
-    vids = [v for v in marks if v]
+    # most telling first: labels are placed in this order, and the page script hides later ones first
+    vids = sorted((v for v in marks if v), key=lambda v: _label_rank(marks[v]))
     outlines = [_outline(marks[v]) for v in vids]
     points = dict(
-        type="scatter", x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids],
+        type="scatter", x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids], customdata=vids,
         mode="markers+text" if label else "markers", hovertext=[hover[v] for v in vids], hoverinfo="text",
-        marker=dict(size=[8 + 34 * math.sqrt(size_of[v] / max_tok) for v in vids], color=[colors[v] for v in vids],
+        marker=dict(size=[size_px[v] for v in vids], color=[colors[v] for v in vids],
                     symbol=["square" if marks[v].grouped_nodes else "diamond" if marks[v].lock_ref else "circle"
                             for v in vids],
                     line=dict(color=[c for c, _ in outlines], width=[w for _, w in outlines]), opacity=0.95))
-    if label:
-        points.update(text=[_label(marks[v], label_width) for v in vids], textfont=dict(size=10, color="#334155"),
-                      textposition=["bottom center" if pos[v][0] % 2 else "top center" for v in vids])  # alternate
+    xs_all, rows = [p[0] for p in pos.values()], [p[1] for p in pos.values()]
+    x_lo, x_hi, last_row = min(xs_all), max(xs_all), max(rows)
+    if label:  # ranges that leave fixed room in pixels around the marks, so labels can be placed in pixels
+        m = fig_layout["margin"]
+        area_w = LABEL_WIDTH_PX[compact] - m["l"] - m["r"] - (0 if compact else COLORBAR_PX)
+        area_h = fig_layout["height"] - m["t"] - m["b"]
+        pad = {k: max(v, max(size_px.values()) / 2 + 2) for k, v in PAD_PX.items()}  # no marker cut off either
+        sx = (area_w - pad["left"] - pad["right"]) / max(x_hi - x_lo, 1.0)
+        sy = (area_h - pad["top"] - pad["bottom"]) / max(last_row, 1.0)
+        x_range = [x_lo - pad["left"] / sx, x_hi + pad["right"] / sx]
+        y_range = [last_row + pad["bottom"] / sy, -pad["top"] / sy]  # reversed: the first row on top
+
+        def to_px(x: float, y: float) -> tuple[float, float]:
+            return ((x - x_range[0]) * sx, (y - y_range[1]) * sy)
+
+        where = _place_labels(marks, vids, pos, size_px, to_px, (area_w, area_h), label_width)
+        points.update(text=[_label(marks[v], label_width) if v in where else "" for v in vids],
+                      textfont=dict(size=LABEL_FONT_PX, color="#334155"),
+                      textposition=[where.get(v, "top center") for v in vids])
+    else:  # no labels: plotly's own autorange leaves room for the markers
+        x_range, y_range = [x_lo - 0.6, x_hi + 0.6], None
+    traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=[ROOT_LABEL],
+                       textposition="middle left", hoverinfo="skip", textfont=dict(size=LABEL_FONT_PX),
+                       marker=dict(size=size_px[0], color="#0f172a", symbol="square")))
     traces.append(points)
-    traces.append(dict(type="scatter", x=[pos[0][0]], y=[pos[0][1]], mode="markers+text", text=["root"],
-                       textposition="middle left", hoverinfo="skip",
-                       marker=dict(size=9, color="#0f172a", symbol="square")))
-    fig_layout["xaxis"]["range"] = [-0.6, max(p[0] for p in pos.values()) + (1.2 if label else 0.6)]  # labels
-    if label:  # half a row more above and below, so the top and bottom rows' labels are not cut off
-        ys = [p[1] for p in pos.values()]
-        fig_layout["yaxis"]["range"] = [max(ys) + 0.8, min(ys) - 0.8]  # reversed: the first row on top
+    fig_layout["xaxis"]["range"] = x_range
+    if y_range:
+        fig_layout["yaxis"]["range"] = y_range
         fig_layout["yaxis"].pop("autorange", None)
     return traces
 

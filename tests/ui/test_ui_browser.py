@@ -2,7 +2,7 @@
 two starter questions show a cache hit on the first screen (and the first, which reused
 nothing, claims no speedup), Stop leaves a "stopped" state with the partial request's
 numbers, and the tree tab redraws by itself while another visitor sends requests, keeping
-the zoom the visitor chose.
+the zoom the visitor chose and every node under it in place.
 
 ``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/ui/test_ui_browser.py`` also saves the
 first screen after two chat turns (the picture in the README).
@@ -27,6 +27,13 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--
 TURN_TIMEOUT_MS = 240_000
 AXIS_RANGES = """() => { const l = document.querySelector('#tree-plot .js-plotly-plot')._fullLayout;
                         return [...l.xaxis.range, ...l.yaxis.range]; }"""
+SHOWN_LABELS = """sel => Array.from(document.querySelectorAll(sel + ' .scatterlayer .textpoint text'))
+    .filter((t) => t.textContent && getComputedStyle(t).visibility !== 'hidden')
+    .map((t) => { const r = t.getBoundingClientRect(); return [t.textContent, r.left, r.top, r.right, r.bottom]; })
+    .filter((b) => b[3] > b[1])"""
+NODE_PLACES = """() => { const gd = document.querySelector('#tree-plot .js-plotly-plot');
+                        const t = gd.data.find((d) => d.customdata);
+                        return t ? Array.from(t.customdata, (v, i) => [v, t.x[i], t.y[i]]) : []; }"""
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,27 @@ def numbers_text(page) -> str:
 
 
 COUNTS = r"([\d,]+) of ([\d,]+) prompt tokens"
+
+
+def assert_labels_apart(page, selector: str) -> int:
+    """No two tree labels the visitor can see overlap (issue 15 item 12); returns how many are shown."""
+    boxes = page.evaluate(SHOWN_LABELS, selector)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            apart = a[3] <= b[1] + 0.5 or b[3] <= a[1] + 0.5 or a[4] <= b[2] + 0.5 or b[4] <= a[2] + 0.5
+            assert apart, f"labels {a[0]!r} and {b[0]!r} overlap in {selector}"
+    return len(boxes)
+
+
+def at_phone_width(page, selector: str) -> int:
+    """Labels checked with the page at 390 px (plotly redraws the plot narrower), then back at 1440."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(1500)
+    try:
+        return assert_labels_apart(page, selector)
+    finally:
+        page.set_viewport_size({"width": 1440, "height": 900})
+        page.wait_for_timeout(1000)
 
 
 def click_starter_and_wait(page, question: str) -> str:
@@ -94,6 +122,8 @@ def test_first_screen_tells_the_story(page, tmp_path):
     assert page.locator(".mini-tree .js-plotly-plot").count() == 1
     assert page.locator(".mini-tree .js-plotly-plot .scatterlayer .point").count() >= 2  # nodes drawn
     page.wait_for_timeout(2500)
+    assert assert_labels_apart(page, ".mini-tree") >= 2  # root and at least one node named
+    at_phone_width(page, ".mini-tree")
     shot = tmp_path / "after_two_turns.png"
     page.screenshot(path=str(shot))
     if os.environ.get("RADIX_SCREENSHOT"):
@@ -125,6 +155,11 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     nodes_before = int(before.split(" nodes")[0].replace(",", ""))
     assert nodes_before == len(engine.snapshot().nodes)
 
+    # Node by node (chains not collapsed: a chain's end moves when another turn extends it).
+    page.get_by_label("Collapse chains").uncheck()
+    page.wait_for_function("n => { const gd = document.querySelector('#tree-plot .js-plotly-plot');"
+                           " const t = gd && gd.data.find((d) => d.customdata); return t && t.x.length === n; }",
+                           arg=nodes_before, timeout=30_000)
     # The visitor zooms in (drags a box); the zoom must survive the redraws that follow.
     box = page.locator("#tree-plot .nsewdrag").first.bounding_box()
     cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
@@ -134,6 +169,8 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     page.mouse.up()
     page.wait_for_timeout(500)
     zoomed = page.evaluate(AXIS_RANGES)
+    places = {v: (x, y) for v, x, y in page.evaluate(NODE_PLACES)}
+    assert len(places) == nodes_before
 
     other = visitor(url)  # another visitor; this page does nothing but wait
     other.predict("What is your warranty on tents?", [], DEFAULT_SYSTEM, "", 4, False, api_name="/chat")
@@ -143,6 +180,13 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     assert int(title.text_content().split(" nodes")[0].replace(",", "")) > nodes_before
     page.wait_for_timeout(500)
     assert page.evaluate(AXIS_RANGES) == pytest.approx(zoomed)
+    # ... and the nodes under it did not move (issue 15 item 11): the zoomed window shows the same region.
+    now = {v: (x, y) for v, x, y in page.evaluate(NODE_PLACES)}
+    assert len(now) > len(places) and all(now[v] == pytest.approx(xy) for v, xy in places.items())
+    page.mouse.dblclick(cx, cy)  # zoom out: the whole tree, labels that collide hidden at any width
+    page.wait_for_timeout(800)
+    assert assert_labels_apart(page, "#tree-plot") >= 2
+    at_phone_width(page, "#tree-plot")
 
     page.get_by_label("icicle").check()
     page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
