@@ -19,6 +19,7 @@ compute thread: one OpenMP pool in the process, whatever thread asks.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -54,6 +55,10 @@ class ComputeThread:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        # At exit, let the call in progress finish before the interpreter tears down: a process that
+        # ends while this thread is inside a torch op aborts ("terminate called without an active
+        # exception"), e.g. a script that returns right after its last answer.
+        atexit.register(self.stop, join_timeout_s=30.0)
 
     @property
     def is_current(self) -> bool:
@@ -85,5 +90,8 @@ class ComputeThread:
             finally:
                 done.set()
 
-    def stop(self) -> None:
+    def stop(self, join_timeout_s: float | None = None) -> None:
+        """End the thread after the calls already queued; wait up to ``join_timeout_s`` for it."""
         self._inbox.put(_STOP)
+        if join_timeout_s is not None and not self.is_current:
+            self._thread.join(join_timeout_s)

@@ -71,3 +71,32 @@ def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkey
     kv = tiny_runner.new_request_kv(8)
     tiny_runner.forward_last([1, 2, 3], kv)  # from the test's own thread: hops over
     assert kv.length == 3
+
+
+EXIT_RIGHT_AFTER_AN_ANSWER = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.conftest import make_tiny_runner
+from engine.model_loader import load_tokenizer
+from engine.engine import Engine
+from engine.types import GenerationRequest, SamplingParams
+engine = Engine(make_tiny_runner(load_tokenizer()))
+print(len(engine.run(GenerationRequest(prompt="hi", sampling=SamplingParams(max_new_tokens=3))).output_ids))
+"""
+
+
+def test_a_script_that_exits_right_after_an_answer_exits_cleanly():
+    """The process used to abort ("terminate called without an active exception") when it ended
+    while the compute thread was still inside the step that produced the answer."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER_AN_ANSWER.format(root=root)],
+                              capture_output=True, text=True, timeout=120, cwd=root,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().endswith("3")
