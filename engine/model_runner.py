@@ -313,6 +313,11 @@ class ModelRunner:
         self.synchronize()
         return logits, (time.perf_counter() - t0) * 1000
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the compute thread (after the calls queued before), for command lines that build
+        runners one after another: its OpenMP pool goes with it. The runner cannot run after this."""
+        self.compute.stop(join_timeout_s=timeout_s)
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -87,6 +87,23 @@ def chat_agreement(engine: Engine, new_tokens: int = 32) -> tuple[int, int]:
     return same, len(CHAT_QUESTIONS)
 
 
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def _ideal_ms(runner, prefix_kv, prefix_len: int, suffix: list[int]) -> float:
+    """The ideal path: the suffix forward on a ready-made ``DynamicCache`` (no tree, no pool)."""
+    cache = _ideal_cache(prefix_kv)
+    positions = torch.arange(prefix_len, prefix_len + len(suffix), device=runner.device).unsqueeze(0)
+    runner.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        runner.model(input_ids=torch.tensor([suffix], device=runner.device), position_ids=positions,
+                     cache=cache, use_cache=True, logits_to_keep=1)
+    runner.synchronize()
+    return (time.perf_counter() - t0) * 1000
+
+
 def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, seed: int = 0,
                greedy_tokens: int = 16) -> dict:
     runner = engine.runner
@@ -100,8 +117,11 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     kv = runner.new_request_kv(prefix_len + 1)
     warm = engine.prefill(CacheKey(tuple(prefix)), kv)
     assert warm.cached_tokens == 0
-    prefix_kv = [(kv.k[i, :, :prefix_len].unsqueeze(0).clone(), kv.v[i, :, :prefix_len].unsqueeze(0).clone())
-                 for i in range(runner.num_layers)]
+    # Tensor work here runs on the runner's compute thread, like the engine's: a second thread with
+    # an OpenMP pool of its own would slow both paths (see engine.compute_thread).
+    prefix_kv = runner.compute.call(lambda: [(kv.k[i, :, :prefix_len].unsqueeze(0).clone(),
+                                              kv.v[i, :, :prefix_len].unsqueeze(0).clone())
+                                             for i in range(runner.num_layers)])
 
     full, eng, ideal, tree_ms, max_diff = [], [], [], [], 0.0
     for r, suffix in enumerate(suffixes):
@@ -114,17 +134,8 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
         res = engine.prefill(CacheKey(tuple(ids)), kv)
         assert res.cached_tokens == prefix_len, res.cached_tokens
         eng.append(res.prefill_ms)
-        max_diff = max(max_diff, float((res.logits - ref_logits).abs().max()))
-        # ideal path
-        cache = _ideal_cache(prefix_kv)
-        positions = torch.arange(prefix_len, len(ids), device=runner.device).unsqueeze(0)
-        runner.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            runner.model(input_ids=torch.tensor([suffix], device=runner.device), position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
-        runner.synchronize()
-        ideal.append((time.perf_counter() - t0) * 1000)
+        max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits, ref_logits))
+        ideal.append(runner.compute.call(_ideal_ms, runner, prefix_kv, prefix_len, suffix))
         # pure tree work of one hit: match the prefix, insert the new suffix
         tree = RadixTree()
         tree.insert(CacheKey(tuple(prefix)), [None] * prefix_len)
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                  else f"{dev.type}, {torch.get_num_threads()} threads")
         titles.append(f"{runner.name}, {where}")
+        engine.close()
+        runner.close()  # its compute thread (and OpenMP pool) ends before the next dtype's starts
         del engine, runner
     print(format_table(rows, "; ".join(dict.fromkeys(titles))))
     if len(dtypes) > 1:
