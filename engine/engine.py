@@ -277,7 +277,8 @@ class Engine(FacadeBase):
         return EngineInfo(model_name=r.name, device=str(r.device), dtype=str(r.dtype).replace("torch.", ""),
                           num_layers=r.num_layers, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
-                          cache_enabled=self.cache.enabled, isolation=self.isolation)
+                          cache_enabled=self.cache.enabled, isolation=self.isolation,
+                          linear_kernels=r.linear_kernels)
 
     def clear_cache(self, namespace: str | None = None) -> int:
         """Evict every unlocked node (of one namespace only, if given); returns tokens freed."""

@@ -29,7 +29,7 @@ import torch
 
 from engine.compute_thread import ComputeThread
 from engine.model_loader import LoadedModel
-from engine.packed_linear import pack_linears
+from engine.packed_linear import PackedLinear, pack_linears
 from engine.request_kv import RequestKV, RowsCache
 from engine.types import EngineError
 from engine.validation import flatten_content, valid_text
@@ -312,6 +312,13 @@ class ModelRunner:
         logits = out.logits[0, -1].float()
         self.synchronize()
         return logits, (time.perf_counter() - t0) * 1000
+
+    @functools.cached_property
+    def linear_kernels(self) -> str:
+        """How the linear layers multiply, in words (for the engine info)."""
+        if any(isinstance(m, PackedLinear) for m in self.model.modules()):
+            return "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
+        return "PyTorch's default"
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the compute thread (after the calls queued before), for command lines that build

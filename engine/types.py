@@ -173,6 +173,7 @@ class EngineInfo:
     max_context: int
     cache_enabled: bool
     isolation: bool
+    linear_kernels: str = ""  # how the model's linear layers multiply ("" when unknown, e.g. remote)
 
 
 @dataclass(frozen=True)
