@@ -2,7 +2,8 @@
 two starter questions show a cache hit on the first screen (and the first, which reused
 nothing, claims no speedup), Stop leaves a "stopped" state with the partial request's
 numbers, and the tree tab redraws by itself while another visitor sends requests, keeping
-the zoom the visitor chose and every node under it in place.
+the zoom the visitor chose and every node under it in place; and after every tab, no thread but
+the runner's compute thread ran a parallel torch op (no second OpenMP pool).
 
 ``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/ui/test_ui_browser.py`` also saves the
 first screen after two chat turns (the picture in the README).
@@ -53,8 +54,16 @@ def page(app, chromium_executable):
         pg.console_errors = []
         pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)
         pg.goto(app[1])
+        pg.native_threads_at_start = native_only_threads()
         yield pg
         browser.close()
+
+
+def native_only_threads() -> int:
+    """Threads of this process that Python did not start: OpenMP pool threads among them."""
+    import threading
+
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
 
 
 def numbers_text(page) -> str:
@@ -196,3 +205,15 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
     body = page.inner_text("body")
     assert "Traceback" not in body
     assert not [e for e in page.console_errors if "favicon" not in e]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_the_page_runs_no_torch_outside_the_compute_thread(page):
+    """Every tab, chats, Stop and redraws above: no thread but the runner's compute thread ran a
+    parallel torch op. Each thread that does keeps an OpenMP pool of its own (new native threads),
+    and two pools on the machine's cores slow every forward (engine/compute_thread.py)."""
+    for tab in ("Radix tree", "Cache memory", "Scheduler", "Latency", "Your traffic", "Few-shot",
+                "Prompt-ordering lab", "Engine info", "Chat"):
+        page.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(1500)
+    assert native_only_threads() == page.native_threads_at_start
