@@ -216,4 +216,4 @@ def test_the_page_runs_no_torch_outside_the_compute_thread(page):
                 "Prompt-ordering lab", "Engine info", "Chat"):
         page.get_by_role("tab", name=tab).click()
         page.wait_for_timeout(1500)
-    assert native_only_threads() == page.native_threads_at_start
+    assert native_only_threads() <= page.native_threads_at_start  # fewer: a pooled thread ended
