@@ -2,7 +2,9 @@
 
 Owns: tokenizing (chat template or raw text), forward passes on a request's
 KV buffer, batched decode forwards over many requests' buffers, the no-reuse
-baseline prefill and detokenizing. Knows nothing about the radix tree, the
+baseline prefill and detokenizing. Every forward runs on the runner's one
+compute thread (``engine.compute_thread``), whoever calls it; on an x86 CPU
+in float32 the model's linears are oneDNN-packed (``engine.packed_linear``). Knows nothing about the radix tree, the
 pool or the scheduler: it is handed token ids and buffers.
 
 Batched forwards (``forward_packed``; ``decode_batch`` is its one-token case):
@@ -94,8 +96,8 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        # Read the KV geometry off a one-token forward: works for any architecture.
         self.packed_linears = self.compute.call(pack_linears, self.model)  # CPU fp32: oneDNN-packed weights
+        # Read the KV geometry off a one-token forward: works for any architecture.
         layers = self.compute.call(self._probe_layers)
         self.num_layers = len(layers)
         _, self.num_kv_heads, _, self.head_dim = layers[0].keys.shape
