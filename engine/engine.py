@@ -82,10 +82,38 @@ class FacadeBase:
 
     Reads ``self.text`` (an object with the ``ModelRunner``'s text methods: the runner
     itself here, a model-free stand-in remotely) and ``self.max_prompt_tokens``;
-    subclasses provide ``submit``."""
+    subclasses provide ``submit``. The request records (``history``, running totals,
+    ``recent``) are kept the same way by both, under the lock ``_start_records`` is given."""
 
     text: ModelRunner
     max_prompt_tokens: int
+
+    def _start_records(self, history_size: int, lock) -> None:
+        self._records_lock = lock
+        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
+        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
+                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+
+    def _add_record(self, m: RequestMetrics) -> RequestMetrics:
+        """Count a finished request in the totals and keep it in the history (caller holds the lock)."""
+        t = self._totals
+        t["requests"] += 1
+        t["prompt_tokens"] += m.prompt_tokens
+        t["cached_tokens"] += m.cached_tokens
+        t["computed_tokens"] += m.computed_tokens
+        t["prefill_ms"] += m.prefill_ms
+        if m.baseline_prefill_ms is not None:
+            t["baseline_prefill_ms"] += m.baseline_prefill_ms
+            t["reuse_prefill_ms_measured"] += m.prefill_ms
+        self.history.append(m)
+        return m
+
+    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
+        with self._records_lock:
+            items = list(self.history)
+        if namespace is not None:
+            items = [m for m in items if m.namespace == namespace]
+        return items[-n:] if n else items
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         raise NotImplementedError
@@ -182,9 +210,7 @@ class Engine(FacadeBase):
         self._stats_lock = threading.Lock()
         self._next_id = 1
         self._seq = 0
-        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
-        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
-                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+        self._start_records(history_size, self._stats_lock)
         config = SchedulerConfig(max_batch=max(1, int(max_batch)),
                                  chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
                                  isolation=isolation)
@@ -264,13 +290,6 @@ class Engine(FacadeBase):
             budget_bytes=snap.budget_bytes, cached_tokens_now=snap.num_tokens, num_nodes=len(snap.nodes),
             evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
             locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
-
-    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
-        with self._stats_lock:
-            items = list(self.history)
-        if namespace is not None:
-            items = [m for m in items if m.namespace in (namespace,)]
-        return items[-n:] if n else items
 
     def info(self) -> EngineInfo:
         r = self.runner
@@ -384,15 +403,6 @@ class Engine(FacadeBase):
         cached, prefill_ms, baseline_ms = r.cached_tokens, r.prefill_ms, r.baseline_ms
         sizes = r.batch_sizes or [1]
         with self._stats_lock:
-            t = self._totals
-            t["requests"] += 1
-            t["prompt_tokens"] += len(ids)
-            t["cached_tokens"] += cached
-            t["computed_tokens"] += len(ids) - cached
-            t["prefill_ms"] += prefill_ms
-            if baseline_ms is not None:
-                t["baseline_prefill_ms"] += baseline_ms
-                t["reuse_prefill_ms_measured"] += prefill_ms
             m = RequestMetrics(
                 request_id=r.request_id, tag=req.tag, namespace=r.key.namespace, prompt_tokens=len(ids),
                 cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=prefill_ms,
@@ -403,5 +413,4 @@ class Engine(FacadeBase):
                 matched_path=list(r.path), prompt_ids=list(ids), output_ids=list(out_ids), output_text=r.text,
                 finished_at=time.time(), batch_size_max=max(sizes), batch_size_mean=sum(sizes) / len(sizes),
                 prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step)
-            self.history.append(m)
-            return m
+            return self._add_record(m)

@@ -29,7 +29,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -116,9 +115,7 @@ class RemoteEngine(FacadeBase):
         self._lock = threading.RLock()
         self._in_flight = 0
         self._next_id = 1
-        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
-        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
-                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
+        self._start_records(history_size, self._lock)
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -188,15 +185,6 @@ class RemoteEngine(FacadeBase):
             self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
             rid = self._next_id
             self._next_id += 1
-            t = self._totals
-            t["requests"] += 1
-            t["prompt_tokens"] += len(ids)
-            t["cached_tokens"] += cached
-            t["computed_tokens"] += len(ids) - cached
-            t["prefill_ms"] += res.ttft_ms
-            if baseline_ms is not None:
-                t["baseline_prefill_ms"] += baseline_ms
-                t["reuse_prefill_ms_measured"] += res.ttft_ms
             m = RemoteRequestMetrics(
                 request_id=rid, tag=req.tag, namespace=req.namespace, prompt_tokens=len(ids), cached_tokens=cached,
                 computed_tokens=len(ids) - cached, prefill_ms=res.ttft_ms, baseline_prefill_ms=baseline_ms,
@@ -207,8 +195,7 @@ class RemoteEngine(FacadeBase):
                 inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
                 output_ids=list(out_ids), output_text=res.text, finished_at=time.time(),
                 cached_tokens_reported=reported)
-            self.history.append(m)
-            return m
+            return self._add_record(m)
 
     # ------------------------------------------------------------- state
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
@@ -235,13 +222,6 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
                                num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
-
-    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
-        with self._lock:
-            items = list(self.history)
-        if namespace is not None:
-            items = [m for m in items if m.namespace == namespace]
-        return items[-n:] if n else items
 
     def info(self) -> RemoteEngineInfo:
         return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
