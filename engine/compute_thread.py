@@ -30,22 +30,27 @@ T = TypeVar("T")
 _STOP = object()
 
 
+def _call_into(box: dict, fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Run ``fn`` on this thread; its value or exception goes into ``box`` for the caller's."""
+    try:
+        box["value"] = fn(*args, **kwargs)
+    except BaseException as exc:  # re-raised in the caller, with its traceback
+        box["error"] = exc
+
+
+def _unbox(box: dict) -> Any:
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn`` on a new thread and wait: its OpenMP pool ends with it. Exceptions re-raise here."""
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # re-raised in the caller, with its traceback
-            result["error"] = exc
-
-    t = threading.Thread(target=target, name="model-load", daemon=True)
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=_call_into, args=(box, fn, args, kwargs), name="model-load", daemon=True)
     t.start()
     t.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return _unbox(box)
 
 
 class ComputeThread:
@@ -73,9 +78,7 @@ class ComputeThread:
         box: dict[str, Any] = {}
         self._inbox.put((fn, args, kwargs, box, done))
         done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        return _unbox(box)
 
     def _serve(self) -> None:
         while True:
@@ -83,12 +86,8 @@ class ComputeThread:
             if item is _STOP:
                 return
             fn, args, kwargs, box, done = item
-            try:
-                box["value"] = fn(*args, **kwargs)
-            except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-            finally:
-                done.set()
+            _call_into(box, fn, args, kwargs)
+            done.set()
 
     def stop(self, join_timeout_s: float | None = None) -> None:
         """End the thread after the calls already queued; wait up to ``join_timeout_s`` for it."""
