@@ -11,6 +11,10 @@ from contextlib import contextmanager
 
 from engine.engine import Engine
 
+# Headless Debian Chromium for the browser tests: no sandbox (root in CI), no GPU, nothing fetched.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
 
 def free_port() -> int:
     """A port nobody listens on now (never 7860: the lead's app lives there)."""

@@ -9,12 +9,10 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine
-from tests.helpers_app import assert_clean, launched_app, wait_idle
+from tests.helpers_app import CHROMIUM_ARGS, assert_clean, launched_app, wait_idle
 
 pytestmark = [pytest.mark.browser]
 
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 
 
 def test_one_click_shows_both_orderings(tiny_runner, chromium_executable):
@@ -22,7 +20,7 @@ def test_one_click_shows_both_orderings(tiny_runner, chromium_executable):
 
     engine = Engine(tiny_runner, isolation=True)
     with launched_app(engine) as url, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium_executable, args=ARGS)
+        browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))

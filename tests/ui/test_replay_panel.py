@@ -70,13 +70,11 @@ def test_the_tab_shows_the_report_in_chromium(tiny_runner, chromium_executable, 
 
     from playwright.sync_api import sync_playwright
 
-    from tests.helpers_app import launched_app
+    from tests.helpers_app import CHROMIUM_ARGS, launched_app
 
     engine = Engine(tiny_runner)
-    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"]
     with launched_app(engine) as url, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium_executable, args=args)
+        browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 1400})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))

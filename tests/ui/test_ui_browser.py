@@ -19,12 +19,10 @@ import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
 from engine.engine import Engine
-from tests.helpers_app import launched_app, visitor
+from tests.helpers_app import CHROMIUM_ARGS, launched_app, visitor
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 TURN_TIMEOUT_MS = 240_000
 AXIS_RANGES = """() => { const l = document.querySelector('#tree-plot .js-plotly-plot')._fullLayout;
                         return [...l.xaxis.range, ...l.yaxis.range]; }"""
@@ -49,7 +47,7 @@ def page(app, chromium_executable):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium_executable, args=ARGS)
+        browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         pg = browser.new_page(viewport={"width": 1440, "height": 900})
         pg.console_errors = []
         pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)
