@@ -12,9 +12,10 @@ when its answer is done), through:
 - ``one``: this engine one request at a time (``Engine(max_batch=1)``), radix cache on;
 - ``batched``: this engine with continuous batching (``max_batch`` 16), radix cache on;
 - ``hf``: transformers' ``generate_batch`` (paged KV, ``allow_block_sharing=True``,
-  page size 16, at most ``c`` requests per batch), all requests handed over at once. It runs in a child process with the model exactly as
-  transformers loads it (plain linears, SDPA), so its threads, like ours, have the
-  CPU's OpenMP pool to themselves (see ``engine.compute_thread``).
+  page size 16, at most ``c`` requests per batch), all requests handed over at once.
+  It runs in a child process with the model exactly as transformers loads it (plain
+  linears, SDPA), so its threads, like ours, have the CPU's OpenMP pool to themselves
+  (see ``engine.compute_thread``).
 
 Each run starts from a cold cache. Printed per row: output tokens per second (all
 streams together, wall clock), time to first token p50/p95 (from sending the request
@@ -31,6 +32,7 @@ import multiprocessing
 import sys
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -129,7 +131,7 @@ def hf_peer(runner: ModelRunner):
     return model
 
 
-def run_hf(model, ids: list[list[int]], eos_ids: list[int], streams: int,
+def run_hf(model, ids: list[list[int]], eos_ids: Collection[int], streams: int,
            max_new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
     """transformers' ``generate_batch`` over prompt ids; returns wall s, TTFTs (ms), outputs."""
     from transformers import GenerationConfig
@@ -157,10 +159,7 @@ def run_hf(model, ids: list[list[int]], eos_ids: list[int], streams: int,
     return wall, ttfts, outputs
 
 
-# The peer in a child process of its own (the command line): its threads then have the CPU's
-# OpenMP pool to themselves, as ours do (see engine.compute_thread), and it runs the model
-# exactly as transformers loads it.
-_CHILD_MODEL = None
+_CHILD_MODEL = None  # the peer's model, in its child process (see the module docstring)
 
 
 def _child_load(model: str, device: str, dtype: str) -> None:
@@ -171,7 +170,7 @@ def _child_load(model: str, device: str, dtype: str) -> None:
     _CHILD_MODEL.set_attn_implementation("sdpa")
 
 
-def _child_run(ids: list[list[int]], eos_ids: list[int], streams: int, max_new_tokens: int):
+def _child_run(ids: list[list[int]], eos_ids: Collection[int], streams: int, max_new_tokens: int):
     return in_fresh_thread(run_hf, _CHILD_MODEL, ids, eos_ids, streams, max_new_tokens)
 
 
@@ -190,8 +189,8 @@ class HfPeer:
 
     def run(self, ids, eos_ids, streams: int, max_new_tokens: int):
         if self._pool is not None:
-            return self._pool.submit(_child_run, ids, sorted(eos_ids), streams, max_new_tokens).result()
-        return in_fresh_thread(run_hf, self._model, ids, sorted(eos_ids), streams, max_new_tokens)
+            return self._pool.submit(_child_run, ids, eos_ids, streams, max_new_tokens).result()
+        return in_fresh_thread(run_hf, self._model, ids, eos_ids, streams, max_new_tokens)
 
     def close(self) -> None:
         if self._pool is not None:
