@@ -77,10 +77,12 @@ def _backend_metrics(engine) -> dict[str, float]:
 def build_info_panel(engine: Engine, active: bool = False) -> LiveView:
     text = gr.Markdown(info_markdown(engine))
     gr.Markdown(
-        "One worker thread runs the model, one request at a time; every request first looks up the longest "
-        "cached prefix of its token ids in the radix tree, copies that KV from the pool, and prefills only the "
-        "rest. After prefill the prompt is inserted; after generation, prompt plus reply, so a chat's next turn "
-        "reuses the answer too. When the pool is full, unlocked leaves are evicted least recently used first.")
+        "A scheduler runs the model step by step on one thread: each step decodes one token for every running "
+        "request and prefills a bounded chunk of new prompts, in one forward (continuous batching; the "
+        "*Scheduler* tab shows it live). A new request first looks up the longest cached prefix of its token "
+        "ids in the radix tree, copies that KV from the pool, and prefills only the rest. After prefill the "
+        "prompt is inserted; after generation, prompt plus reply, so a chat's next turn reuses the answer too. "
+        "When the pool is full, unlocked leaves are evicted least recently used first.")
 
     def refresh():
         return info_markdown(engine)
