@@ -79,6 +79,11 @@ class PrefixCache(Protocol):
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
 
+    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
+        """Copy the KV of the longest cached prefix of ``key.ids[:max_len]`` into the empty
+        scratch buffer ``kv`` (for timings and tools). Changes nothing in the cache: no hit,
+        no access time, no lock left behind. Returns the copied length."""
+
     def reserve(self, num_tokens: int, namespace: str | None) -> bool:
         """Hold ``num_tokens`` of the budget for a running request's own KV (inserts then
         leave it free), evicting unlocked entries for room (by fair share for ``namespace``,
@@ -153,6 +158,9 @@ class NoPrefixCache:
         return CacheHandle(0, (), None)
 
     def match_len(self, key: CacheKey) -> int:
+        return 0
+
+    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
         return 0
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
@@ -300,6 +308,14 @@ class RadixCache:
         """Cached length of ``key`` right now; does not touch access times."""
         with self._lock:
             return self.tree.match(key, touch=False).length
+
+    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
+        with self._lock:
+            m = self.tree.match(key, max_len=max_len, touch=False)
+            if m.length:
+                k_dst, v_dst = kv.prefill_from(m.length)
+                self.pool.read_into(m.values, k_dst, v_dst)
+            return m.length
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
         """Cache the first ``len(key.ids)`` tokens of ``kv``; returns tokens newly stored.

@@ -19,6 +19,11 @@ class EngineBusy(EngineError):
     """The request queue is full."""
 
 
+class EngineFault(EngineError):
+    """The server failed (a bug, out of memory), not the request: the HTTP side answers
+    500 ``server_error`` for it (503 for ``EngineBusy``), never 400."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
@@ -50,6 +55,7 @@ class GenerationRequest:
     namespace: str = PUBLIC
     public_len: int = 0
     tag: str = ""  # free label shown in the history (e.g. "chat", "few-shot")
+    store: bool = True  # False: nothing of this request is kept in the cache (nobody could reuse it)
 
 
 @dataclass
