@@ -32,7 +32,9 @@ import torch
 from engine.compute_thread import ComputeThread
 from engine.model_loader import LoadedModel
 from engine.packed_linear import PackedLinear, pack_linears
-from engine.request_kv import RequestKV, RowsCache
+from engine.kv_pool import KVPool
+from engine.paged_attention import PagedPlan, PagedSegment
+from engine.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.types import EngineError
 from engine.validation import flatten_content, valid_text
 
@@ -41,16 +43,25 @@ _batch = threading.local()  # the buffers of the batched forward running on this
 
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, except inside ``forward_packed``: there the packed tokens are split back into
-    their requests and each request's tokens attend over that request's own buffer."""
+    """SDPA, except inside a batched forward: in ``forward_paged`` every request attends over
+    its slots in the pool (``engine.paged_attention``: a shared prefix read once for all);
+    in ``forward_packed`` the packed tokens are split back into their requests and each
+    attends over its own ``RequestKV`` buffer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    paged = getattr(_batch, "paged", None)
+    if paged is not None:
+        if not plain:
+            raise EngineError("this model's attention (soft-capping or position bias) cannot read the KV pool")
+        plan, pool = paged
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        return plan.attention(pool.k[module.layer_idx], pool.v[module.layer_idx], query, scale), None
     kvs = getattr(_batch, "kvs", None)
     if kvs is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer, outs, start = module.layer_idx, [], 0
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
     for kv, n, mask in zip(kvs, _batch.lens, _batch.masks, strict=True):
         row = kv.layers[layer]
@@ -291,6 +302,46 @@ class ModelRunner:
         finally:
             _batch.kvs = _batch.lens = _batch.masks = None
         return out.logits[0].float()
+
+    @_on_compute_thread
+    @torch.inference_mode()
+    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment]) -> torch.Tensor:
+        """The scheduler's forward: every request's KV lives in ``pool``. ``segments[i]`` runs
+        its ``ids`` after the ``past`` tokens it holds; their KV is written to the pool at
+        ``slots[past:past + len(ids)]`` and attention reads the slots of every position (a
+        prefix shared by several requests once for all of them: ``engine.paged_attention``).
+        Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``."""
+        if not segments or any(not s.ids for s in segments):
+            raise EngineError("nothing to compute: every segment needs at least one token")
+        if not self.can_batch:
+            return torch.stack([self._forward_gathered(pool, s) for s in segments])
+        plan = PagedPlan(segments, self.device)
+        input_ids = torch.tensor([plan.ids], device=self.device)
+        positions = torch.tensor([plan.positions], device=self.device)
+        last = torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
+        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
+        _batch.paged = (plan, pool)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                             cache=PoolWriteCache(pool, plan.write_index), use_cache=True, logits_to_keep=last)
+        finally:
+            _batch.paged = None
+        logits = out.logits[0].float()
+        back = torch.empty_like(logits)
+        back[torch.tensor(plan.order, device=self.device)] = logits
+        return back
+
+    def _forward_gathered(self, pool: KVPool, s: PagedSegment) -> torch.Tensor:
+        """``forward_paged`` for one segment of a model whose attention cannot read the pool
+        (sliding windows, soft-capping): its KV is gathered into a scratch buffer, the model
+        runs its own attention, and the new KV is written back to the pool."""
+        n = len(s.ids)
+        kv = self.new_request_kv(s.past + n)
+        k_dst, v_dst = kv.prefill_from(s.past)
+        pool.read_into(s.slots[: s.past], k_dst, v_dst)
+        logits = self.forward_last(s.ids, kv)  # already on the compute thread: runs in place
+        pool.write_from(s.slots[s.past:s.past + n], kv.k[:, :, s.past:s.past + n], kv.v[:, :, s.past:s.past + n])
+        return logits
 
     def _chunk_mask(self, past: int, n: int) -> torch.Tensor | None:
         """Boolean mask ``[1, 1, n, past + n]`` of ``n`` new tokens after ``past`` cached ones:

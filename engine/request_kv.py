@@ -1,4 +1,11 @@
-"""A request's working KV: one pre-allocated buffer that the model appends to in place.
+"""Transformers ``Cache`` objects over the engine's KV: scratch buffers and the pool.
+
+The scheduler's requests keep their KV in the pool (``engine.kv_pool``): in a
+forward over it, ``PoolWriteCache`` writes each new token's key and value to
+its slot, and the attention (``engine.paged_attention``) reads the pool.
+
+``RequestKV`` is a scratch buffer outside the pool, for single-request paths
+(the prefill benchmark, timings, tools, tests): one pre-allocated buffer that the model appends to in place.
 
 Owns: the KV of the one request being run, as a transformers ``Cache`` whose
 layers write new keys and values into a buffer sized for the whole request
@@ -122,6 +129,39 @@ class _RowsLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("packed forward caches are never cropped")
+
+
+class _PoolWriteLayer(DynamicLayer):
+    """One layer of a forward over the pool: the pack's new keys and values go to their slots."""
+
+    def __init__(self, pool, write_index: torch.Tensor, layer_idx: int) -> None:
+        super().__init__()
+        self._pool, self._index, self._idx = pool, write_index, layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._pool.k[self._idx].index_copy_(1, self._index, key_states[0])
+        self._pool.v[self._idx].index_copy_(1, self._index, value_states[0])
+        return key_states, value_states  # attention reads the pool, not these
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("pool forwards are never cropped")
+
+
+class PoolWriteCache(Cache):
+    """The cache of ``ModelRunner.forward_paged``: token ``i`` of the pack stores its KV in
+    pool slot ``write_index[i]``."""
+
+    def __init__(self, pool, write_index: torch.Tensor) -> None:
+        super().__init__(layers=[_PoolWriteLayer(pool, write_index, i) for i in range(pool.num_layers)])
 
 
 class RowsCache(Cache):

@@ -1,0 +1,223 @@
+"""Attention over KV that lives in the pool, reading a shared prefix once per step.
+
+Owns: the plan of one packed forward over pool slots (which new token writes
+which slot, which requests share a prefix segment) and the attention of one
+layer under that plan. Knows nothing about the tree or the scheduler: it is
+handed, per request, its new token ids, how many tokens it already holds and
+the slot of every position.
+
+One request's context, in token positions, split in two segments::
+
+    positions:  [0 ......... P) [P ............. past) [past .. past+n)
+    segment:     shared (view)   rest: own or unshared   the new tokens (part of rest)
+
+- **Shared**: the first contiguous run of slots, capped at ``past`` (fully
+  visible to every new token). Requests whose shared run starts at the same
+  slot read the same KV (a cached system prompt): all their queries attend to
+  it in ONE call, so the prefix is read once per layer per step whatever the
+  batch size (cascade attention, as in vLLM and FlashInfer; Hydragen).
+- **Rest**: everything after ``P``, including the new tokens, causal among the
+  new ones. Requests decoding one token are batched into one call over their
+  rests (gathered and padded: rests are short); prefill chunks take one each.
+
+The two partial results merge exactly by log-sum-exp:
+``m = max(l1, l2)``, ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``.
+
+Grouped-query heads: query head ``h`` reads KV head ``h // g`` (``g`` query
+heads per KV head, as transformers' ``repeat_kv`` lays them out). Instead of
+repeating K and V ``g`` times, the ``g`` query heads of each KV head are folded
+into the query length: ``[1, Hq, n, D] -> [1, Hkv, g*n, D]``; every folded row
+attends to the same keys, so one call over ``Hkv`` heads does the work.
+
+On a CPU the attention is PyTorch's flash kernel, which returns the
+log-sum-exp; elsewhere (CUDA, MPS) a float32 matmul-softmax path returns the
+same two tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SHARED_MIN_TOKENS = 16  # a shorter common run is not worth a call of its own
+
+
+@dataclass
+class PagedSegment:
+    """One request's part of a packed forward: ``ids`` run after the ``past`` tokens it
+    holds; ``slots[i]`` is the pool slot of position ``i`` (at least ``past + len(ids)``
+    entries: the new tokens' KV is written to ``slots[past:past + len(ids)]``).
+    ``runs`` are ``contiguous_runs(slots)`` if the caller has them (else computed)."""
+
+    ids: Sequence[int]
+    past: int
+    slots: Sequence[int]
+    runs: Sequence[tuple[int, int, int]] | None = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` [B, H, M, D] over ``k``/``v`` [B, H, L, D] with an additive float
+    ``mask`` broadcastable to [B, 1, M, L] (or None). Returns ``(out [B, H, M, D] in q's
+    dtype, lse [B, H, M] in float32)``."""
+    if q.device.type == "cpu":
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                           scale=scale)
+    return attend_math(q, k, v, mask, scale)
+
+
+def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as ``attend`` by matmul and softmax in float32 (any device)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs, v.float()).to(q.dtype), lse
+
+
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Combine two attentions of the same queries over disjoint key sets (float32).
+    ``o`` [..., M, D], ``l`` [..., M]; ``l1`` may be -inf (no keys there), ``l2`` never."""
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m).unsqueeze(-1), torch.exp(l2 - m).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+
+
+def _causal_mask(past: int, start: int, n: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """Additive mask [n, length] of ``n`` new tokens (positions ``past..past+n-1``) over keys at
+    positions ``start..start+length-1``: key visible iff its position <= the query's."""
+    if n == 1:
+        return None
+    q_pos = torch.arange(past, past + n, device=device)[:, None]
+    k_pos = torch.arange(start, start + length, device=device)[None, :]
+    mask = torch.zeros((n, length), device=device)
+    return mask.masked_fill_(k_pos > q_pos, float("-inf"))
+
+
+class _Rest:
+    """One prefill chunk's rest segment: a view ``(first_slot, length)`` or a gather index."""
+
+    def __init__(self, view: tuple[int, int] | None, index: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        self.view, self.index, self.mask = view, index, mask
+
+    def kv(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.view is not None:
+            a, n = self.view
+            return k_layer[:, a:a + n].unsqueeze(0), v_layer[:, a:a + n].unsqueeze(0)
+        return k_layer.index_select(1, self.index).unsqueeze(0), v_layer.index_select(1, self.index).unsqueeze(0)
+
+
+class PagedPlan:
+    """What one packed forward needs per layer, built once before the layers run.
+
+    ``order`` is the permutation applied to the caller's segments (group members are packed
+    next to each other, so a group's queries are one slice of the pack); logits come out in
+    pack order and the runner puts them back."""
+
+    def __init__(self, segments: Sequence[PagedSegment], device: torch.device) -> None:
+        from engine.kv_pool import contiguous_runs
+
+        self.device = device
+        heads = []  # (first slot of the shared run, its usable length) per segment
+        for s in segments:
+            runs = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
+            _, first, length = runs[0] if runs else (0, -1, 0)
+            heads.append((first, min(length, s.past)))
+        by_first: dict[int, list[int]] = {}
+        for i, (first, usable) in enumerate(heads):
+            if usable >= SHARED_MIN_TOKENS:
+                by_first.setdefault(first, []).append(i)
+        # Pack group by group (decode rows first inside a group), then the rest.
+        order: list[int] = []
+        self.groups: list[tuple[int, int, int, int]] = []  # (pack start, pack end, first slot, shared length)
+        shared_len = [0] * len(segments)
+        pos = 0
+        for first, members in by_first.items():
+            members.sort(key=lambda i: (len(segments[i].ids) > 1, i))
+            length = min(heads[i][1] for i in members)
+            start = pos
+            for i in members:
+                order.append(i)
+                shared_len[i] = length
+                pos += len(segments[i].ids)
+            self.groups.append((start, pos, first, length))
+        grouped = set(order)
+        order += [i for i in range(len(segments)) if i not in grouped]
+        self.order = order
+        segs = [segments[i] for i in order]
+        self.lens = [len(s.ids) for s in segs]
+        self.ids = [t for s in segs for t in s.ids]
+        self.positions = [p for s in segs for p in range(s.past, s.past + len(s.ids))]
+        self.write_index = torch.tensor([slot for s in segs for slot in s.slots[s.past:s.past + len(s.ids)]],
+                                        dtype=torch.long, device=device)
+        self.total = len(self.ids)
+        # Rest segments: decode rows batched (padded gather), prefill chunks one by one.
+        dec_pos, dec_index, dec_len, self.prefill_rests = [], [], [], []
+        pos = 0
+        for i, s in zip(order, segs, strict=True):
+            n, start = len(s.ids), shared_len[i]
+            rest = list(s.slots[start:s.past + n])
+            if n == 1:
+                dec_pos.append(pos)
+                dec_index.append(rest)
+                dec_len.append(len(rest))
+            else:
+                runs = contiguous_runs(rest)
+                view = (runs[0][1], len(rest)) if len(runs) == 1 else None
+                index = None if view else torch.tensor(rest, dtype=torch.long, device=device)
+                mask = _causal_mask(s.past, start, n, len(rest), device)
+                self.prefill_rests.append((pos, n, _Rest(view, index, mask)))
+            pos += n
+        self.decode_pos = torch.tensor(dec_pos, dtype=torch.long, device=device) if dec_pos else None
+        if dec_pos:
+            width = max(dec_len)
+            pad = [row + [row[-1]] * (width - len(row)) for row in dec_index]
+            self.decode_index = torch.tensor(pad, dtype=torch.long, device=device).view(-1)
+            lens = torch.tensor(dec_len, device=device)
+            mask = torch.zeros((len(dec_pos), width), device=device)
+            mask.masked_fill_(torch.arange(width, device=device)[None, :] >= lens[:, None], float("-inf"))
+            self.decode_mask = mask.view(len(dec_pos), 1, 1, width) if width > min(dec_len) else None
+            self.decode_width = width
+
+    def attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        """Attention of the pack's queries ``[1, Hq, T, D]`` under this plan, after the new
+        tokens' KV was written to the pool layer ``k_layer``/``v_layer`` [Hkv, S, D].
+        Returns ``[1, T, Hq, D]`` (what transformers' attention functions return)."""
+        _, hq, total, d = query.shape
+        hkv = k_layer.shape[0]
+        g = hq // hkv
+        q = query[0]  # [Hq, T, D]
+        out = torch.empty((hq, total, d), dtype=torch.float32, device=query.device)
+        lse = torch.empty((hq, total), dtype=torch.float32, device=query.device)
+        # Rest segments first: every token has one.
+        if self.decode_pos is not None:
+            b = self.decode_pos.numel()
+            qd = q.index_select(1, self.decode_pos).permute(1, 0, 2).reshape(b, hkv, g, d)
+            kd = k_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
+            vd = v_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
+            od, ld = attend(qd, kd, vd, self.decode_mask, scale)
+            out.index_copy_(1, self.decode_pos, od.reshape(b, hq, d).permute(1, 0, 2).float())
+            lse.index_copy_(1, self.decode_pos, ld.reshape(b, hq).t())
+        for pos, n, rest in self.prefill_rests:
+            kr, vr = rest.kv(k_layer, v_layer)
+            qr = q[:, pos:pos + n].reshape(1, hkv, g * n, d)
+            mask = None if rest.mask is None else rest.mask.repeat(g, 1).view(1, 1, g * n, -1)
+            orr, lr = attend(qr, kr, vr, mask, scale)
+            out[:, pos:pos + n] = orr.reshape(hq, n, d)
+            lse[:, pos:pos + n] = lr.reshape(hq, n)
+        # Shared segments: one call per group, over all its members' queries.
+        for start, end, first, length in self.groups:
+            n = end - start
+            qs = q[:, start:end].reshape(1, hkv, g * n, d)
+            ks = k_layer[:, first:first + length].unsqueeze(0)
+            vs = v_layer[:, first:first + length].unsqueeze(0)
+            os_, ls = attend(qs, ks, vs, None, scale)
+            out[:, start:end] = merge(os_.reshape(hq, n, d), ls.reshape(hq, n), out[:, start:end], lse[:, start:end])
+        return out.to(query.dtype).transpose(0, 1).unsqueeze(0)
