@@ -92,7 +92,7 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord]) -> str:
         f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
         f"over the last {len(decodes)} decodes |",
         f"| tokens in the shown forwards | {computed:,} computed, {cached:,} served from the cache |",
-        f"| KV held for running requests | {s.reserved_bytes / 2**20:.1f} MiB of the {s.budget_bytes / 2**20:.0f} "
+        f"| KV held for running requests | {s.running_bytes / 2**20:.1f} MiB of the {s.budget_bytes / 2**20:.0f} "
         "MiB budget |",
     ])
 

@@ -10,8 +10,8 @@ fairness, memory) is ``engine/scheduler.py``; one running request is
 One request, in token positions::
 
     prompt ids:  [0 ........ cached) [cached ....... n)   generated ...
-                  copied from pool     prefilled in       decoded one per step,
-                                       chunks              batched with others
+                  the tree's slots,    prefilled in       decoded one per step,
+                  read in place        chunks              batched with others
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ class PrefillResult(NamedTuple):
     cached_tokens: int
     prefill_ms: float
     inserted_tokens: int
-    path: tuple[int, ...]
 
 
 class FacadeBase:
@@ -196,12 +195,9 @@ class Engine(FacadeBase):
                  chunk_tokens: int | None = None) -> None:
         self.runner = self.text = runner
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
-        if enable_cache:
-            pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
-                          runner.device, budget)
-            self.cache: PrefixCache = RadixCache(pool, fair_share=isolation)
-        else:
-            self.cache = NoPrefixCache(runner.kv_bytes_per_token, budget)
+        # One pool holds all KV, cached and running; without a cache it holds the running only.
+        pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
+        self.cache: PrefixCache = RadixCache(pool, fair_share=isolation) if enable_cache else NoPrefixCache(pool)
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
         self.max_new_tokens_cap = max_new_tokens_cap
@@ -228,6 +224,11 @@ class Engine(FacadeBase):
         if self._closed:
             raise EngineError("This engine has been shut down.")
         ids = self.prompt_ids(request)
+        capacity = self.cache.pool.capacity
+        if len(ids) + 1 > capacity:  # the prompt and one new token must fit in the pool
+            raise EngineError(
+                f"This prompt needs {(len(ids) + 1) * self.cache.bytes_per_token / 2**20:,.1f} MiB of KV and the "
+                f"cache budget is {self.cache.budget_bytes / 2**20:,.1f} MiB: shorten it or raise the budget.")
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         with self._stats_lock:
             rid = self._next_id
@@ -262,7 +263,8 @@ class Engine(FacadeBase):
                            evicted_tokens=self.cache.evicted_tokens, queue_depth=waiting,
                            locked_tokens=self.cache.locked_tokens(), running=len(sched.running), waiting=waiting,
                            tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
-                           reserved_bytes=self.cache.reserved_tokens * self.cache.bytes_per_token)
+                           running_bytes=self.cache.running_tokens * self.cache.bytes_per_token,
+                           tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens)
 
     def configure_scheduler(self, **changes) -> None:
         """Change the scheduler's policy knobs (fields of ``SchedulerConfig``: ``max_batch``,
@@ -366,29 +368,29 @@ class Engine(FacadeBase):
                 continue
             req, ids = handle.request, handle.ids
             max_new = max(0, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap,
-                                 self.runner.max_context - len(ids)))
+                                 self.runner.max_context - len(ids), self.cache.pool.capacity - len(ids)))
             self._seq += 1
             self.scheduler.add(Request(handle, self.cache_key(ids, req), max_new, self._seq))
 
     def prefill(self, key: CacheKey, kv) -> PrefillResult:
-        """Prefill ``key.ids`` into the empty buffer ``kv``, reusing the longest cached
-        prefix, then cache the prompt. ``prefill_ms`` covers match, copy and forward."""
+        """Prefill ``key.ids`` into the empty scratch buffer ``kv``, reusing the longest cached
+        prefix (copied into ``kv``), then cache the prompt. ``prefill_ms`` covers match, copy
+        and forward. The prefill benchmark's reuse path and the start-up warm-up; the
+        scheduler's requests read the pool in place instead."""
         return self.runner.compute.call(self._prefill, key, kv)
 
     def _prefill(self, key: CacheKey, kv) -> PrefillResult:
         runner = self.runner
         runner.synchronize()
         t0 = time.perf_counter()
-        # At least one prompt token is always computed: its logits start the answer.
-        handle = self.cache.acquire(key, len(key.ids) - 1, kv)
-        try:
-            logits = runner.forward_last(key.ids[handle.cached_tokens:], kv)
-            runner.synchronize()
-            prefill_ms = (time.perf_counter() - t0) * 1000
-            inserted = self.cache.insert(key, kv)
-        finally:
-            self.cache.release(handle)
-        return PrefillResult(logits, handle.cached_tokens, prefill_ms, inserted, handle.path)
+        # At least one prompt token is always computed: its logits start the answer. On the
+        # compute thread no step runs meanwhile, so the copied prefix cannot change.
+        cached = self.cache.copy_prefix(key, len(key.ids) - 1, kv, touch=True)
+        logits = runner.forward_last(key.ids[cached:], kv)
+        runner.synchronize()
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        inserted = self.cache.insert(key, kv)
+        return PrefillResult(logits, cached, prefill_ms, inserted)
 
     def _record(self, r: Request) -> RequestMetrics:
         req, ids, out_ids = r.req, r.ids, r.out_ids

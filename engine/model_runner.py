@@ -30,9 +30,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.compute_thread import ComputeThread
+from engine.kv_pool import KVPool
 from engine.model_loader import LoadedModel
 from engine.packed_linear import PackedLinear, pack_linears
-from engine.kv_pool import KVPool
 from engine.paged_attention import PagedPlan, PagedSegment
 from engine.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.types import EngineError
@@ -305,20 +305,23 @@ class ModelRunner:
 
     @_on_compute_thread
     @torch.inference_mode()
-    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment]) -> torch.Tensor:
+    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False) -> torch.Tensor:
         """The scheduler's forward: every request's KV lives in ``pool``. ``segments[i]`` runs
         its ``ids`` after the ``past`` tokens it holds; their KV is written to the pool at
         ``slots[past:past + len(ids)]`` and attention reads the slots of every position (a
         prefix shared by several requests once for all of them: ``engine.paged_attention``).
-        Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``."""
+        Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``; with
+        ``every_position`` (one segment only, for tests) the logits of every new token."""
         if not segments or any(not s.ids for s in segments):
             raise EngineError("nothing to compute: every segment needs at least one token")
+        if every_position and len(segments) != 1:
+            raise EngineError("every_position takes one segment")
         if not self.can_batch:
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
         plan = PagedPlan(segments, self.device)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
-        last = torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
+        last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
         mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
         _batch.paged = (plan, pool)
         try:
@@ -327,6 +330,8 @@ class ModelRunner:
         finally:
             _batch.paged = None
         logits = out.logits[0].float()
+        if every_position:
+            return logits
         back = torch.empty_like(logits)
         back[torch.tensor(plan.order, device=self.device)] = logits
         return back

@@ -1,16 +1,26 @@
-"""The prefix cache: the radix tree and the KV pool kept in step, behind one lock.
+"""The prefix cache: the radix tree over the one KV pool, behind one lock.
 
-Owns: the consistency of tree and pool (every tree token holds exactly one
-pool slot), eviction to make room, budget changes and snapshots. Two
-implementations share one interface, so comparing with and without reuse is
-one constructor argument:
+Owns: every pool slot's owner. A slot is free, or held by the tree (cached
+KV, any request may reuse it), or held by one running request (the KV it
+computes). Running requests read the tree's slots for their cached prefix in
+place, never a copy; at the end their own slots pass to the tree, no copy
+either. So the pool's byte count is all the KV the process holds, and the
+budget is a physical bound. Two implementations share one interface, so
+comparing with and without reuse is one constructor argument:
 
 - ``RadixCache``: any prefix of anything cached before is reused.
-- ``NoPrefixCache``: nothing is ever reused or stored.
+- ``NoPrefixCache``: nothing is ever reused or stored (requests still hold
+  their own KV in the pool).
 
-Contract of ``acquire``: the matched prefix's KV is copied into the request's
-buffer and its nodes are locked (never evicted) until ``release``. Slot
-numbers never leave this module, so a budget change can move them freely.
+A running request's KV, as ``RequestSlots``::
+
+    positions: [0 ........ tree_len) [tree_len ........ length) [length .. len(slots))
+    slots:      the tree's, locked     its own, computed          its own, not yet written
+
+Contract: slots of a ``RequestSlots`` are valid until ``release``; the tree's
+part cannot be evicted meanwhile. A budget change renumbers slots and updates
+every live ``RequestSlots`` in place, so only this module keeps slot numbers
+across steps.
 """
 
 from __future__ import annotations
@@ -18,22 +28,37 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, contiguous_runs
 from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
 from engine.request_kv import RequestKV
 from engine.types import EngineError, NodeInfo, TreeSnapshot
 
 
-@dataclass(frozen=True)
-class CacheHandle:
-    """What ``acquire`` hands back: the reused length and the locked node."""
+@dataclass(eq=False)
+class RequestSlots:
+    """A running request's KV in the pool (see the module docstring's sketch)."""
 
-    cached_tokens: int
-    path: tuple[int, ...]
+    slots: list[int]
+    tree_len: int  # positions [0, tree_len) are the tree's, locked through ``node``
+    cached_tokens: int  # reused from the cache at admission
+    path: tuple[int, ...]  # node ids of the match, root's child first
     node: Node | None
+    length: int = 0  # positions whose KV is written
+    _runs: list[tuple[int, int, int]] | None = field(default=None, repr=False)
+
+    @property
+    def own_tokens(self) -> int:
+        """Slots this request holds itself (computed or not yet written)."""
+        return len(self.slots) - self.tree_len
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``contiguous_runs(slots)``, kept until the slots change."""
+        if self._runs is None:
+            self._runs = contiguous_runs(self.slots)
+        return self._runs
 
 
 HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
@@ -57,57 +82,65 @@ class PrefixCache(Protocol):
     """
 
     enabled: bool
-    bytes_per_token: int
+    pool: KVPool
 
-    def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
-        """Find the longest cached prefix of ``key.ids[:max_len]``, copy its KV into the
-        empty buffer ``kv`` and lock it: it cannot be evicted until ``release(handle)``.
-        Returns the reused length (0 on a miss; then nothing is locked)."""
+    def acquire(self, key: CacheKey, max_len: int, total_tokens: int, evict_any: bool = False) -> RequestSlots | None:
+        """Admit a request of ``total_tokens`` positions (prompt plus new tokens): reuse the
+        longest cached prefix of ``key.ids[:max_len]`` (locked until ``release``) and take
+        slots of its own for the rest, evicting unlocked entries for room (by fair share for
+        ``key.namespace`` in isolation mode; ``evict_any``: by plain LRU if that is not
+        enough, for a request that would otherwise never run). None, with nothing changed
+        (no hit counted, no access time, no split, nothing evicted), when there is no room."""
 
-    def release(self, handle: CacheHandle) -> None:
-        """Unlock what ``acquire`` or ``pin`` locked. Call exactly once per handle."""
+    def adopt(self, rs: RequestSlots, key: CacheKey) -> int:
+        """Cache the first ``min(len(key.ids), rs.length)`` positions of ``rs`` under ``key``:
+        its own slots pass to the tree (no copy), positions someone else cached meanwhile
+        switch to the tree's slots (its duplicates are freed), and the lock moves to the
+        node ending there. Returns tokens newly stored."""
 
-    def pin(self, key: CacheKey) -> CacheHandle:
-        """Lock the cached prefix of ``key`` (no copy, no hit counted): a running request
-        keeps its prompt in the cache while it decodes."""
+    def release(self, rs: RequestSlots) -> None:
+        """Free ``rs``'s own slots and unlock its cached part. Exactly once per ``acquire``."""
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
-        """Store the first ``min(len(key.ids), kv.length)`` tokens of ``kv`` under ``key``,
-        evicting unlocked least-recently-used entries for room; stores the longest prefix
-        that fits and never exceeds the budget. Returns tokens newly stored."""
+        """Store the first ``min(len(key.ids), kv.length)`` tokens of a scratch buffer under
+        ``key`` (copied into free slots), evicting unlocked least-recently-used entries for
+        room; stores the longest prefix that fits. Returns tokens newly stored."""
 
     def match_len(self, key: CacheKey) -> int:
         """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
 
-    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
+    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV, touch: bool = False) -> int:
         """Copy the KV of the longest cached prefix of ``key.ids[:max_len]`` into the empty
-        scratch buffer ``kv`` (for timings and tools). Changes nothing in the cache: no hit,
-        no access time, no lock left behind. Returns the copied length."""
-
-    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
-        """Hold ``num_tokens`` of the budget for a running request's own KV (inserts then
-        leave it free), evicting unlocked entries for room (by fair share for ``namespace``,
-        as ``insert`` does). False, with nothing evicted, when even evicting every unlocked
-        entry would not make room."""
-
-    def unreserve(self, num_tokens: int) -> None:
-        """Give back what ``reserve`` held."""
-
-    @property
-    def reserved_tokens(self) -> int: ...
+        scratch buffer ``kv`` (for timings and tools). With ``touch`` the match counts as a
+        hit (access time, hits); nothing is locked. Returns the copied length."""
 
     def clear(self, namespace: str | None = None) -> int:
         """Evict every unlocked entry (only ``namespace``'s, if given); returns tokens freed."""
 
     def set_budget(self, budget_bytes: int) -> int:
         """Resize to ``budget_bytes``, evicting as needed; returns tokens evicted. Raises
-        ``EngineError`` when locked entries alone exceed the new budget."""
+        ``EngineError`` when running requests and locked entries alone exceed it."""
 
     @property
     def budget_bytes(self) -> int: ...
 
     @property
-    def bytes_in_use(self) -> int: ...
+    def bytes_per_token(self) -> int: ...
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Pool bytes held: by the tree and by running requests."""
+
+    @property
+    def tree_bytes(self) -> int: ...
+
+    @property
+    def running_tokens(self) -> int:
+        """Slots held by running requests themselves (not the tree's)."""
+
+    @property
+    def shared_tokens(self) -> int:
+        """Cached tokens read by more than one running request right now."""
 
     @property
     def num_tokens(self) -> int: ...
@@ -131,76 +164,6 @@ class PrefixCache(Protocol):
         are hidden (shape and size only)."""
 
 
-class NoPrefixCache:
-    """The cache-off twin: same interface, nothing reused, nothing stored."""
-
-    enabled = False
-
-    def __init__(self, bytes_per_token: int, budget_bytes: int = 0) -> None:
-        self.bytes_per_token = bytes_per_token
-        self.budget_bytes = budget_bytes
-        self.evicted_tokens = 0
-        self.reserved_tokens = 0
-        self._lock = threading.Lock()
-
-    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
-        with self._lock:
-            if self.reserved_tokens + num_tokens > self.budget_bytes // self.bytes_per_token:
-                return False
-            self.reserved_tokens += num_tokens
-            return True
-
-    def unreserve(self, num_tokens: int) -> None:
-        with self._lock:
-            self.reserved_tokens = max(0, self.reserved_tokens - num_tokens)
-
-    def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
-        return CacheHandle(0, (), None)
-
-    def match_len(self, key: CacheKey) -> int:
-        return 0
-
-    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
-        return 0
-
-    def insert(self, key: CacheKey, kv: RequestKV) -> int:
-        return 0
-
-    def release(self, handle: CacheHandle) -> None:
-        pass
-
-    def pin(self, key: CacheKey) -> CacheHandle:
-        return CacheHandle(0, (), None)
-
-    def clear(self, namespace: str | None = None) -> int:
-        return 0
-
-    def set_budget(self, budget_bytes: int) -> int:
-        self.budget_bytes = int(budget_bytes)
-        return 0
-
-    @property
-    def bytes_in_use(self) -> int:
-        return 0
-
-    @property
-    def num_tokens(self) -> int:
-        return 0
-
-    @property
-    def num_nodes(self) -> int:
-        return 0
-
-    def check_invariants(self) -> None:
-        pass
-
-    def locked_tokens(self) -> int:
-        return 0
-
-    def snapshot(self, decode=None, viewer: str | None = None, max_text_tokens: int = 256) -> TreeSnapshot:
-        return TreeSnapshot((), 0, 0, self.budget_bytes, 0, 0, self.bytes_per_token)
-
-
 class RadixCache:
     enabled = True
 
@@ -211,36 +174,10 @@ class RadixCache:
         self.tree = RadixTree()
         self.fair_share = fair_share
         self._lock = threading.RLock()
-        self.reserved_tokens = 0  # budget held by running requests' own buffers
+        self._live: set[RequestSlots] = set()  # acquired, not released
+        self._running_tokens = 0  # own slots of the live ones
 
-    def _room(self) -> int:
-        """Free slots that no running request has reserved."""
-        return self.pool.num_free - self.reserved_tokens
-
-    def reserve(self, num_tokens: int, namespace: str | None) -> bool:
-        with self._lock:
-            if num_tokens > self.pool.capacity - self.reserved_tokens - self.locked_tokens():
-                return False
-            short = num_tokens - self._room()
-            if short > 0:
-                self.pool.free(self._evict_for(short, namespace, num_tokens))
-            if self._room() < num_tokens:
-                return False
-            self.reserved_tokens += num_tokens
-            return True
-
-    def _evict_for(self, num_tokens: int, namespace: str | None, incoming_tokens: int) -> list:
-        """Evict ``num_tokens`` to make room for ``namespace``'s ``incoming_tokens``: by fair
-        share in isolation mode (shipped ``PUBLIC`` content is never evicted for a visitor),
-        else least recently used. Call with the lock held."""
-        fair = self.fair_share and namespace is not None and namespace != PUBLIC
-        return self.tree.evict(num_tokens, fair_for=namespace if fair else None,
-                               capacity_tokens=self.pool.capacity, incoming_tokens=incoming_tokens)
-
-    def unreserve(self, num_tokens: int) -> None:
-        with self._lock:
-            self.reserved_tokens = max(0, self.reserved_tokens - num_tokens)
-
+    # ---------------------------------------------------------------- facts
     @property
     def bytes_per_token(self) -> int:
         return self.pool.bytes_per_token
@@ -254,50 +191,122 @@ class RadixCache:
         return self.pool.bytes_in_use
 
     @property
+    def tree_bytes(self) -> int:
+        return self.tree.num_tokens * self.pool.bytes_per_token
+
+    @property
+    def running_tokens(self) -> int:
+        return self._running_tokens
+
+    @property
+    def shared_tokens(self) -> int:
+        return self.tree.shared_tokens
+
+    @property
     def num_tokens(self) -> int:
         return self.tree.num_tokens
 
     @property
     def num_nodes(self) -> int:
-        with self._lock:
-            return len(self.tree.nodes())
+        return self.tree.num_nodes
 
     @property
     def evicted_tokens(self) -> int:
         return self.tree.evicted_tokens
 
+    def locked_tokens(self) -> int:
+        return self.tree.locked_tokens
+
+    # ------------------------------------------------------------- room
+    def _evict_for(self, short: int, namespace: str | None, incoming: int, evict_any: bool,
+                   removed: list[Node]) -> list:
+        """Evict up to ``short`` tokens for ``namespace``'s ``incoming`` ones: by fair share for
+        a visitor in isolation mode (shipped ``PUBLIC`` content is never evicted for a
+        visitor), else least recently used; with ``evict_any``, plain LRU for what fair share
+        leaves short. Returns the freed slots (not yet given back to the pool)."""
+        fair = self.fair_share and namespace is not None and namespace != PUBLIC
+        freed: list = []
+        if fair:
+            freed += self.tree.evict(short, fair_for=namespace, capacity_tokens=self.pool.capacity,
+                                     incoming_tokens=incoming, removed=removed)
+        if len(freed) < short and (not fair or evict_any):
+            freed += self.tree.evict(short - len(freed), removed=removed)
+        return freed
+
+    def _make_room(self, num_slots: int, namespace: str | None, evict_any: bool = False) -> bool:
+        """Evict until ``num_slots`` slots are free, all or nothing: False, with the tree as
+        it was, when eviction cannot make that much room. Call with the lock held."""
+        short = num_slots - self.pool.num_free
+        if short <= 0:
+            return True
+        removed: list[Node] = []
+        freed = self._evict_for(short, namespace, num_slots, evict_any, removed)
+        if len(freed) < short:
+            self.tree.restore(removed)
+            return False
+        self.pool.free(freed)
+        return True
+
     # ------------------------------------------------------------- requests
-    def acquire(self, key: CacheKey, max_len: int, kv: RequestKV) -> CacheHandle:
-        """Match ``key.ids[:max_len]``, lock the path and copy its KV into ``kv``."""
+    def acquire(self, key: CacheKey, max_len: int, total_tokens: int, evict_any: bool = False) -> RequestSlots | None:
         with self._lock:
-            m = self.tree.match(key, max_len=max_len)
-            if m.length == 0:
-                return CacheHandle(0, (), None)
-            node, path = m.node, list(m.path)
-            # Where the prompt leaves the cached path mid-node, lock only the matched part: the
-            # node's unmatched rest must stay evictable to make room for this request's own
-            # tokens. (A match capped by ``max_len`` continues along the node: lock it whole.)
-            if self.tree.match(key, touch=False).length == m.length:
+            m = self._match(key, max_len)
+            own = max(0, total_tokens - m.length)
+            anchor = m.node if m.length else None
+            if anchor is not None:
+                self.tree.lock(anchor)  # the match is never evicted to make room for its own request
+            try:
+                if not self._make_room(own, key.namespace, evict_any):
+                    return None
+            finally:
+                if anchor is not None:
+                    self.tree.unlock(anchor)
+            node, path = None, ()
+            if m.length:
+                m = self.tree.match(key, max_len=m.length)  # now it counts: hits and access times
+                # Lock only the matched part of the last node: its unmatched rest stays evictable.
                 node = self._split_at(key, m.length)
-                path[-1] = node.id
-            self.tree.lock(node)
-            k_dst, v_dst = kv.prefill_from(m.length)
-            self.pool.read_into(m.values, k_dst, v_dst)
-            return CacheHandle(m.length, tuple(path), node)
+                path = tuple(m.path[:-1]) + (node.id,)
+                self.tree.lock(node)
+            slots = self.pool.alloc(own)
+            assert slots is not None, "room was made"
+            rs = RequestSlots(list(m.values) + slots, m.length, m.length, path, node, length=m.length)
+            self._live.add(rs)
+            self._running_tokens += own
+            return rs
 
-    def release(self, handle: CacheHandle) -> None:
-        if handle.node is not None:
-            with self._lock:
-                self.tree.unlock(handle.node)
+    def _match(self, key: CacheKey, max_len: int):
+        return self.tree.match(key, max_len=max_len, touch=False)
 
-    def pin(self, key: CacheKey) -> CacheHandle:
+    def adopt(self, rs: RequestSlots, key: CacheKey) -> int:
+        n = min(len(key.ids), rs.length)
+        if n <= rs.tree_len:
+            return 0
         with self._lock:
-            m = self.tree.match(key, touch=False)
-            if m.length == 0:
-                return CacheHandle(0, (), None)
-            node = self._split_at(key, m.length)
+            existing = self.tree.match(key, max_len=n, touch=False)
+            # Positions [tree_len, existing) were cached by someone else meanwhile: use theirs.
+            duplicates = rs.slots[rs.tree_len:existing.length]
+            rs.slots[rs.tree_len:existing.length] = existing.values[rs.tree_len:]
+            self.pool.free(duplicates)
+            node = self.tree.insert(key.prefix(n), rs.slots[:n]).node
             self.tree.lock(node)
-            return CacheHandle(m.length, tuple(m.path[:-1]) + (node.id,), node)
+            if rs.node is not None:
+                self.tree.unlock(rs.node)
+            stored = n - max(existing.length, rs.tree_len)
+            self._running_tokens -= n - rs.tree_len
+            rs.node, rs.tree_len, rs._runs = node, n, None
+            return max(0, stored)
+
+    def release(self, rs: RequestSlots) -> None:
+        with self._lock:
+            if rs not in self._live:
+                return
+            self._live.discard(rs)
+            self.pool.free(rs.slots[rs.tree_len:])
+            self._running_tokens -= rs.own_tokens
+            if rs.node is not None:
+                self.tree.unlock(rs.node)
+            rs.node, rs.slots, rs._runs = None, rs.slots[:rs.tree_len], None
 
     def _split_at(self, key: CacheKey, length: int) -> Node:
         """The node that ends exactly ``length`` (cached) tokens into ``key``, splitting the
@@ -305,24 +314,19 @@ class RadixCache:
         return self.tree.insert(key.prefix(length), [None] * length).node
 
     def match_len(self, key: CacheKey) -> int:
-        """Cached length of ``key`` right now; does not touch access times."""
         with self._lock:
-            return self.tree.match(key, touch=False).length
+            return self._match(key, len(key.ids)).length
 
-    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV) -> int:
+    def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV, touch: bool = False) -> int:
         with self._lock:
-            m = self.tree.match(key, max_len=max_len, touch=False)
-            if m.length:
-                k_dst, v_dst = kv.prefill_from(m.length)
-                self.pool.read_into(m.values, k_dst, v_dst)
+            m = self.tree.match(key, max_len=max_len, touch=touch)
+            if not m.length:
+                return 0
+            k_dst, v_dst = kv.prefill_from(m.length)
+            self.pool.read_into(m.values, k_dst, v_dst)
             return m.length
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
-        """Cache the first ``len(key.ids)`` tokens of ``kv``; returns tokens newly stored.
-
-        Evicts unlocked leaves to make room; if still short, stores the longest
-        prefix that fits, so the budget is never exceeded.
-        """
         n = min(len(key.ids), kv.length)
         with self._lock:
             existing = self.tree.match(key, max_len=n, touch=False)
@@ -330,18 +334,18 @@ class RadixCache:
             if need <= 0:
                 return 0
             # Protect the path we extend (exactly: not the rest of a node we leave mid-way)
-            # while evicting for room.
+            # while evicting for room; store the longest prefix that fits.
             anchor = self._split_at(key, existing.length) if existing.length else None
             if anchor is not None:
                 self.tree.lock(anchor)
             try:
-                short = need - self._room()
+                short = need - self.pool.num_free
                 if short > 0:
-                    self.pool.free(self._evict_for(short, key.namespace, need))
+                    self.pool.free(self._evict_for(short, key.namespace, need, False, []))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)
-            take = min(need, self._room())
+            take = min(need, self.pool.num_free)
             if take <= 0:
                 return 0
             slots = self.pool.alloc(take)
@@ -360,40 +364,47 @@ class RadixCache:
             return len(freed)
 
     def set_budget(self, budget_bytes: int) -> int:
-        """Change the budget, evicting LRU leaves if it shrinks. Returns tokens evicted."""
+        """Change the budget, evicting LRU leaves if it shrinks. Returns tokens evicted.
+        Running requests keep their slots (renumbered in place)."""
         budget_bytes = int(budget_bytes)
         if budget_bytes < 0:
             raise EngineError("the cache budget cannot be negative")
         with self._lock:
             new_capacity = budget_bytes // self.pool.bytes_per_token
+            held = self.tree.locked_tokens + self._running_tokens
+            if held > new_capacity:
+                raise EngineError(
+                    f"cannot shrink to {budget_bytes / 2**20:.1f} MB now: running requests hold "
+                    f"{held * self.pool.bytes_per_token / 2**20:.1f} MB; try again when idle")
             evicted = 0
-            over = self.tree.num_tokens - new_capacity
+            over = self.tree.num_tokens + self._running_tokens - new_capacity
             if over > 0:
                 freed = self.tree.evict(over)
                 self.pool.free(freed)
                 evicted = len(freed)
-            if self.tree.num_tokens > new_capacity:
-                raise EngineError(
-                    f"cannot shrink to {budget_bytes / 2**20:.1f} MB now: running requests hold "
-                    f"{self.tree.num_tokens * self.pool.bytes_per_token / 2**20:.1f} MB; try again when idle")
-            mapping = self.pool.rebuild(budget_bytes, self.tree.all_values())
+            own = [s for rs in self._live for s in rs.slots[rs.tree_len:]]
+            mapping = self.pool.rebuild(budget_bytes, self.tree.all_values() + own)
             self.tree.remap_values(lambda vals: [mapping[v] for v in vals])
+            for rs in self._live:
+                rs.slots = [mapping[s] for s in rs.slots]
+                rs._runs = None
             return evicted
 
     # ------------------------------------------------------------- checking
     def check_invariants(self) -> None:
         with self._lock:
             self.tree.check_invariants()
+            self.pool.check()
             values = self.tree.all_values()
-            assert len(values) == len(set(values)), "a pool slot is held twice"
-            assert all(0 <= v < self.pool.capacity for v in values), "slot out of range"
-            assert self.pool.num_used == len(values), (
-                f"pool slots in use {self.pool.num_used} != tree tokens {len(values)}")
+            own = [s for rs in self._live for s in rs.slots[rs.tree_len:]]
+            assert len(values) == len(set(values)), "a pool slot is held twice by the tree"
+            assert not set(own) & set(values), "a running request's own slot is also the tree's"
+            assert len(own) == len(set(own)), "a pool slot is held by two running requests"
+            assert len(own) == self._running_tokens, f"running tokens {self._running_tokens} != {len(own)}"
+            assert all(0 <= v < self.pool.capacity for v in values + own), "slot out of range"
+            assert self.pool.num_used == len(values) + len(own), (
+                f"pool slots in use {self.pool.num_used} != tree {len(values)} + running {len(own)}")
             assert self.pool.bytes_in_use <= self.pool.budget_bytes
-
-    def locked_tokens(self) -> int:
-        with self._lock:
-            return sum(len(n.key) for n in self.tree.nodes() if n.lock_ref > 0)
 
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
@@ -402,40 +413,67 @@ class RadixCache:
         from a node is one ``hidden`` "others" node (id ``-1 - parent id``) whose size is
         rounded up to ``HIDDEN_BUCKET_TOKENS``, with no text, hits, lock or access time; shared
         (``PUBLIC``) nodes show no hits, locks or access times (others use them too); and the
-        totals count hidden tokens, and evictions, in the same buckets."""
+        totals count hidden tokens, and evictions, in the same buckets.
+
+        The structure is copied under the lock; text is decoded after it is released, so a
+        redraw never holds up the scheduler."""
         now = time.monotonic()
         bpt = self.pool.bytes_per_token
         with self._lock:
             infos, hidden_under, depth = [], {}, {self.tree.root.id: 0}
-            anchor: dict[int, Node] = {}  # hidden node id -> the visible node (or root) its subtree hangs from
+            anchor: dict[int, tuple[int, int]] = {}  # hidden node id -> (id, depth) of the visible node above
             for node in self.tree.nodes():  # parents before children
                 depth[node.id] = depth[node.parent.id] + len(node.key)
                 if viewer is not None and not _visible_to(node.namespace, viewer):
-                    top = anchor.get(node.parent.id, node.parent)
+                    top = anchor.get(node.parent.id, (node.parent.id, depth[node.parent.id]))
                     anchor[node.id] = top
                     hidden_under[top] = hidden_under.get(top, 0) + len(node.key)
                     continue
-                ids = tuple(node.key)
-                text = ""
-                if decode is not None:
-                    shown = ids if len(ids) <= max_text_tokens else ids[:max_text_tokens]
-                    text = decode(shown) + ("…" if len(ids) > max_text_tokens else "")
                 shared = viewer is not None and node.namespace == PUBLIC
                 infos.append(NodeInfo(
                     node_id=node.id, parent_id=node.parent.id, num_tokens=len(node.key), depth_tokens=depth[node.id],
                     num_bytes=len(node.key) * bpt, lock_ref=0 if shared else node.lock_ref,
                     hits=0 if shared else node.hits,
                     last_access_s_ago=0.0 if shared else max(0.0, now - node.last_access),
-                    namespace=node.namespace, hidden=False, token_ids=ids, text=text))
-            for parent, tokens in hidden_under.items():
-                size = coarse_tokens(tokens)
-                infos.append(NodeInfo(
-                    node_id=-1 - parent.id, parent_id=parent.id, num_tokens=size, depth_tokens=depth[parent.id] + size,
-                    num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0, namespace="other", hidden=True,
-                    token_ids=(), text=""))
-            num_tokens, num_bytes, evicted = self.tree.num_tokens, self.pool.bytes_in_use, self.tree.evicted_tokens
-            if viewer is not None:
-                num_tokens = sum(n.num_tokens for n in infos)
-                num_bytes, evicted = num_tokens * bpt, coarse_tokens(evicted)
-            return TreeSnapshot(tuple(infos), num_tokens, num_bytes, self.pool.budget_bytes, self.pool.capacity,
-                                evicted, bpt)
+                    namespace=node.namespace, hidden=False, token_ids=tuple(node.key), text=""))
+            num_tokens, num_bytes, evicted = self.tree.num_tokens, self.tree_bytes, self.tree.evicted_tokens
+            capacity, budget = self.pool.capacity, self.pool.budget_bytes
+        if decode is not None:
+            infos = [_with_text(n, decode, max_text_tokens) for n in infos]
+        for (parent_id, parent_depth), tokens in hidden_under.items():
+            size = coarse_tokens(tokens)
+            infos.append(NodeInfo(
+                node_id=-1 - parent_id, parent_id=parent_id, num_tokens=size, depth_tokens=parent_depth + size,
+                num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0, namespace="other", hidden=True,
+                token_ids=(), text=""))
+        if viewer is not None:
+            num_tokens = sum(n.num_tokens for n in infos)
+            num_bytes, evicted = num_tokens * bpt, coarse_tokens(evicted)
+        return TreeSnapshot(tuple(infos), num_tokens, num_bytes, budget, capacity, evicted, bpt)
+
+
+def _with_text(info: NodeInfo, decode: Callable[[Sequence[int]], str], max_text_tokens: int) -> NodeInfo:
+    import dataclasses
+
+    ids = info.token_ids
+    shown = ids if len(ids) <= max_text_tokens else ids[:max_text_tokens]
+    return dataclasses.replace(info, text=decode(shown) + ("…" if len(ids) > max_text_tokens else ""))
+
+
+class NoPrefixCache(RadixCache):
+    """The cache-off twin: same interface and the same pool for running requests' KV,
+    nothing reused, nothing stored."""
+
+    enabled = False
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+
+    def _match(self, key: CacheKey, max_len: int):
+        return self.tree.match(key, max_len=0, touch=False)
+
+    def adopt(self, rs: RequestSlots, key: CacheKey) -> int:
+        return 0
+
+    def insert(self, key: CacheKey, kv: RequestKV) -> int:
+        return 0

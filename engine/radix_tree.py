@@ -29,7 +29,10 @@ Invariants (``check_invariants``):
 - every non-root node has a non-empty edge, ``len(value) == len(key)``, and is
   stored in its parent under ``(namespace, key[0])``;
 - ``lock_ref`` never negative, and a node's lock count is at least each child's;
-- ``num_tokens`` equals the sum of the edge lengths.
+- ``num_tokens`` equals the sum of the edge lengths, ``num_nodes`` the nodes,
+  ``locked_tokens`` the tokens of nodes with ``lock_ref > 0`` and ``shared_tokens``
+  those with ``lock_ref > 1`` (read by more than one running request): counters kept
+  as the tree changes, so reading them is O(1).
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ class RadixTree:
         self._clock = clock
         self.root = Node(id=0, key=(), value=(), namespace=PUBLIC, parent=None, lock_ref=1)
         self.num_tokens = 0
+        self.num_nodes = 0
+        self.locked_tokens = 0  # tokens of nodes with lock_ref > 0
+        self.shared_tokens = 0  # tokens of nodes with lock_ref > 1
         self.evicted_tokens = 0
 
     # ------------------------------------------------------------------ match
@@ -163,6 +169,7 @@ class RadixTree:
                            last_access=now)
                 node.children[(ns, ids[pos])] = new
                 self.num_tokens += end - pos
+                self.num_nodes += 1
                 node, pos = new, end
                 continue
             n = common_prefix_len(child.key, ids, pos, end - pos)
@@ -186,6 +193,7 @@ class RadixTree:
         node.parent = upper
         upper.children[(node.namespace, node.key[0])] = node
         parent.children[(upper.namespace, upper.key[0])] = upper
+        self.num_nodes += 1  # the lock counters are unchanged: both parts keep the lock count
         return upper
 
     # ------------------------------------------------------------------- lock
@@ -193,25 +201,36 @@ class RadixTree:
         """Protect ``node`` and its ancestors from eviction."""
         while node is not self.root:
             node.lock_ref += 1
+            if node.lock_ref == 1:
+                self.locked_tokens += len(node.key)
+            elif node.lock_ref == 2:
+                self.shared_tokens += len(node.key)
             node = node.parent
 
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
+            if node.lock_ref == 0:
+                self.locked_tokens -= len(node.key)
+            elif node.lock_ref == 1:
+                self.shared_tokens -= len(node.key)
             node = node.parent
 
     # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int, namespace: str | None = None, fair_for: str | None = None,
-              capacity_tokens: int = 0, incoming_tokens: int | None = None) -> list[Any]:
+              capacity_tokens: int = 0, incoming_tokens: int | None = None,
+              removed: list[Node] | None = None) -> list[Any]:
         """Evict unlocked leaves, least recently used first, until ``num_tokens``
         tokens are freed or nothing unlocked is left (only ``namespace``'s nodes,
         if given). With ``fair_for`` (the namespace about to insert
         ``incoming_tokens``, by default ``num_tokens``), the fair share policy of the
-        module docstring picks the leaves instead. Returns the freed values."""
+        module docstring picks the leaves instead. Returns the freed values; the
+        removed nodes are appended to ``removed`` if given (``restore`` undoes them)."""
+        removed = [] if removed is None else removed
         if fair_for is not None:
             incoming = num_tokens if incoming_tokens is None else incoming_tokens
-            return self._evict_fair(num_tokens, owner_of(fair_for), capacity_tokens, incoming)
+            return self._evict_fair(num_tokens, owner_of(fair_for), capacity_tokens, incoming, removed)
 
         def evictable(n: Node) -> bool:
             return n.is_leaf and n.lock_ref == 0 and (namespace is None or n.namespace == namespace)
@@ -223,6 +242,7 @@ class RadixTree:
             _, _, node = heapq.heappop(heap)
             freed.extend(node.value)
             self._remove_leaf(node)
+            removed.append(node)
             parent = node.parent
             if parent is not self.root and evictable(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
@@ -242,7 +262,8 @@ class RadixTree:
         owners = {o for o, n in usage.items() if o != PUBLIC and n > 0} | {owner}
         return max(0, capacity_tokens - usage[PUBLIC]) / len(owners)
 
-    def _evict_fair(self, num_tokens: int, owner: str, capacity_tokens: int, incoming: int) -> list[Any]:
+    def _evict_fair(self, num_tokens: int, owner: str, capacity_tokens: int, incoming: int,
+                    removed: list[Node]) -> list[Any]:
         usage = self.owner_tokens()
         share = self.fair_share(owner, capacity_tokens, usage)
         heaps: dict[str, list] = {}  # owner -> its evictable leaves, LRU first
@@ -269,6 +290,7 @@ class RadixTree:
             freed.extend(node.value)
             usage[victim] -= len(node.key)
             self._remove_leaf(node)
+            removed.append(node)
             push(node.parent)
         return freed
 
@@ -276,7 +298,17 @@ class RadixTree:
         parent = node.parent
         del parent.children[(node.namespace, node.key[0])]
         self.num_tokens -= len(node.key)
+        self.num_nodes -= 1
         self.evicted_tokens += len(node.key)
+
+    def restore(self, removed: Sequence[Node]) -> None:
+        """Undo an ``evict`` that returned ``removed`` (nothing else changed the tree since):
+        the nodes go back where they were, with their values, hits and access times."""
+        for node in reversed(removed):
+            node.parent.children[(node.namespace, node.key[0])] = node
+            self.num_tokens += len(node.key)
+            self.num_nodes += 1
+            self.evicted_tokens -= len(node.key)
 
     def clear(self, namespace: str | None = None) -> list[Any]:
         """Evict everything that is not locked; return the freed values."""
@@ -301,8 +333,12 @@ class RadixTree:
             node.value = fn(node.value)
 
     def check_invariants(self) -> None:
-        total = 0
-        for node in self.nodes():
+        total = locked = shared = 0
+        nodes = self.nodes()
+        assert len(nodes) == self.num_nodes, f"num_nodes {self.num_nodes} != {len(nodes)}"
+        for node in nodes:
+            locked += len(node.key) if node.lock_ref > 0 else 0
+            shared += len(node.key) if node.lock_ref > 1 else 0
             assert node.key, f"node {node.id} has an empty edge"
             assert len(node.value) == len(node.key), f"node {node.id}: value/key lengths differ"
             assert node.parent.children.get((node.namespace, node.key[0])) is node, "bad child key"
@@ -311,6 +347,8 @@ class RadixTree:
                 assert node.parent.lock_ref >= node.lock_ref, "child locked more than parent"
             total += len(node.key)
         assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
+        assert locked == self.locked_tokens, f"locked_tokens {self.locked_tokens} != {locked}"
+        assert shared == self.shared_tokens, f"shared_tokens {self.shared_tokens} != {shared}"
 
 
 def owner_of(namespace: str) -> str:

@@ -2,7 +2,7 @@
 
 Owns: the ``RequestHandle`` a caller iterates (events in, cancel out) and the
 ``Request`` object the scheduler moves through its states (waiting -> prefill
--> decode -> [baseline] -> done): token ids, the request's KV buffer, the
+-> decode -> [baseline] -> done): token ids, the request's KV slots in the pool, the
 output so far and its text (detokenized incrementally), the seeded sampler,
 timings and counters for the metrics. Knows nothing about the model or the
 cache: the scheduler does the work and writes the results here.
@@ -18,8 +18,8 @@ from enum import Enum
 
 import torch
 
+from engine.prefix_cache import RequestSlots
 from engine.radix_tree import CacheKey
-from engine.request_kv import RequestKV
 from engine.types import GenerationEvent, GenerationRequest
 
 DONE = object()  # end-of-stream marker on a handle's event queue
@@ -71,10 +71,8 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.seq = seq  # arrival order
         self.state = State.WAITING
-        # KV and the cache
-        self.kv: RequestKV | None = None
-        self.cache_handle = None  # what PrefixCache.acquire locked, until the prompt is cached
-        self.reserved_tokens = 0  # budget held while running (the buffer's capacity)
+        # KV (pool slots: the cached prefix's, locked, then its own) and the cache
+        self.slots: RequestSlots | None = None
         self.cached_tokens = 0
         self.inserted_tokens = 0
         self.path: tuple[int, ...] = ()
@@ -82,7 +80,6 @@ class Request:
         self.prefill_ms = 0.0
         self.prefill_chunks = 0
         self.prefill_shared_step = False
-        self.last_logits: torch.Tensor | None = None
         # output
         self.out_ids: list[int] = []
         self.text = ""
@@ -97,7 +94,7 @@ class Request:
         self.last_token_at: float | None = None
         self.batch_sizes: list[int] = []
         # the no-reuse baseline, measured after the answer as work of its own
-        self.baseline_kv: RequestKV | None = None
+        self.baseline_slots: RequestSlots | None = None
         self.baseline_ms: float | None = None
         # policy bookkeeping
         self.match_len = 0
@@ -119,8 +116,8 @@ class Request:
 
     @property
     def prefilled(self) -> int:
-        """Prompt tokens whose KV is in the buffer (cached plus computed so far)."""
-        return min(self.kv.length, len(self.ids)) if self.kv is not None else 0
+        """Prompt tokens whose KV is in the pool (cached plus computed so far)."""
+        return min(self.slots.length, len(self.ids)) if self.slots is not None else 0
 
     @property
     def capacity_tokens(self) -> int:

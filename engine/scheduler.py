@@ -18,19 +18,23 @@ One step, in order:
    at most one request per visitor runs; more wait behind it. A request whose
    uncached prefix another request is prefilling right now waits until that
    prompt is cached, then hits (in-batch prefix sharing). Admission matches the
-   tree, locks the match, copies it into the request's buffer and reserves the
-   buffer's capacity from the byte budget (evicting unlocked cache; if that is
-   not enough the request waits; alone, an oversized request still runs).
+   tree, locks the match (read in place, never copied) and takes pool slots for
+   the rest of the request (uncached prompt plus new tokens), evicting unlocked
+   cache for room; if that is not enough the request waits until a running one
+   gives slots back (a request that alone could never fit is refused at submit,
+   or fails with a clear error if the budget shrank since).
 3. One forward: prefill chunks, at most ``chunk_tokens`` prompt tokens per step
    (chunked prefill: a 4,000-token prompt cannot freeze the others' streams;
    prompts with fewer chunks done go first, so a short newcomer is not stuck
    behind a long prompt), packed with one decode token for every request in
-   decode. A finished prompt is cached (later arrivals hit it) and stays pinned
-   while its request runs; its first token comes from the prefill's logits. A
+   decode. A finished prompt passes to the tree (its slots, no copy: later
+   arrivals hit it) and stays locked while its request runs; its first token
+   comes from the prefill's logits. A
    request measuring the no-reuse baseline prefills in forwards of its own, so
    its with-reuse figure is its own work only.
-4. No-reuse baselines with what is left of the step's token budget (work of
-   their own: never inside someone's prefill, never stalling the decodes).
+4. No-reuse baselines with what is left of the step's token budget, and at
+   least ``baseline_min_tokens`` of them per step so that under steady prefill
+   load they still finish (work of their own: never inside someone's prefill).
    With isolation on (a public deployment) the baseline is skipped above
    ``baseline_max_tokens_isolated`` (2,000) prompt tokens and the metrics say
    None: a long from-scratch prefill is costly work that only shows a figure.
@@ -49,10 +53,11 @@ from dataclasses import dataclass
 
 from engine import sampling
 from engine.model_runner import ModelRunner
+from engine.paged_attention import PagedSegment
 from engine.prefix_cache import PrefixCache
 from engine.radix_tree import CacheKey, common_prefix_len
 from engine.request import DONE, Request, State
-from engine.types import EngineError, GenerationEvent, RequestMetrics, StepRecord
+from engine.types import EngineError, EngineFault, GenerationEvent, RequestMetrics, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ class SchedulerConfig:
     max_wait_s: float = 10.0  # waited longer: admitted first, in arrival order (ageing guard)
     share_min_tokens: int = 16  # hold a request back while another prefills this many of its uncached tokens
     baseline_max_tokens_isolated: int = 2000  # with isolation, no no-reuse baseline above this prompt length
+    baseline_min_tokens: int = 64  # no-reuse baseline tokens computed per step even when prefills use the budget
     match_refresh_s: float = 0.25  # a waiting request's cached-prefix length is re-matched this often
     step_log_size: int = 600
     rate_window_s: float = 10.0  # tokens/s is measured over this window
@@ -90,7 +96,7 @@ class Scheduler:
         self._log_lock = threading.Lock()
         self._step_id = 0
         self._rate: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
-        self._memory_short = False  # admission found no room; retried once budget is given back
+        self._memory_short = False  # admission found no room; retried once slots are given back
 
     # ---------------------------------------------------------------- facts
     def has_work(self) -> bool:
@@ -128,7 +134,7 @@ class Scheduler:
         for r in list(self.running):
             self._fail(r, exc)
         for r in self.waiting:
-            r.emit(EngineError(f"The request failed: {type(exc).__name__}: {exc}"[:300]))
+            r.emit(_as_engine_error(exc))
             r.emit(DONE)
         self.waiting.clear()
 
@@ -144,7 +150,7 @@ class Scheduler:
         for r in list(self.running):
             if r.cancelled:
                 if r.state is State.BASELINE:
-                    r.baseline_kv, r.baseline_ms = None, None
+                    r.baseline_ms = None
                     self._complete(r)
                 else:
                     self._finish(r, "cancelled")
@@ -216,26 +222,31 @@ class Scheduler:
         return False
 
     def _try_admit(self, r: Request) -> bool | None:
-        """Admit ``r``: True; None when memory is short (it keeps waiting)."""
-        runner, cache = self.runner, self.cache
-        need = r.capacity_tokens
+        """Admit ``r``: True; None when memory is short (it keeps waiting); False when it
+        failed (and has left)."""
         t0 = time.perf_counter()
-        kv = runner.new_request_kv(need)
-        handle = cache.acquire(r.key, len(r.ids) - 1, kv)  # locks the match first: eviction spares it
-        need -= handle.cached_tokens  # the cached prefix is counted once, in the cache, and stays locked
-        if cache.reserve(need, r.namespace):
-            r.reserved_tokens = need
-        elif self.running:
-            cache.release(handle)
-            return None
-        else:
-            r.reserved_tokens = 0  # larger than the whole budget: it runs alone, cached as far as it fits
+        try:
+            rs = self.cache.acquire(r.key, len(r.ids) - 1, r.capacity_tokens, evict_any=not self.running)
+        except Exception as exc:  # only this request fails (out of memory, a bug): the others go on
+            self.waiting.remove(r)
+            self._fail(r, exc)
+            return False
+        if rs is None:
+            if self.running:
+                return None
+            self.waiting.remove(r)
+            budget = self.cache.budget_bytes
+            self._fail(r, EngineError(
+                f"This request needs {r.capacity_tokens * self.cache.bytes_per_token / 2**20:,.1f} MiB of KV "
+                f"(prompt plus new tokens) and the cache budget is {budget / 2**20:,.1f} MiB: shorten the prompt, "
+                "ask for fewer new tokens or raise the budget."))
+            return False
         self.waiting.remove(r)
-        r.kv, r.cache_handle = kv, handle
-        r.cached_tokens, r.path = handle.cached_tokens, handle.path
+        r.slots = rs
+        r.cached_tokens, r.path = rs.cached_tokens, rs.path
         r.admitted_at = t0
         r.state = State.PREFILL
-        r.prefill_ms = (time.perf_counter() - t0) * 1000  # match and copy
+        r.prefill_ms = (time.perf_counter() - t0) * 1000  # match and slot bookkeeping
         r.seed_generator()
         self.running.append(r)
         return True
@@ -263,18 +274,21 @@ class Scheduler:
 
     def _run(self, chunks: list[tuple[Request, int, int]], decoding: list[Request]) -> None:
         """One forward over prefill ``chunks`` (request, start, tokens) and ``decoding`` requests."""
-        segments = [(r.ids[start:start + n], r.kv) for r, start, n in chunks]
-        segments += [([r.out_ids[-1]], r.kv) for r in decoding]
+        segments = [PagedSegment(r.ids[start:start + n], start, r.slots.slots, r.slots.runs())
+                    for r, start, n in chunks]
+        segments += [PagedSegment([r.out_ids[-1]], r.slots.length, r.slots.slots, r.slots.runs()) for r in decoding]
         everyone = [r for r, _, _ in chunks] + decoding
         try:
             t0 = time.perf_counter()
-            logits = self.runner.forward_packed(segments)
+            logits = self.runner.forward_paged(self.cache.pool, segments)
             self.runner.synchronize()
             ms = (time.perf_counter() - t0) * 1000
         except Exception as exc:
             for r in everyone:
                 self._fail(r, exc)
             return
+        for seg, r in zip(segments, everyone, strict=True):
+            r.slots.length = seg.past + len(seg.ids)
         kind = "decode" if not chunks else "prefill" if not decoding else "mixed"
         cached = sum(r.cached_tokens for r, start, _ in chunks if start == r.cached_tokens)
         self._log(kind, everyone, computed=sum(n for _, _, n in chunks) + len(decoding), cached=cached,
@@ -293,15 +307,10 @@ class Scheduler:
             self._take_token(r, logits[i])
 
     def _prefill_done(self, r: Request, logits) -> None:
-        # The prompt moves from the request's reservation into the cache, where later
-        # arrivals hit it; it stays locked there until the request finishes.
-        self._unreserve(r, min(r.reserved_tokens, len(r.ids) - r.cached_tokens))
-        r.inserted_tokens += self.cache.insert(r.key, r.kv)
-        self.cache.release(r.cache_handle)
-        r.cache_handle = self.cache.pin(r.key)
-        uncached = len(r.ids) - r.cache_handle.cached_tokens  # what did not fit stays the request's own
-        if uncached > 0 and self.cache.reserve(uncached, r.namespace):
-            r.reserved_tokens += uncached
+        # The prompt's slots pass to the tree, where later arrivals hit it; they stay locked
+        # there until the request finishes.
+        if r.req.store:
+            r.inserted_tokens += self.cache.adopt(r.slots, r.key)
         r.state = State.DECODE
         if r.max_new_tokens <= 0:
             r.first_token_at = time.perf_counter()
@@ -327,25 +336,27 @@ class Scheduler:
             self._finish(r, "length")
 
     def _baseline_work(self, budget: int) -> None:
+        budget = max(budget, self.config.baseline_min_tokens)  # a bounded share even under prefill load
         for r in [r for r in self.running if r.state is State.BASELINE]:
             if budget <= 0:
                 return
-            kv = r.baseline_kv
-            start = kv.length
+            rs = r.baseline_slots
+            start = rs.length
             n = min(len(r.ids) - start, budget)
             try:
                 t0 = time.perf_counter()
-                self.runner.forward_last(r.ids[start:start + n], kv)
+                self.runner.forward_paged(self.cache.pool, [PagedSegment(r.ids[start:start + n], start, rs.slots,
+                                                                         rs.runs())])
                 self.runner.synchronize()
                 ms = (time.perf_counter() - t0) * 1000
             except Exception as exc:
                 self._fail(r, exc)
                 continue
+            rs.length += n
             budget -= n
             r.baseline_ms = (r.baseline_ms or 0.0) + ms
             self._log("baseline", [r], computed=n, cached=0, duration_ms=ms)
-            if kv.length >= len(r.ids):
-                r.baseline_kv = None
+            if rs.length >= len(r.ids):
                 self._complete(r)
 
     # ------------------------------------------------------------ finishing
@@ -355,29 +366,27 @@ class Scheduler:
         return not (self.config.isolation and len(r.ids) > self.config.baseline_max_tokens_isolated)
 
     def _finish(self, r: Request, reason: str) -> None:
-        """The answer is over: cache prompt plus reply, free the buffer, then the baseline or done."""
+        """The answer is over: cache prompt plus reply (its slots pass to the tree), free the
+        rest of its slots, then the no-reuse baseline or done."""
         r.finish_reason = reason
-        kv = r.kv
-        self._unreserve(r)  # the buffer is freed below: its room goes to the cache
-        if kv is not None and r.state is State.DECODE and kv.length > len(r.ids):
+        rs = r.slots
+        if rs is not None and r.req.store and r.state is State.DECODE and rs.length > len(r.ids):
             # Prompt plus reply, so the next chat turn reuses the answer too.
-            key = self._cache_key(r.ids + r.out_ids[: kv.length - len(r.ids)], r)
-            r.inserted_tokens += self.cache.insert(key, kv)
+            key = self._cache_key(r.ids + r.out_ids[: rs.length - len(r.ids)], r)
+            r.inserted_tokens += self.cache.adopt(rs, key)
         self._release(r)
-        r.kv = None
         if self._wants_baseline(r):
-            r.state = State.BASELINE
-            r.baseline_kv = self.runner.new_request_kv(len(r.ids))
-            if self.cache.reserve(len(r.ids), r.namespace):
-                r.reserved_tokens = len(r.ids)
-            r.emit(GenerationEvent(text=r.text, phase="baseline", prompt_tokens=len(r.ids),
-                                   cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
-            return
+            # The no-reuse prefill holds pool slots of its own too; without room it is skipped.
+            r.baseline_slots = self.cache.acquire(CacheKey(()), 0, len(r.ids))
+            if r.baseline_slots is not None:
+                r.state = State.BASELINE
+                r.emit(GenerationEvent(text=r.text, phase="baseline", prompt_tokens=len(r.ids),
+                                       cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
+                return
         self._complete(r)
 
     def _complete(self, r: Request) -> None:
         self._release(r)
-        self._unreserve(r)
         r.state = State.DONE
         if r in self.running:
             self.running.remove(r)
@@ -390,27 +399,21 @@ class Scheduler:
     def _fail(self, r: Request, exc: BaseException) -> None:
         if not isinstance(exc, EngineError):
             log.error("request %s failed", r.request_id, exc_info=exc)
-            exc = EngineError(f"The request failed: {type(exc).__name__}: {exc}"[:300])
         self._release(r)
-        self._unreserve(r)
-        r.kv = r.baseline_kv = None
         r.state = State.DONE
         if r in self.running:
             self.running.remove(r)
-        r.emit(exc)
+        r.emit(_as_engine_error(exc))
         r.emit(DONE)
 
     def _release(self, r: Request) -> None:
-        if r.cache_handle is not None:
-            self.cache.release(r.cache_handle)
-            r.cache_handle = None
-
-    def _unreserve(self, r: Request, num_tokens: int | None = None) -> None:
-        n = r.reserved_tokens if num_tokens is None else min(num_tokens, r.reserved_tokens)
-        if n:
-            self.cache.unreserve(n)
-            r.reserved_tokens -= n
-        self._memory_short = False  # room may have come back (also when a pinned prompt is released)
+        """Give back every pool slot the request holds (its cached part is unlocked)."""
+        for name in ("slots", "baseline_slots"):
+            rs = getattr(r, name)
+            if rs is not None:
+                self.cache.release(rs)
+                setattr(r, name, None)
+                self._memory_short = False  # room came back
 
     # -------------------------------------------------------------- showing
     def _report_queue(self) -> None:
@@ -438,3 +441,10 @@ class Scheduler:
             self._rate.append((now, n))
             while self._rate and now - self._rate[0][0] > self.config.rate_window_s:
                 self._rate.popleft()
+
+
+def _as_engine_error(exc: BaseException) -> EngineError:
+    """Bad input stays as it is; anything else is a fault of the server (``EngineFault``)."""
+    if isinstance(exc, EngineError):
+        return exc
+    return EngineFault(f"The request failed: {type(exc).__name__}: {exc}"[:300])

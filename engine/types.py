@@ -202,7 +202,9 @@ class EngineStats:
     waiting: int = 0  # requests not admitted yet (same as queue_depth)
     tokens_per_s: float = 0.0  # output tokens per second, all requests, over the last seconds
     max_batch: int = 1
-    reserved_bytes: int = 0  # budget held for running requests' own KV buffers
+    running_bytes: int = 0  # pool bytes held by running requests themselves (their computed KV and room for it)
+    tree_bytes: int = 0  # pool bytes held by the tree (cached KV, some of it read by running requests)
+    shared_tokens: int = 0  # cached tokens read by more than one running request right now
 
     @property
     def hit_rate(self) -> float:

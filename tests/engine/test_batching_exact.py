@@ -108,7 +108,7 @@ def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
     assert any(m.prefill_chunks > 1 for m in metrics)  # 16 tokens a step: the long prompts took chunks
     wait_idle(engine)
     assert_clean(engine)
-    assert engine.cache.reserved_tokens == 0
+    assert engine.cache.running_tokens == 0
 
 
 def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):

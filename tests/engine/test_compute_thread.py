@@ -53,14 +53,14 @@ def test_in_fresh_thread_returns_and_raises():
 
 def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkeypatch):
     seen: set[str] = set()
-    original = type(tiny_runner).forward_packed.__wrapped__  # the method under the thread hop
+    original = type(tiny_runner).forward_paged.__wrapped__  # the method under the thread hop
 
-    def spy(self, segments):
+    def spy(self, pool, segments):
         seen.add(threading.current_thread().name)
-        return original(self, segments)
+        return original(self, pool, segments)
 
-    monkeypatch.setattr(type(tiny_runner), "forward_packed",
-                        lambda self, segments: self.compute.call(spy, self, segments))
+    monkeypatch.setattr(type(tiny_runner), "forward_paged",
+                        lambda self, pool, segments: self.compute.call(spy, self, pool, segments))
     engine = Engine(tiny_runner, max_batch=4)
     req = GenerationRequest(prompt="hello there", sampling=SamplingParams(max_new_tokens=4))
     handles = [engine.submit(req) for _ in range(3)]

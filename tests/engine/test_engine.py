@@ -72,14 +72,17 @@ def test_cached_tokens_equal_longest_common_prefix(tiny_runner, engine):
 
 def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner):
     bpt = tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=25 * bpt)  # smaller than one prompt
+    engine = Engine(tiny_runner, budget_bytes=25 * bpt)  # a little more than one request
     vocab = len(tiny_runner.tokenizer)
     for i in range(8):
-        m = engine.run(req(rand_ids(i, 40, vocab), 3))
+        m = engine.run(req(rand_ids(i, 20, vocab), 3))
         assert m.output_tokens > 0
         assert m.cache_bytes <= 25 * bpt
         engine.check_invariants()
     assert engine.stats().evicted_tokens > 0
+    with pytest.raises(EngineError, match="budget"):  # larger than the whole pool: refused, nothing changes
+        engine.submit(req(rand_ids(99, 40, vocab), 3))
+    engine.check_invariants()
 
 
 def test_baseline_measured_on_same_request(engine, tiny_runner):

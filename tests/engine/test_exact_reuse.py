@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
+from engine.paged_attention import PagedSegment
 from engine.prefix_cache import RadixCache
 from engine.radix_tree import CacheKey
 
@@ -23,17 +24,20 @@ def make_cache(runner, budget_tokens=4096):
 
 
 def run_cached(runner, cache, ids):
-    """Prefill ``ids`` through the cache; return (logits of the computed positions, cached length)."""
+    """Prefill ``ids`` the scheduler's way (the cached prefix read in place from the pool, the
+    rest computed into the request's own slots, which then pass to the tree); return
+    (logits of the computed positions, cached length)."""
     key = CacheKey(tuple(ids))
-    kv = runner.new_request_kv(len(ids))
-    handle = cache.acquire(key, len(ids) - 1, kv)
+    rs = cache.acquire(key, len(ids) - 1, len(ids))
     try:
-        logits = runner.forward(ids[handle.cached_tokens:], kv)
-        cache.insert(key, kv)
+        segment = PagedSegment(ids[rs.cached_tokens:], rs.cached_tokens, rs.slots, rs.runs())
+        logits = runner.forward_paged(cache.pool, [segment], every_position=True)
+        rs.length = len(ids)
+        cache.adopt(rs, key)
     finally:
-        cache.release(handle)
+        cache.release(rs)
     cache.check_invariants()
-    return logits, handle.cached_tokens
+    return logits, rs.cached_tokens
 
 
 def full_logits(runner, ids):
@@ -136,4 +140,4 @@ def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, t
         assert got.cached_tokens == (0 if i == 0 else 48)
         assert got.output_ids == want.output_ids and got.baseline_prefill_ms is not None
     engine.check_invariants()
-    assert engine.cache.pool.k.dtype == torch.bfloat16
+    assert engine.cache.pool.k[0].dtype == torch.bfloat16

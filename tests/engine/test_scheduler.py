@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from engine.engine import Engine
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import EngineError, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, wait_idle
 
 
@@ -62,16 +63,22 @@ def test_running_requests_count_against_the_budget(tiny_runner):
     assert [m.output_ids for m in metrics] == [off.run(r).output_ids for r in requests]
     wait_idle(engine)
     assert_clean(engine)
-    assert engine.cache.reserved_tokens == 0
+    assert engine.cache.running_tokens == 0
 
 
-def test_request_larger_than_budget_still_completes(tiny_runner):
+def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_runner):
+    """All KV lives in the pool, so a prompt that alone exceeds the budget cannot run: it is
+    refused at submit with a message naming both sizes; new tokens that would not fit are
+    cut to what does (the answer ends with ``length``)."""
     vocab = len(tiny_runner.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=10 * tiny_runner.kv_bytes_per_token)
-    handles = submit_together(engine, [req(rand_ids(30 + i, 40, vocab), 3) for i in range(3)])
-    assert all(list(h)[-1].metrics.output_tokens == 3 for h in handles)
+    with pytest.raises(EngineError, match="MiB of KV .* cache budget"):
+        engine.submit(req(rand_ids(30, 40, vocab), 3))
+    handles = submit_together(engine, [req(rand_ids(31 + i, 6, vocab), 30) for i in range(3)])
+    metrics = [list(h)[-1].metrics for h in handles]
+    assert all(m.output_tokens <= 4 and m.finish_reason in ("length", "stop") for m in metrics)
     assert_clean(engine)
-    assert engine.cache.reserved_tokens == 0
+    assert engine.cache.running_tokens == 0
 
 
 def test_longest_cached_prefix_first_then_ageing(tiny_runner):
@@ -129,7 +136,7 @@ def test_cancel_one_request_in_a_batch(tiny_runner):
     assert [m.output_ids for m in others] == [off.run(r).output_ids for r in requests[1:]]
     wait_idle(engine)
     assert_clean(engine)
-    assert engine.cache.reserved_tokens == 0
+    assert engine.cache.running_tokens == 0
 
 
 def test_progress_events_and_chunked_prefill(tiny_runner):
@@ -188,14 +195,14 @@ def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
     for event in stream:
         if event.token_id is not None:
             assert engine.cache.locked_tokens() >= 60  # prompts stay pinned while they decode
-            assert engine.cache.num_tokens + engine.cache.reserved_tokens <= 130
+            assert engine.cache.num_tokens + engine.cache.running_tokens <= 130
             break
     metrics = [list(stream)[-1].metrics] + [list(h)[-1].metrics for h in handles[1:]]
     assert max(m.batch_size_max for m in metrics) == 4
     assert all(m.cached_tokens == 60 for m in metrics)
     wait_idle(engine)
     assert_clean(engine)
-    assert engine.cache.reserved_tokens == 0
+    assert engine.cache.running_tokens == 0
 
 
 def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
