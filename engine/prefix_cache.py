@@ -84,13 +84,13 @@ class PrefixCache(Protocol):
     enabled: bool
     pool: KVPool
 
-    def acquire(self, key: CacheKey, max_len: int, total_tokens: int, evict_any: bool = False) -> RequestSlots | None:
+    def acquire(self, key: CacheKey, max_len: int, total_tokens: int) -> RequestSlots | None:
         """Admit a request of ``total_tokens`` positions (prompt plus new tokens): reuse the
         longest cached prefix of ``key.ids[:max_len]`` (locked until ``release``) and take
         slots of its own for the rest, evicting unlocked entries for room (by fair share for
-        ``key.namespace`` in isolation mode; ``evict_any``: by plain LRU if that is not
-        enough, for a request that would otherwise never run). None, with nothing changed
-        (no hit counted, no access time, no split, nothing evicted), when there is no room."""
+        ``key.namespace`` in isolation mode: a visitor never evicts shipped content, nor a
+        visitor within their share). None, with nothing changed (no hit counted, no access
+        time, no split, nothing evicted), when there is no room."""
 
     def adopt(self, rs: RequestSlots, key: CacheKey) -> int:
         """Cache the first ``min(len(key.ids), rs.length)`` positions of ``rs`` under ``key``:
@@ -218,29 +218,23 @@ class RadixCache:
         return self.tree.locked_tokens
 
     # ------------------------------------------------------------- room
-    def _evict_for(self, short: int, namespace: str | None, incoming: int, evict_any: bool,
-                   removed: list[Node]) -> list:
+    def _evict_for(self, short: int, namespace: str | None, incoming: int, removed: list[Node]) -> list:
         """Evict up to ``short`` tokens for ``namespace``'s ``incoming`` ones: by fair share for
         a visitor in isolation mode (shipped ``PUBLIC`` content is never evicted for a
-        visitor), else least recently used; with ``evict_any``, plain LRU for what fair share
-        leaves short. Returns the freed slots (not yet given back to the pool)."""
-        fair = self.fair_share and namespace is not None and namespace != PUBLIC
-        freed: list = []
-        if fair:
-            freed += self.tree.evict(short, fair_for=namespace, capacity_tokens=self.pool.capacity,
-                                     incoming_tokens=incoming, removed=removed)
-        if len(freed) < short and (not fair or evict_any):
-            freed += self.tree.evict(short - len(freed), removed=removed)
-        return freed
+        visitor), else least recently used. Returns the freed slots (not yet given back)."""
+        if self.fair_share and namespace is not None and namespace != PUBLIC:
+            return self.tree.evict(short, fair_for=namespace, capacity_tokens=self.pool.capacity,
+                                   incoming_tokens=incoming, removed=removed)
+        return self.tree.evict(short, removed=removed)
 
-    def _make_room(self, num_slots: int, namespace: str | None, evict_any: bool = False) -> bool:
+    def _make_room(self, num_slots: int, namespace: str | None) -> bool:
         """Evict until ``num_slots`` slots are free, all or nothing: False, with the tree as
         it was, when eviction cannot make that much room. Call with the lock held."""
         short = num_slots - self.pool.num_free
         if short <= 0:
             return True
         removed: list[Node] = []
-        freed = self._evict_for(short, namespace, num_slots, evict_any, removed)
+        freed = self._evict_for(short, namespace, num_slots, removed)
         if len(freed) < short:
             self.tree.restore(removed)
             return False
@@ -248,25 +242,31 @@ class RadixCache:
         return True
 
     # ------------------------------------------------------------- requests
-    def acquire(self, key: CacheKey, max_len: int, total_tokens: int, evict_any: bool = False) -> RequestSlots | None:
+    def acquire(self, key: CacheKey, max_len: int, total_tokens: int) -> RequestSlots | None:
         with self._lock:
             m = self._match(key, max_len)
             own = max(0, total_tokens - m.length)
-            anchor = m.node if m.length else None
-            if anchor is not None:
-                self.tree.lock(anchor)  # the match is never evicted to make room for its own request
+            node, nodes_before = None, self.tree.num_nodes
+            if m.length:
+                # Protect exactly the match while making room: where the prompt leaves a node
+                # mid-way, the node's unmatched rest must stay evictable. (A match cut short by
+                # ``max_len`` goes on along the prompt itself: that node is locked whole.)
+                capped = self.tree.match(key, touch=False).length > m.length
+                node = m.node if capped else self._split_at(key, m.length)
+                self.tree.lock(node)
             try:
-                if not self._make_room(own, key.namespace, evict_any):
-                    return None
+                room = self._make_room(own, key.namespace)
             finally:
-                if anchor is not None:
-                    self.tree.unlock(anchor)
-            node, path = None, ()
+                if node is not None:
+                    self.tree.unlock(node)
+            if not room:
+                if self.tree.num_nodes > nodes_before:
+                    self.tree.unsplit(node)  # a failed admission leaves the tree as it found it
+                return None
+            path: tuple[int, ...] = ()
             if m.length:
                 m = self.tree.match(key, max_len=m.length)  # now it counts: hits and access times
-                # Lock only the matched part of the last node: its unmatched rest stays evictable.
-                node = self._split_at(key, m.length)
-                path = tuple(m.path[:-1]) + (node.id,)
+                path = tuple(m.path)
                 self.tree.lock(node)
             slots = self.pool.alloc(own)
             assert slots is not None, "room was made"
@@ -341,7 +341,7 @@ class RadixCache:
             try:
                 short = need - self.pool.num_free
                 if short > 0:
-                    self.pool.free(self._evict_for(short, key.namespace, need, False, []))
+                    self.pool.free(self._evict_for(short, key.namespace, need, []))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)

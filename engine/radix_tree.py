@@ -196,6 +196,17 @@ class RadixTree:
         self.num_nodes += 1  # the lock counters are unchanged: both parts keep the lock count
         return upper
 
+    def unsplit(self, upper: Node) -> None:
+        """Undo ``_split``: ``upper`` and its only child become one node again (the child
+        keeps its id). For a caller that split to protect an exact prefix and then gave up."""
+        (lower,) = upper.children.values()
+        assert lower.namespace == upper.namespace and lower.lock_ref == upper.lock_ref
+        parent = upper.parent
+        lower.key, lower.value = upper.key + lower.key, list(upper.value) + list(lower.value)
+        lower.parent = parent
+        parent.children[(lower.namespace, lower.key[0])] = lower
+        self.num_nodes -= 1
+
     # ------------------------------------------------------------------- lock
     def lock(self, node: Node) -> None:
         """Protect ``node`` and its ancestors from eviction."""

@@ -226,7 +226,7 @@ class Scheduler:
         failed (and has left)."""
         t0 = time.perf_counter()
         try:
-            rs = self.cache.acquire(r.key, len(r.ids) - 1, r.capacity_tokens, evict_any=not self.running)
+            rs = self.cache.acquire(r.key, len(r.ids) - 1, r.capacity_tokens)
         except Exception as exc:  # only this request fails (out of memory, a bug): the others go on
             self.waiting.remove(r)
             self._fail(r, exc)
@@ -234,12 +234,12 @@ class Scheduler:
         if rs is None:
             if self.running:
                 return None
-            self.waiting.remove(r)
-            budget = self.cache.budget_bytes
-            self._fail(r, EngineError(
-                f"This request needs {r.capacity_tokens * self.cache.bytes_per_token / 2**20:,.1f} MiB of KV "
-                f"(prompt plus new tokens) and the cache budget is {budget / 2**20:,.1f} MiB: shorten the prompt, "
-                "ask for fewer new tokens or raise the budget."))
+            self.waiting.remove(r)  # nothing runs, so nothing will give room back: it cannot run now
+            need = r.capacity_tokens * self.cache.bytes_per_token / 2**20
+            where = (f"the cache budget is {self.cache.budget_bytes / 2**20:,.1f} MiB" if not self.config.isolation else
+                     "on this shared deployment the rest of the cache is shipped content and other visitors' share")
+            self._fail(r, EngineError(f"This request needs {need:,.1f} MiB of KV (prompt plus new tokens) and {where}: "
+                                      "shorten the prompt or ask for fewer new tokens."))
             return False
         self.waiting.remove(r)
         r.slots = rs

@@ -17,6 +17,7 @@ import pytest
 
 from components.hardening import MAX_BODY_BYTES
 from engine.engine import Engine
+from engine.types import EngineError
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
 
@@ -166,7 +167,10 @@ def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
     rng = random.Random(0)
     for i in range(3):  # the attack: long unique prompts
         words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(110))
-        turn("a", "", [], f"{CUSTOM_SYSTEM} {i} {words}")
+        try:
+            turn("a", "", [], f"{CUSTOM_SYSTEM} {i} {words}")
+        except EngineError as exc:  # all KV is in the budget: a prompt past the visitor's room is refused
+            assert "shared deployment" in str(exc)
         engine.check_invariants()
     after, _ = turn("b", system, history, STARTER_QUESTIONS[2])
     assert after.cached_tokens >= before.prompt_tokens // 2, (after.cached_tokens, before.prompt_tokens)

@@ -137,15 +137,15 @@ def test_cancel_while_queued_never_runs(tiny_runner):
 def test_failing_forward_loses_nothing(tiny_runner, references, monkeypatch):
     engine = Engine(tiny_runner, max_new_tokens_cap=16)
     engine.run(request(2))  # cached prefix: the failing request will hold a lock when it fails
-    real = tiny_runner.forward_last
+    real = tiny_runner.forward_paged
 
-    def broken(ids, kv):
+    def broken(pool, segments):
         raise RuntimeError("CUDA error: device-side assert (simulated)")
 
-    monkeypatch.setattr(tiny_runner, "forward_last", broken)
+    monkeypatch.setattr(tiny_runner, "forward_paged", broken)
     with pytest.raises(EngineError, match="request failed"):
         engine.run(request(2))
-    monkeypatch.setattr(tiny_runner, "forward_last", real)
+    monkeypatch.setattr(tiny_runner, "forward_paged", real)
     assert_clean(engine)
     assert engine.run(request(2)).output_ids == references[2]  # the worker lives on
     assert_clean(engine)
@@ -155,13 +155,13 @@ def test_failing_forward_loses_nothing(tiny_runner, references, monkeypatch):
 @pytest.fixture()
 def slow_engine(tiny_runner, monkeypatch):
     """A tiny engine whose forward takes ~20 ms, so a stream lasts long enough to stop."""
-    real = tiny_runner.forward_last
+    real = tiny_runner.forward_paged
 
-    def slow(ids, kv):
+    def slow(pool, segments):
         time.sleep(0.02)
-        return real(ids, kv)
+        return real(pool, segments)
 
-    monkeypatch.setattr(tiny_runner, "forward_last", slow)
+    monkeypatch.setattr(tiny_runner, "forward_paged", slow)
     return Engine(tiny_runner, max_new_tokens_cap=400)
 
 
