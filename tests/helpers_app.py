@@ -91,8 +91,9 @@ def assert_clean(engine: Engine) -> None:
     """Idle engine: invariants hold, no lock left, every used pool slot belongs to the tree."""
     engine.check_invariants()
     cache = engine.cache
-    if hasattr(cache, "pool"):  # RadixCache (the cache-off twin holds nothing)
+    if hasattr(cache, "pool"):  # local caches (the cache-off twin's tree stays empty)
         assert cache.locked_tokens() == 0, "a lock leaked"
+        assert cache.running_tokens == 0, "a running request's slots leaked"
         assert cache.pool.num_used == cache.tree.num_tokens, "a pool slot leaked"
         assert cache.pool.bytes_in_use <= cache.pool.budget_bytes
         assert all(n.lock_ref == 0 for n in cache.tree.nodes()), "a lock leaked"

@@ -3,6 +3,7 @@
     python -m engine.tools.serve_bench [--streams 1,4,8,16] [--requests 16] [--max-new-tokens 32]
                                        [--engines one,batched,hf] [--model ID] [--device auto] [--dtype auto]
     python -m engine.tools.serve_bench --quick      # a smoke run: 1 and 4 streams, 4 short requests
+    python -m engine.tools.serve_bench --system-tokens 2300 --streams 16   # a long shared prefix
 
 Every request is a chat turn with the same system prompt and its own question
 (greedy). For each number of streams ``c``, ``c`` client threads take the
@@ -17,11 +18,18 @@ when its answer is done), through:
   linears, SDPA), so its threads, like ours, have the CPU's OpenMP pool to themselves
   (see ``engine.compute_thread``).
 
-Each run starts from a cold cache. Printed per row: output tokens per second (all
-streams together, wall clock), time to first token p50/p95 (from sending the request
-to its first token, queueing included) and how many answers are token-identical to
-the same request run alone on an engine with no cache. Finally, at 8 streams (or the
-largest run): batched / one-at-a-time and batched / hf throughput.
+With ``--system-tokens N`` the system prompt is a policy manual of about ``N``
+tokens (one copy of its KV is ``N x kv_bytes_per_token``), the workload this product
+exists for: many requests behind one long prefix. Our engines then start with that
+prefix already cached (``--cold`` starts them empty), as a running service would.
+
+Each run starts from a cold cache otherwise. Printed per row: output tokens per second
+(all streams together, wall clock), time to first token p50/p95 (from sending the
+request to its first token, queueing included), the peak growth of the process's
+resident memory during the run (``VmRSS``, sampled every 20 ms; the KV budget is the
+bound it should respect) and how many answers are token-identical to the same request
+run alone on an engine with no cache. Finally, at 8 streams (or the largest run):
+batched / one-at-a-time and batched / hf throughput.
 """
 
 from __future__ import annotations
@@ -56,8 +64,30 @@ QUESTIONS = [
 ]
 
 
-def chat_requests(n: int, max_new_tokens: int) -> list[GenerationRequest]:
-    system = {"role": "system", "content": SYSTEM}
+_MANUAL_TOPICS = ["returns", "exchanges", "shipping", "warranty claims", "repairs", "rentals", "gift cards",
+                  "price matching", "store pickup", "membership", "trade-ins", "safety recalls"]
+
+
+def policy_manual(runner: ModelRunner, num_tokens: int) -> str:
+    """A deterministic help-desk policy manual of about ``num_tokens`` tokens (the system
+    prompt of the long-prefix workload), cut at a sentence near the target."""
+    parts = [SYSTEM, "\n\nPolicy manual (staff edition). Quote the clause that applies."]
+    i = 0
+    while len(runner.encode(" ".join(parts))) < num_tokens:
+        topic = _MANUAL_TOPICS[i % len(_MANUAL_TOPICS)]
+        n = i + 1
+        parts.append(
+            f"\n\nSection {n}: {topic}. {n}.1 Staff confirm the order number and the date of purchase before "
+            f"handling {topic}. {n}.2 Items covered by {topic} must be clean, complete and in their original "
+            f"packaging unless a manager approves an exception in writing. {n}.3 Refunds for {topic} go back to "
+            f"the original payment method within {3 + i % 5} business days. {n}.4 Members get {5 + i % 4} extra "
+            f"days for {topic}. {n}.5 Questions the manual does not answer go to the duty manager.")
+        i += 1
+    return " ".join(parts)
+
+
+def chat_requests(n: int, max_new_tokens: int, system_text: str = SYSTEM) -> list[GenerationRequest]:
+    system = {"role": "system", "content": system_text}
     return [GenerationRequest(messages=(system, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]
                                                  + ("" if i < len(QUESTIONS) else f" (ask {i})")}),
                               sampling=SamplingParams(max_new_tokens=max_new_tokens), tag="bench")
@@ -73,6 +103,8 @@ class Row:
     wall_s: float
     ttft_ms: list[float]
     identical: int
+    rss_growth_mb: float | None = None  # peak VmRSS growth during the run (our engines only)
+    budget_mb: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,11 +118,47 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (``VmRSS``), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class RssPeak:
+    """Samples ``VmRSS`` every 20 ms in a thread; ``growth`` is the peak over the start."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self.peak - self.start
+
+
 def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: int, max_batch: int,
-               reference: list[list[int]]) -> tuple[float, list[float], list[list[int]]]:
-    """``streams`` closed-loop clients through a fresh engine; returns wall s, TTFTs (ms), outputs."""
-    engine = Engine(runner, max_batch=max_batch, max_queue=max(32, len(requests)),
-                    budget_bytes=512 * 2**20 if runner.device.type == "cpu" else None)
+               reference: list[list[int]], budget_bytes: int | None = None,
+               warm: GenerationRequest | None = None) -> tuple[float, list[float], list[list[int]], int]:
+    """``streams`` closed-loop clients through a fresh engine (``warm`` run first, off the
+    clock, to cache a shared prefix); returns wall s, TTFTs (ms), outputs, peak RSS growth."""
+    engine = Engine(runner, max_batch=max_batch, max_queue=max(32, len(requests)), budget_bytes=budget_bytes)
+    if warm is not None:
+        engine.run(warm)
+    rss = RssPeak()
     outputs: list[list[int]] = [[] for _ in requests]
     ttfts: list[float] = [0.0] * len(requests)
     nxt = iter(range(len(requests)))
@@ -118,8 +186,9 @@ def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: 
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    growth = rss.stop()
     engine.close()
-    return wall, ttfts, outputs
+    return wall, ttfts, outputs, growth
 
 
 def hf_peer(runner: ModelRunner):
@@ -197,11 +266,25 @@ class HfPeer:
             self._pool.shutdown()
 
 
+def default_budget(runner: ModelRunner) -> int | None:
+    """512 MiB on a CPU (the engine's default elsewhere)."""
+    return 512 * 2**20 if runner.device.type == "cpu" else None
+
+
 def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_tokens: int,
               engines: list[str], log=print, peer_model: str | None = None, device: str = "auto",
-              dtype: str = "auto") -> list[Row]:
-    """``peer_model`` names the model for a peer in a child process; None runs the peer here."""
-    requests = chat_requests(n_requests, max_new_tokens)
+              dtype: str = "auto", system_tokens: int = 0, warm: bool = True,
+              budget_bytes: int | None = None) -> list[Row]:
+    """``peer_model`` names the model for a peer in a child process; None runs the peer here.
+    ``system_tokens`` > 0: the long-prefix workload (see the module docstring)."""
+    system = policy_manual(runner, system_tokens) if system_tokens else SYSTEM
+    requests = chat_requests(n_requests, max_new_tokens, system)
+    budget = default_budget(runner) if budget_bytes is None else budget_bytes
+    warm_up = None
+    if system_tokens and warm:  # the shared prefix cached before the clock starts, as in a running service
+        warm_up = GenerationRequest(messages=({"role": "system", "content": system},
+                                              {"role": "user", "content": "Hello"}),
+                                    sampling=SamplingParams(max_new_tokens=1))
     alone = Engine(runner, enable_cache=False, max_batch=1)
     reference = [alone.run(r).output_ids for r in requests]
     alone.close()
@@ -211,12 +294,16 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
     try:
         for c in streams:
             for kind in engines:
+                growth = None
                 if kind == "hf":
                     wall, ttfts, outs = peer.run(ids, runner.eos_ids, c, max_new_tokens)
                 else:
-                    wall, ttfts, outs = run_engine(runner, requests, c, 1 if kind == "one" else 16, reference)
+                    wall, ttfts, outs, growth = run_engine(runner, requests, c, 1 if kind == "one" else 16,
+                                                           reference, budget, warm_up)
                 same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
-                row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same)
+                budget_mb = (budget or 0) / 2**20 if kind != "hf" else None
+                row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same,
+                          None if growth is None else growth / 2**20, budget_mb)
                 rows.append(row)
                 log(format_row(row))
     finally:
@@ -229,14 +316,19 @@ NAMES = {"one": "one at a time (max_batch 1)", "batched": "continuous batching",
 
 
 def format_row(r: Row) -> str:
+    memory = "-"
+    if r.rss_growth_mb is not None:
+        memory = f"{r.rss_growth_mb:,.0f} MiB" + (f" ({r.rss_growth_mb / r.budget_mb:.2f}x)" if r.budget_mb else "")
     return (f"| {r.streams} | {NAMES.get(r.engine, r.engine)} | {r.tokens_per_s:.1f} | "
-            f"{percentile(r.ttft_ms, 0.5):.0f} | {percentile(r.ttft_ms, 0.95):.0f} | {r.identical}/{r.requests} |")
+            f"{percentile(r.ttft_ms, 0.5):.0f} | {percentile(r.ttft_ms, 0.95):.0f} | {memory} | "
+            f"{r.identical}/{r.requests} |")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     lines = [f"Serving benchmark: {title}", "",
-             "| streams | engine | output tokens/s | TTFT p50 ms | TTFT p95 ms | identical to solo |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| streams | engine | output tokens/s | TTFT p50 ms | TTFT p95 ms | peak RSS growth (x budget) "
+             "| identical to solo |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     by = {(r.engine, r.streams): r for r in rows}
     c = 8 if any(r.streams == 8 for r in rows) else max(r.streams for r in rows)
@@ -260,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="embedded")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--system-tokens", type=int, default=0,
+                   help="a system prompt of about this many tokens (a policy manual), cached before the clock starts")
+    p.add_argument("--cold", action="store_true", help="with --system-tokens: start from an empty cache")
+    p.add_argument("--budget-mb", type=int, default=None, help="KV budget (default 512 MiB on CPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.requests, args.max_new_tokens = "1,4", 4, 8
@@ -269,10 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     title = f"{runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})"
-    print(f"{title}: {args.requests} chat requests, {args.max_new_tokens} new tokens, streams {streams}",
+    budget = None if args.budget_mb is None else args.budget_mb * 2**20
+    shape = f", a {args.system_tokens:,}-token system prompt ({'cold' if args.cold else 'cached'})" \
+        if args.system_tokens else ""
+    print(f"{title}: {args.requests} chat requests, {args.max_new_tokens} new tokens, streams {streams}{shape}",
           flush=True)
     rows = run_bench(runner, streams, args.requests, args.max_new_tokens, engines,
-                     log=lambda s: print(s, flush=True), peer_model=args.model, device=args.device, dtype=args.dtype)
+                     log=lambda s: print(s, flush=True), peer_model=args.model, device=args.device, dtype=args.dtype,
+                     system_tokens=args.system_tokens, warm=not args.cold, budget_bytes=budget)
     print()
     print(format_table(rows, title))
     return 0 if all(r.identical == r.requests for r in rows if r.engine != "hf") else 1
