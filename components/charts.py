@@ -40,16 +40,22 @@ def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[
 
 
 def memory_gauge(stats: EngineStats, height: int = 260, everyone: bool = False) -> go.Figure:
-    """Bytes of KV in use against the budget (``everyone``: say it counts every visitor's)."""
+    """Bytes of KV in use against the budget (``everyone``: say it counts every visitor's): the
+    pool holds all of it, the tree's part (dark) and running requests' own (the bar's rest)."""
     used, budget = stats.cache_bytes / MiB, max(stats.budget_bytes, 1) / MiB
+    tree = min(stats.tree_bytes / MiB, used) if stats.tree_bytes else 0.0
+    steps = [dict(range=[0, budget], color="#f1f5f9")]
+    if tree and not everyone:
+        steps.append(dict(range=[0, tree], color="#bbf7d0"))
+    running = f"<br><sup>tree {tree:,.1f} MiB · running requests {used - tree:,.1f} MiB</sup>" if not everyone else ""
     fig = go.Figure(go.Indicator(
         mode="gauge+number", value=used, number=dict(suffix=" MiB", valueformat=",.1f", font=dict(size=36)),
-        title=dict(text=f"KV cache in use{' (everyone’s)' if everyone else ''}, of {budget:,.0f} MiB budget",
+        title=dict(text=f"KV in use{' (everyone’s)' if everyone else ''}, of {budget:,.0f} MiB budget{running}",
                    font=dict(size=14)),
-        gauge=dict(axis=dict(range=[0, budget]), bar=dict(color=CACHED_COLOR),
-                   steps=[dict(range=[0, budget], color="#f1f5f9")],
+        gauge=dict(axis=dict(range=[0, budget]), bar=dict(color=CACHED_COLOR, thickness=0.35),
+                   steps=steps,
                    threshold=dict(line=dict(color="#dc2626", width=3), thickness=0.8, value=budget))))
-    fig.update_layout(height=height, margin=dict(l=30, r=30, t=50, b=10), paper_bgcolor="white",
+    fig.update_layout(height=height, margin=dict(l=30, r=30, t=60, b=10), paper_bgcolor="white",
                       uirevision="gauge")
     return fig
 

@@ -47,9 +47,15 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
             f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |",
             rate_row.replace("from the cache;", "reported cached by the server;"),
         ])
+    held = [] if engine.isolation else [
+        f"| held by the tree (cached prefixes) | {fmt_bytes(s.tree_bytes)} |",
+        f"| held by running requests (their own tokens) | {fmt_bytes(s.running_bytes)}; cached prefixes are read "
+        f"in place, not copied: **{s.shared_tokens:,}** cached tokens are read by more than one request now |"]
     return "\n".join([
         f"| cache right now{everyone} | |", "|---|---|",
-        f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}) |",
+        f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}): all the KV the "
+        "engine holds |",
+        *held,
         f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",

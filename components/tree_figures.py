@@ -297,9 +297,9 @@ def _hover(m: VisualNode, viewer_owns: str | None) -> str:
              f"{m.end_tokens:,}"]
     if not m.hidden:  # other visitors' nodes may carry no hits, times or locks at all
         lines.append(f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)} · "
-                     + (f"<b>locked</b> by {m.lock_ref} running request(s)" if m.lock_ref else "unlocked"))
+                     + (f"<b>read now</b> by {m.lock_ref} running request(s) (locked)" if m.lock_ref else "unlocked"))
     elif m.lock_ref:
-        lines.append(f"<b>locked</b> by {m.lock_ref} running request(s)")
+        lines.append(f"<b>read now</b> by {m.lock_ref} running request(s) (locked)")
     lines.append(_owner(m, viewer_owns))
     if len(m.member_ids) > 1:
         lines.append(f"{len(m.member_ids)} nodes in a chain, drawn as one")

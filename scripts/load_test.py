@@ -8,7 +8,9 @@ checks its invariants. Afterwards it checks that:
 - no visitor saw an error;
 - every greedy answer is identical to the same prompt run alone (each distinct
   prompt re-run on a fresh engine with no prefix cache, sharing the model);
-- the cache budget was never exceeded;
+- the cache budget was never exceeded, by the pool's count and by the process's resident
+  memory: its growth during the run (``VmRSS``, sampled) stays within the budget plus
+  ``RSS_SLACK_MB`` (activations, the visitors' own clients, which run in this process);
 - once idle, no lock is held and the pool's used slots equal the tree's tokens.
 
 It prints requests served, p50/p95 time to first token (as the visitor saw it,
@@ -55,6 +57,9 @@ QUESTIONS = [
 ]
 
 
+RSS_SLACK_MB = 384  # growth allowed beside the KV budget: activations, sixteen in-process clients, Gradio
+
+
 @dataclass
 class Turn:
     system_name: str
@@ -84,6 +89,17 @@ class LoadReport:
     distinct_prompts: int = 0
     hit_rate: float = 0.0
     evicted_tokens: int = 0
+    rss_start: int = 0  # process resident bytes when the visitors start
+    rss_peak: int = 0
+
+    @property
+    def rss_growth(self) -> int:
+        return max(0, self.rss_peak - self.rss_start)
+
+    @property
+    def rss_over(self) -> bool:
+        """Resident memory grew past the KV budget plus the slack: KV held outside the pool?"""
+        return self.rss_growth > self.budget_bytes + RSS_SLACK_MB * 2**20
 
     @property
     def errors(self) -> list[str]:
@@ -92,7 +108,7 @@ class LoadReport:
     @property
     def ok(self) -> bool:
         return not (self.errors or self.budget_violations or self.invariant_failures or self.idle_problems
-                    or self.mismatches) and bool(self.turns)
+                    or self.mismatches or self.rss_over) and bool(self.turns)
 
 
 def free_port() -> int:
@@ -161,10 +177,13 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
 
 
 def _sampler(engine, stop: threading.Event, report: LoadReport) -> None:
+    from engine.tools.serve_bench import rss_bytes
+
     last_check = 0.0
     while not stop.is_set():
         st = engine.stats()
         report.samples += 1
+        report.rss_peak = max(report.rss_peak, rss_bytes())
         report.peak_cache_bytes = max(report.peak_cache_bytes, st.cache_bytes)
         if st.cache_bytes > st.budget_bytes:
             report.budget_violations += 1
@@ -251,6 +270,9 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
         log(f"app on {demo.local_url}; {visitors} visitors for {seconds:.0f} s, budget {budget_mb:g} MiB, "
             f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}, "
             f"batches of up to {engine.scheduler.config.max_batch}")
+        from engine.tools.serve_bench import rss_bytes
+
+        report.rss_start = report.rss_peak = rss_bytes()
         sampler.start()
         lock = threading.Lock()
         deadline = time.monotonic() + seconds
@@ -297,6 +319,9 @@ def format_report(r: LoadReport) -> str:
         f"peak cache bytes: {r.peak_cache_bytes:,} of a {r.budget_bytes:,}-byte budget "
         f"({r.samples} samples, {r.budget_violations} over budget); evicted tokens: {r.evicted_tokens:,}; "
         f"token hit rate: {r.hit_rate:.0%}",
+        f"process resident memory: grew {r.rss_growth / 2**20:,.0f} MiB during the run (peak "
+        f"{r.rss_peak / 2**20:,.0f} MiB) against a {r.budget_bytes / 2**20:,.0f} MiB KV budget "
+        f"(+{RSS_SLACK_MB} MiB allowed for the rest){': OVER' if r.rss_over else ''}",
         f"answers identical to the prompt run alone: {r.distinct_prompts and len(r.turns) - len(r.errors) - len(r.mismatches)}"
         f" of {len(r.turns) - len(r.errors)} ({r.distinct_prompts} distinct prompts); "
         f"mismatches: {len(r.mismatches)}",

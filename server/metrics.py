@@ -71,7 +71,10 @@ class _StatsCollector(Collector):
         gauges = (
             ("num_requests_running", "Requests running now.", RUNNING_FIELDS),
             ("num_requests_waiting", "Requests waiting for the model.", WAITING_FIELDS),
-            ("cache_bytes", "Bytes of KV held by the prefix cache.", ("cache_bytes",)),
+            ("cache_bytes", "Bytes of KV held in the pool: the tree's and running requests' own.", ("cache_bytes",)),
+            ("kv_tree_bytes", "Bytes of KV held by the radix tree (cached prefixes).", ("tree_bytes",)),
+            ("kv_running_bytes", "Bytes of KV held by running requests themselves (not shared).", ("running_bytes",)),
+            ("kv_shared_tokens", "Cached tokens read by more than one running request now.", ("shared_tokens",)),
             ("cache_budget_bytes", "The prefix cache's budget in bytes.", ("budget_bytes",)),
             ("cache_tokens", "Tokens held by the prefix cache.", ("cached_tokens_now",)),
         )
