@@ -30,6 +30,7 @@ import torch
 from engine import validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
+from engine.paged_attention import PagedSegment
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
 from engine.request import DONE, Request, RequestHandle
@@ -391,6 +392,31 @@ class Engine(FacadeBase):
         prefill_ms = (time.perf_counter() - t0) * 1000
         inserted = self.cache.insert(key, kv)
         return PrefillResult(logits, cached, prefill_ms, inserted)
+
+    def prefill_in_pool(self, key: CacheKey) -> PrefillResult:
+        """Prefill ``key.ids`` the scheduler's way, synchronously: the cached prefix is read in
+        place from the pool, the rest is computed into pool slots of its own, which then pass
+        to the tree. ``prefill_ms`` covers match, slot bookkeeping, forward and hand-over; the
+        prefill benchmark's engine path (for tests and tools)."""
+        return self.runner.compute.call(self._prefill_in_pool, key)
+
+    def _prefill_in_pool(self, key: CacheKey) -> PrefillResult:
+        runner = self.runner
+        runner.synchronize()
+        t0 = time.perf_counter()
+        rs = self.cache.acquire(key, len(key.ids) - 1, len(key.ids))
+        if rs is None:
+            raise EngineError("no room in the cache for this prompt now")
+        try:
+            segment = PagedSegment(key.ids[rs.cached_tokens:], rs.cached_tokens, rs.slots, rs.runs())
+            logits = runner.forward_paged(self.cache.pool, [segment])[0]
+            runner.synchronize()
+            rs.length = len(key.ids)
+            inserted = self.cache.adopt(rs, key)
+        finally:
+            self.cache.release(rs)
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        return PrefillResult(logits, rs.cached_tokens, prefill_ms, inserted)
 
     def _record(self, r: Request) -> RequestMetrics:
         req, ids, out_ids = r.req, r.ids, r.out_ids

@@ -6,9 +6,9 @@
 For each cached-prefix size, all in one process and interleaved per repeat:
 
 - full: prefill of prefix + suffix from scratch (no reuse);
-- engine: the engine's prefill path on a warm cache: tree match, lock, copy of
-  the prefix's KV from the pool into the request buffer, suffix forward,
-  insert of the suffix into the tree and pool;
+- engine: the scheduler's prefill path on a warm cache (``Engine.prefill_in_pool``):
+  tree match and lock, the prefix's KV read in place from the pool, the suffix
+  forward into pool slots of the request's own, which then pass to the tree;
 - ideal: the same suffix forward on a ready-made ``DynamicCache`` holding the
   prefix (no tree, no pool, no copy beyond what ``DynamicCache`` itself does);
 - tree: the pure radix-tree work of one hit (match + insert), as a share of
@@ -129,9 +129,8 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
         # full prefill, no reuse
         ref_logits, ms = runner.baseline_prefill(ids)
         full.append(ms)
-        # engine path
-        kv = runner.new_request_kv(len(ids))
-        res = engine.prefill(CacheKey(tuple(ids)), kv)
+        # engine path: what serving does
+        res = engine.prefill_in_pool(CacheKey(tuple(ids)))
         assert res.cached_tokens == prefix_len, res.cached_tokens
         eng.append(res.prefill_ms)
         max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits, ref_logits))

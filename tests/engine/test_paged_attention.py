@@ -117,3 +117,9 @@ def test_flash_kernel_and_math_path_agree(dtype):
     o2, l2 = attend_math(q, k, v, mask, 0.25)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(o1.float(), o2.float(), atol=tol) and torch.allclose(l1, l2, atol=tol)
+
+
+def test_the_math_path_used_off_cpu_runs_the_whole_forward_exactly(runner, monkeypatch):
+    """CUDA and MPS take ``attend_math``; here it stands in for the CPU kernel end to end."""
+    monkeypatch.setattr(paged_attention, "attend", attend_math)
+    test_shared_prefix_chunks_and_decodes_mixed(runner)
