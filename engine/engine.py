@@ -23,11 +23,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from engine import validation
+from engine import kv_tier, validation
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.paged_attention import PagedSegment
@@ -60,6 +61,17 @@ def default_budget_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(min(free // 4, 8 * 2**30))
     return 2**30
+
+
+def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None,
+              fingerprint: str) -> kv_tier.ChunkStore | None:
+    """The second tier: a disk folder per model fingerprint (another model or dtype never reads
+    it) or, on a GPU without a folder, host memory."""
+    if tier_bytes <= 0:
+        return None
+    if tier_dir is None:
+        return kv_tier.HostStore(tier_bytes) if runner.device.type != "cpu" else None
+    return kv_tier.DiskStore(Path(tier_dir) / fingerprint, tier_bytes)
 
 
 def default_chunk_tokens(device: torch.device) -> int:
@@ -193,12 +205,19 @@ class Engine(FacadeBase):
     def __init__(self, runner: ModelRunner, budget_bytes: int | None = None, enable_cache: bool = True,
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
-                 chunk_tokens: int | None = None) -> None:
+                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None) -> None:
+        """``tier_bytes`` > 0 turns on the second tier (``engine.kv_tier``): evicted KV goes to
+        chunk files under ``tier_dir`` (found again after a restart), or to host memory when
+        ``tier_dir`` is None and the model runs on a GPU."""
         self.runner = self.text = runner
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        self.cache: PrefixCache = RadixCache(pool, fair_share=isolation) if enable_cache else NoPrefixCache(pool)
+        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.tokenizer, runner.num_layers, runner.num_kv_heads,
+                                 runner.head_dim) if enable_cache and tier_bytes > 0 else ""
+        self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
+        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
+                                   if enable_cache else NoPrefixCache(pool))
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
         self.max_new_tokens_cap = max_new_tokens_cap
@@ -265,7 +284,21 @@ class Engine(FacadeBase):
                            locked_tokens=self.cache.locked_tokens(), running=len(sched.running), waiting=waiting,
                            tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
                            running_bytes=self.cache.running_tokens * self.cache.bytes_per_token,
-                           tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens)
+                           tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens,
+                           **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        tier = self.tier
+        if tier is None:
+            return {}
+        return dict(tier_bytes=tier.bytes_in_use, tier_budget_bytes=tier.budget_bytes, tier_chunks=tier.num_chunks,
+                    tier_loaded_tokens=self.cache.tier_loaded_tokens, tier_spilled_tokens=self.cache.tier_spilled_tokens,
+                    tier_bytes_read=tier.bytes_read, tier_bytes_written=tier.bytes_written,
+                    tier_kind="disk" if isinstance(tier, kv_tier.DiskStore) else "host memory")
+
+    def persist_cache(self) -> int:
+        """Write what the cache holds to the second tier (a restart then finds it); chunks written."""
+        return self.runner.compute.call(self.cache.persist) if self.tier is not None else 0
 
     def configure_scheduler(self, **changes) -> None:
         """Change the scheduler's policy knobs (fields of ``SchedulerConfig``: ``max_batch``,
@@ -327,6 +360,8 @@ class Engine(FacadeBase):
         self._closed = True
         self._queue.put(_STOP)
         self._worker.join(timeout_s)
+        if self.tier is not None:
+            self.persist_cache()
 
     def _work(self) -> None:
         while True:
@@ -386,6 +421,7 @@ class Engine(FacadeBase):
         t0 = time.perf_counter()
         # At least one prompt token is always computed: its logits start the answer. On the
         # compute thread no step runs meanwhile, so the copied prefix cannot change.
+        self.cache.load_prefix(key, len(key.ids) - 1)  # what the second tier holds comes back first
         cached = self.cache.copy_prefix(key, len(key.ids) - 1, kv, touch=True)
         logits = runner.forward_last(key.ids[cached:], kv)
         runner.synchronize()
@@ -440,5 +476,6 @@ class Engine(FacadeBase):
                 evicted_tokens=self.cache.evicted_tokens, inserted_tokens=r.inserted_tokens,
                 matched_path=list(r.path), prompt_ids=list(ids), output_ids=list(out_ids), output_text=r.text,
                 finished_at=time.time(), batch_size_max=max(sizes), batch_size_mean=sum(sizes) / len(sizes),
-                prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step)
+                prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step,
+                tier_tokens=r.tier_tokens, tier_load_ms=r.tier_load_ms)
             return self._add_record(m)

@@ -31,7 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from engine.kv_pool import KVPool, contiguous_runs
+from engine.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
 from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
 from engine.request_kv import RequestKV
 from engine.types import EngineError, NodeInfo, TreeSnapshot
@@ -47,6 +50,8 @@ class RequestSlots:
     path: tuple[int, ...]  # node ids of the match, root's child first
     node: Node | None
     length: int = 0  # positions whose KV is written
+    tier_tokens: int = 0  # of the cached ones, loaded back from the second tier at admission
+    tier_load_ms: float = 0.0
     _runs: list[tuple[int, int, int]] | None = field(default=None, repr=False)
 
     @property
@@ -167,15 +172,21 @@ class PrefixCache(Protocol):
 class RadixCache:
     enabled = True
 
-    def __init__(self, pool: KVPool, fair_share: bool = False) -> None:
+    def __init__(self, pool: KVPool, fair_share: bool = False, tier: ChunkStore | None = None,
+                 fingerprint: str = "") -> None:
         """``fair_share`` (isolation mode): a visitor's insert evicts by the tree's fair
-        share policy, and never evicts ``PUBLIC`` (shipped) content."""
+        share policy, and never evicts ``PUBLIC`` (shipped) content. ``tier``: the second
+        tier evicted KV goes to (whole chunks; in isolation mode shipped content only),
+        keyed with ``fingerprint`` (what the KV depends on: model, dtype, tokenizer)."""
         self.pool = pool
         self.tree = RadixTree()
         self.fair_share = fair_share
+        self.tier, self.fingerprint = tier, fingerprint
         self._lock = threading.RLock()
         self._live: set[RequestSlots] = set()  # acquired, not released
         self._running_tokens = 0  # own slots of the live ones
+        self.tier_loaded_tokens = self.tier_spilled_tokens = 0  # running totals
+        self.tier_load_ms = 0.0
 
     # ---------------------------------------------------------------- facts
     @property
@@ -238,14 +249,127 @@ class RadixCache:
         if len(freed) < short:
             self.tree.restore(removed)
             return False
-        self.pool.free(freed)
+        self._evicted(removed, freed)
         return True
+
+    def _evicted(self, removed: Sequence[Node], freed: list) -> None:
+        """Eviction is final: the removed nodes' KV goes to the second tier, then their slots
+        are free. Call with the lock held, before anything reuses the slots."""
+        if self.tier is not None:
+            for node in removed:
+                self._spill(node)
+        self.pool.free(freed)
+
+    # ------------------------------------------------------------- second tier
+    def _path_of(self, node: Node) -> tuple[list[int], list, int, str]:
+        """Token ids, slots, ``PUBLIC`` tokens and the private namespace from the root to the end
+        of ``node`` (its ancestors may be removed in the same eviction: their links and slots
+        are intact until the slots are freed)."""
+        chain = []
+        while node is not None and node is not self.tree.root:
+            chain.append(node)
+            node = node.parent
+        ids, slots, public, namespace = [], [], 0, PUBLIC
+        for n in reversed(chain):
+            ids.extend(n.key)
+            slots.extend(n.value)
+            if n.namespace == PUBLIC:
+                public += len(n.key)
+            else:
+                namespace = n.namespace
+        return ids, slots, public, namespace
+
+    def _tier_key(self, ids, end: int, public_len: int, namespace: str) -> str:
+        public = end if namespace == PUBLIC else min(public_len, end)
+        ns = namespace if end > public else PUBLIC
+        return chunk_key(self.fingerprint, ns, public, ids[:end])
+
+    def _may_spill(self, namespace: str, public_len: int, end: int) -> bool:
+        """On a public deployment no visitor's private tokens are ever written to the tier."""
+        return not (self.fair_share and namespace != PUBLIC and end > public_len)
+
+    def _spill(self, node: Node) -> None:
+        """Keep the whole chunks that end inside ``node`` (chunks ending earlier belong to its
+        ancestors, which go when they are evicted)."""
+        ids, slots, public, namespace = self._path_of(node)
+        end, start = len(ids), len(ids) - len(node.key)
+        first = start // CHUNK_TOKENS + 1
+        for i in range(first, end // CHUNK_TOKENS + 1):
+            stop = i * CHUNK_TOKENS
+            if not self._may_spill(namespace, public, stop):
+                return
+            key = self._tier_key(ids, stop, public, namespace)
+            if key in self.tier:
+                continue
+            idx = torch.tensor(slots[stop - CHUNK_TOKENS:stop], dtype=torch.long, device=self.pool.device)
+            kv = torch.stack([torch.stack([layer.index_select(1, idx) for layer in half])
+                              for half in (self.pool.k, self.pool.v)])
+            if self.tier.put(key, kv):
+                self.tier_spilled_tokens += CHUNK_TOKENS
+
+    def _tier_chunks(self, key: CacheKey, cached: int, max_len: int) -> list[tuple[int, torch.Tensor]]:
+        """The chunks after the first ``cached`` tokens of ``key`` that the tier holds, in order
+        and without a gap, within ``max_len``: ``(chunk end, kv)`` pairs."""
+        if self.tier is None or not self.tier.num_chunks:
+            return []
+        out = []
+        stop = (cached // CHUNK_TOKENS + 1) * CHUNK_TOKENS
+        while stop <= max_len and self._may_spill(key.namespace, key.public_len, stop):
+            kv = self.tier.get(self._tier_key(key.ids, stop, key.public_len, key.namespace))
+            if kv is None:
+                break
+            out.append((stop, kv))
+            stop += CHUNK_TOKENS
+        return out
+
+    def _load(self, key: CacheKey, cached: int, chunks: list[tuple[int, torch.Tensor]]) -> int:
+        """Write loaded chunks after the first ``cached`` tokens into free slots (room was made)
+        and cache them under ``key``. Returns the tokens loaded."""
+        end = chunks[-1][0]
+        slots = self.pool.alloc(end - cached)
+        assert slots is not None, "room was made"
+        pos = 0
+        for stop, kv in chunks:
+            skip = max(0, cached - (stop - CHUNK_TOKENS))  # the chunk's head is in memory already
+            part = kv[:, :, :, skip:].to(self.pool.device)
+            n = part.shape[3]
+            idx = torch.tensor(slots[pos:pos + n], dtype=torch.long, device=self.pool.device)
+            for layer in range(self.pool.num_layers):
+                self.pool.k[layer].index_copy_(1, idx, part[0, layer])
+                self.pool.v[layer].index_copy_(1, idx, part[1, layer])
+            pos += n
+        self.tree.insert(key.prefix(end), [-1] * cached + slots)
+        self.tier_loaded_tokens += end - cached
+        return end - cached
+
+    def load_prefix(self, key: CacheKey, max_len: int) -> int:
+        """Bring what the second tier holds of ``key.ids[:max_len]`` (after the part in memory)
+        back into the pool and the tree; returns tokens loaded (0 without room)."""
+        with self._lock:
+            cached = self._match(key, max_len).length
+            chunks = self._tier_chunks(key, cached, max_len)
+            if not chunks or not self._make_room(chunks[-1][0] - cached, key.namespace):
+                return 0
+            return self._load(key, cached, chunks)
+
+    def persist(self) -> int:
+        """Write every cached chunk to the second tier (for a restart); returns chunks written."""
+        if self.tier is None:
+            return 0
+        with self._lock:
+            before = self.tier.stored_chunks
+            for node in self.tree.nodes():
+                self._spill(node)
+            return self.tier.stored_chunks - before
 
     # ------------------------------------------------------------- requests
     def acquire(self, key: CacheKey, max_len: int, total_tokens: int) -> RequestSlots | None:
         with self._lock:
+            t0 = time.perf_counter()
             m = self._match(key, max_len)
-            own = max(0, total_tokens - m.length)
+            chunks = self._tier_chunks(key, m.length, max_len)  # read before room is made: sizes known
+            cached = chunks[-1][0] if chunks else m.length
+            own = max(0, total_tokens - cached)
             node, nodes_before = None, self.tree.num_nodes
             if m.length:
                 # Protect exactly the match while making room: where the prompt leaves a node
@@ -255,7 +379,7 @@ class RadixCache:
                 node = m.node if capped else self._split_at(key, m.length)
                 self.tree.lock(node)
             try:
-                room = self._make_room(own, key.namespace)
+                room = self._make_room(own + cached - m.length, key.namespace)
             finally:
                 if node is not None:
                     self.tree.unlock(node)
@@ -263,14 +387,20 @@ class RadixCache:
                 if self.tree.num_nodes > nodes_before:
                     self.tree.unsplit(node)  # a failed admission leaves the tree as it found it
                 return None
+            loaded = self._load(key, m.length, chunks) if chunks else 0
+            load_ms = (time.perf_counter() - t0) * 1000 if loaded else 0.0
+            self.tier_load_ms += load_ms
             path: tuple[int, ...] = ()
+            if loaded:
+                node = self._split_at(key, cached)
+            m = self.tree.match(key, max_len=cached) if cached else m
             if m.length:
-                m = self.tree.match(key, max_len=m.length)  # now it counts: hits and access times
-                path = tuple(m.path)
+                path = tuple(m.path)  # the match now counts: hits and access times
                 self.tree.lock(node)
             slots = self.pool.alloc(own)
             assert slots is not None, "room was made"
-            rs = RequestSlots(list(m.values) + slots, m.length, m.length, path, node, length=m.length)
+            rs = RequestSlots(list(m.values) + slots, m.length, m.length, path, node, length=m.length,
+                              tier_tokens=loaded, tier_load_ms=load_ms)
             self._live.add(rs)
             self._running_tokens += own
             return rs
@@ -341,7 +471,8 @@ class RadixCache:
             try:
                 short = need - self.pool.num_free
                 if short > 0:
-                    self.pool.free(self._evict_for(short, key.namespace, need, []))
+                    removed: list[Node] = []
+                    self._evicted(removed, self._evict_for(short, key.namespace, need, removed))
             finally:
                 if anchor is not None:
                     self.tree.unlock(anchor)
@@ -379,8 +510,9 @@ class RadixCache:
             evicted = 0
             over = self.tree.num_tokens + self._running_tokens - new_capacity
             if over > 0:
-                freed = self.tree.evict(over)
-                self.pool.free(freed)
+                removed: list[Node] = []
+                freed = self.tree.evict(over, removed=removed)
+                self._evicted(removed, freed)
                 evicted = len(freed)
             own = [s for rs in self._live for s in rs.slots[rs.tree_len:]]
             mapping = self.pool.rebuild(budget_bytes, self.tree.all_values() + own)

@@ -74,6 +74,8 @@ class Request:
         # KV (pool slots: the cached prefix's, locked, then its own) and the cache
         self.slots: RequestSlots | None = None
         self.cached_tokens = 0
+        self.tier_tokens = 0  # of the cached ones, loaded back from the second tier
+        self.tier_load_ms = 0.0
         self.inserted_tokens = 0
         self.path: tuple[int, ...] = ()
         # prefill

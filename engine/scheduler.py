@@ -244,6 +244,7 @@ class Scheduler:
         self.waiting.remove(r)
         r.slots = rs
         r.cached_tokens, r.path = rs.cached_tokens, rs.path
+        r.tier_tokens, r.tier_load_ms = rs.tier_tokens, rs.tier_load_ms
         r.admitted_at = t0
         r.state = State.PREFILL
         r.prefill_ms = (time.perf_counter() - t0) * 1000  # match and slot bookkeeping

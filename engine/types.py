@@ -91,6 +91,10 @@ class RequestMetrics:
     batch_size_mean: float = 1.0
     prefill_chunks: int = 1
     prefill_shared_step: bool = False
+    # Of ``cached_tokens``, how many were loaded back from the second tier (disk or host memory)
+    # instead of being found in the pool, and what loading them cost (inside ``prefill_ms``).
+    tier_tokens: int = 0
+    tier_load_ms: float = 0.0
 
     @property
     def speedup(self) -> float | None:
@@ -205,6 +209,14 @@ class EngineStats:
     running_bytes: int = 0  # pool bytes held by running requests themselves (their computed KV and room for it)
     tree_bytes: int = 0  # pool bytes held by the tree (cached KV, some of it read by running requests)
     shared_tokens: int = 0  # cached tokens read by more than one running request right now
+    tier_bytes: int = 0  # the second tier: bytes kept (disk or host memory), its budget, chunks
+    tier_budget_bytes: int = 0
+    tier_chunks: int = 0
+    tier_loaded_tokens: int = 0  # running totals: tokens loaded back instead of recomputed, tokens written
+    tier_spilled_tokens: int = 0
+    tier_bytes_read: int = 0
+    tier_bytes_written: int = 0
+    tier_kind: str = ""  # "disk", "host memory" or "" (off)
 
     @property
     def hit_rate(self) -> float:
