@@ -40,6 +40,7 @@ from engine.request import DONE, RequestHandle
 from engine.types import (
     EngineBusy,
     EngineError,
+    EngineFault,
     EngineInfo,
     EngineStats,
     GenerationEvent,
@@ -137,7 +138,7 @@ class RemoteEngine(FacadeBase):
             handle.events.put(exc)
         except Exception as exc:  # never a traceback for a visitor; one line in the log
             log.exception("remote request failed")
-            handle.events.put(EngineError(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
+            handle.events.put(EngineFault(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
         finally:
             with self._lock:
                 self._in_flight -= 1
