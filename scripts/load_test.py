@@ -291,7 +291,8 @@ def format_report(r: LoadReport) -> str:
         f"time to first token, as visitors saw it (queueing included): p50 {ms(percentile(ttft, 0.5))}, "
         f"p95 {ms(percentile(ttft, 0.95))}",
         f"time to first token inside the engine (from arrival, queue included): "
-        f"p50 {ms(percentile(r.engine_ttft_ms, 0.5))}, p95 {ms(percentile(r.engine_ttft_ms, 0.95))}; queue wait p50 {ms(percentile(r.queue_ms, 0.5))}",
+        f"p50 {ms(percentile(r.engine_ttft_ms, 0.5))}, p95 {ms(percentile(r.engine_ttft_ms, 0.95))}; "
+        f"queue wait p50 {ms(percentile(r.queue_ms, 0.5))}",
         f"batching: largest decode batch {max(r.batch_sizes_max, default=0)}, "
         f"mean of each request's largest {sum(r.batch_sizes_max) / max(1, len(r.batch_sizes_max)):.1f}",
         f"peak cache bytes: {r.peak_cache_bytes:,} of a {r.budget_bytes:,}-byte budget "
