@@ -18,6 +18,7 @@ import pytest
 
 import app
 from engine.engine import Engine
+from engine.radix_tree import CacheKey
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
 from server.remote_engine import RemoteEngine
@@ -285,3 +286,42 @@ def test_server_package_imports_no_ui():
     offenders = [f"{p.name}: {n}" for p in sorted((ROOT / "server").glob("*.py"))
                  for n in _imports(p) if n.split(".")[0] in UI_LIBS]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------ the shadow tree: bounded, one hiding rule
+def test_the_shadow_tree_is_bounded_least_recently_sent_first(tokenizer):
+    text = (FIXTURES / "vllm_completions_stream.txt").read_bytes()
+    with scripted_backend(text, finish=True) as url:
+        remote = RemoteEngine(url, "m", tokenizer, shadow_tokens=60)
+        prompts = [f"Prompt number {i}: " + "tell me about caches. " * 3 for i in range(12)]
+        for p in prompts:
+            remote.run(GenerationRequest(prompt=p, sampling=SamplingParams(max_new_tokens=2)))
+            assert remote.tree.num_tokens <= 60
+            remote.check_invariants()
+        last = remote.encode(prompts[-1])
+        assert remote.tree.match(CacheKey(tuple(last)), touch=False).length == len(last)  # the newest stays
+        first = remote.encode(prompts[0])
+        assert remote.tree.match(CacheKey(tuple(first)), touch=False).length < len(first)  # the oldest went
+        before = remote.tree.num_tokens
+        m = remote.run(GenerationRequest(prompt="Not worth keeping: nobody can reuse it.", store=False,
+                                         sampling=SamplingParams(max_new_tokens=2)))
+        assert m.inserted_tokens == 0 and remote.tree.num_tokens == before
+
+
+def test_remote_snapshot_hides_others_by_the_local_rule(tokenizer):
+    from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
+
+    text = (FIXTURES / "vllm_completions_stream.txt").read_bytes()
+    with scripted_backend(text, finish=True) as url:
+        remote = RemoteEngine(url, "m", tokenizer, isolation=True)
+        for ns, prompt in (("v-a", "Visitor A's secret prompt"), ("v-b", "Visitor B's secret prompt, longer one"),
+                           ("v-b/lab", "Visitor B's lab prompt")):
+            remote.run(GenerationRequest(prompt=prompt, namespace=ns, sampling=SamplingParams(max_new_tokens=2)))
+        snap = remote.snapshot(viewer="v-a")
+    hidden = [n for n in snap.nodes if n.hidden]
+    assert len(hidden) == 1  # both of B's namespaces: one coarse "others" node under the root
+    assert hidden[0].num_tokens == HIDDEN_BUCKET_TOKENS and hidden[0].text == "" and hidden[0].hits == 0
+    assert hidden[0].last_access_s_ago == 0.0 and hidden[0].token_ids == ()
+    assert all("Visitor B" not in n.text for n in snap.nodes)
+    assert any("Visitor A" in n.text for n in snap.nodes if not n.hidden)
+    assert remote.snapshot().num_tokens == remote.tree.num_tokens  # no viewer: everything
