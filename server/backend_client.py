@@ -31,6 +31,8 @@ BACKEND_METRICS = (
     "sglang:cache_hit_rate", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
     "radix_prefix_cache_queries_total", "radix_prefix_cache_hits_total", "radix_cache_bytes",
     "radix_cache_budget_bytes", "radix_evicted_tokens_total", "radix_num_requests_waiting",
+    "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total", "llamacpp:requests_processing",
+    "llamacpp:requests_deferred", "llamacpp:n_busy_slots_per_decode",
 )
 
 
@@ -108,7 +110,7 @@ class BackendClient:
             return EngineError(f"The backend refused the request (HTTP {status}): {message}")
         return EngineFault(f"The backend failed on the request (HTTP {status}): {message}")
 
-    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None) -> dict:
+    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None, cold: bool = False) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_new, "temperature": p.temperature,
                 "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
@@ -120,17 +122,21 @@ class BackendClient:
             body["no_repeat_ngram_size"] = p.no_repeat_ngram_size
         if salt is not None:
             body["cache_salt"] = salt
+        if cold:  # llama.cpp ignores cache_salt and reuses any slot's prefix: this is how it skips its cache
+            body["cache_prompt"] = False
         return body
 
     def stream(self, ids: list[int], sampling: SamplingParams, max_new: int, salt: str | None,
-               cancelled: threading.Event) -> Iterator[GenerationEvent]:
+               cancelled: threading.Event, cold: bool = False) -> Iterator[GenerationEvent]:
         """Send one request and yield its text as it streams (``yield from`` it: it returns a
-        ``StreamResult``). Setting ``cancelled`` closes the connection at the next chunk."""
+        ``StreamResult``). Setting ``cancelled`` closes the connection at the next chunk. ``cold``
+        asks the server not to reuse any cache (a fresh ``salt`` does it on vLLM and SGLang,
+        ``cache_prompt: false`` on llama.cpp, which ignores salts)."""
         text, token_ids, usage, finish = "", [], None, "length"
         t0 = time.perf_counter()
         t_first = t_last = None
         try:
-            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt)) as r:
+            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt, cold)) as r:
                 if r.status_code != 200:
                     raise self._status_error(r.status_code, r.read())
                 for line in r.iter_lines():

@@ -49,6 +49,7 @@ from engine.types import (
     GenerationRequest,
     NodeInfo,
     RequestMetrics,
+    StepRecord,
     TreeSnapshot,
 )
 from server.backend_client import BackendClient, StreamResult
@@ -169,12 +170,15 @@ class RemoteEngine(FacadeBase):
         baseline_ms = None
         if req.measure_baseline and not handle.cancelled.is_set():
             # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
-            cold = self.client.stream(ids, req.sampling, 1, "cold-" + secrets.token_hex(12), handle.cancelled)
+            cold = self.client.stream(ids, req.sampling, 1, "cold-" + secrets.token_hex(12), handle.cancelled,
+                                      cold=True)
             while True:
                 try:
                     next(cold)
                 except StopIteration as done:
-                    baseline_ms = done.value.ttft_ms
+                    reused = done.value.usage.cached_tokens if done.value.usage else None
+                    # A "cold" run the server still served from its cache measures nothing: say so (None).
+                    baseline_ms = done.value.ttft_ms if not reused else None
                     break
         yield GenerationEvent(text=result.text, done=True, metrics=self._record(req, ids, result, baseline_ms))
 
@@ -236,6 +240,10 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
                                num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
+
+    def step_log(self, n: int | None = None) -> list[StepRecord]:
+        """The backend schedules its own forwards: there are none of this app's to show."""
+        return []
 
     def info(self) -> RemoteEngineInfo:
         return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
