@@ -205,3 +205,26 @@ def shared_snapshot(engine: Engine, viewer: str | None, max_age_s: float = 1.0) 
         if len(shared.views) < MAX_VIEWS:
             shared.views[key] = view
     return view
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """The cache's figures a panel shows (the names of ``EngineStats``' fields), as a viewer may see them."""
+
+    cache_bytes: int
+    budget_bytes: int
+    cached_tokens_now: int
+    num_nodes: int
+    evicted_tokens: int
+
+
+def cache_figures(engine: Engine, viewer: str | None) -> CacheFigures:
+    """What ``engine.stats(viewer)`` says of the cache, at no walk of the tree per viewer: in
+    isolation mode ``stats(viewer)`` takes a snapshot of its own for every visitor on every
+    tick (the overview's cards, the memory tab); this reads the viewer's view of the shared
+    one instead (others' tokens coarse, the same rule). Shared or remote: ``engine.stats()``."""
+    if viewer is None or not engine.isolation or getattr(engine.info(), "backend", ""):
+        s = engine.stats(viewer)
+        return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens)
+    snap = shared_snapshot(engine, viewer)
+    return CacheFigures(snap.num_bytes, snap.budget_bytes, snap.num_tokens, len(snap.nodes), snap.evicted_tokens)

@@ -83,3 +83,32 @@ def test_viewers_share_one_walk_per_tick(engine, monkeypatch):
     for v in viewers:
         shared_snapshot(engine, v, max_age_s=60)
     assert walks == [None, None]
+
+
+def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch):
+    """``engine.stats(viewer)`` walks the tree for every visitor; the side cards and the memory tab
+    read the cache's figures off the shared snapshot instead (the same figures)."""
+    from components.live import cache_figures
+    from components.memory_panel import memory_markdown
+    from components.overview_panel import key_numbers_html
+
+    walks: list[str | None] = []
+    real = engine.cache.snapshot
+
+    def counting(decode=None, viewer=None, **kw):
+        walks.append(viewer)
+        return real(decode, viewer=viewer, **kw)
+
+    monkeypatch.setattr(engine.cache, "snapshot", counting)
+    monkeypatch.setattr(live, "_snapshots", {})
+    viewers = ["v-a", "v-b", "v-c", "v-d"] + [f"v-stranger-{i}" for i in range(4)]
+    for v in viewers:
+        key_numbers_html(engine, None, v)
+        memory_markdown(engine, [], v)
+    figures = {v: cache_figures(engine, v) for v in viewers}
+    assert walks == [None]  # eight visitors, both panels: one walk
+    monkeypatch.setattr(engine.cache, "snapshot", real)
+    for v in viewers:
+        s = engine.stats(v)
+        assert figures[v] == live.CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes,
+                                                s.evicted_tokens)
