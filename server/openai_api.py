@@ -5,8 +5,8 @@ submit it to the engine, stream or collect its events, cut at stop strings) and 
 of failures to OpenAI-shaped errors: 400 bad input (naming the parameter), 404 unknown
 model, 503 queue full or not ready, 500 a fault of the server, never a traceback. A client
 that goes away cancels its request. Requests go through the same engine as the page (tag
-``"api"``), so they show in the live tree and charts. Knows nothing about Gradio: ``api_routes`` returns plain
-Starlette routes that ``app.py`` mounts ahead of the page's own routes.
+``"api"``), so they show in the live tree and charts. Knows nothing about Gradio:
+``api_routes`` returns plain Starlette routes that ``app.py`` mounts ahead of the page's own.
 """
 
 from __future__ import annotations
