@@ -3,18 +3,20 @@
 Owns: the facade's surface (submit/run, stats, recent, snapshot, info, text methods), one
 thread per request that streams it from the backend (``server.backend_client``: token ids
 to ``/v1/completions``, time to first token measured here, cached tokens as the server
-reports them), the "without reuse" measurement (the same
-prompt again under a fresh random ``cache_salt``, which no server can have cached), and a
-*shadow* radix tree (``RadixTree`` with ``None`` values) of the token ids sent, so the tree
-view has something true to draw: what this dashboard sent, coloured by what the server said
-it reused (bounded: past ``shadow_tokens`` the least recently sent leaves go; requests sent
-with ``store=False`` are not drawn). The server's own cache may be block-granular and evicts on its own; the shadow
+reports them), the "without reuse" measurement (the same prompt again under a fresh random
+``cache_salt`` and with ``cache_prompt: false``, which no server serves from its cache;
+none when it still reports cached tokens), and a *shadow* radix tree (``RadixTree`` with
+``None`` values) of the token ids sent, so the tree view has something true to draw: what
+this dashboard sent, coloured by what the server said it reused (bounded: past
+``shadow_tokens`` the least recently sent leaves go; requests sent with ``store=False`` are
+not drawn). The server's own cache may be block-granular and evicts on its own; the shadow
 tree cannot see that, and its memory and budget are unknown here (reported as 0 with
 ``RemoteEngineInfo.backend`` set, and the panels say "unknown").
 
 Namespaces become salts: a request's namespace (and an epoch that ``clear_cache`` bumps) is
 turned into a ``cache_salt`` with a secret of this process, so visitors stay apart on the
 backend too and a cleared namespace starts cold. ``PUBLIC`` sends no salt until cleared.
+llama.cpp ignores ``cache_salt``: in front of it visitors share the server's slots.
 
 Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
 Knows nothing about Gradio.
