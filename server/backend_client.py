@@ -57,6 +57,7 @@ class BackendClient:
                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._metrics: dict[str, float] = {}
         self._metrics_at: float | None = None
+        self.owned_by = ""  # /v1/models' "owned_by" of the served model ("llamacpp", "vllm", ...), once checked
 
     def check(self) -> None:
         """Ask ``GET /v1/models`` once: a wrong URL, key or model name fails here with one clear message."""
@@ -70,6 +71,8 @@ class BackendClient:
         if names and self.model not in names:
             raise EngineError(f"The backend at {self.base_url} does not serve '{self.model}'; it serves "
                               f"{', '.join(map(str, names[:5]))}. Pass one of them as --backend-model.")
+        owners = [m.get("owned_by") for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == self.model]
+        self.owned_by = str(owners[0]) if owners and owners[0] else ""
 
     def _get_json(self, path: str) -> object:
         try:

@@ -279,6 +279,15 @@ class RemoteEngine(FacadeBase):
 
     def check_backend(self) -> None:
         self.client.check()
+        if self.isolation and self.salts_ignored:
+            log.warning("The backend at %s is llama.cpp, which ignores cache_salt: visitors share its slots, so one "
+                        "visitor's prompt can show as cached tokens (and a faster first token) in another's. "
+                        "Isolation holds in this dashboard's tree only.", self.base_url)
+
+    @property
+    def salts_ignored(self) -> bool:
+        """True when the backend is known to ignore ``cache_salt`` (llama.cpp's server)."""
+        return self.client.owned_by == "llamacpp"
 
     @property
     def model(self) -> str:

@@ -61,6 +61,15 @@ def test_remote_mode_in_front_of_llama_server(llama_url, tokenizer):
     remote.check_invariants()
 
 
+def test_an_isolating_dashboard_warns_that_llama_cpp_ignores_salts(llama_url, tokenizer, caplog):
+    shared = RemoteEngine(llama_url, "", tokenizer)
+    shared.check_backend()
+    assert shared.salts_ignored and not caplog.records
+    isolating = RemoteEngine(llama_url, "", tokenizer, isolation=True)
+    isolating.check_backend()
+    assert any("ignores cache_salt" in r.getMessage() for r in caplog.records)
+
+
 def test_the_page_in_front_of_llama_server(llama_url, tokenizer):
     remote = RemoteEngine(llama_url, "", tokenizer, max_new_tokens_cap=16)
     remote.check_backend()
