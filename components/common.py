@@ -102,9 +102,11 @@ def speed_cell(m: RequestMetrics) -> str:
 
 def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> str:
     """One request's numbers: what the cache served, prefill with and without reuse, and
-    the time the visitor actually waited (queue plus engine) next to the engine's own."""
+    the time the visitor actually waited for the first token (``ttft_ms``, from arrival: queue
+    plus engine), split into its two parts. A request stopped before its first token has none."""
     share = m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0
-    waited_ms = m.queue_ms + m.ttft_ms
+    first = "– (stopped before the first token)" if m.ttft_ms is None else (
+        f"{fmt_ms(m.ttft_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, m.ttft_ms - m.queue_ms))})")
     lines = []
     if m.finish_reason == "cancelled":
         lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
@@ -114,8 +116,7 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
         "",
         "| prefill with reuse | without reuse | compared | first text after | decode |",
         "|---|---|---|---|---|",
-        f"| {fmt_ms(m.prefill_ms)} | {fmt_ms(m.baseline_prefill_ms)} | {speed_cell(m)} | "
-        f"{fmt_ms(waited_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(m.ttft_ms)}) | "
+        f"| {fmt_ms(m.prefill_ms)} | {fmt_ms(m.baseline_prefill_ms)} | {speed_cell(m)} | {first} | "
         f"{f'{m.decode_tokens_per_s:.1f} tok/s' if m.decode_tokens_per_s else '–'} |",
     ]
     notes = []

@@ -86,3 +86,11 @@ def clamp_int(value, default: int, low: int, high: int) -> int:
     if number != number:  # NaN
         return default
     return int(max(low, min(high, number)))
+
+
+def fmt_tokens(num_tokens: int, exact: bool = True, bucket: int = 256) -> str:
+    """A token count; ``exact=False`` (a figure that includes another visitor's tokens) shows
+    only the whole ``bucket`` it fits in, rounded up: "≤512"."""
+    if exact or num_tokens <= 0:
+        return f"{num_tokens:,}"
+    return f"≤{-(-num_tokens // bucket) * bucket:,}"

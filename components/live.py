@@ -3,10 +3,11 @@
 Owns: the ``LiveView`` a panel hands back (its timer and refresh function, so
 ``components.demo`` can also fire it on page load and tab select, and pause
 the timers of hidden tabs), a cheap signature of the engine's state (so a tick
-that would redraw the same picture sends nothing), a short-lived snapshot
-shared by every visitor who sees the same thing, and the page script that
-keeps a visitor's zoom across redraws and hides tree labels that would collide
-on a plot narrower than they were placed for (``KEEP_ZOOM_JS``).
+that would redraw the same picture sends nothing), one tree snapshot per tick
+shared by every visitor (each visitor's view derived from it, with no second
+walk of the tree), and the page script that keeps a visitor's zoom across
+redraws and hides tree labels that would collide on a plot narrower than they
+were placed for (``KEEP_ZOOM_JS``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine.engine import Engine
+from engine.snapshot_view import for_viewer, namespaces_of, owns_any
 from engine.types import TreeSnapshot
 
 log = logging.getLogger(__name__)
@@ -154,22 +156,75 @@ def drawn(signature: tuple) -> tuple:
     return (signature, time.monotonic())
 
 
-_snapshots: dict[tuple[int, str | None], tuple[tuple, float, TreeSnapshot]] = {}
+class _Shared:
+    """One full snapshot per engine per tick, and each viewer's view of it (derived, not walked)."""
+
+    def __init__(self, signature: tuple, full: TreeSnapshot) -> None:
+        self.signature, self.taken_at, self.full = signature, time.monotonic(), full
+        self.namespaces = namespaces_of(full)
+        self.views: dict[str, TreeSnapshot] = {}  # viewer (or STRANGER) -> their view of ``full``
+
+
+STRANGER = "\x00stranger"  # the view of every viewer who owns nothing in the tree: public nodes only
+MAX_VIEWS = 1024  # derived views kept per snapshot; past that, derived again (cheap, no lock)
+
+_snapshots: dict[int, _Shared] = {}
 _snapshots_lock = threading.Lock()
+_walk_lock = threading.Lock()
 
 
 def shared_snapshot(engine: Engine, viewer: str | None, max_age_s: float = 1.0) -> TreeSnapshot:
-    """``engine.snapshot(viewer)``, reused for ``max_age_s`` while the engine's
-    signature holds: many visitors polling the same tree cost one snapshot."""
-    key = (id(engine), viewer if engine.isolation else None)
+    """``engine.snapshot(viewer)`` at the cost of one tree walk per engine per ``max_age_s``,
+    however many visitors poll it: the full snapshot (``viewer=None``) is taken once while the
+    engine's signature holds, and each viewer's view is derived from it by
+    ``engine.snapshot_view.for_viewer`` (the engine's own hiding rule, applied to plain data:
+    no cache lock, no decoding). Viewers who own nothing in the tree share one view."""
     sig = engine_signature(engine)
-    with _snapshots_lock:
-        hit = _snapshots.get(key)
-    if hit and hit[0] == sig and time.monotonic() - hit[1] < max_age_s:
-        return hit[2]
-    snap = engine.snapshot(viewer=viewer)
-    with _snapshots_lock:
-        if len(_snapshots) > 256:
-            _snapshots.clear()
-        _snapshots[key] = (sig, time.monotonic(), snap)
-    return snap
+
+    def current() -> _Shared | None:
+        with _snapshots_lock:
+            got = _snapshots.get(id(engine))
+        return got if got and got.signature == sig and time.monotonic() - got.taken_at < max_age_s else None
+
+    shared = current()
+    if shared is None:
+        with _walk_lock:  # visitors whose timers fire together wait for one walk instead of each taking one
+            shared = current()
+            if shared is None:
+                shared = _Shared(sig, engine.snapshot(viewer=None))
+                with _snapshots_lock:
+                    if len(_snapshots) > 64:
+                        _snapshots.clear()
+                    _snapshots[id(engine)] = shared
+    if viewer is None or not engine.isolation:
+        return shared.full
+    key = viewer if owns_any(shared.namespaces, viewer) else STRANGER
+    view = shared.views.get(key)
+    if view is None:
+        view = for_viewer(shared.full, viewer)
+        if len(shared.views) < MAX_VIEWS:
+            shared.views[key] = view
+    return view
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """The cache's figures a panel shows (the names of ``EngineStats``' fields), as a viewer may see them."""
+
+    cache_bytes: int
+    budget_bytes: int
+    cached_tokens_now: int
+    num_nodes: int
+    evicted_tokens: int
+
+
+def cache_figures(engine: Engine, viewer: str | None) -> CacheFigures:
+    """What ``engine.stats(viewer)`` says of the cache, at no walk of the tree per viewer: in
+    isolation mode ``stats(viewer)`` takes a snapshot of its own for every visitor on every
+    tick (the overview's cards, the memory tab); this reads the viewer's view of the shared
+    one instead (others' tokens coarse, the same rule). Shared or remote: ``engine.stats()``."""
+    if viewer is None or not engine.isolation or getattr(engine.info(), "backend", ""):
+        s = engine.stats(viewer)
+        return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens)
+    snap = shared_snapshot(engine, viewer)
+    return CacheFigures(snap.num_bytes, snap.budget_bytes, snap.num_tokens, len(snap.nodes), snap.evicted_tokens)

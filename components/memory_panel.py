@@ -13,7 +13,7 @@ import gradio as gr
 from components.charts import hit_rate_figure, memory_gauge
 from components.common import history_refresh, playground_history, totals, warn
 from components.format import fmt_bytes, fmt_ms, plural
-from components.live import KEEP_ZOOM, LiveView
+from components.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from engine.engine import Engine
 from engine.types import EngineError, RequestMetrics
@@ -26,7 +26,7 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
     """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
     mode) and the hit rate over ``mine``: the playground's requests, lab runs left out (the
     visitor's own in isolation mode)."""
-    s = engine.stats(viewer)
+    s = cache_figures(engine, viewer)
     history = mine if mine is not None else playground_history(engine)
     cached, prompt = totals(history)
     whose = "your" if engine.isolation else "the playground's"
@@ -112,7 +112,7 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
         with gr.Column(scale=2):
             gauge = gr.Plot(show_label=False)
         with gr.Column(scale=3):
-            table = gr.Markdown(memory_markdown(engine))
+            table = gr.Markdown(memory_markdown(engine, viewer="" if engine.isolation else None))
     hit_rate = gr.Plot(show_label=False, elem_id="hit-rate-plot", elem_classes=[KEEP_ZOOM])
     with gr.Row():
         new_budget = gr.Number(value=round(budget_mib, 1), label="Cache budget (MiB)", minimum=0,
@@ -128,7 +128,7 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
     def draw(mine: list[RequestMetrics], ns: str | None) -> tuple:
         title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
         gauge_fig = (None if getattr(engine.info(), "backend", "") else
-                     memory_gauge(engine.stats(ns), everyone=engine.isolation))
+                     memory_gauge(cache_figures(engine, ns), everyone=engine.isolation))
         return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title)
 
     refresh = history_refresh(engine, draw, 3)

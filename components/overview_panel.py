@@ -13,7 +13,7 @@ import gradio as gr
 from components.common import playground_history, totals
 from components.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
 from components.info_panel import engine_line
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, status_line, unchanged
+from components.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
 from components.tree_panel import tree_figure_for
 from engine.engine import Engine
@@ -50,7 +50,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
         last = [_card(fmt_pct(share), f"of your last prompt from the cache{stopped} "
                                       f"({metrics.cached_tokens:,} of {metrics.prompt_tokens:,} tokens)", "green"),
                 _speed_card(metrics)]
-    stats = engine.stats(viewer)  # in isolation mode: others' activity only in coarse figures
+    stats = cache_figures(engine, viewer)  # in isolation mode: others' activity only in coarse figures
     mine = playground_history(engine, namespace=viewer if engine.isolation else None)
     cached, prompt = totals(mine)
     rate = cached / prompt if prompt else 0.0

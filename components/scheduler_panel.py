@@ -8,6 +8,12 @@ isolation mode these are the requests of the viewer's namespace; on a shared
 (non-isolated) engine everyone shares one namespace, so it is the request of
 the viewer's last answer. Beside it: requests running and waiting, the decode
 batch size, output tokens per second. Knows only the engine's plain data.
+
+In isolation mode other visitors' sizes follow the tree's rule (``engine.prefix_cache``):
+every token figure that includes another visitor's tokens (a forward they took part in, the
+totals over the shown forwards, the KV held by running requests) shows only the
+``HIDDEN_BUCKET_TOKENS`` bucket it fits in, so the timeline is no hit or prompt-length
+oracle. Only a figure made of the viewer's own work alone is exact.
 """
 
 from __future__ import annotations
@@ -15,15 +21,18 @@ from __future__ import annotations
 import gradio as gr
 import plotly.graph_objects as go
 
+from components.format import fmt_tokens
 from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from engine.engine import Engine
+from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
 from engine.scheduler import visitor_of
 from engine.types import RequestMetrics, StepRecord
 
 SHOWN_FORWARDS = 120
 COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6", "baseline": "#94a3b8"}
 LABELS = {"prefill": "prefill chunk", "decode": "batched decode", "baseline": "no-reuse baseline"}
+REMOTE_EMPTY = "Remote server: it schedules its own requests, so there are no forwards of this app's to show."
 
 
 def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -> bool:
@@ -32,12 +41,23 @@ def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -
     return namespace is not None and visitor_of(rec.namespaces[i]) == visitor_of(namespace)
 
 
+def _exact(rec: StepRecord, namespace: str | None, my_ids: set[int]) -> bool:
+    """May the viewer see this forward's token counts exactly? With isolation off
+    (``namespace`` None) everything is shared; with it on, only forwards of their own alone."""
+    return namespace is None or all(_is_mine(rec, i, namespace, my_ids) for i in range(len(rec.request_ids)))
+
+
+def _tokens(n: int, exact: bool) -> str:
+    return fmt_tokens(n, exact, HIDDEN_BUCKET_TOKENS)
+
+
 def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
-                    my_ids: set[int] | frozenset[int] = frozenset()) -> go.Figure:
-    """Bars per (request, forward): x is wall time in seconds before the last forward ended."""
+                    my_ids: set[int] | frozenset[int] = frozenset(), empty_text: str | None = None) -> go.Figure:
+    """Bars per (request, forward): x is wall time in seconds before the last forward ended.
+    With ``namespace`` (isolation mode), a forward shared with others shows coarse token counts."""
     fig = go.Figure()
     if not steps:
-        fig.add_annotation(text="No forwards yet: send a chat message and watch it run.", showarrow=False,
+        fig.add_annotation(text=empty_text or "No forwards yet: send a chat message and watch it run.", showarrow=False,
                            x=0.5, y=0.5, xref="paper", yref="paper")
         fig.update_xaxes(visible=False)
         fig.update_yaxes(visible=False)
@@ -50,19 +70,22 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             if rid not in order:
                 order.append(rid)
     series: dict[tuple[str, bool], dict[str, list]] = {}
+    my_ids = set(my_ids)
     for rec in steps:
         start = rec.finished_at - rec.duration_ms / 1000 - end
+        exact = _exact(rec, namespace, my_ids)
+        computed, cached = _tokens(rec.computed_tokens, exact), _tokens(rec.cached_tokens, exact)
         for i, rid in enumerate(rec.request_ids):
-            mine = _is_mine(rec, i, namespace, set(my_ids))
+            mine = _is_mine(rec, i, namespace, my_ids)
             kind = "baseline" if rec.kind == "baseline" else "prefill" if rid in rec.prefill_request_ids else "decode"
             s = series.setdefault((kind, mine), dict(x=[], base=[], y=[], text=[]))
             s["x"].append(max(rec.duration_ms / 1000, 1e-3))
             s["base"].append(start)
             s["y"].append(f"#{rid}")
-            cached = f", {rec.cached_tokens:,} from cache" if rec.cached_tokens else ""
+            from_cache = f", {cached} from cache" if rec.cached_tokens else ""
             s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[kind]} in step "
                              f"{rec.step_id}, one forward for {rec.batch_size} request(s)<br>"
-                             f"{rec.computed_tokens:,} tokens computed in it{cached}<br>{rec.duration_ms:.0f} ms")
+                             f"{computed} tokens computed in it{from_cache}<br>{rec.duration_ms:.0f} ms")
     for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
         fig.add_trace(go.Bar(
             x=s["x"], base=s["base"], y=s["y"], orientation="h", hovertext=s["text"], hoverinfo="text",
@@ -78,12 +101,21 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
     return fig
 
 
-def scheduler_markdown(engine: Engine, steps: list[StepRecord]) -> str:
+def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str | None = None,
+                       my_ids: set[int] | frozenset[int] = frozenset()) -> str:
+    """The figures beside the timeline; with ``namespace`` (isolation mode) token figures that
+    include other visitors' work are coarse."""
     s = engine.stats()
     decodes = [r for r in steps if r.kind == "decode"]
     mean_batch = sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0
-    computed = sum(r.computed_tokens for r in steps)
-    cached = sum(r.cached_tokens for r in steps)
+    exact = all(_exact(r, namespace, set(my_ids)) for r in steps)
+    computed = _tokens(sum(r.computed_tokens for r in steps), exact)
+    cached = _tokens(sum(r.cached_tokens for r in steps), exact)
+    reserved = f"{s.running_bytes / 2**20:.1f} MiB (their own tokens; cached prefixes are read in place)"
+    bpt = getattr(engine.info(), "kv_bytes_per_token", 0)
+    if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
+        tokens = -(-s.running_bytes // bpt)
+        reserved = f"≤{-(-tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS * bpt / 2**20:.1f} MiB"
     return "\n".join([
         "| scheduler right now | |", "|---|---|",
         f"| requests running | **{s.running}** (at most {s.max_batch} in a batch) |",
@@ -91,9 +123,8 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord]) -> str:
         f"| output tokens/s, everyone | **{s.tokens_per_s:.1f}** (last 10 s) |",
         f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
         f"over the last {len(decodes)} decodes |",
-        f"| tokens in the shown forwards | {computed:,} computed, {cached:,} served from the cache |",
-        f"| KV held for running requests | {s.running_bytes / 2**20:.1f} MiB of the {s.budget_bytes / 2**20:.0f} "
-        "MiB budget |",
+        f"| tokens in the shown forwards | {computed} computed, {cached} served from the cache |",
+        f"| KV held for running requests | {reserved} of the {s.budget_bytes / 2**20:.0f} MiB budget |",
     ])
 
 
@@ -106,13 +137,16 @@ def build_scheduler_panel(engine: Engine, last_metrics: gr.State | None = None, 
         with gr.Column(scale=3):
             plot = gr.Plot(show_label=False, elem_id="scheduler-plot", elem_classes=[KEEP_ZOOM])
         with gr.Column(scale=2):
-            table = gr.Markdown(scheduler_markdown(engine, []))
+            table = gr.Markdown(scheduler_markdown(engine, [], "" if engine.isolation else None))
+
+    remote = bool(getattr(engine.info(), "backend", ""))
+    empty = REMOTE_EMPTY if remote else None
 
     def refresh(last: RequestMetrics | None, request: gr.Request):
         steps = engine.step_log(SHOWN_FORWARDS)
         ns = own_namespace(request, engine)
         my_ids = {last.request_id} if isinstance(last, RequestMetrics) else set()
-        return timeline_figure(steps, ns, my_ids), scheduler_markdown(engine, steps)
+        return timeline_figure(steps, ns, my_ids, empty), scheduler_markdown(engine, steps, ns, my_ids)
 
     inputs = [last_metrics] if last_metrics is not None else [gr.State(None)]
     live = LiveView(gr.Timer(1.0, active=active), refresh, inputs, [plot, table])

@@ -326,8 +326,8 @@ def node_places(snapshot: TreeSnapshot) -> NodePlaces:
       taken oldest first (ids again), so a new cut never moves an older one.
 
     Other visitors' hidden nodes order after every visible sibling (the engine
-    folds each hidden subtree into one node with a made-up id; a remote shadow
-    tree keeps theirs). Eviction removes nodes and may change keys: then nodes move.
+    and the remote shadow tree fold each hidden subtree into one node with a
+    made-up id; a bare tree may keep them node by node). Eviction removes nodes and may change keys: then nodes move.
     """
     kids: dict[int, list[NodeInfo]] = {}
     for n in snapshot.nodes:

@@ -8,6 +8,8 @@ nodes as shape and size only (the engine's snapshot hides their text).
 
 from __future__ import annotations
 
+import threading
+
 import gradio as gr
 
 from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, status_line, unchanged
@@ -15,7 +17,7 @@ from components.session import visitor_namespace
 from components.tree_figures import snapshot_summary, tree_figure
 from components.tree_marks import request_path
 from engine.engine import Engine
-from engine.types import RequestMetrics
+from engine.types import RequestMetrics, TreeSnapshot
 
 LEGEND = (
     "Each mark is a run of tokens the cache holds; a branch is where two prompts diverged. "
@@ -71,7 +73,33 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
 
     def tree_snapshot(request: gr.Request) -> dict:
         """The radix tree as plain data: one entry per node (text is null for other visitors' nodes)."""
-        return snapshot_summary(engine.snapshot(viewer=visitor_namespace(request, engine)))
+        return snapshot_summary_for(engine, visitor_namespace(request, engine))
 
-    gr.api(tree_snapshot, api_name="tree_snapshot")
+    # Public and unauthenticated: bounded like the tab. Each call is served from the shared
+    # snapshot (one tree walk per second at most, whoever asks) and its summary is built
+    # once per snapshot and view; at most SNAPSHOT_API_CONCURRENCY calls run at once, the
+    # rest queue behind them in Gradio's queue (whose size the app caps).
+    gr.api(tree_snapshot, api_name="tree_snapshot", concurrency_limit=SNAPSHOT_API_CONCURRENCY)
     return live
+
+
+SNAPSHOT_API_CONCURRENCY = 2
+_summaries: dict[int, tuple[TreeSnapshot, dict]] = {}  # id(view) -> (that view, its summary)
+_summaries_lock = threading.Lock()
+
+
+def snapshot_summary_for(engine: Engine, viewer: str) -> dict:
+    """``snapshot_summary`` of the viewer's shared snapshot, reused while that view is the same
+    object (``shared_snapshot`` hands every stranger one view, and each visitor the same one
+    until the tree changes)."""
+    snap = shared_snapshot(engine, viewer)
+    with _summaries_lock:
+        hit = _summaries.get(id(snap))
+    if hit is not None and hit[0] is snap:
+        return hit[1]
+    summary = snapshot_summary(snap)
+    with _summaries_lock:
+        if len(_summaries) >= 256:
+            _summaries.clear()
+        _summaries[id(snap)] = (snap, summary)
+    return summary

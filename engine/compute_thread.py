@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from engine.types import EngineFault
+
 T = TypeVar("T")
 
 _STOP = object()
@@ -58,6 +60,8 @@ class ComputeThread:
 
     def __init__(self, name: str = "model-compute") -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._stop_lock = threading.Lock()  # a call is queued before the stop marker, or refused
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
         # At exit, let the call in progress finish before the interpreter tears down: a process that
@@ -71,12 +75,17 @@ class ComputeThread:
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the compute thread; returns its result or raises its exception.
-        Called from the compute thread itself it runs directly (no deadlock on nested calls)."""
+        Called from the compute thread itself it runs directly (no deadlock on nested calls).
+        After ``stop()`` it raises ``EngineFault`` at once (nothing would ever run it)."""
         if self.is_current:
             return fn(*args, **kwargs)
         done = threading.Event()
         box: dict[str, Any] = {}
-        self._inbox.put((fn, args, kwargs, box, done))
+        with self._stop_lock:
+            if self._stopped:
+                raise EngineFault(f"The compute thread '{self._thread.name}' has stopped (the process is shutting "
+                                  "down): no more model work can run.")
+            self._inbox.put((fn, args, kwargs, box, done))
         done.wait()
         return _unbox(box)
 
@@ -90,7 +99,11 @@ class ComputeThread:
             done.set()
 
     def stop(self, join_timeout_s: float | None = None) -> None:
-        """End the thread after the calls already queued; wait up to ``join_timeout_s`` for it."""
-        self._inbox.put(_STOP)
+        """End the thread after the calls already queued; wait up to ``join_timeout_s`` for it.
+        Later calls raise. Stopping twice is harmless."""
+        with self._stop_lock:
+            if not self._stopped:
+                self._stopped = True
+                self._inbox.put(_STOP)
         if join_timeout_s is not None and not self.is_current:
             self._thread.join(join_timeout_s)

@@ -457,9 +457,12 @@ class Engine(FacadeBase):
     def _record(self, r: Request) -> RequestMetrics:
         req, ids, out_ids = r.req, r.ids, r.out_ids
         now = time.perf_counter()
+        arrived = r.handle.submitted_at
         admitted = r.admitted_at if r.admitted_at is not None else now
-        queue_ms = (admitted - r.handle.submitted_at) * 1000
-        ttft_ms = ((r.first_token_at if r.first_token_at is not None else now) - admitted) * 1000
+        queue_ms = (admitted - arrived) * 1000
+        # From arrival, as vLLM counts it, so queueing shows; None for a request cancelled
+        # before its first token (it never had one).
+        ttft_ms = (r.first_token_at - arrived) * 1000 if r.first_token_at is not None else None
         decode_tps = None
         if len(out_ids) > 1 and r.first_token_at is not None and r.last_token_at is not None:
             span = r.last_token_at - r.first_token_at

@@ -68,8 +68,8 @@ class RequestMetrics:
     computed_tokens: int
     prefill_ms: float
     baseline_prefill_ms: float | None
-    ttft_ms: float
-    queue_ms: float
+    ttft_ms: float | None  # from arrival (queue_ms included); None: cancelled before its first token
+    queue_ms: float  # arrival to admission
     decode_tokens_per_s: float | None
     output_tokens: int
     finish_reason: str  # "stop", "length" or "cancelled"

@@ -4,8 +4,10 @@ Owns: the connection (base URL, API key, timeouts), the start-up check (``GET /v
 URL, key and model name), one streamed ``/v1/completions`` request with the prompt as token
 ids (``stream``), its time to first token measured here, the server's ``/metrics`` where it
 has them, and turning every way a server can fail (refused connection, wrong key, 404, 429,
-an error chunk, a connection dropped mid-answer) into one ``EngineError`` message for a
-person. Knows nothing about trees, namespaces or the UI.
+an error chunk, a connection dropped mid-answer) into one message for a person: an
+``EngineFault`` when the backend or this dashboard's setup failed (the API answers 500), an
+``EngineBusy`` when the backend is overloaded, an ``EngineError`` only when the backend
+refused the request itself (HTTP 400, 413, 422). Knows nothing about trees, namespaces or the UI.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.types import EngineBusy, EngineError, GenerationEvent, SamplingParams
+from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, SamplingParams
 from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
 
 # What a server's /metrics may say about its cache and queue (vLLM, SGLang, this app).
@@ -29,6 +31,8 @@ BACKEND_METRICS = (
     "sglang:cache_hit_rate", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
     "radix_prefix_cache_queries_total", "radix_prefix_cache_hits_total", "radix_cache_bytes",
     "radix_cache_budget_bytes", "radix_evicted_tokens_total", "radix_num_requests_waiting",
+    "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total", "llamacpp:requests_processing",
+    "llamacpp:requests_deferred", "llamacpp:n_busy_slots_per_decode",
 )
 
 
@@ -53,6 +57,7 @@ class BackendClient:
                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._metrics: dict[str, float] = {}
         self._metrics_at: float | None = None
+        self.owned_by = ""  # /v1/models' "owned_by" of the served model ("llamacpp", "vllm", ...), once checked
 
     def check(self) -> None:
         """Ask ``GET /v1/models`` once: a wrong URL, key or model name fails here with one clear message."""
@@ -66,6 +71,8 @@ class BackendClient:
         if names and self.model not in names:
             raise EngineError(f"The backend at {self.base_url} does not serve '{self.model}'; it serves "
                               f"{', '.join(map(str, names[:5]))}. Pass one of them as --backend-model.")
+        owners = [m.get("owned_by") for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == self.model]
+        self.owned_by = str(owners[0]) if owners and owners[0] else ""
 
     def _get_json(self, path: str) -> object:
         try:
@@ -82,11 +89,11 @@ class BackendClient:
 
     def _transport_error(self, exc: httpx.HTTPError) -> EngineError:
         if isinstance(exc, httpx.ConnectError):
-            return EngineError(f"Cannot reach the backend at {self.base_url} ({exc or 'connection refused'}): "
+            return EngineFault(f"Cannot reach the backend at {self.base_url} ({exc or 'connection refused'}): "
                                "is it running, and is --backend right?")
         if isinstance(exc, httpx.TimeoutException):
-            return EngineError(f"The backend at {self.base_url} did not answer within {self.timeout_s:.0f} s.")
-        return EngineError(f"The connection to the backend at {self.base_url} failed: {type(exc).__name__}.")
+            return EngineFault(f"The backend at {self.base_url} did not answer within {self.timeout_s:.0f} s.")
+        return EngineFault(f"The connection to the backend at {self.base_url} failed: {type(exc).__name__}.")
 
     def _status_error(self, status: int, content: bytes) -> EngineError:
         try:
@@ -95,16 +102,18 @@ class BackendClient:
             message = None
         message = (message or content[:200].decode("utf-8", "replace")).strip()[:300]
         if status in (401, 403):
-            return EngineError(f"The backend at {self.base_url} refused the API key (HTTP {status}): set "
+            return EngineFault(f"The backend at {self.base_url} refused the API key (HTTP {status}): set "
                                f"RADIX_BACKEND_API_KEY to a key it accepts. It said: {message}")
-        if status == 429:
-            return EngineBusy(f"The backend is busy (HTTP 429): {message}")
+        if status in (429, 503):
+            return EngineBusy(f"The backend is busy (HTTP {status}): {message}")
         if status == 404:
-            return EngineError(f"The backend at {self.base_url} answered HTTP 404: {message} (check --backend and "
+            return EngineFault(f"The backend at {self.base_url} answered HTTP 404: {message} (check --backend and "
                                "--backend-model).")
-        return EngineError(f"The backend refused the request (HTTP {status}): {message}")
+        if status in (400, 413, 422):  # the request itself: the same request would fail anywhere
+            return EngineError(f"The backend refused the request (HTTP {status}): {message}")
+        return EngineFault(f"The backend failed on the request (HTTP {status}): {message}")
 
-    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None) -> dict:
+    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None, cold: bool = False) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_new, "temperature": p.temperature,
                 "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
@@ -116,17 +125,21 @@ class BackendClient:
             body["no_repeat_ngram_size"] = p.no_repeat_ngram_size
         if salt is not None:
             body["cache_salt"] = salt
+        if cold:  # llama.cpp ignores cache_salt and reuses any slot's prefix: this is how it skips its cache
+            body["cache_prompt"] = False
         return body
 
     def stream(self, ids: list[int], sampling: SamplingParams, max_new: int, salt: str | None,
-               cancelled: threading.Event) -> Iterator[GenerationEvent]:
+               cancelled: threading.Event, cold: bool = False) -> Iterator[GenerationEvent]:
         """Send one request and yield its text as it streams (``yield from`` it: it returns a
-        ``StreamResult``). Setting ``cancelled`` closes the connection at the next chunk."""
+        ``StreamResult``). Setting ``cancelled`` closes the connection at the next chunk. ``cold``
+        asks the server not to reuse any cache (a fresh ``salt`` does it on vLLM and SGLang,
+        ``cache_prompt: false`` on llama.cpp, which ignores salts)."""
         text, token_ids, usage, finish = "", [], None, "length"
         t0 = time.perf_counter()
         t_first = t_last = None
         try:
-            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt)) as r:
+            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt, cold)) as r:
                 if r.status_code != 200:
                     raise self._status_error(r.status_code, r.read())
                 for line in r.iter_lines():
@@ -141,10 +154,10 @@ class BackendClient:
                     try:
                         chunk = json.loads(data)
                     except ValueError:
-                        raise EngineError("The backend sent a stream chunk that is not JSON.") from None
+                        raise EngineFault("The backend sent a stream chunk that is not JSON.") from None
                     message = error_message(chunk)
                     if message and not chunk.get("choices"):
-                        raise EngineError(f"The backend stopped this request: {message}"[:300])
+                        raise EngineFault(f"The backend stopped this request: {message}"[:300])
                     usage = parse_usage(chunk) or usage
                     delta = parse_choice(chunk)
                     if delta is None:
@@ -160,11 +173,11 @@ class BackendClient:
                         yield GenerationEvent(text=text, token_id=delta.token_ids[-1] if delta.token_ids else -1)
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError) and t_first is not None:
-                raise EngineError(f"The backend at {self.base_url} closed the connection in the middle of the "
+                raise EngineFault(f"The backend at {self.base_url} closed the connection in the middle of the "
                                   f"answer ({len(text):,} characters in). Try again.") from None
             raise self._transport_error(exc) from None
         if finish != "cancelled" and t_first is None and usage is None:
-            raise EngineError(f"The backend at {self.base_url} ended the stream without an answer.")
+            raise EngineFault(f"The backend at {self.base_url} ended the stream without an answer.")
         ttft_ms = ((t_first or time.perf_counter()) - t0) * 1000
         n = len(token_ids) or (usage.completion_tokens if usage and usage.completion_tokens else 0)
         tps = (n - 1) / (t_last - t_first) if n > 1 and t_first and t_last and t_last > t_first else None

@@ -7,8 +7,10 @@ metric names, and reading the engine at scrape time:
   in tokens (as vLLM's ``vllm:prefix_cache_queries_total`` / ``..._hits_total``, under this
   project's ``radix_`` prefix), requests, evicted tokens;
 - gauges: requests running and waiting, cache bytes, budget and tokens now;
-- histograms of time to first token and prefill time, observed from each finished
-  request's metrics (``engine.recent()``, read by request id at each scrape, so the page's
+- histograms of time to first token (from arrival, as vLLM counts it, so queueing shows;
+  a request cancelled before its first token has none and is not observed), time in the
+  queue (arrival to admission, as vLLM's ``request_queue_time_seconds``) and prefill time,
+  observed from each finished request's metrics (``engine.recent()``, read by request id at each scrape, so the page's
   requests and the API's count alike; a scrape that comes after more than the history's
   length of requests misses the oldest of them).
 
@@ -91,8 +93,12 @@ class EngineMetrics:
         self.get_engine = get_engine
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(get_engine))
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token per request.",
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Time to first token per request, from arrival (queueing included).",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.queue = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                               "Time per request from arrival to admission by the scheduler.",
+                               buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.prefill = Histogram(f"{PREFIX}_prefill_seconds", "Prefill time per request (match, copy, forward).",
                                  buckets=PREFILL_BUCKETS_S, registry=self.registry)
         self.generated = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
@@ -109,8 +115,10 @@ class EngineMetrics:
             for m in history:  # requests may finish out of id order: compare sets, not a high-water mark
                 if m.request_id in self._seen:
                     continue
-                if m.ttft_ms is not None:
+                if m.ttft_ms is not None:  # None: cancelled before its first token
                     self.ttft.observe(m.ttft_ms / 1000)
+                if m.queue_ms is not None:
+                    self.queue.observe(max(0.0, m.queue_ms) / 1000)
                 if m.prefill_ms is not None:
                     self.prefill.observe(m.prefill_ms / 1000)
                 self.generated.inc(m.output_tokens)

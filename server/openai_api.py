@@ -2,11 +2,11 @@
 
 Owns: the HTTP flow of one API request (read the body, check it, pick its cache namespace,
 submit it to the engine, stream or collect its events, cut at stop strings) and the mapping
-of failures to OpenAI-shaped errors: 400 bad input, 404 unknown model, 429 queue full, 503
-not ready, 500 anything else, never a traceback. A client that goes away cancels its
-request. Requests go through the same engine as the page (tag ``"api"``), so they show in
-the live tree and charts. Knows nothing about Gradio: ``api_routes`` returns plain
-Starlette routes that ``app.py`` mounts ahead of the page's own routes.
+of failures to OpenAI-shaped errors: 400 bad input (naming the parameter), 404 unknown
+model, 503 queue full or not ready, 500 a fault of the server, never a traceback. A client
+that goes away cancels its request. Requests go through the same engine as the page (tag
+``"api"``), so they show in the live tree and charts. Knows nothing about Gradio:
+``api_routes`` returns plain Starlette routes that ``app.py`` mounts ahead of the page's own.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
 from engine.engine import Engine, RequestHandle
-from engine.types import EngineBusy, EngineError, GenerationEvent, GenerationRequest, RequestMetrics
+from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, GenerationRequest, RequestMetrics
 from server import openai_protocol as proto
 from server.cache_scope import CacheScope
 from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
@@ -76,16 +76,34 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def api_error(exc: BaseException) -> ApiError:
-    """Any failure as the error a client gets: a message for a person, no traceback."""
+def api_error(exc: BaseException, param: str | None = None) -> ApiError:
+    """Any failure as the error a client gets: a message for a person, no traceback.
+
+    Faults of the server are 5xx, so clients retry them and monitoring counts them:
+    ``EngineFault`` (the engine failed: a bug, out of memory) 500 ``server_error`` with one
+    log line, ``EngineBusy`` (the queue is full) 503 with ``Retry-After``, anything else
+    unexpected 500 with its traceback in the log. Only ``EngineError`` proper is the
+    request's fault: 400, naming ``param`` (the prompt or messages it was about)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, EngineBusy):
-        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full")
+        return ApiError(503, str(exc), "server_error", None, "queue_full")
+    if isinstance(exc, EngineFault):
+        log.error("API request failed in the engine: %s", exc)
+        return ApiError(500, f"The server failed on this request: {exc}"[:400], "server_error")
     if isinstance(exc, EngineError):
-        return ApiError(400, str(exc), "invalid_request_error")
+        return ApiError(400, str(exc), "invalid_request_error", param)
     log.exception("API request failed")
     return ApiError(500, f"The server failed on this request ({type(exc).__name__}).", "server_error")
+
+
+def completion_tokens(out: Outcome) -> int:
+    """What ``usage.completion_tokens`` says: the tokens the client got. Cut at a stop string,
+    those are the tokens streamed up to it (the engine may have generated one or two more
+    before it saw the cancel); else all the engine's output tokens (a remote backend may
+    send several per chunk, so the chunk count would be wrong)."""
+    assert out.metrics is not None
+    return min(len(out.token_ids), out.metrics.output_tokens) if out.stopped else out.metrics.output_tokens
 
 
 async def read_json(request: Request) -> object:
@@ -189,10 +207,13 @@ class OpenAIApi:
             assert self.state.scope is not None
             gen = GenerationRequest(messages=parsed.messages, prompt=parsed.prompt, prompt_ids=parsed.prompt_ids,
                                     sampling=parsed.sampling, namespace=self.state.scope.namespace(parsed.cache_salt),
-                                    tag=API_TAG)
-            handle = await run_in_threadpool(engine.submit, gen)  # tokenizing a long prompt takes a while
+                                    store=self.state.scope.store(parsed.cache_salt), tag=API_TAG)
         except Exception as exc:
             return error_response(api_error(exc))
+        try:
+            handle = await run_in_threadpool(engine.submit, gen)  # tokenizing a long prompt takes a while
+        except Exception as exc:  # bad input here is about the prompt: name it
+            return error_response(api_error(exc, "messages" if chat else "prompt"))
         model = self.state.model_name or ""
         if parsed.stream:
             return StreamingResponse(self._stream(handle, parsed, model, chat), media_type="text/event-stream",
@@ -208,7 +229,7 @@ class OpenAIApi:
             watcher.cancel()
         if out.metrics is None:
             return error_response(ApiError(500, "The request ended without a result.", "server_error"))
-        finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics)
+        finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics, completion_tokens(out))
         if chat:
             body = proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use)
         else:
@@ -249,7 +270,7 @@ class OpenAIApi:
                 raise ApiError(500, "The request ended without a result.", "server_error")
             yield chunk("", proto.finish_reason(out.metrics, out.stopped))
             if parsed.include_usage:
-                use = proto.usage(out.metrics)
+                use = proto.usage(out.metrics, completion_tokens(out))
                 yield sse(proto.chat_chunk(rid, model, {}, use=use) if chat
                           else proto.completion_chunk(rid, model, "", use=use))
         except Exception as exc:  # headers are sent: report in the stream, as vLLM does

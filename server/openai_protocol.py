@@ -55,6 +55,11 @@ class ParsedRequest:
 
 
 # ------------------------------------------------------------------ reading bodies
+def _plain(x: float) -> str:
+    """A bound as a person reads it: 2147483648, not 2.14748e+09; 0.01 stays 0.01."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
 def _number(body: dict, name: str, default: float | None, low: float, high: float,
             integer: bool = False) -> float | None:
     value = body.get(name)
@@ -65,7 +70,7 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     if integer and not float(value).is_integer():
         raise bad_request(f"'{name}' must be a whole number, not {value!r}.", name)
     if not low <= value <= high:
-        raise bad_request(f"'{name}' must be from {low:g} to {high:g}; got {value!r}.", name)
+        raise bad_request(f"'{name}' must be from {_plain(low)} to {_plain(high)}; got {value!r}.", name)
     return int(value) if integer else float(value)
 
 
@@ -105,10 +110,12 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
     if body.get("suffix") not in (None, ""):
         raise bad_request("'suffix' is not supported by this server.", "suffix")
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, limit_name, max_new_tokens_cap, 1, 2**31, integer=True)
-    if max_tokens > max_new_tokens_cap:
-        raise bad_request(f"'{limit_name}' is {max_tokens:,}; this server allows at most {max_new_tokens_cap:,} "
+    asked = body.get(limit_name)
+    if isinstance(asked, int | float) and not isinstance(asked, bool) and math.isfinite(asked) \
+            and asked > max_new_tokens_cap:
+        raise bad_request(f"'{limit_name}' is {asked:,}; this server allows at most {max_new_tokens_cap:,} "
                           "new tokens per request.", limit_name)
+    max_tokens = _number(body, limit_name, max_new_tokens_cap, 1, max_new_tokens_cap, integer=True)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     sampling = SamplingParams(
         max_new_tokens=int(max_tokens), temperature=_number(body, "temperature", 1.0, 0, 2),
@@ -204,10 +211,14 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(m: RequestMetrics) -> dict:
-    """Token counts as OpenAI and vLLM report them, with ``prompt_tokens_details.cached_tokens``."""
-    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
-            "total_tokens": m.prompt_tokens + m.output_tokens,
+def usage(m: RequestMetrics, completion_tokens: int) -> dict:
+    """Token counts as OpenAI and vLLM report them, with ``prompt_tokens_details.cached_tokens``.
+
+    ``completion_tokens`` is what the client got (the tokens up to and including the one that
+    completed a stop string), not ``m.output_tokens``: after a stop string the engine may
+    generate a token or two more before it sees the cancel, and those were never returned."""
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": m.prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
 
 

@@ -3,17 +3,20 @@
 Owns: the facade's surface (submit/run, stats, recent, snapshot, info, text methods), one
 thread per request that streams it from the backend (``server.backend_client``: token ids
 to ``/v1/completions``, time to first token measured here, cached tokens as the server
-reports them), the "without reuse" measurement (the same
-prompt again under a fresh random ``cache_salt``, which no server can have cached), and a
-*shadow* radix tree (``RadixTree`` with ``None`` values) of the token ids sent, so the tree
-view has something true to draw: what this dashboard sent, coloured by what the server said
-it reused. The server's own cache may be block-granular and evicts on its own; the shadow
+reports them), the "without reuse" measurement (the same prompt again under a fresh random
+``cache_salt`` and with ``cache_prompt: false``, which no server serves from its cache;
+none when it still reports cached tokens), and a *shadow* radix tree (``RadixTree`` with
+``None`` values) of the token ids sent, so the tree view has something true to draw: what
+this dashboard sent, coloured by what the server said it reused (bounded: past
+``shadow_tokens`` the least recently sent leaves go; requests sent with ``store=False`` are
+not drawn). The server's own cache may be block-granular and evicts on its own; the shadow
 tree cannot see that, and its memory and budget are unknown here (reported as 0 with
 ``RemoteEngineInfo.backend`` set, and the panels say "unknown").
 
 Namespaces become salts: a request's namespace (and an epoch that ``clear_cache`` bumps) is
 turned into a ``cache_salt`` with a secret of this process, so visitors stay apart on the
 backend too and a cleared namespace starts cold. ``PUBLIC`` sends no salt until cleared.
+llama.cpp ignores ``cache_salt``: in front of it visitors share the server's slots.
 
 Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
 Knows nothing about Gradio.
@@ -37,20 +40,28 @@ from engine.engine import FacadeBase
 from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
 from engine.request import DONE, RequestHandle
+from engine.snapshot_view import for_viewer, visible_to
 from engine.types import (
     EngineBusy,
     EngineError,
+    EngineFault,
     EngineInfo,
     EngineStats,
     GenerationEvent,
     GenerationRequest,
     NodeInfo,
     RequestMetrics,
+    StepRecord,
     TreeSnapshot,
 )
 from server.backend_client import BackendClient, StreamResult
 
 log = logging.getLogger(__name__)
+
+# The shadow tree keeps at most this many tokens, least recently sent evicted first: a long
+# session must not grow it without bound, and a server's own cache rarely holds more (llama.cpp
+# with 8 slots of 2,048 tokens holds 16,384). Node count, and so a snapshot's cost, stays bounded too.
+DEFAULT_SHADOW_TOKENS = 65_536
 
 @dataclass(frozen=True)
 class RemoteEngineInfo(EngineInfo):
@@ -98,7 +109,8 @@ class _ShadowCache:
 class RemoteEngine(FacadeBase):
     def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
                  max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
-                 timeout_s: float = 300.0, history_size: int = 1000) -> None:
+                 timeout_s: float = 300.0, history_size: int = 1000,
+                 shadow_tokens: int = DEFAULT_SHADOW_TOKENS) -> None:
         self.client = BackendClient(base_url, model, api_key, timeout_s)
         self.text = LocalTokenizer(tokenizer)
         self.isolation = isolation
@@ -108,6 +120,7 @@ class RemoteEngine(FacadeBase):
         self.max_new_tokens_cap = max_new_tokens_cap
         self.max_queue = max_queue
         self.tree = RadixTree()
+        self.shadow_tokens = max(1, int(shadow_tokens))  # the shadow tree's bound (LRU beyond it)
         self.cache = _ShadowCache(self.tree)
         self.cache_reported: bool | None = None  # None until the first answer says
         self._secret = secrets.token_bytes(16)
@@ -137,7 +150,7 @@ class RemoteEngine(FacadeBase):
             handle.events.put(exc)
         except Exception as exc:  # never a traceback for a visitor; one line in the log
             log.exception("remote request failed")
-            handle.events.put(EngineError(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
+            handle.events.put(EngineFault(f"The request to the backend failed: {type(exc).__name__}: {exc}"[:300]))
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -159,12 +172,15 @@ class RemoteEngine(FacadeBase):
         baseline_ms = None
         if req.measure_baseline and not handle.cancelled.is_set():
             # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
-            cold = self.client.stream(ids, req.sampling, 1, "cold-" + secrets.token_hex(12), handle.cancelled)
+            cold = self.client.stream(ids, req.sampling, 1, "cold-" + secrets.token_hex(12), handle.cancelled,
+                                      cold=True)
             while True:
                 try:
                     next(cold)
                 except StopIteration as done:
-                    baseline_ms = done.value.ttft_ms
+                    reused = done.value.usage.cached_tokens if done.value.usage else None
+                    # A "cold" run the server still served from its cache measures nothing: say so (None).
+                    baseline_ms = done.value.ttft_ms if not reused else None
                     break
         yield GenerationEvent(text=result.text, done=True, metrics=self._record(req, ids, result, baseline_ms))
 
@@ -178,10 +194,14 @@ class RemoteEngine(FacadeBase):
         kept = out_ids if res.finish == "stop" else out_ids[:-1]
         key = CacheKey(tuple(ids) + tuple(kept), req.namespace, 0)
         with self._lock:
-            # Prompt first, then prompt plus answer, as the local engine inserts them (same node splits).
-            existing = self.tree.insert(key.prefix(len(ids)), [None] * len(ids)).existing
-            self.tree.insert(key, [None] * len(key.ids))
+            existing = len(key.ids)
+            if req.store:  # store=False: nobody could reuse it (an unsalted API call), so nothing is drawn
+                # Prompt first, then prompt plus answer, as the local engine inserts them (same node splits).
+                existing = self.tree.insert(key.prefix(len(ids)), [None] * len(ids)).existing
+                self.tree.insert(key, [None] * len(key.ids))
             path = self.tree.match(CacheKey(tuple(ids[:cached]), req.namespace, 0), touch=False).path if cached else []
+            if self.tree.num_tokens > self.shadow_tokens:  # least recently sent first; the server evicts on its own
+                self.tree.evict(self.tree.num_tokens - self.shadow_tokens)
             self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
             rid = self._next_id
             self._next_id += 1
@@ -199,22 +219,22 @@ class RemoteEngine(FacadeBase):
 
     # ------------------------------------------------------------- state
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
-        """The shadow tree as plain data (no bytes: the server's memory is unknown here)."""
-        viewer = viewer if self.isolation else None
+        """The shadow tree as plain data (no bytes: the server's memory is unknown here). In
+        isolation mode ``viewer`` sees others' nodes as the local engine shows them
+        (``engine.snapshot_view``: one coarse "others" node per subtree, no text, hits or times)."""
         now = time.monotonic()
-        with self._lock:
-            infos = []
-            for node in self.tree.nodes():
-                hidden = viewer is not None and not (node.namespace == PUBLIC or node.namespace == viewer
-                                                     or node.namespace.startswith(viewer + "/"))
-                ids = () if hidden else tuple(node.key)
-                text = "" if hidden else self.decode(ids[:256]) + ("…" if len(ids) > 256 else "")
-                infos.append(NodeInfo(
-                    node_id=node.id, parent_id=node.parent.id if node.parent else 0, num_tokens=len(node.key),
-                    depth_tokens=node.depth_tokens(), num_bytes=0, lock_ref=0, hits=node.hits,
-                    last_access_s_ago=max(0.0, now - node.last_access),
-                    namespace=node.namespace if not hidden else "other", hidden=hidden, token_ids=ids, text=text))
-            return TreeSnapshot(tuple(infos), self.tree.num_tokens, 0, 0, 0, 0, 0)
+        with self._lock:  # the structure under the lock; text decoded outside it
+            nodes = [(node.id, node.parent.id if node.parent else 0, tuple(node.key), node.depth_tokens(),
+                      node.hits, max(0.0, now - node.last_access), node.namespace) for node in self.tree.nodes()]
+            num_tokens = self.tree.num_tokens
+        hide = viewer is not None and self.isolation
+        infos = tuple(NodeInfo(
+            node_id=nid, parent_id=pid, num_tokens=len(ids), depth_tokens=depth, num_bytes=0, lock_ref=0, hits=hits,
+            last_access_s_ago=ago, namespace=ns, hidden=False, token_ids=ids,
+            text="" if hide and not visible_to(ns, viewer) else self.decode(ids[:256]) + ("…" if len(ids) > 256 else ""))
+            for nid, pid, ids, depth, hits, ago, ns in nodes)
+        full = TreeSnapshot(infos, num_tokens, 0, 0, 0, 0, 0)
+        return for_viewer(full, viewer) if hide else full
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """This dashboard's totals over what it sent (``viewer`` is accepted for the local
@@ -222,6 +242,10 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
                                num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
+
+    def step_log(self, n: int | None = None) -> list[StepRecord]:
+        """The backend schedules its own forwards: there are none of this app's to show."""
+        return []
 
     def info(self) -> RemoteEngineInfo:
         return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
@@ -255,6 +279,15 @@ class RemoteEngine(FacadeBase):
 
     def check_backend(self) -> None:
         self.client.check()
+        if self.isolation and self.salts_ignored:
+            log.warning("The backend at %s is llama.cpp, which ignores cache_salt: visitors share its slots, so one "
+                        "visitor's prompt can show as cached tokens (and a faster first token) in another's. "
+                        "Isolation holds in this dashboard's tree only.", self.base_url)
+
+    @property
+    def salts_ignored(self) -> bool:
+        """True when the backend is known to ignore ``cache_salt`` (llama.cpp's server)."""
+        return self.client.owned_by == "llamacpp"
 
     @property
     def model(self) -> str:

@@ -132,8 +132,8 @@ def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, m
             "index": index, "line": record.line, "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
             "computed_tokens": m.computed_tokens, "prefill_ms": round(m.prefill_ms, 3),
             "baseline_prefill_ms": None if m.baseline_prefill_ms is None else round(m.baseline_prefill_ms, 3),
-            "ttft_ms": round(m.ttft_ms, 3), "output_text": m.output_text, "prompt_ids": m.prompt_ids,
-            "output_ids": m.output_ids, "cache_bytes": m.cache_bytes, "cache_budget_bytes": m.cache_budget_bytes,
+            "ttft_ms": None if m.ttft_ms is None else round(m.ttft_ms, 3), "output_text": m.output_text,
+            "prompt_ids": m.prompt_ids, "output_ids": m.output_ids, "cache_bytes": m.cache_bytes, "cache_budget_bytes": m.cache_budget_bytes,
             "evicted_tokens": m.evicted_tokens, "miss_cause": kind,
         }, ensure_ascii=False), file=out, flush=True)
         index += 1

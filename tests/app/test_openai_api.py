@@ -158,8 +158,8 @@ def test_without_a_salt_an_isolated_server_shares_nothing(tiny_runner):
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", "one choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, "stop", "strings"),
     ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}, "cache_salt", "non-empty"),
-    ({"messages": [{"role": "user", "content": "  "}]}, None, "empty"),
-    ({"messages": [{"role": "user", "content": "hi " * 5000}]}, None, "limit"),
+    ({"messages": [{"role": "user", "content": "  "}]}, "messages", "empty"),
+    ({"messages": [{"role": "user", "content": "hi " * 5000}]}, "messages", "limit"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
      "text"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model", "does not exist"),
@@ -187,7 +187,7 @@ def test_raw_bodies_that_are_not_json(shared):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_full_queue_answers_429(tiny_runner):
+def test_a_full_queue_answers_503(tiny_runner):
     engine = Engine(tiny_runner, max_queue=1, max_new_tokens_cap=8)
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=2))
     with served(engine) as url:
@@ -199,10 +199,10 @@ def test_a_full_queue_answers_429(tiny_runner):
                     time.sleep(0.05)
             except EngineBusy:
                 pass
-            with pytest.raises(openai.RateLimitError) as info:
+            with pytest.raises(openai.InternalServerError) as info:  # 503: the server is overloaded
                 client(url).chat.completions.create(model=engine.info().model_name,
                                                     messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-            assert info.value.response.json()["error"]["code"] == "queue_full"
+            assert info.value.status_code == 503 and info.value.response.json()["error"]["code"] == "queue_full"
             assert "busy" in info.value.response.json()["error"]["message"]
         for h in handles:
             assert list(h)[-1].done

@@ -18,6 +18,7 @@ import pytest
 
 import app
 from engine.engine import Engine
+from engine.radix_tree import CacheKey
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
 from server.remote_engine import RemoteEngine
@@ -58,8 +59,42 @@ def test_sglang_native_meta_info_and_openai_cache_report():
     assert parse_usage(fixture("sglang_chat_cache_report.json")) == BackendUsage(36, 3, 32)
 
 
-def test_llamacpp_timings_and_error_bodies():
-    assert parse_usage(fixture("llamacpp_completion.json")) == BackendUsage(40, 3, 36)
+def test_llamacpp_recorded_exchange():
+    """A real llama-server (scripts/llamacpp.py record): usage carries cached_tokens and timings.cache_n."""
+    chat = fixture("llamacpp_chat.json")
+    assert parse_usage(chat) == BackendUsage(48, 24, 0)  # the first turn: nothing cached yet
+    assert chat["timings"]["cache_n"] == 0 and parse_choice(chat).text.startswith("A radix tree")
+    turn2 = stream_chunks("llamacpp_chat_stream.txt")
+    assert parse_usage(turn2[-1]) == BackendUsage(91, 24, 71) == parse_usage({"timings": {"cache_n": 71,
+                                                                                           "prompt_n": 91,
+                                                                                           "predicted_n": 24}})
+    assert turn2[-1]["choices"] == [] and turn2[-1]["timings"]["cache_n"] == 71  # the first turn, from the slot
+    assert "".join(parse_choice(c).text for c in turn2[:-1] if parse_choice(c)) == \
+        "".join((c["choices"][0]["delta"].get("content") or "") for c in turn2[:-1])
+    sent = stream_chunks("llamacpp_completions_stream.txt")  # remote mode's request: token ids in, text out
+    assert parse_usage(sent[-1]) == BackendUsage(48, 8, 47)  # the chat's prompt, all but one token cached
+    assert parse_choice(sent[-1]).finish_reason == "length" and parse_choice(sent[-1]).text == ""
+    assert all(parse_choice(c).token_ids == () for c in sent)  # it ignores return_token_ids
+    models = fixture("llamacpp_models.json")
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+    metrics = (FIXTURES / "llamacpp_metrics.txt").read_text()
+    assert "llamacpp:prompt_tokens_cached_total" in metrics and "llamacpp:requests_processing" in metrics
+
+
+def test_remote_mode_reads_a_recorded_llamacpp_stream(tokenizer):
+    from scripts.llamacpp import SYSTEM as RECORDED_SYSTEM
+
+    asked = ({"role": "system", "content": RECORDED_SYSTEM}, {"role": "user", "content": "What is a radix tree?"})
+    with scripted_backend((FIXTURES / "llamacpp_completions_stream.txt").read_bytes(), finish=True) as url:
+        remote = RemoteEngine(url, "SmolLM2-135M-Instruct", tokenizer)
+        m = remote.run(GenerationRequest(messages=asked, sampling=SamplingParams(max_new_tokens=8)))
+    assert m.prompt_tokens == 48  # the recorded request's prompt, tokenized here as llama.cpp did there
+    assert m.cached_tokens_reported and m.cached_tokens == 47 and m.computed_tokens == 1
+    assert m.output_tokens == 8 and m.finish_reason == "length" and m.output_text.startswith("A radix tree")
+    assert m.output_ids == tokenizer.encode(m.output_text, add_special_tokens=False)
+
+
+def test_error_bodies():
     assert error_message(fixture("vllm_error.json")) == "The model `gpt-4` does not exist."
     assert error_message({"object": "error", "message": "flat", "type": "BadRequestError"}) == "flat"
     assert parse_usage({"usage": {"prompt_tokens": True}}) == BackendUsage(None, None, None)
@@ -285,3 +320,43 @@ def test_server_package_imports_no_ui():
     offenders = [f"{p.name}: {n}" for p in sorted((ROOT / "server").glob("*.py"))
                  for n in _imports(p) if n.split(".")[0] in UI_LIBS]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------ the shadow tree: bounded, one hiding rule
+def test_the_shadow_tree_is_bounded_least_recently_sent_first(tokenizer):
+    text = (FIXTURES / "vllm_completions_stream.txt").read_bytes()
+    with scripted_backend(text, finish=True) as url:
+        remote = RemoteEngine(url, "m", tokenizer, shadow_tokens=60)
+        prompts = [f"Prompt number {i}: " + "tell me about caches. " * 3 for i in range(12)]
+        for p in prompts:
+            remote.run(GenerationRequest(prompt=p, sampling=SamplingParams(max_new_tokens=2)))
+            assert remote.tree.num_tokens <= 60
+            remote.check_invariants()
+        last = remote.encode(prompts[-1])
+        assert remote.tree.match(CacheKey(tuple(last)), touch=False).length == len(last)  # the newest stays
+        first = remote.encode(prompts[0])
+        assert remote.tree.match(CacheKey(tuple(first)), touch=False).length < len(first)  # the oldest went
+        before = remote.tree.num_tokens
+        m = remote.run(GenerationRequest(prompt="Not worth keeping: nobody can reuse it.", store=False,
+                                         sampling=SamplingParams(max_new_tokens=2)))
+        assert m.inserted_tokens == 0 and remote.tree.num_tokens == before
+        assert remote.step_log() == []  # the backend schedules: no forwards of this app to draw
+
+
+def test_remote_snapshot_hides_others_by_the_local_rule(tokenizer):
+    from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
+
+    text = (FIXTURES / "vllm_completions_stream.txt").read_bytes()
+    with scripted_backend(text, finish=True) as url:
+        remote = RemoteEngine(url, "m", tokenizer, isolation=True)
+        for ns, prompt in (("v-a", "Visitor A's secret prompt"), ("v-b", "Visitor B's secret prompt, longer one"),
+                           ("v-b/lab", "Visitor B's lab prompt")):
+            remote.run(GenerationRequest(prompt=prompt, namespace=ns, sampling=SamplingParams(max_new_tokens=2)))
+        snap = remote.snapshot(viewer="v-a")
+    hidden = [n for n in snap.nodes if n.hidden]
+    assert len(hidden) == 1  # both of B's namespaces: one coarse "others" node under the root
+    assert hidden[0].num_tokens == HIDDEN_BUCKET_TOKENS and hidden[0].text == "" and hidden[0].hits == 0
+    assert hidden[0].last_access_s_ago == 0.0 and hidden[0].token_ids == ()
+    assert all("Visitor B" not in n.text for n in snap.nodes)
+    assert any("Visitor A" in n.text for n in snap.nodes if not n.hidden)
+    assert remote.snapshot().num_tokens == remote.tree.num_tokens  # no viewer: everything

@@ -100,3 +100,26 @@ def test_a_script_that_exits_right_after_an_answer_exits_cleanly():
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().endswith("3")
+
+
+def test_a_call_after_stop_raises_instead_of_waiting_forever():
+    from engine.types import EngineFault
+
+    ct = ComputeThread(name="stopping-compute")
+    assert ct.call(lambda: 1) == 1
+    ct.stop(join_timeout_s=5)
+    outcome: list[object] = []
+
+    def late_call() -> None:
+        try:
+            outcome.append(ct.call(lambda: 2))
+        except EngineFault as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=late_call, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    assert not t.is_alive(), "call() after stop() blocked"
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineFault)
+    assert "stopping-compute" in str(outcome[0]) and "stopped" in str(outcome[0])
+    ct.stop()  # twice: harmless

@@ -42,3 +42,52 @@ def test_mixed_forward_colours_each_request_by_its_work():
 def test_empty_timeline_says_so():
     fig = timeline_figure([])
     assert "No forwards yet" in fig.layout.annotations[0].text
+
+
+def test_other_visitors_token_counts_are_coarse_in_isolation(tiny_runner):
+    """The tree's rule on the timeline: a forward that served another visitor shows its token
+    counts only in 256-token buckets; the viewer's own forwards alone stay exact."""
+    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+    reqs = [GenerationRequest(prompt_ids=tuple(range(30 + i, 67 + i)), namespace=ns,
+                              sampling=SamplingParams(max_new_tokens=3)) for i, ns in enumerate(["v-me", "v-you"])]
+    with tiny_runner.lock:
+        handles = [engine.submit(r) for r in reqs]
+    for h in handles:
+        list(h)
+    alone = engine.run(GenerationRequest(prompt_ids=tuple(range(100, 137)), namespace="v-me",
+                                         sampling=SamplingParams(max_new_tokens=2)))
+    steps = engine.step_log()
+    shared = [r for r in steps if set(r.namespaces) == {"v-me", "v-you"}]
+    own = [r for r in steps if set(r.namespaces) == {"v-me"} and alone.request_id in r.request_ids]
+    assert shared and own
+    texts = [t for trace in timeline_figure(steps, namespace="v-me").data for t in trace.hovertext]
+
+    def shown(rec) -> list[str]:
+        return [t for t in texts if f" in step {rec.step_id}," in t]
+
+    for rec in shared:
+        assert shown(rec) and all("≤256 tokens computed" in t for t in shown(rec)), shown(rec)
+        assert not any(f"<br>{rec.computed_tokens:,} tokens computed" in t for t in shown(rec))
+    for rec in own:
+        assert all(f"<br>{rec.computed_tokens:,} tokens computed" in t for t in shown(rec))
+    text = scheduler_markdown(engine, steps, "v-me")
+    total = sum(r.computed_tokens for r in steps)
+    assert "≤256 computed" in text or "≤512 computed" in text
+    assert f"| {total:,} computed" not in text
+    # Shared mode (isolation off): nothing is private, everything exact.
+    assert f"| {total:,} computed" in scheduler_markdown(engine, steps, None)
+
+
+def test_reserved_kv_of_everyone_is_coarse_in_isolation():
+    from types import SimpleNamespace
+
+    from engine.types import EngineStats
+
+    bpt = 46_080
+    stats = EngineStats(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0,
+                        baseline_prefill_ms=0, reuse_prefill_ms_measured=0, cache_bytes=0, budget_bytes=2**30,
+                        cached_tokens_now=0, num_nodes=0, evicted_tokens=0, queue_depth=0, reserved_bytes=37 * bpt)
+    engine = SimpleNamespace(stats=lambda: stats, info=lambda: SimpleNamespace(kv_bytes_per_token=bpt))
+    assert f"| {37 * bpt / 2**20:.1f} MiB of the" in scheduler_markdown(engine, [], None)
+    coarse = scheduler_markdown(engine, [], "v-me")
+    assert f"≤{256 * bpt / 2**20:.1f} MiB of the" in coarse and f"{37 * bpt / 2**20:.1f} MiB" not in coarse
