@@ -216,6 +216,10 @@ class CacheFigures:
     cached_tokens_now: int
     num_nodes: int
     evicted_tokens: int
+    # everyone's, shown only where the cache is shared (not per viewer in isolation mode)
+    tree_bytes: int = 0
+    running_bytes: int = 0
+    shared_tokens: int = 0
 
 
 def cache_figures(engine: Engine, viewer: str | None) -> CacheFigures:
@@ -225,6 +229,7 @@ def cache_figures(engine: Engine, viewer: str | None) -> CacheFigures:
     one instead (others' tokens coarse, the same rule). Shared or remote: ``engine.stats()``."""
     if viewer is None or not engine.isolation or getattr(engine.info(), "backend", ""):
         s = engine.stats(viewer)
-        return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens)
+        return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens,
+                            s.tree_bytes, s.running_bytes, s.shared_tokens)
     snap = shared_snapshot(engine, viewer)
     return CacheFigures(snap.num_bytes, snap.budget_bytes, snap.num_tokens, len(snap.nodes), snap.evicted_tokens)

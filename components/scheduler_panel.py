@@ -111,7 +111,7 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str |
     exact = all(_exact(r, namespace, set(my_ids)) for r in steps)
     computed = _tokens(sum(r.computed_tokens for r in steps), exact)
     cached = _tokens(sum(r.cached_tokens for r in steps), exact)
-    reserved = f"{s.running_bytes / 2**20:.1f} MiB (their own tokens; cached prefixes are read in place)"
+    reserved = f"{s.running_bytes / 2**20:.1f} MiB"
     bpt = getattr(engine.info(), "kv_bytes_per_token", 0)
     if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
         tokens = -(-s.running_bytes // bpt)
@@ -124,7 +124,8 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str |
         f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
         f"over the last {len(decodes)} decodes |",
         f"| tokens in the shown forwards | {computed} computed, {cached} served from the cache |",
-        f"| KV held for running requests | {reserved} of the {s.budget_bytes / 2**20:.0f} MiB budget |",
+        f"| KV held for running requests | {reserved} of the {s.budget_bytes / 2**20:.0f} MiB budget (their own "
+        "tokens: cached prefixes are read in place, never copied) |",
     ])
 
 

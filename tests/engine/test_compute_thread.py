@@ -59,8 +59,9 @@ def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkey
         seen.add(threading.current_thread().name)
         return original(self, pool, segments)
 
-    monkeypatch.setattr(type(tiny_runner), "forward_paged",
-                        lambda self, pool, segments: self.compute.call(spy, self, pool, segments))
+    # On the instance: an earlier test's monkeypatch may have left a bound method there.
+    monkeypatch.setattr(tiny_runner, "forward_paged",
+                        lambda pool, segments: tiny_runner.compute.call(spy, tiny_runner, pool, segments))
     engine = Engine(tiny_runner, max_batch=4)
     req = GenerationRequest(prompt="hello there", sampling=SamplingParams(max_new_tokens=4))
     handles = [engine.submit(req) for _ in range(3)]
