@@ -47,6 +47,13 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
             f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |",
             rate_row.replace("from the cache;", "reported cached by the server;"),
         ])
+    full = engine.stats()  # the tier's figures are everyone's (in isolation mode it holds shipped content only)
+    tier = [] if not full.tier_kind else [
+        f"| second tier ({full.tier_kind}) | **{fmt_bytes(full.tier_bytes)}** of {fmt_bytes(full.tier_budget_bytes)} in "
+        f"{full.tier_chunks:,} chunks of evicted KV{' (shipped content only)' if engine.isolation else ''} |",
+        f"| loads vs recomputes | {full.tier_loaded_tokens:,} tokens loaded back instead of recomputed "
+        f"({fmt_bytes(full.tier_bytes_read)} read); {full.tier_spilled_tokens:,} tokens written "
+        f"({fmt_bytes(full.tier_bytes_written)}) |"]
     held = [] if engine.isolation else [
         f"| held by the tree (cached prefixes) | {fmt_bytes(s.tree_bytes)} |",
         f"| held by running requests (their own tokens) | {fmt_bytes(s.running_bytes)}; cached prefixes are read "
@@ -56,6 +63,7 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
         f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}): all the KV the "
         "engine holds |",
         *held,
+        *tier,
         f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",

@@ -296,6 +296,10 @@ class Engine(FacadeBase):
                     tier_bytes_read=tier.bytes_read, tier_bytes_written=tier.bytes_written,
                     tier_kind="disk" if isinstance(tier, kv_tier.DiskStore) else "host memory")
 
+    def offload_cache(self) -> int:
+        """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
+        return self.runner.compute.call(self.cache.offload)
+
     def persist_cache(self) -> int:
         """Write what the cache holds to the second tier (a restart then finds it); chunks written."""
         return self.runner.compute.call(self.cache.persist) if self.tier is not None else 0

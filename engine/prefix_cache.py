@@ -352,6 +352,14 @@ class RadixCache:
                 return 0
             return self._load(key, cached, chunks)
 
+    def offload(self) -> int:
+        """Evict every unlocked entry to the second tier (for benchmarks and tests); tokens evicted."""
+        with self._lock:
+            removed: list[Node] = []
+            freed = self.tree.evict(self.tree.num_tokens, removed=removed)
+            self._evicted(removed, freed)
+            return len(freed)
+
     def persist(self) -> int:
         """Write every cached chunk to the second tier (for a restart); returns chunks written."""
         if self.tier is None:

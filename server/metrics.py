@@ -65,6 +65,11 @@ class _StatsCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "cached_tokens"),
             ("requests", "Requests finished.", "requests"),
             ("evicted_tokens", "Tokens evicted from the prefix cache.", "evicted_tokens"),
+            ("tier_loaded_tokens", "Tokens loaded back from the second tier instead of recomputed.",
+             "tier_loaded_tokens"),
+            ("tier_spilled_tokens", "Tokens written to the second tier.", "tier_spilled_tokens"),
+            ("tier_read_bytes", "Bytes read back from the second tier.", "tier_bytes_read"),
+            ("tier_written_bytes", "Bytes written to the second tier.", "tier_bytes_written"),
         )
         for name, doc, field in counters:
             value = _first(stats, (field,))
@@ -76,6 +81,8 @@ class _StatsCollector(Collector):
             ("cache_bytes", "Bytes of KV held in the pool: the tree's and running requests' own.", ("cache_bytes",)),
             ("kv_tree_bytes", "Bytes of KV held by the radix tree (cached prefixes).", ("tree_bytes",)),
             ("kv_running_bytes", "Bytes of KV held by running requests themselves (not shared).", ("running_bytes",)),
+            ("tier_bytes", "Bytes of KV kept in the second tier (disk or host memory).", ("tier_bytes",)),
+            ("tier_budget_bytes", "The second tier's budget in bytes.", ("tier_budget_bytes",)),
             ("kv_shared_tokens", "Cached tokens read by more than one running request now.", ("shared_tokens",)),
             ("cache_budget_bytes", "The prefix cache's budget in bytes.", ("budget_bytes",)),
             ("cache_tokens", "Tokens held by the prefix cache.", ("cached_tokens_now",)),

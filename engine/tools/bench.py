@@ -9,6 +9,9 @@ For each cached-prefix size, all in one process and interleaved per repeat:
 - engine: the scheduler's prefill path on a warm cache (``Engine.prefill_in_pool``):
   tree match and lock, the prefix's KV read in place from the pool, the suffix
   forward into pool slots of the request's own, which then pass to the tree;
+- tier: the same serving path after the prefix was evicted to the second tier
+  (disk chunks on a CPU, host memory on a GPU): loading it back into the pool
+  instead of recomputing it, then the suffix forward;
 - ideal: the same suffix forward on a ready-made ``DynamicCache`` holding the
   prefix (no tree, no pool, no copy beyond what ``DynamicCache`` itself does);
 - tree: the pure radix-tree work of one hit (match + insert), as a share of
@@ -34,6 +37,7 @@ import time
 import torch
 
 from engine.engine import Engine
+from engine.kv_tier import CHUNK_TOKENS
 from engine.radix_tree import CacheKey, RadixTree
 from engine.types import GenerationRequest, SamplingParams
 
@@ -112,6 +116,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     prefix = torch.randint(10, vocab, (prefix_len,), generator=gen).tolist()
     suffixes = [torch.randint(10, vocab, (suffix_len,), generator=gen).tolist() for _ in range(repeats + 1)]
     greedy_suffix = torch.randint(10, vocab, (suffix_len,), generator=gen).tolist()
+    tier_suffixes = [torch.randint(10, vocab, (suffix_len,), generator=gen).tolist() for _ in range(repeats + 1)]
 
     # Warm the cache with the prefix, and keep its KV for the ideal path.
     kv = runner.new_request_kv(prefix_len + 1)
@@ -123,7 +128,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
                                               kv.v[i, :, :prefix_len].unsqueeze(0).clone())
                                              for i in range(runner.num_layers)])
 
-    full, eng, ideal, tree_ms, max_diff = [], [], [], [], 0.0
+    full, eng, ideal, tree_ms, tier, max_diff = [], [], [], [], [], 0.0
     for r, suffix in enumerate(suffixes):
         ids = prefix + suffix
         # full prefill, no reuse
@@ -134,6 +139,14 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
         assert res.cached_tokens == prefix_len, res.cached_tokens
         eng.append(res.prefill_ms)
         max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits, ref_logits))
+        if engine.tier is not None:  # the prefix out of the pool, into the second tier, and back
+            engine.offload_cache()
+            tier_ids = prefix + tier_suffixes[r]
+            res = engine.prefill_in_pool(CacheKey(tuple(tier_ids)))
+            assert res.cached_tokens == prefix_len // CHUNK_TOKENS * CHUNK_TOKENS, res.cached_tokens
+            tier.append(res.prefill_ms)
+            max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits,
+                                                         runner.baseline_prefill(tier_ids)[0]))
         ideal.append(runner.compute.call(_ideal_ms, runner, prefix_kv, prefix_len, suffix))
         # pure tree work of one hit: match the prefix, insert the new suffix
         tree = RadixTree()
@@ -143,7 +156,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
         tree.insert(CacheKey(tuple(ids)), [None] * len(ids))
         tree_ms.append((time.perf_counter() - t0) * 1000)
         if r == 0:  # first round warms kernels for these shapes; not counted
-            full, eng, ideal, tree_ms = [], [], [], []
+            full, eng, ideal, tree_ms, tier = [], [], [], [], []
     same, compared = greedy_agreement(engine, prefix + greedy_suffix, greedy_tokens) if greedy_tokens else (0, 0)
     med = statistics.median
     row = dict(cached=prefix_len, suffix=suffix_len, dtype=str(runner.dtype).replace("torch.", ""),
@@ -153,19 +166,23 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     row["speedup"] = row["full_ms"] / row["engine_ms"]
     row["overhead"] = row["engine_ms"] / row["ideal_ms"] - 1
     row["tree_share"] = row["tree_ms"] / row["engine_ms"]
+    row["tier_ms"] = med(tier) if tier else None
     return row
 
 
 def format_table(rows: list[dict], title: str) -> str:
     lines = [title, "",
              "| cached tokens | + suffix | dtype | full prefill | engine (reuse) | ideal | speedup vs full | engine "
-             "overhead vs ideal | tree match+insert | max logit diff | greedy tokens same with/without reuse |",
-             "|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "overhead vs ideal | tree match+insert | max logit diff | greedy tokens same with/without reuse "
+             "| second tier: load + suffix | tier vs recompute |",
+             "|---:|---:|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['cached']:,} | {r['suffix']} | {r.get('dtype', '')} | {r['full_ms']:,.0f} ms | "
                      f"{r['engine_ms']:,.1f} ms | {r['ideal_ms']:,.1f} ms | {r['speedup']:.1f}x | "
                      f"{r['overhead']:+.1%} | {r['tree_ms']:.2f} ms ({r['tree_share']:.2%}) | "
-                     f"{r['max_logit_diff']:.1e} | {r.get('greedy_same', 0)} of {r.get('greedy_tokens', 0)} |")
+                     f"{r['max_logit_diff']:.1e} | {r.get('greedy_same', 0)} of {r.get('greedy_tokens', 0)} | "
+                     + (f"{r['tier_ms']:,.1f} ms | {r['full_ms'] / r['tier_ms']:.1f}x |" if r.get("tier_ms") else
+                        "- | - |"))
     return "\n".join(lines)
 
 
@@ -200,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="one dtype (auto, float32, bfloat16, float16)")
     p.add_argument("--dtypes", default=None, help="several, side by side in one run, e.g. float32,bfloat16")
+    p.add_argument("--no-tier", action="store_true", help="skip the second-tier row (disk on CPU, host memory on GPU)")
     args = p.parse_args(argv)
     from engine.model_loader import ModelLoadError, load_model
     from engine.model_runner import ModelRunner
@@ -213,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         except ModelLoadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        engine = Engine(runner, budget_bytes=(sum(sizes) + (args.repeats + 3) * args.suffix * len(sizes)
-                                              + (args.greedy_tokens + 64) * len(sizes)) * runner.kv_bytes_per_token)
+        import tempfile
+
+        tier_dir = None if runner.device.type != "cpu" or args.no_tier else tempfile.mkdtemp(prefix="radix-tier-")
+        engine = Engine(runner, budget_bytes=(sum(sizes) + (args.repeats + 3) * args.suffix * len(sizes) * 2
+                                              + (args.greedy_tokens + 64) * len(sizes)) * runner.kv_bytes_per_token,
+                        tier_bytes=0 if args.no_tier else 4 * 2**30, tier_dir=tier_dir)
         for size in sizes:
             print(f"benchmarking {size} cached + {args.suffix} new tokens, {dtype} ...", file=sys.stderr, flush=True)
             rows.append(bench_size(engine, size, args.suffix, args.repeats, greedy_tokens=args.greedy_tokens))
@@ -231,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                  else f"{dev.type}, {torch.get_num_threads()} threads")
         titles.append(f"{runner.name}, {where}")
         engine.close()
+        if tier_dir is not None:
+            import shutil
+
+            shutil.rmtree(tier_dir, ignore_errors=True)
         runner.close()  # its compute thread (and OpenMP pool) ends before the next dtype's starts
         del engine, runner
     print(format_table(rows, "; ".join(dict.fromkeys(titles))))

@@ -21,6 +21,16 @@ def test_bench_rows_on_tiny_model(tiny_runner):
     assert "| 64 | 8 | float32 |" in table and "| 6 of 6 |" in table
 
 
+def test_bench_tier_row_loads_the_prefix_back_exactly(tiny_runner, tmp_path):
+    engine = Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**26,
+                    tier_dir=str(tmp_path))
+    row = bench_size(engine, 128, 8, repeats=2, greedy_tokens=0)
+    assert row["tier_ms"] > 0 and row["max_logit_diff"] < 1e-4
+    assert engine.stats().tier_loaded_tokens >= 2 * 128
+    assert "x |" in format_table([row], "tiny").splitlines()[-1]
+    engine.check_invariants()
+
+
 def test_fp32_and_bf16_side_by_side_in_one_run(tiny_runner, tiny_runner_bf16, monkeypatch, capsys):
     """``--dtypes float32,bfloat16`` loads the model once per dtype and prints both, plus the comparison."""
     runners = {"float32": tiny_runner, "bfloat16": tiny_runner_bf16}
