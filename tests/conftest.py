@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RADIX_DISK_CACHE_MB", "0")  # no second tier unless a test asks: runs must not share disk state
 
 import pytest
 import torch
