@@ -414,3 +414,10 @@ class Engine(FacadeBase):
                 finished_at=time.time(), batch_size_max=max(sizes), batch_size_mean=sum(sizes) / len(sizes),
                 prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step)
             return self._add_record(m)
+
+    def prefill_timer(self):
+        """Fair prefill timings on this engine (``engine.prefill_timing.PrefillTimer``): with and
+        without reuse back to back, the warm start of shipped prefixes, the growth curve. One per engine."""
+        from engine.prefill_timing import timer_for
+
+        return timer_for(self)
