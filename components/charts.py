@@ -127,3 +127,28 @@ def speedup_scatter(history: Sequence[RequestMetrics], height: int = 340) -> go.
     fig.update_layout(xaxis=dict(title="tokens served from cache", rangemode="tozero"),
                       yaxis=dict(title="speedup (×)", rangemode="tozero"))
     return fig
+
+
+def growth_figure(points: Sequence, device: str = "", height: int = 340, note: str = "") -> go.Figure:
+    """Prefill time with and without reuse against the cached length (``GrowthPoint``s of
+    ``engine.prefill_timing``), on a log-log scale so 256 and 4,096 tokens both read."""
+    title = f"Prefill with and without reuse against cached length{f' ({device})' if device else ''}"
+    if not points:
+        return empty_figure(note or "Not measured yet", height, title)
+    fig = _figure(height, title)
+    x = [p.cached_tokens for p in points]
+    info = [[p.suffix_tokens, p.speedup, p.pairs] for p in points]
+    tmpl = ("%{x:,} cached + %{customdata[0]} new tokens: %{y:,.0f} ms<br>reuse %{customdata[1]:.1f}× faster "
+            "(%{customdata[2]} pair(s))<extra>%{fullData.name}</extra>")
+    fig.add_trace(go.Scatter(x=x, y=[p.full_ms for p in points], name="without reuse (every token computed)",
+                             mode="lines+markers", line=dict(color=BASELINE_COLOR, width=3), customdata=info,
+                             hovertemplate=tmpl))
+    fig.add_trace(go.Scatter(x=x, y=[p.reuse_ms for p in points], name="with reuse (cached part copied)",
+                             mode="lines+markers+text", line=dict(color=CACHED_COLOR, width=3), customdata=info,
+                             hovertemplate=tmpl, text=[f"{p.speedup:.0f}×" if p.speedup >= 10 else f"{p.speedup:.1f}×"
+                                                       for p in points],
+                             textposition="bottom center", textfont=dict(size=11, color="#15803d")))
+    fig.update_xaxes(title_text="tokens served from the cache", type="log", tickvals=x,
+                     ticktext=[f"{v:,}" for v in x])
+    fig.update_yaxes(title_text="prefill ms", type="log")
+    return fig
