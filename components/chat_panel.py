@@ -75,6 +75,7 @@ def start_hint(engine: Engine, name: str) -> str:
     return hint + (f"  \n{note}" if note else "")
 
 
+SETTLE_S = 0.5  # between the answer and its paired timing, so the page's redraw of the answer is over
 CUSTOM_HINT = ("**Your own system prompt:** type it, then ask two questions one after the other. The second reuses "
                "your system prompt and the first exchange from the cache.")
 
@@ -176,8 +177,13 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
             history[-1] = {"role": "assistant", "content": answer}
             if metrics is not None:
                 final = metrics
-                numbers = (turn_markdown(metrics, None, running=wants_timing(metrics)) if timer is not None
-                           else metrics_markdown(metrics, skipped))
+                if timer is not None and wants_timing(metrics):
+                    # The metrics state (which redraws the side cards and the tree) waits for the timing:
+                    # those redraws would otherwise run on the same cores as the two prefills.
+                    yield (history, "", highlighted_prompt(engine, metrics), turn_markdown(metrics, None, running=True),
+                           gr.skip(), gr.skip())
+                    continue
+                numbers = turn_markdown(metrics, None) if timer is not None else metrics_markdown(metrics, skipped)
                 yield history, "", highlighted_prompt(engine, metrics), numbers, metrics, None
             else:  # the status only when it changes, not once per token
                 yield history, "", gr.skip(), status if status != shown else gr.skip(), gr.skip(), gr.skip()
@@ -188,10 +194,12 @@ def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tok
         return
     if timer is None or final is None or not wants_timing(final):
         return
+    time.sleep(SETTLE_S)  # the page draws the answer first
     try:
         timing = timer.time_pairs(engine.cache_key(list(req.prompt_ids), req), final.cached_tokens)
     except EngineError as exc:
         warn(exc)
+        yield history, "", gr.skip(), turn_markdown(final, None), final, None
         return
     # Every output again (not skips): an API client's result is the last message.
     yield history, "", highlighted_prompt(engine, final), turn_markdown(final, timing), final, (final.request_id, timing)

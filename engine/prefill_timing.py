@@ -19,7 +19,9 @@ Both sides run the same forward (``runner.forward_last`` on a request buffer),
 scheduler's steps (other visitors' streams) run between blocks and no call
 holds the model for long. Only the calls are timed: the time others' steps
 take in between is not counted on either side. Pairs alternate which side goes
-first; the pair shown is the median pair by ratio. Nothing here changes the
+first, the no-reuse side first (whatever still runs when a timing starts lands on
+the long side, not on the short one it would swamp); the pair shown is the median
+pair by ratio. Nothing here changes the
 cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the
 scratch buffers are dropped.
 """
@@ -260,11 +262,11 @@ class PrefillTimer:
                     reuse_ms, copied = self._timed_prefill(key, cached)
                     full_ms = memo[0]
                 elif i % 2 == 0:  # alternate which side goes first: drift lands on both
-                    reuse_ms, copied = self._timed_prefill(key, cached)
                     full_ms, _ = self._timed_prefill(key, 0)
+                    reuse_ms, copied = self._timed_prefill(key, cached)
                 else:
-                    full_ms, _ = self._timed_prefill(key, 0)
                     reuse_ms, copied = self._timed_prefill(key, cached)
+                    full_ms, _ = self._timed_prefill(key, 0)
                 done.append(PrefillPair(reuse_ms, full_ms))
         finally:
             self._busy.release()
