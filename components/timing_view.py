@@ -48,9 +48,10 @@ def how_measured(t: PrefillTiming) -> str:
                 f"shipped prompt and a {t.prompt_tokens:,}-token prompt (every token computed{blocks}, median of "
                 f"{plural(t.full_runs, 'run')}) and reused since, so that a public page does not prefill it again "
                 "for every visitor.")
+    runs = f"; each pair's with-reuse figure is the median of {t.reuse_runs} runs" if t.reuse_runs > 1 else ""
     return (f"Both timed after the answer, back to back on the model's thread, on the same {t.prompt_tokens:,} "
             f"tokens: {t.cached_tokens:,} copied from the cache then the rest computed, against every token "
-            f"computed{blocks}. Median of {plural(len(t.pairs), 'pair')} ({ratios}).")
+            f"computed{blocks}. Median of {plural(len(t.pairs), 'pair')} ({ratios}){runs}.")
 
 
 def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = False) -> str:
@@ -60,7 +61,10 @@ def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = Fa
     paired = t is not None and t.full_ms is not None
     reuse_ms = t.reuse_ms if paired else None
     full_ms = t.full_ms if paired else None
-    compared = reuse_words(m.cached_tokens, m.prompt_tokens, full_ms, reuse_ms or 0) if paired else "–"
+    if reuse_is_noise(m.cached_tokens, m.prompt_tokens):
+        compared = "nothing reused" if m.cached_tokens == 0 else "too little reused"
+    else:
+        compared = reuse_words(m.cached_tokens, m.prompt_tokens, full_ms, reuse_ms or 0) if paired else "–"
     decode = f"{m.decode_tokens_per_s:.1f} tok/s" if m.decode_tokens_per_s else "–"
     lines = []
     if m.finish_reason == "cancelled":

@@ -20,8 +20,10 @@ scheduler's steps (other visitors' streams) run between blocks and no call
 holds the model for long. Only the calls are timed: the time others' steps
 take in between is not counted on either side. Pairs alternate which side goes
 first, the no-reuse side first (whatever still runs when a timing starts lands on
-the long side, not on the short one it would swamp); the pair shown is the median
-pair by ratio. Nothing here changes the
+the long side, not on the short one it would swamp). The reuse side is a fraction
+of the other and a burst of someone else's work swamps it, so its figure in a pair
+is the median of ``reuse_runs`` runs in a row. The pair shown is the median pair
+by ratio. Nothing here changes the
 cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the
 scratch buffers are dropped.
 """
@@ -56,6 +58,7 @@ class TimingPolicy:
     prompt length; only the reuse side is measured again."""
 
     pairs: int = 3
+    reuse_runs: int = 3  # the reuse side of a pair is the median of this many runs (short, so noise-prone)
     max_tokens: int = 16_384
     block_tokens: int = 512
     memo_min_tokens: int | None = None
@@ -101,6 +104,7 @@ class PrefillTiming:
     full_from_memo: bool = False
     full_runs: int = 0
     block_tokens: int = 0
+    reuse_runs: int = 1  # runs behind each pair's reuse figure (their median)
     skipped: str | None = None
 
     @property
@@ -247,26 +251,35 @@ class PrefillTimer:
         wanted = max(1, pairs or self.policy.pairs)
         mk = self._memo_key(key)
         memo = self._memo_get(mk)
-        per_pair = (n - cached) + (0 if memo else n)
+        reps = max(1, self.policy.reuse_runs)
+        per_pair = reps * (n - cached) + (0 if memo else n)
         runs = min(wanted, self.policy.max_tokens // per_pair)
         if runs < 1:
             return replace(base, skipped=f"one pair would run {per_pair:,} tokens through the model, over the "
                                          f"{self.policy.max_tokens:,} a timing may cost here")
         if not self._busy.acquire(timeout=self.policy.wait_s):
             return replace(base, skipped="other timings were running; try again in a moment")
+        copied = cached
+
+        def reuse_side() -> float:
+            nonlocal copied
+            times = []
+            for _ in range(reps):
+                ms, copied = self._timed_prefill(key, cached)
+                times.append(ms)
+            return _median(times)
+
         try:
             done: list[PrefillPair] = []
-            copied = cached
             for i in range(runs):
                 if memo:
-                    reuse_ms, copied = self._timed_prefill(key, cached)
-                    full_ms = memo[0]
+                    reuse_ms, full_ms = reuse_side(), memo[0]
                 elif i % 2 == 0:  # alternate which side goes first: drift lands on both
-                    full_ms, _ = self._timed_prefill(key, 0)
-                    reuse_ms, copied = self._timed_prefill(key, cached)
+                    full_ms = self._timed_prefill(key, 0)[0]
+                    reuse_ms = reuse_side()
                 else:
-                    reuse_ms, copied = self._timed_prefill(key, cached)
-                    full_ms, _ = self._timed_prefill(key, 0)
+                    reuse_ms = reuse_side()
+                    full_ms = self._timed_prefill(key, 0)[0]
                 done.append(PrefillPair(reuse_ms, full_ms))
         finally:
             self._busy.release()
@@ -274,11 +287,12 @@ class PrefillTimer:
         if memo:
             full_ms, measured_at, full_runs = memo
             return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=_median([p.reuse_ms for p in done]),
-                           full_ms=full_ms, full_measured_at=measured_at, full_from_memo=True, full_runs=full_runs)
+                           full_ms=full_ms, full_measured_at=measured_at, full_from_memo=True, full_runs=full_runs,
+                           reuse_runs=reps)
         now = time.time()
         self._memo_put(mk, (_median([p.full_ms for p in done]), now, len(done)))
         return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=best.reuse_ms, full_ms=best.full_ms,
-                       full_measured_at=now, full_runs=len(done))
+                       full_measured_at=now, full_runs=len(done), reuse_runs=reps)
 
     # ---------------------------------------------------------- warm start
     def warm(self, prefixes: Sequence[tuple[str, CacheKey]]) -> tuple[WarmPrefix, ...]:

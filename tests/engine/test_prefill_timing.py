@@ -72,7 +72,7 @@ def test_pairs_time_both_sides_on_the_same_prompt_and_leave_the_cache_alone(engi
     assert cached >= 120
     before = shape(engine)
     spy = Spy(tiny_runner, monkeypatch)
-    timer = PrefillTimer(engine, TimingPolicy(pairs=3, block_tokens=64))
+    timer = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, block_tokens=64))
     t = timer.time_pairs(key, cached)
     assert t.skipped is None and len(t.pairs) == 3 and t.full_runs == 3
     assert t.prompt_tokens == len(key.ids) and t.cached_tokens == cached
@@ -97,9 +97,20 @@ def test_sides_alternate_which_goes_first(engine, tiny_runner, monkeypatch):
     key, cached = run(engine, rand_ids(4, 80, vocab))
     key, cached = run(engine, list(key.ids) + rand_ids(5, 8, vocab))
     spy = Spy(tiny_runner, monkeypatch)
-    PrefillTimer(engine, TimingPolicy(pairs=4, block_tokens=1024)).time_pairs(key, cached)
+    PrefillTimer(engine, TimingPolicy(pairs=4, reuse_runs=1, block_tokens=1024)).time_pairs(key, cached)
     sides = ["reuse" if c[1] > 0 else "full" for c in spy.calls]
     assert sides == ["full", "reuse", "reuse", "full", "full", "reuse", "reuse", "full"]
+
+
+def test_the_reuse_side_of_a_pair_is_the_median_of_several_runs(engine, tiny_runner, monkeypatch):
+    vocab = len(tiny_runner.tokenizer)
+    key, cached = run(engine, rand_ids(21, 80, vocab))
+    key, cached = run(engine, list(key.ids) + rand_ids(22, 8, vocab))
+    spy = Spy(tiny_runner, monkeypatch)
+    t = PrefillTimer(engine, TimingPolicy(pairs=2, reuse_runs=3, block_tokens=1024)).time_pairs(key, cached)
+    sides = ["reuse" if c[1] > 0 else "full" for c in spy.calls]
+    assert sides == ["full"] + ["reuse"] * 3 + ["reuse"] * 3 + ["full"]
+    assert t.reuse_runs == 3 and len(t.pairs) == 2
 
 
 def test_the_median_pair_is_a_measured_pair():
@@ -114,9 +125,9 @@ def test_cost_is_bounded(engine, tiny_runner):
     key, cached = run(engine, list(key.ids) + rand_ids(7, 10, vocab))
     n = len(key.ids)
     per_pair = n + (n - cached)
-    two = PrefillTimer(engine, TimingPolicy(pairs=3, max_tokens=2 * per_pair + 1)).time_pairs(key, cached)
+    two = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, max_tokens=2 * per_pair + 1)).time_pairs(key, cached)
     assert len(two.pairs) == 2
-    none = PrefillTimer(engine, TimingPolicy(pairs=3, max_tokens=per_pair - 1)).time_pairs(key, cached)
+    none = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, max_tokens=per_pair - 1)).time_pairs(key, cached)
     assert none.pairs == () and none.full_ms is None and "over the" in none.skipped
 
 
