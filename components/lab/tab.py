@@ -354,10 +354,8 @@ def _build_results(engine: Engine) -> LabResults:
 
 
 EMPTY_RESULTS = (
-    "**Nothing run yet.** Pick a preset above: the lab runs its requests twice on the real model, static content "
-    "first and in the order that breaks reuse, each from an empty cache, and shows here the prefill time and hit "
-    "rate of both orderings, the cached and computed tokens of every request, and the tree each ordering leaves "
-    "behind.")
+    "**Nothing run yet.** After a run, this space shows both orderings side by side: prefill time and hit rate, "
+    "the cached and computed tokens of every request, and the tree each ordering leaves behind.")
 
 
 def reveal_results():
