@@ -93,7 +93,7 @@ def latency_bars(history: Sequence[RequestMetrics], height: int = 340) -> go.Fig
     title = "Prefill per request: with vs without reuse"
     rows = [m for m in history if m.baseline_prefill_ms is not None]
     if not rows:
-        return _empty("No request measured a baseline yet (tick “Measure prefill without reuse”)", height,
+        return _empty("No request measured a baseline yet: few-shot queries fill it (chat turns are timed on their card)", height,
                             title)
     fig = _figure(height, title)
     x = [f"#{m.request_id} {m.tag}" for m in rows]
