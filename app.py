@@ -183,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
               f"bytes/token, cache budget {engine.stats().budget_bytes / 2**20:.0f} MiB, isolation "
               f"{'on' if info.isolation else 'off'}; OpenAI-compatible API at /v1, metrics at /metrics", flush=True)
     from components.demo import launch_kwargs
+    from components.warm_start import start_growth_curve, warm_start
 
+    if not args.backend and not args.no_cache:
+        warm_start(engine)  # shipped prompts cached before the page is served: the first question is a hit
     demo = build_app(engine, args.max_queue)
+    if not args.backend and not args.no_cache:
+        start_growth_curve(engine)  # prefill time against cached length, measured once in the background
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
     return 0
 

@@ -15,16 +15,22 @@ from components.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR,
 from components.format import reuse_words
 from engine.types import EngineStats, RequestMetrics
 
+EMPTY_HEIGHT = 150  # an empty chart is a short line that says why, not a large blank frame
+
 
 def _figure(height: int, title: str = "") -> go.Figure:
     return styled(go.Figure(), height, title)
+
+
+def _empty(text: str, height: int, title: str) -> go.Figure:
+    return empty_figure(text, min(height, EMPTY_HEIGHT), title)
 
 
 def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[str] | None = None,
                title: str = "Prompt tokens per request: cached vs computed", height: int = 300) -> go.Figure:
     """Stacked bars, one per request, in the order the requests ran."""
     if not cached:
-        return empty_figure("No requests yet", height, title)
+        return _empty("No requests yet", height, title)
     fig = _figure(height, title)
     x = list(range(1, len(cached) + 1))
     hover = list(labels) if labels else None
@@ -65,7 +71,7 @@ def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300, title:
     rate, and the cache's size after each request."""
     title = title or "Hit rate over time"
     if not history:
-        return empty_figure("No requests yet: send a chat message or a few-shot query", height, title)
+        return _empty("No requests yet: send a chat message or a few-shot query", height, title)
     fig = _figure(height, title)
     x = [m.request_id for m in history]
     share = [m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0 for m in history]
@@ -93,7 +99,7 @@ def latency_bars(history: Sequence[RequestMetrics], height: int = 340) -> go.Fig
     title = "Prefill per request: with vs without reuse"
     rows = [m for m in history if m.baseline_prefill_ms is not None]
     if not rows:
-        return empty_figure("No request measured a baseline yet (tick “Measure prefill without reuse”)", height,
+        return _empty("No request measured a baseline yet: few-shot queries fill it (chat turns are timed on their card)", height,
                             title)
     fig = _figure(height, title)
     x = [f"#{m.request_id} {m.tag}" for m in rows]
@@ -118,7 +124,7 @@ def speedup_scatter(history: Sequence[RequestMetrics], height: int = 340) -> go.
     title = "Speedup vs cached tokens"
     rows = [m for m in history if m.speedup is not None]
     if not rows:
-        return empty_figure("Speedups appear once requests measure a baseline", height, title)
+        return _empty("Speedups appear once requests measure a baseline", height, title)
     fig = _figure(height, title)
     fig.add_trace(go.Scatter(
         x=[m.cached_tokens for m in rows], y=[m.speedup for m in rows], mode="markers",
@@ -132,4 +138,29 @@ def speedup_scatter(history: Sequence[RequestMetrics], height: int = 340) -> go.
                   annotation_position="bottom right")
     fig.update_layout(xaxis=dict(title="tokens served from cache", rangemode="tozero"),
                       yaxis=dict(title="speedup (×)", rangemode="tozero"))
+    return fig
+
+
+def growth_figure(points: Sequence, device: str = "", height: int = 340, note: str = "") -> go.Figure:
+    """Prefill time with and without reuse against the cached length (``GrowthPoint``s of
+    ``engine.prefill_timing``), on a log-log scale so 256 and 4,096 tokens both read."""
+    title = f"Prefill with and without reuse against cached length{f' ({device})' if device else ''}"
+    if not points:
+        return _empty(note or "Not measured yet", height, title)
+    fig = _figure(height, title)
+    x = [p.cached_tokens for p in points]
+    info = [[p.suffix_tokens, p.speedup, p.pairs] for p in points]
+    tmpl = ("%{x:,} cached + %{customdata[0]} new tokens: %{y:,.0f} ms<br>reuse %{customdata[1]:.1f}× faster "
+            "(%{customdata[2]} pair(s))<extra>%{fullData.name}</extra>")
+    fig.add_trace(go.Scatter(x=x, y=[p.full_ms for p in points], name="without reuse (every token computed)",
+                             mode="lines+markers", line=dict(color=BASELINE_COLOR, width=3), customdata=info,
+                             hovertemplate=tmpl))
+    fig.add_trace(go.Scatter(x=x, y=[p.reuse_ms for p in points], name="with reuse (cached part copied)",
+                             mode="lines+markers+text", line=dict(color=CACHED_COLOR, width=3), customdata=info,
+                             hovertemplate=tmpl, text=[f"{p.speedup:.0f}×" if p.speedup >= 10 else f"{p.speedup:.1f}×"
+                                                       for p in points],
+                             textposition="bottom center", textfont=dict(size=11, color="#15803d")))
+    fig.update_xaxes(title_text="tokens served from the cache", type="log", tickvals=x,
+                     ticktext=[f"{v:,}" for v in x])
+    fig.update_yaxes(title_text="prefill ms", type="log")
     return fig

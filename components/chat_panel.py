@@ -6,16 +6,23 @@ Owns the ``chat`` endpoint, the loop-guard setting shared with the few-shot pane
 and the request each panel sends (``build_request``: namespace and shareable length
 set server-side). Handlers are module-level functions of the engine, testable
 without building the Blocks; ``build_chat_panel`` only lays out and wires.
+
+With a local engine, the two prefills the card compares are timed after the answer,
+back to back under the same conditions (``engine.prefill_timing``: the reuse path
+and the no-reuse prefill, median of pairs); the request's own prefill inside the
+batch is shown next to them as the live figure. A remote engine has no such timer:
+its card compares the request with the same prompt under a fresh cache salt.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import gradio as gr
 
-from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
+from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
 from components.common import (
     MODEL_NOTE,
     TOKEN_COLORS,
@@ -27,6 +34,8 @@ from components.common import (
 )
 from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
+from components.timing_view import turn_markdown, wants_timing
+from components.warm_start import chat_default, warm_note
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
 from engine.validation import flatten_content
@@ -44,10 +53,29 @@ LOOP_GUARD_LABEL = f"Loop guard: no repeated {LOOP_GUARD_NGRAM}-grams, repetitio
 BASELINE_MAX_TOKENS = 2048
 IDLE_NUMBERS = "Send a message to see what the cache served."
 START_HINT = (
-    "**Start here: click two of these questions, one after the other.** The second prompt repeats the long "
-    "system prompt and the first exchange, so most of it is served from the cache (green below), and its "
-    "prefill is several times faster."
+    "**Start here: click two of these questions, one after the other.** Each prompt starts with the long "
+    "handbook above, already in the cache, so almost all of it is served from there (green below) and only "
+    "your question is computed; the card compares that prefill with computing every token."
 )
+SHORT_HINT = (
+    "**Click two of these questions, one after the other.** The second prompt repeats the system prompt and "
+    "the first exchange, so most of it is served from the cache (green below). With a prompt this short the "
+    "win is small: the long handbook shows it plainly."
+)
+LONG_PRESET_TOKENS = 1000  # a system prompt at least this long gets START_HINT
+
+
+def start_hint(engine: Engine, name: str) -> str:
+    """The hint above the starters for preset ``name`` (with the warm-start sentence when there is one)."""
+    from components.warm_start import system_tokens
+
+    text = SYSTEM_PRESETS.get(str(name), "")
+    hint = START_HINT if text and system_tokens(engine, text) >= LONG_PRESET_TOKENS else SHORT_HINT
+    note = warm_note(engine)
+    return hint + (f"  \n{note}" if note else "")
+
+
+SETTLE_S = 0.5  # between the answer and its paired timing, so the page's redraw of the answer is over
 CUSTOM_HINT = ("**Your own system prompt:** type it, then ask two questions one after the other. The second reuses "
                "your system prompt and the first exchange from the cache.")
 
@@ -111,39 +139,70 @@ def stream_request(engine: Engine, handle, request, panel: str) -> Iterator[tupl
         yield text, "**Stopped** before the request ran: nothing was computed.", None
 
 
+def paired_timer(engine: Engine):
+    """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
+    make = getattr(engine, "prefill_timer", None)
+    return make() if make is not None else None
+
+
 def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,
             request: gr.Request | None = None) -> Iterator[tuple]:
-    """The chat turn: (chatbot, message box, coloured prompt, numbers, last metrics) per step."""
+    """The chat turn: (chatbot, message box, coloured prompt, numbers, last metrics, last timing) per step.
+
+    With a local engine and ``measure`` on, the answer is followed by the paired timing
+    (``engine.prefill_timing``) and the card compares those two numbers; the request itself
+    then skips the engine's in-batch baseline, which the paired timing replaces."""
     history = list(history or [])
     text = text or ""
+    timer = paired_timer(engine) if measure else None
     try:
         req = build_request(engine, chat_messages(system_text(preset_name, custom_text), history, text),
-                            max_new_tokens, measure, request, tag="chat", loop_guard=loop_guard)
+                            max_new_tokens, measure and timer is None, request, tag="chat", loop_guard=loop_guard)
         ahead = engine.stats().queue_depth
         handle = engine.submit(req)
         RUNNING.started(request, "chat", handle)  # Stop works from here on, even while it waits
     except EngineError as exc:
         warn(exc)
-        yield history, text, gr.skip(), gr.skip(), gr.skip()
+        yield history, text, gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return
-    skipped = baseline_skipped(measure, req)
+    skipped = baseline_skipped(measure, req) if timer is None else None
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
     waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else
                "*Prefilling the prompt…*")
     notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped) if n]
-    yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None
-    shown = None
+    yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None, None
+    shown, final = None, None
     try:
         for answer, status, metrics in stream_request(engine, handle, request, "chat"):
             history[-1] = {"role": "assistant", "content": answer}
             if metrics is not None:
-                yield history, "", highlighted_prompt(engine, metrics), metrics_markdown(metrics, skipped), metrics
+                final = metrics
+                if timer is not None and wants_timing(metrics):
+                    # The metrics state (which redraws the side cards and the tree) waits for the timing:
+                    # those redraws would otherwise run on the same cores as the two prefills.
+                    yield (history, "", highlighted_prompt(engine, metrics), turn_markdown(metrics, None, running=True),
+                           gr.skip(), gr.skip())
+                    continue
+                numbers = turn_markdown(metrics, None) if timer is not None else metrics_markdown(metrics, skipped)
+                yield history, "", highlighted_prompt(engine, metrics), numbers, metrics, None
             else:  # the status only when it changes, not once per token
-                yield history, "", gr.skip(), status if status != shown else gr.skip(), gr.skip()
+                yield history, "", gr.skip(), status if status != shown else gr.skip(), gr.skip(), gr.skip()
                 shown = status
     except EngineError as exc:
         warn(exc)
-        yield history, "", gr.skip(), "*The request failed; see the message above.*", gr.skip()
+        yield history, "", gr.skip(), "*The request failed; see the message above.*", gr.skip(), gr.skip()
+        return
+    if timer is None or final is None or not wants_timing(final):
+        return
+    time.sleep(SETTLE_S)  # the page draws the answer first
+    try:
+        timing = timer.time_pairs(engine.cache_key(list(req.prompt_ids), req), final.cached_tokens)
+    except EngineError as exc:
+        warn(exc)
+        yield history, "", gr.skip(), turn_markdown(final, None), final, None
+        return
+    # Every output again (not skips): an API client's result is the last message.
+    yield history, "", highlighted_prompt(engine, final), turn_markdown(final, timing), final, (final.request_id, timing)
 
 
 def stop_running(panel: str, request: gr.Request | None = None) -> None:
@@ -155,31 +214,35 @@ def stop_chat(request: gr.Request):
     stop_running("chat", request)
 
 
-def on_preset(name: str):
+def on_preset(engine: Engine, name: str):
     """A new system prompt starts a new chat, with starter questions that fit it."""
     is_custom = name == CUSTOM_SYSTEM
     starters = STARTERS_BY_PRESET.get(str(name), [])
     buttons = [gr.update(value=starters[i], visible=True) if i < len(starters) else gr.update(visible=False)
                for i in range(3)]
     return (gr.update(visible=is_custom), gr.update(value=SYSTEM_PRESETS.get(name, ""), visible=not is_custom),
-            CUSTOM_HINT if is_custom else START_HINT, [], [], IDLE_NUMBERS, None, *buttons)
+            CUSTOM_HINT if is_custom else start_hint(engine, name), [], [], IDLE_NUMBERS, None, None, *buttons)
 
 
 def new_chat():
-    return [], "", [], IDLE_NUMBERS, None
+    return [], "", [], IDLE_NUMBERS, None, None
 
 
-def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
+def build_chat_panel(engine: Engine, last_metrics: gr.State, last_timing: gr.State | None = None) -> None:
+    """``last_timing`` holds this visitor's last ``(request_id, PrefillTiming)`` (the side card reads it)."""
+    last_timing = last_timing if last_timing is not None else gr.State(None)
+    first = chat_default(engine)
+    timed = paired_timer(engine) is not None
     with gr.Row(elem_classes=["system-row"]):
-        preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=DEFAULT_SYSTEM, label="System prompt",
+        preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=first, label="System prompt",
                              scale=1, min_width=270, elem_classes=["system-pick"])
         custom = gr.Textbox(label="Custom system prompt", lines=3, visible=False, scale=2, placeholder="You are …")
-        system_view = gr.Textbox(value=SYSTEM_PRESETS[DEFAULT_SYSTEM], label="Its text (static: cached once, "
+        system_view = gr.Textbox(value=SYSTEM_PRESETS[first], label="Its text (static: cached once, "
                                  "reused by every question)", lines=3, interactive=False, max_lines=3, scale=2)
-    hint = gr.Markdown(START_HINT, elem_classes=["start-hint"])
+    hint = gr.Markdown(start_hint(engine, first), elem_classes=["start-hint"])
     with gr.Row(elem_classes=["starters"]):
         starters = [gr.Button(q, size="md", variant="secondary", elem_classes=["starter"])
-                    for q in STARTERS_BY_PRESET[DEFAULT_SYSTEM]]
+                    for q in STARTERS_BY_PRESET[first]]
     chatbot = gr.Chatbot(label="Chat (yours only)", show_label=False, height=280, buttons=["copy"],
                          elem_classes=["chat-box"])
     with gr.Row(elem_classes=["send-row"]):
@@ -190,8 +253,9 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
         clear = gr.Button("New chat", scale=0, min_width=100)
     with gr.Row():  # a column each, so that they wrap on a phone instead of squeezing
         with gr.Column(min_width=220):
-            baseline = gr.Checkbox(value=True, label="Measure prefill without reuse too (skipped above "
-                                   f"{BASELINE_MAX_TOKENS:,} prompt tokens)")
+            baseline = gr.Checkbox(value=True, label=(
+                "After each answer, time prefill with and without reuse, back to back (median of pairs)" if timed
+                else f"Measure prefill without reuse too (skipped above {BASELINE_MAX_TOKENS:,} prompt tokens)"))
         with gr.Column(min_width=220):
             loop_guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
         with gr.Column(min_width=220):
@@ -205,7 +269,8 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
     tokens = gr.HighlightedText(show_label=False, color_map=TOKEN_COLORS, combine_adjacent=True,
                                 show_legend=True, elem_classes=["prompt-tokens"])
 
-    preset.change(on_preset, preset, [custom, system_view, hint, chatbot, tokens, numbers, last_metrics, *starters],
+    preset.change(partial(on_preset, engine), preset,
+                  [custom, system_view, hint, chatbot, tokens, numbers, last_metrics, last_timing, *starters],
                   api_visibility="private")
 
     def chat(text, history, preset_name, custom_text, max_new_tokens, measure, guard=True,
@@ -213,7 +278,7 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
         yield from respond(engine, text, history, preset_name, custom_text, max_new_tokens, measure, guard, request)
 
     inputs = [message, chatbot, preset, custom, max_new, baseline, loop_guard]
-    outputs = [chatbot, message, tokens, numbers, last_metrics]
+    outputs = [chatbot, message, tokens, numbers, last_metrics, last_timing]
     # The public ``chat`` endpoint keeps its six inputs (raw-protocol clients send exactly those) and
     # runs with the loop guard on; its trigger never shows. Registered first, so it owns the name.
     gr.Button(visible=False).click(chat, inputs[:-1], outputs, api_name="chat", show_progress="minimal")
@@ -223,4 +288,5 @@ def build_chat_panel(engine: Engine, last_metrics: gr.State) -> None:
         b.click(lambda q: q, b, message, api_visibility="private").then(
             chat, inputs, outputs, api_visibility="private", show_progress="minimal")
     stop.click(stop_chat, None, None, api_visibility="private", queue=False)  # never behind a busy queue
-    clear.click(new_chat, None, [chatbot, message, tokens, numbers, last_metrics], api_visibility="private")
+    clear.click(new_chat, None, [chatbot, message, tokens, numbers, last_metrics, last_timing],
+                api_visibility="private")

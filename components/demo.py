@@ -13,6 +13,7 @@ import gradio as gr
 
 from components.chat_panel import build_chat_panel
 from components.fewshot_panel import build_fewshot_panel
+from components.growth_panel import build_growth_panel
 from components.hardening import guard_middleware
 from components.info_panel import build_info_panel
 from components.lab.tab import build_ordering_lab
@@ -91,13 +92,15 @@ def build_demo(engine: Engine) -> gr.Blocks:
         gr.Markdown(f"# {TITLE}")
         gr.Markdown(STORY, elem_id="story")
         last_metrics = gr.State(None)  # this visitor's last RequestMetrics
+        last_timing = gr.State(None)  # (request_id, PrefillTiming) of this visitor's last timed chat turn
         with gr.Tabs(overflow_behavior="wrap") as tabs:  # every tab one tap away on a phone
             with gr.Tab("Chat"):
                 with gr.Row():
                     with gr.Column(scale=3):
-                        build_chat_panel(engine, last_metrics)
+                        build_chat_panel(engine, last_metrics, last_timing)
                     with gr.Column(scale=2):
-                        live["Chat"] = [build_overview_panel(engine, last_metrics, active=True)]
+                        live["Chat"] = [build_overview_panel(engine, last_metrics, active=True,
+                                                             last_timing=last_timing)]
             with gr.Tab("Prompt-ordering lab"):
                 build_ordering_lab(engine)
             with gr.Tab("Few-shot"):
@@ -113,7 +116,8 @@ def build_demo(engine: Engine) -> gr.Blocks:
             with gr.Tab("Scheduler"):
                 live["Scheduler"] = [build_scheduler_panel(engine, last_metrics)]
             with gr.Tab("Latency"):
-                live["Latency"] = [build_latency_panel(engine)]
+                growth = build_growth_panel(engine)  # first: the one chart measured before anyone asks
+                live["Latency"] = [build_latency_panel(engine)] + ([growth] if growth is not None else [])
             with gr.Tab("Your traffic"):
                 build_replay_panel(engine)
             with gr.Tab("Engine info"):

@@ -15,6 +15,7 @@ from components.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise
 from components.info_panel import engine_line
 from components.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
+from components.timing_view import speed_card, timing_for
 from components.tree_panel import tree_figure_for
 from engine.engine import Engine
 from engine.types import RequestMetrics
@@ -24,8 +25,13 @@ def _card(value: str, label: str, cls: str = "") -> str:
     return f"<div class='kcard {cls}'><div class='kval'>{value}</div><div class='klab'>{label}</div></div>"
 
 
-def _speed_card(m: RequestMetrics) -> str:
-    """The prefill comparison, honestly: no ratio when nothing was reused, "slower" when slower."""
+def _speed_card(m: RequestMetrics, timing=None) -> str:
+    """The prefill comparison, honestly: no ratio when nothing was reused, "slower" when slower.
+    With a paired timing (``components.timing_view``) its two numbers, else the request's own."""
+    paired = speed_card(m, timing) if timing is not None and not reuse_is_noise(m.cached_tokens, m.prompt_tokens) \
+        else None
+    if paired is not None:
+        return _card(*paired, "blue")
     if m.baseline_prefill_ms is None:
         return _card("–", f"prefill {fmt_ms(m.prefill_ms)} (no-reuse timing off)", "blue")
     words = reuse_words(m.cached_tokens, m.prompt_tokens, m.baseline_prefill_ms, m.prefill_ms)
@@ -38,7 +44,7 @@ def _speed_card(m: RequestMetrics) -> str:
     return _card(value, f"{rest} prefill: {times}", "blue")
 
 
-def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str) -> str:
+def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str, timing=None) -> str:
     """Cards with numbers only (no prompt text, so nothing to escape or leak). Totals are
     the playground's (lab runs left out); in isolation mode, the visitor's own."""
     if metrics is None:
@@ -49,7 +55,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
         stopped = " (stopped early)" if metrics.finish_reason == "cancelled" else ""
         last = [_card(fmt_pct(share), f"of your last prompt from the cache{stopped} "
                                       f"({metrics.cached_tokens:,} of {metrics.prompt_tokens:,} tokens)", "green"),
-                _speed_card(metrics)]
+                _speed_card(metrics, timing)]
     stats = cache_figures(engine, viewer)  # in isolation mode: others' activity only in coarse figures
     mine = playground_history(engine, namespace=viewer if engine.isolation else None)
     cached, prompt = totals(mine)
@@ -68,7 +74,8 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
             + "</div>")
 
 
-def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = True) -> LiveView:
+def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = True,
+                         last_timing: gr.State | None = None) -> LiveView:
     gr.Markdown("### What the cache just did", elem_classes=["side-title"])
     gr.Markdown(engine_line(engine), elem_id="engine-line", elem_classes=["legend"])
     numbers = gr.HTML(key_numbers_html(engine, None, ""), elem_classes=["key-numbers"])
@@ -77,16 +84,19 @@ def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = 
     plot = gr.Plot(show_label=False, elem_classes=["mini-tree", KEEP_ZOOM])
     status = status_line()
     seen = gr.State(None)
+    last_timing = last_timing if last_timing is not None else gr.State(None)
 
-    def refresh(metrics, seen_before, request: gr.Request):
-        sig = (engine_signature(engine), getattr(metrics, "request_id", None))
+    def refresh(metrics, stored_timing, seen_before, request: gr.Request):
+        timing = timing_for(metrics, stored_timing)
+        sig = (engine_signature(engine), getattr(metrics, "request_id", None), timing is not None)
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), seen_before
         viewer = visitor_namespace(request, engine)
         fig = tree_figure_for(engine, request, metrics, collapse=None, height=330, compact=True, max_nodes=120,
                               max_fan=12)
-        return key_numbers_html(engine, metrics, viewer), fig, drawn(sig)
+        return key_numbers_html(engine, metrics, viewer, timing), fig, drawn(sig)
 
-    live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, seen], [numbers, plot, seen], status)
-    live.refresh_on(live.timer.tick, last_metrics.change)
+    live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, last_timing, seen], [numbers, plot, seen],
+                    status)
+    live.refresh_on(live.timer.tick, last_metrics.change, last_timing.change)
     return live

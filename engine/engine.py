@@ -486,3 +486,10 @@ class Engine(FacadeBase):
                 prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step,
                 tier_tokens=r.tier_tokens, tier_load_ms=r.tier_load_ms)
             return self._add_record(m)
+
+    def prefill_timer(self):
+        """Fair prefill timings on this engine (``engine.prefill_timing.PrefillTimer``): with and
+        without reuse back to back, the warm start of shipped prefixes, the growth curve. One per engine."""
+        from engine.prefill_timing import timer_for
+
+        return timer_for(self)

@@ -267,6 +267,7 @@ class LabResults:
     explain_text: gr.Markdown
     gran_plot: gr.Plot
     gran_text: gr.Markdown
+    empty: gr.Markdown  # the empty state, shown until the first run (not a handler output)
 
     @property
     def outputs(self) -> list:
@@ -330,11 +331,13 @@ def _build_custom(engine: Engine) -> tuple[list, gr.Button]:
 def _build_results(engine: Engine) -> LabResults:
     with gr.Group(elem_id="lab-results"):
         headline = gr.Markdown(views.headline_markdown([]))
-        summary_plot = gr.Plot(figs.prefill_summary_figure([]), show_label=False)
-        per_request_plot = gr.Plot(figs.per_request_figure([]), show_label=False)
-        trees_plot = gr.Plot(figs.trees_figure([]), show_label=False)
+        # Before the first run: one short card instead of three empty charts and an empty table.
+        empty = gr.Markdown(EMPTY_RESULTS, elem_id="lab-empty")
+        summary_plot = gr.Plot(figs.prefill_summary_figure([]), show_label=False, visible=False)
+        per_request_plot = gr.Plot(figs.per_request_figure([]), show_label=False, visible=False)
+        trees_plot = gr.Plot(figs.trees_figure([]), show_label=False, visible=False)
         table = gr.Dataframe(headers=views.TABLE_HEADERS, label="Per request (measured)", interactive=False,
-                             wrap=True, max_height=320)
+                             wrap=True, max_height=320, visible=False)
     state = gr.State(None)
     with gr.Accordion("Why did a request miss? (miss explainer)", open=True):
         explain_pick = gr.Dropdown([], label="Request", interactive=True)
@@ -347,7 +350,17 @@ def _build_results(engine: Engine) -> LabResults:
         gran_plot = gr.Plot(figs.granularity_figure([]), show_label=False)
         gran_text = gr.Markdown()
     return LabResults(headline, summary_plot, per_request_plot, trees_plot, table, state, gr.JSON(render=False),
-                      explain_pick, explain_tokens, explain_text, gran_plot, gran_text)
+                      explain_pick, explain_tokens, explain_text, gran_plot, gran_text, empty)
+
+
+EMPTY_RESULTS = (
+    "**Nothing run yet.** After a run, this space shows both orderings side by side: prefill time and hit rate, "
+    "the cached and computed tokens of every request, and the tree each ordering leaves behind.")
+
+
+def reveal_results():
+    """A run starts: the charts and the table take the empty state's place (for good)."""
+    return gr.update(visible=False), *(gr.update(visible=True) for _ in range(4))
 
 
 def _build_schedule(engine: Engine) -> None:
@@ -412,6 +425,9 @@ def build_ordering_lab(engine: Engine) -> None:
     runs.append(custom_run.click(pick_custom, None, [ctl.what, *ctl.buttons], api_visibility="private").then(
         _bind(run_custom, engine), [*custom_inputs, ctl.max_new, ctl.measure], res.outputs,
         api_visibility="private", show_progress="minimal", concurrency_limit=4))
+    shown = [res.empty, res.summary_plot, res.per_request_plot, res.trees_plot, res.table]
+    for trigger in (ctl.run, *ctl.buttons, custom_run):
+        trigger.click(reveal_results, None, shown, api_visibility="private", queue=False)
     ctl.preset.input(lambda t: pick_preset(str(t)) if str(t) in PRESETS else gr.skip(), ctl.preset,
                      [ctl.preset, ctl.what, *ctl.buttons], api_visibility="private")
     ctl.stop.click(lambda: "**Stopped.** The results cover the requests that finished.", None, res.headline,

@@ -3,17 +3,15 @@ two starter questions show a cache hit on the first screen (and the first, which
 nothing, claims no speedup), Stop leaves a "stopped" state with the partial request's
 numbers, and the tree tab redraws by itself while another visitor sends requests, keeping
 the zoom the visitor chose and every node under it in place; and after every tab, no thread but
-the runner's compute thread ran a parallel torch op (no second OpenMP pool).
-
-``RADIX_SCREENSHOT=docs/screenshot.png pytest tests/ui/test_ui_browser.py`` also saves the
-first screen after two chat turns (the picture in the README).
+the runner's compute thread ran a parallel torch op (no second OpenMP pool). The engine here
+is not warmed, so the first question computes the shipped prompt; ``test_demo_browser.py``
+checks the demo as ``python app.py`` serves it (warm start, paired timing, the README's picture).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 
 import pytest
 
@@ -104,15 +102,15 @@ def click_starter_and_wait(page, question: str) -> str:
     return numbers_text(page)
 
 
-def test_first_screen_tells_the_story(page, tmp_path):
+def test_first_screen_tells_the_story(page):
     page.wait_for_selector(".js-plotly-plot", timeout=60_000)  # the small live tree, drawn on load
     assert page.get_by_text("Start here: click two of these questions").is_visible()
 
     first = click_starter_and_wait(page, STARTER_QUESTIONS[0])
     second = click_starter_and_wait(page, STARTER_QUESTIONS[1])
     c1 = int(re.search(COUNTS, first).group(1).replace(",", ""))
-    if c1 == 0:  # nothing reused: say so, no "faster"
-        assert "nothing reused" in first and "faster" not in first, first
+    if c1 / int(re.search(COUNTS, first).group(2).replace(",", "")) < 0.1:  # nothing reused: no "faster"
+        assert "reused" in first and "faster" not in first, first
     c2, p2 = (int(x.replace(",", "")) for x in re.search(COUNTS, second).groups())
     assert c2 > c1 and c2 / p2 > 0.8, (first, second)
     assert page.locator(".prompt-tokens").get_by_text("cached").count() >= 1  # coloured prompt, with legend
@@ -131,10 +129,6 @@ def test_first_screen_tells_the_story(page, tmp_path):
     page.wait_for_timeout(2500)
     assert assert_labels_apart(page, ".mini-tree") >= 2  # root and at least one node named
     at_phone_width(page, ".mini-tree")
-    shot = tmp_path / "after_two_turns.png"
-    page.screenshot(path=str(shot))
-    if os.environ.get("RADIX_SCREENSHOT"):
-        shutil.copy(shot, os.environ["RADIX_SCREENSHOT"])
     assert "Traceback" not in page.inner_text("body")
 
 
@@ -197,7 +191,7 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
 
     page.get_by_label("icicle").check()
     page.wait_for_selector("#tree-plot .barlayer", timeout=30_000)
-    for tab, marker in (("Cache memory", "KV in use"), ("Latency", "prefill took"), ("Engine info", "KV cache per token")):
+    for tab, marker in (("Cache memory", "KV in use"), ("Latency", "How the win grows"), ("Engine info", "KV cache per token")):
         page.get_by_role("tab", name=tab).click()
         page.get_by_text(marker).first.wait_for(timeout=30_000)
     body = page.inner_text("body")

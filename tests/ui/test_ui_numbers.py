@@ -99,10 +99,11 @@ def test_stop_on_a_queued_request_says_stopped(tiny_runner):
     assert outs and "Stopped" in outs[-1][3]
 
 
-def test_a_new_system_prompt_starts_a_new_chat_with_fitting_starters():
-    out = on_preset(CUSTOM_SYSTEM)
-    assert out[3] == [] and out[5] == IDLE_NUMBERS and out[6] is None  # chat, numbers, metrics cleared
-    assert all(b.get("visible") is False for b in out[7:])  # no support-agent starters on a custom prompt
-    out = on_preset("Pirate")
-    assert [b["value"] for b in out[7:]] == STARTERS_BY_PRESET["Pirate"]
+def test_a_new_system_prompt_starts_a_new_chat_with_fitting_starters(engine):
+    out = on_preset(engine, CUSTOM_SYSTEM)
+    assert out[3] == [] and out[5] == IDLE_NUMBERS and out[6] is None and out[7] is None  # chat, numbers, metrics
+    assert all(b.get("visible") is False for b in out[8:])  # no support-agent starters on a custom prompt
+    out = on_preset(engine, "Pirate")
+    assert [b["value"] for b in out[8:]] == STARTERS_BY_PRESET["Pirate"]
+    assert "win is small" in out[2]  # a short prompt: the hint points at the long handbook
     assert STARTERS_BY_PRESET[DEFAULT_SYSTEM][0] in ("How long is the warranty on tents?",)

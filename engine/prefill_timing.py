@@ -1,0 +1,392 @@
+"""Prefill timed fairly: with and without reuse, back to back, on the compute thread.
+
+Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on
+what a timing may cost, the memo of no-reuse figures for long shipped prefixes,
+the warm start of shipped prefixes (``warm``) and the growth curve (prefill
+time against cached length, ``growth_curve``). Knows nothing about the UI,
+presets or visitors: callers hand it cache keys and token ids.
+
+The live figure of a request is taken inside a batched step, while other
+requests decode and a browser may redraw on the same cores; its no-reuse
+baseline ran later, on a quieter machine. Here both sides run under the same
+conditions, one right after the other, on the runner's compute thread::
+
+    reuse:     empty buffer <- copy_prefix(key, cached)   forward ids[cached:n]
+    no reuse:  empty buffer                               forward ids[0:n]
+
+Both sides run the same forward (``runner.forward_last`` on a request buffer),
+``block_tokens`` at a time; each block is its own compute-thread call, so the
+scheduler's steps (other visitors' streams) run between blocks and no call
+holds the model for long. Only the calls are timed: the time others' steps
+take in between is not counted on either side. Pairs alternate which side goes
+first, the no-reuse side first (whatever still runs when a timing starts lands on
+the long side, not on the short one it would swamp). The reuse side is a fraction
+of the other and a burst of someone else's work swamps it, so its figure in a pair
+is the median of ``reuse_runs`` runs in a row. The pair shown is the median pair
+by ratio. Nothing here changes the
+cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the
+scratch buffers are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from engine.radix_tree import CacheKey
+from engine.types import EngineError
+
+__all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
+           "WarmPrefix", "default_policy", "timer_for"]
+
+GROWTH_NAMESPACE = "growth-curve"  # the curve's filler lives here while it is measured, then is cleared
+GROWTH_LENGTHS = (256, 512, 1024, 2048, 4096)
+GROWTH_SUFFIX_TOKENS = 32  # the "question" after the cached part, as in a chat turn
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    """What one timing may cost. ``max_tokens`` bounds the tokens a timing runs through the
+    model, all pairs together (fewer pairs when a prompt is long; none when one pair is over).
+    ``memo_min_tokens``: when set, a prompt that starts with a shipped prefix (``public_len``)
+    at least this long takes its no-reuse figure from a memo, measured once per prefix and
+    prompt length; only the reuse side is measured again."""
+
+    pairs: int = 3
+    reuse_runs: int = 3  # the reuse side of a pair is the median of this many runs (short, so noise-prone)
+    max_tokens: int = 16_384
+    block_tokens: int = 512
+    memo_min_tokens: int | None = None
+    wait_s: float = 30.0  # a timing waits at most this long for the one before it, then is skipped
+    memo_size: int = 256
+
+
+def default_policy(device_type: str, isolation: bool) -> TimingPolicy:
+    """CPU: blocks of 512 tokens (about a second of prefill on two cores, so streams keep moving);
+    accelerators run a prompt in one call. A public deployment (``isolation``) bounds a timing to
+    4,096 tokens on CPU and memoizes the no-reuse figure of long shipped prefixes; locally every
+    timing measures both sides afresh, up to 16,384 tokens."""
+    cpu = device_type == "cpu"
+    block = 512 if cpu else 8192
+    if isolation:
+        return TimingPolicy(pairs=3, max_tokens=4096 if cpu else 65_536, block_tokens=block, memo_min_tokens=512)
+    return TimingPolicy(pairs=3, max_tokens=16_384 if cpu else 262_144, block_tokens=block)
+
+
+@dataclass(frozen=True)
+class PrefillPair:
+    reuse_ms: float
+    full_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.full_ms / self.reuse_ms if self.reuse_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """One prompt timed with and without reuse. ``reuse_ms``/``full_ms`` are the median pair's;
+    ``full_ms`` is None when the no-reuse side was over the bound (``skipped`` says why).
+    ``full_from_memo``: the no-reuse figure was measured at ``full_measured_at`` (time.time())
+    for the same shipped prefix and prompt length, as the median of ``full_runs`` runs."""
+
+    prompt_tokens: int
+    cached_tokens: int  # what the reuse side copied from the cache
+    pairs: tuple[PrefillPair, ...] = ()
+    reuse_ms: float | None = None
+    full_ms: float | None = None
+    full_measured_at: float = 0.0
+    full_from_memo: bool = False
+    full_runs: int = 0
+    block_tokens: int = 0
+    reuse_runs: int = 1  # runs behind each pair's reuse figure (their median)
+    skipped: str | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.full_ms is None or not self.reuse_ms:
+            return None
+        return self.full_ms / self.reuse_ms
+
+
+@dataclass(frozen=True)
+class WarmPrefix:
+    """A shipped prefix put in the cache at start: its length, what was computed and how long it took."""
+
+    label: str
+    num_tokens: int
+    computed_tokens: int
+    prefill_ms: float
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class GrowthPoint:
+    cached_tokens: int
+    suffix_tokens: int
+    reuse_ms: float
+    full_ms: float
+    pairs: int
+
+    @property
+    def speedup(self) -> float:
+        return self.full_ms / self.reuse_ms if self.reuse_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GrowthCurve:
+    """Prefill time with and without reuse against the cached length, on this engine's device.
+    ``state``: "none", "running", "done" or "failed" (``error`` says why)."""
+
+    state: str = "none"
+    points: tuple[GrowthPoint, ...] = ()
+    device: str = ""
+    dtype: str = ""
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    error: str = ""
+    lengths: tuple[int, ...] = field(default_factory=tuple)
+
+
+def _median_pair(pairs: Sequence[PrefillPair]) -> PrefillPair:
+    """The pair whose ratio is the median (the lower middle one for an even count: conservative)."""
+    ranked = sorted(pairs, key=lambda p: p.ratio)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _median(values: Sequence[float]) -> float:
+    ranked = sorted(values)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+class PrefillTimer:
+    """Fair prefill timings on one engine (``timer_for(engine)``; ``Engine.prefill_timer()``).
+
+    Uses only the engine's ``runner`` (``new_request_kv``, ``forward_last``, ``compute``,
+    ``synchronize``), ``cache`` (``match_len``, ``copy_prefix``), ``prefill`` and
+    ``clear_cache``. Timings run one at a time (a second waits up to ``policy.wait_s``)."""
+
+    def __init__(self, engine, policy: TimingPolicy | None = None) -> None:
+        self.engine = engine
+        self.runner, self.cache = engine.runner, engine.cache
+        self.policy = policy or default_policy(self.runner.device.type, bool(getattr(engine, "isolation", False)))
+        self._busy = threading.Lock()  # one timing (or curve) at a time: their buffers and their fairness
+        self._memo: OrderedDict[tuple, tuple[float, float, int]] = OrderedDict()  # -> (full ms, when, runs)
+        self._memo_lock = threading.Lock()
+        self._curve = GrowthCurve()
+        self.warmed: tuple[WarmPrefix, ...] = ()
+
+    # ---------------------------------------------------------- one prompt
+    def _timed_prefill(self, key: CacheKey, cached: int) -> tuple[float, int]:
+        """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
+        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused)."""
+        runner, ids, n = self.runner, key.ids, len(key.ids)
+        kv = runner.new_request_kv(n)  # allocated outside the timed part, on both sides alike
+        block = max(1, self.policy.block_tokens)
+
+        def first() -> tuple[float, int, int]:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            reused = self.cache.copy_prefix(key, cached, kv) if cached > 0 else 0
+            stop = min(n, reused + block)
+            runner.forward_last(ids[reused:stop], kv)
+            runner.synchronize()
+            return (time.perf_counter() - t0) * 1000, reused, stop
+
+        def more(start: int, stop: int) -> float:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            runner.forward_last(ids[start:stop], kv)
+            runner.synchronize()
+            return (time.perf_counter() - t0) * 1000
+
+        ms, reused, pos = runner.compute.call(first)
+        while pos < n:
+            stop = min(n, pos + block)
+            ms += runner.compute.call(more, pos, stop)
+            pos = stop
+        return ms, reused
+
+    def _memo_key(self, key: CacheKey) -> tuple | None:
+        floor = self.policy.memo_min_tokens
+        if floor is None or key.public_len < floor:
+            return None
+        digest = hashlib.sha256(repr(key.ids[: key.public_len]).encode()).hexdigest()[:16]
+        return (digest, key.public_len, len(key.ids))
+
+    def _memo_get(self, mk: tuple | None) -> tuple[float, float, int] | None:
+        if mk is None:
+            return None
+        with self._memo_lock:
+            hit = self._memo.get(mk)
+            if hit is not None:
+                self._memo.move_to_end(mk)
+            return hit
+
+    def _memo_put(self, mk: tuple | None, value: tuple[float, float, int]) -> None:
+        if mk is None:
+            return
+        with self._memo_lock:
+            self._memo[mk] = value
+            while len(self._memo) > self.policy.memo_size:
+                self._memo.popitem(last=False)
+
+    def time_pairs(self, key: CacheKey, cached_tokens: int, pairs: int | None = None) -> PrefillTiming:
+        """Time ``key.ids`` with reuse of its first ``cached_tokens`` cached tokens (what the
+        request itself reused; fewer if some were evicted since) and without, back to back,
+        ``pairs`` times (default ``policy.pairs``) within the policy's token bound."""
+        n = len(key.ids)
+        if n == 0:
+            raise EngineError("nothing to time: the prompt is empty")
+        cached = max(0, min(int(cached_tokens), n - 1, self.cache.match_len(key)))
+        base = PrefillTiming(prompt_tokens=n, cached_tokens=cached, block_tokens=self.policy.block_tokens)
+        if cached == 0:
+            return replace(base, skipped="nothing of this prompt is cached now, so both sides would compute "
+                                         "every token")
+        wanted = max(1, pairs or self.policy.pairs)
+        mk = self._memo_key(key)
+        memo = self._memo_get(mk)
+        reps = max(1, self.policy.reuse_runs)
+        per_pair = reps * (n - cached) + (0 if memo else n)
+        runs = min(wanted, self.policy.max_tokens // per_pair)
+        if runs < 1:
+            return replace(base, skipped=f"one pair would run {per_pair:,} tokens through the model, over the "
+                                         f"{self.policy.max_tokens:,} a timing may cost here")
+        if not self._busy.acquire(timeout=self.policy.wait_s):
+            return replace(base, skipped="other timings were running; try again in a moment")
+        copied = cached
+
+        def reuse_side() -> float:
+            nonlocal copied
+            times = []
+            for _ in range(reps):
+                ms, copied = self._timed_prefill(key, cached)
+                times.append(ms)
+            return _median(times)
+
+        try:
+            done: list[PrefillPair] = []
+            for i in range(runs):
+                if memo:
+                    reuse_ms, full_ms = reuse_side(), memo[0]
+                elif i % 2 == 0:  # alternate which side goes first: drift lands on both
+                    full_ms = self._timed_prefill(key, 0)[0]
+                    reuse_ms = reuse_side()
+                else:
+                    reuse_ms = reuse_side()
+                    full_ms = self._timed_prefill(key, 0)[0]
+                done.append(PrefillPair(reuse_ms, full_ms))
+        finally:
+            self._busy.release()
+        best = _median_pair(done)
+        if memo:
+            full_ms, measured_at, full_runs = memo
+            return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=_median([p.reuse_ms for p in done]),
+                           full_ms=full_ms, full_measured_at=measured_at, full_from_memo=True, full_runs=full_runs,
+                           reuse_runs=reps)
+        now = time.time()
+        self._memo_put(mk, (_median([p.full_ms for p in done]), now, len(done)))
+        return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=best.reuse_ms, full_ms=best.full_ms,
+                       full_measured_at=now, full_runs=len(done), reuse_runs=reps)
+
+    # ---------------------------------------------------------- warm start
+    def warm(self, prefixes: Sequence[tuple[str, CacheKey]]) -> tuple[WarmPrefix, ...]:
+        """Put shipped prefixes in the cache before anyone asks (``engine.prefill``, one call per
+        prefix: meant for start-up, before visitors arrive). Each ``(label, key)`` should be the
+        exact key a request will use (its ids, namespace and ``public_len``). Prefixes already
+        cached cost nothing; longer than the engine's prompt cap are skipped."""
+        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        out = []
+        for label, key in prefixes:
+            n = len(key.ids)
+            if n < 2:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped="too short"))
+                continue
+            if n > cap:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped=f"{n:,} tokens, over the {cap:,}-token prompt cap"))
+                continue
+            if self.cache.match_len(key) >= n:
+                out.append(WarmPrefix(label, n, 0, 0.0))
+                continue
+            result = self.engine.prefill(key, self.runner.new_request_kv(n))
+            out.append(WarmPrefix(label, n, n - result.cached_tokens, result.prefill_ms,
+                                  skipped=None if result.inserted_tokens or self.cache.match_len(key) >= n
+                                  else "the cache had no room for it"))
+        self.warmed = tuple(out)
+        return self.warmed
+
+    # -------------------------------------------------------- growth curve
+    @property
+    def curve(self) -> GrowthCurve:
+        return self._curve
+
+    def growth_curve(self, filler_ids: Sequence[int], lengths: Sequence[int] = GROWTH_LENGTHS,
+                     suffix_tokens: int = GROWTH_SUFFIX_TOKENS, pairs: int = 1,
+                     on_point: Callable[[GrowthCurve], None] | None = None) -> GrowthCurve:
+        """Measure prefill with and without reuse at each cached length (``suffix_tokens`` more
+        tokens computed after it), on ``filler_ids`` cached in a namespace of its own
+        (``GROWTH_NAMESPACE``, cleared afterwards). Lengths that do not fit the model's context
+        or the filler are left out. The result is kept (``curve``) until measured again."""
+        fits = min(self.runner.max_context, len(filler_ids)) - suffix_tokens
+        lengths = tuple(sorted({int(n) for n in lengths if 0 < int(n) <= fits}))
+        info = self.engine.info()
+        curve = GrowthCurve(state="running", device=info.device, dtype=info.dtype, started_at=time.time(),
+                            lengths=lengths)
+        if not lengths:
+            self._curve = replace(curve, state="failed", error="no length fits this model's context")
+            return self._curve
+        if not self._busy.acquire(timeout=self.policy.wait_s):
+            return self._curve
+        self._curve = curve
+        ids = tuple(int(t) for t in filler_ids[: lengths[-1] + suffix_tokens])
+        try:
+            self._cache_filler(ids[: lengths[-1]])
+            points = []
+            for n in lengths:
+                key = CacheKey(ids[: n + suffix_tokens], GROWTH_NAMESPACE, 0)
+                runs = []
+                for i in range(max(1, pairs)):
+                    order = (n, 0) if i % 2 == 0 else (0, n)
+                    times = {c: self._timed_prefill(key, c)[0] for c in order}
+                    runs.append(PrefillPair(times[n], times[0]))
+                best = _median_pair(runs)
+                points.append(GrowthPoint(n, suffix_tokens, best.reuse_ms, best.full_ms, len(runs)))
+                self._curve = replace(curve, points=tuple(points))
+                if on_point is not None:
+                    on_point(self._curve)
+            self._curve = replace(curve, state="done", points=tuple(points), finished_at=time.time())
+        except Exception as exc:  # a curve is a figure: report it, never take the app down
+            self._curve = replace(curve, state="failed", error=f"{type(exc).__name__}: {exc}"[:200],
+                                  finished_at=time.time())
+        finally:
+            self._busy.release()
+            self.engine.clear_cache(GROWTH_NAMESPACE)
+        return self._curve
+
+    def _cache_filler(self, ids: tuple[int, ...]) -> None:
+        """Cache ``ids`` in ``GROWTH_NAMESPACE`` one block at a time (each ``engine.prefill`` computes
+        only what the previous one left), so no call holds the model for long."""
+        block = max(1, self.policy.block_tokens)
+        for stop in (*range(block, len(ids), block), len(ids)):
+            key = CacheKey(ids[:stop], GROWTH_NAMESPACE, 0)
+            self.engine.prefill(key, self.runner.new_request_kv(stop))
+        if self.cache.match_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
+            raise EngineError("the cache had no room for the curve's filler")
+
+
+_TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TIMERS_LOCK = threading.Lock()
+
+
+def timer_for(engine) -> PrefillTimer:
+    """The engine's one ``PrefillTimer`` (made on first use; its memo and curve are kept)."""
+    with _TIMERS_LOCK:
+        timer = _TIMERS.get(engine)
+        if timer is None:
+            timer = _TIMERS[engine] = PrefillTimer(engine)
+        return timer

@@ -1,0 +1,214 @@
+"""Paired prefill timings on a tiny random Llama: both sides run the same forwards block by
+block on the compute thread, the cache is left as it was, the cost is bounded, the no-reuse
+memo serves only the same shipped prefix and prompt length, the warm start makes the first
+request a hit, and the growth curve cleans up after itself."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.prefill_timing import (
+    GROWTH_NAMESPACE,
+    PrefillPair,
+    PrefillTimer,
+    TimingPolicy,
+    _median_pair,
+    default_policy,
+    timer_for,
+)
+from engine.radix_tree import PUBLIC, CacheKey
+from engine.types import GenerationRequest, SamplingParams
+
+
+def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def shape(engine: Engine) -> list:
+    """The cache's content and counters (no access clock: copy_prefix must not touch it either)."""
+    snap = engine.snapshot()
+    return [(n.node_id, n.parent_id, n.token_ids, n.lock_ref, n.hits, n.last_access_s_ago // 60) for n in snap.nodes]
+
+
+@pytest.fixture
+def engine(tiny_runner):
+    e = Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+    yield e
+    e.close()
+
+
+def run(engine: Engine, ids: list[int], public_len: int = 0) -> tuple[CacheKey, int]:
+    req = GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=2), public_len=public_len)
+    m = engine.run(req)
+    return engine.cache_key(ids, req), m.cached_tokens
+
+
+class Spy:
+    """Records every ``forward_last`` the runner is asked for: (tokens, tokens in the buffer when
+    its first call came, thread), so each call is tied to its side (0: the no-reuse side)."""
+
+    def __init__(self, runner, monkeypatch) -> None:
+        self.calls: list[tuple[int, int, str]] = []
+        self._started: dict[int, int] = {}
+        real = runner.forward_last
+
+        def forward_last(ids, kv):
+            start = self._started.setdefault(id(kv), kv.length)
+            self.calls.append((len(ids), start, threading.current_thread().name))
+            return real(ids, kv)
+
+        monkeypatch.setattr(runner, "forward_last", forward_last)
+
+
+def test_pairs_time_both_sides_on_the_same_prompt_and_leave_the_cache_alone(engine, tiny_runner, monkeypatch):
+    vocab = len(tiny_runner.tokenizer)
+    shared = rand_ids(1, 120, vocab)
+    run(engine, shared + rand_ids(2, 10, vocab))
+    key, cached = run(engine, shared + rand_ids(3, 12, vocab))
+    assert cached >= 120
+    before = shape(engine)
+    spy = Spy(tiny_runner, monkeypatch)
+    timer = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, block_tokens=64))
+    t = timer.time_pairs(key, cached)
+    assert t.skipped is None and len(t.pairs) == 3 and t.full_runs == 3
+    assert t.prompt_tokens == len(key.ids) and t.cached_tokens == cached
+    assert all(p.reuse_ms > 0 and p.full_ms > 0 for p in t.pairs)
+    assert (t.reuse_ms, t.full_ms) in [(p.reuse_ms, p.full_ms) for p in t.pairs]  # the median pair, as measured
+    assert not t.full_from_memo
+    # Reuse side: the suffix after the copied prefix; no-reuse side: every token from an empty
+    # buffer, at most 64 tokens per call. All on the compute thread, none on this one.
+    n = len(key.ids)
+    reuse_calls = [c for c in spy.calls if c[1] == cached]
+    assert sum(c[0] for c in reuse_calls) == 3 * (n - cached)
+    assert sum(c[0] for c in spy.calls) == 3 * (n - cached) + 3 * n
+    assert max(c[0] for c in spy.calls) <= 64
+    assert {c[2] for c in spy.calls} == {"model-compute"}
+    assert shape(engine) == before  # no hit, no insert, no lock, no access time
+    engine.check_invariants()
+    assert engine.cache.locked_tokens() == 0
+
+
+def test_sides_alternate_which_goes_first(engine, tiny_runner, monkeypatch):
+    vocab = len(tiny_runner.tokenizer)
+    key, cached = run(engine, rand_ids(4, 80, vocab))
+    key, cached = run(engine, list(key.ids) + rand_ids(5, 8, vocab))
+    spy = Spy(tiny_runner, monkeypatch)
+    PrefillTimer(engine, TimingPolicy(pairs=4, reuse_runs=1, block_tokens=1024)).time_pairs(key, cached)
+    sides = ["reuse" if c[1] > 0 else "full" for c in spy.calls]
+    assert sides == ["full", "reuse", "reuse", "full", "full", "reuse", "reuse", "full"]
+
+
+def test_the_reuse_side_of_a_pair_is_the_median_of_several_runs(engine, tiny_runner, monkeypatch):
+    vocab = len(tiny_runner.tokenizer)
+    key, cached = run(engine, rand_ids(21, 80, vocab))
+    key, cached = run(engine, list(key.ids) + rand_ids(22, 8, vocab))
+    spy = Spy(tiny_runner, monkeypatch)
+    t = PrefillTimer(engine, TimingPolicy(pairs=2, reuse_runs=3, block_tokens=1024)).time_pairs(key, cached)
+    sides = ["reuse" if c[1] > 0 else "full" for c in spy.calls]
+    assert sides == ["full"] + ["reuse"] * 3 + ["reuse"] * 3 + ["full"]
+    assert t.reuse_runs == 3 and len(t.pairs) == 2
+
+
+def test_the_median_pair_is_a_measured_pair():
+    pairs = [PrefillPair(10, 100), PrefillPair(10, 300), PrefillPair(10, 200)]
+    assert _median_pair(pairs) == PrefillPair(10, 200)
+    assert _median_pair(pairs[:2]) == PrefillPair(10, 100)  # even count: the lower ratio
+
+
+def test_cost_is_bounded(engine, tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    key, _ = run(engine, rand_ids(6, 200, vocab))
+    key, cached = run(engine, list(key.ids) + rand_ids(7, 10, vocab))
+    n = len(key.ids)
+    per_pair = n + (n - cached)
+    two = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, max_tokens=2 * per_pair + 1)).time_pairs(key, cached)
+    assert len(two.pairs) == 2
+    none = PrefillTimer(engine, TimingPolicy(pairs=3, reuse_runs=1, max_tokens=per_pair - 1)).time_pairs(key, cached)
+    assert none.pairs == () and none.full_ms is None and "over the" in none.skipped
+
+
+def test_nothing_cached_is_not_timed(engine, tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    key = CacheKey(tuple(rand_ids(8, 40, vocab)), PUBLIC, 0)
+    t = PrefillTimer(engine).time_pairs(key, 30)
+    assert t.cached_tokens == 0 and t.full_ms is None and "nothing" in t.skipped
+
+
+def test_memo_serves_the_same_shipped_prefix_and_length_only(engine, tiny_runner, monkeypatch):
+    vocab = len(tiny_runner.tokenizer)
+    shipped = rand_ids(9, 100, vocab)
+    policy = TimingPolicy(pairs=3, memo_min_tokens=64, block_tokens=1024)
+    timer = PrefillTimer(engine, policy)
+    run(engine, shipped + rand_ids(20, 5, vocab), public_len=100)  # the shipped prefix is cached
+    key_a, cached_a = run(engine, shipped + rand_ids(10, 12, vocab), public_len=100)
+    first = timer.time_pairs(key_a, cached_a)
+    assert not first.full_from_memo and first.full_runs == 3
+    spy = Spy(tiny_runner, monkeypatch)
+    key_b, cached_b = run(engine, shipped + rand_ids(11, 12, vocab), public_len=100)  # same length, other question
+    spy.calls.clear()
+    again = timer.time_pairs(key_b, cached_b)
+    assert again.full_from_memo and again.full_ms == pytest.approx(sorted(p.full_ms for p in first.pairs)[1])
+    assert again.full_measured_at == first.full_measured_at and again.full_runs == 3
+    assert all(c[1] > 0 for c in spy.calls)  # only the reuse side ran
+    key_c, cached_c = run(engine, shipped + rand_ids(12, 20, vocab), public_len=100)  # another length
+    assert not timer.time_pairs(key_c, cached_c).full_from_memo
+    key_d, cached_d = run(engine, rand_ids(13, 100, vocab) + rand_ids(10, 12, vocab))  # not shipped
+    assert not timer.time_pairs(key_d, cached_d).full_from_memo
+
+
+def test_a_busy_timer_skips_instead_of_queueing_forever(engine, tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    key, _ = run(engine, rand_ids(14, 60, vocab))
+    key, cached = run(engine, list(key.ids) + rand_ids(15, 6, vocab))
+    timer = PrefillTimer(engine, TimingPolicy(wait_s=0.05))
+    with timer._busy:
+        t = timer.time_pairs(key, cached)
+    assert t.full_ms is None and "other timings" in t.skipped
+
+
+def test_warm_start_makes_the_first_request_a_hit(engine, tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    shipped = rand_ids(16, 150, vocab)
+    too_long = rand_ids(17, tiny_runner.max_context + 5, vocab)
+    timer = PrefillTimer(engine)
+    warmed = timer.warm([("shipped", CacheKey(tuple(shipped), PUBLIC, 150)),
+                         ("too long", CacheKey(tuple(too_long), PUBLIC, len(too_long)))])
+    assert warmed[0].num_tokens == warmed[0].computed_tokens == 150 and warmed[0].prefill_ms > 0
+    assert warmed[1].skipped and "cap" in warmed[1].skipped
+    assert timer.warm([("shipped", CacheKey(tuple(shipped), PUBLIC, 150))])[0].computed_tokens == 0  # already there
+    _, cached = run(engine, shipped + rand_ids(18, 9, vocab), public_len=150)
+    assert cached == 150
+    engine.check_invariants()
+
+
+def test_growth_curve_measures_each_length_and_clears_its_filler(engine, tiny_runner):
+    vocab = len(tiny_runner.tokenizer)
+    filler = rand_ids(19, 700, vocab)
+    seen = []
+    curve = PrefillTimer(engine, TimingPolicy(block_tokens=128)).growth_curve(
+        filler, lengths=(64, 256, 512, 4096), suffix_tokens=16, pairs=2, on_point=seen.append)
+    assert curve.state == "done", curve.error
+    assert [p.cached_tokens for p in curve.points] == [64, 256, 512]  # 4,096 does not fit the filler
+    assert all(p.reuse_ms > 0 and p.full_ms > 0 and p.pairs == 2 and p.suffix_tokens == 16 for p in curve.points)
+    assert len(seen) == 3 and seen[-1].state == "running"
+    assert not [n for n in engine.cache.tree.nodes() if n.namespace == GROWTH_NAMESPACE]
+    engine.check_invariants()
+    assert engine.cache.locked_tokens() == 0
+
+
+def test_timer_for_keeps_one_timer_per_engine_with_the_deployment_policy(tiny_runner):
+    public = Engine(tiny_runner, isolation=True)
+    local = Engine(tiny_runner)
+    try:
+        assert public.prefill_timer() is timer_for(public) is public.prefill_timer()
+        assert public.prefill_timer() is not local.prefill_timer()
+        assert public.prefill_timer().policy == default_policy("cpu", True)
+        assert public.prefill_timer().policy.memo_min_tokens and not local.prefill_timer().policy.memo_min_tokens
+        assert default_policy("cpu", True).max_tokens < default_policy("cpu", False).max_tokens
+    finally:
+        public.close()
+        local.close()
