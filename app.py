@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto (bf16 on CUDA, fp16 on MPS, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--cache-budget-mb", type=_budget_mb, default=env("RADIX_CACHE_BUDGET_MB", "0"),
                    help="KV cache budget in MiB (default: 1024 on CPU/MPS, a quarter of free GPU memory on CUDA)")
+    p.add_argument("--disk-cache-mb", type=_budget_mb, default=env("RADIX_DISK_CACHE_MB", "2048"),
+                   help="second tier: evicted KV kept in chunk files under the cache folder (host memory on a GPU) "
+                        "and found again after a restart; 0 turns it off (default 2048; with --isolate only shipped "
+                        "content is written)")
     p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"), help="address to listen on")
     p.add_argument("--port", type=int, default=env("GRADIO_SERVER_PORT", "7860"), help="port to listen on")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
@@ -102,10 +106,15 @@ def build_engine(args: argparse.Namespace, runner=None):
 
     if runner is None:
         runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
+    from engine.model_loader import converted_cache_dir
+
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
+    tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
+    tier_dir = str(converted_cache_dir() / "kv-tier") if runner.device.type == "cpu" else None
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens)
+                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
+                  tier_bytes=tier_bytes, tier_dir=tier_dir)
 
 
 def build_app(engine, max_queue: int = 32):
@@ -190,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_app(engine, args.max_queue)
     if not args.backend and not args.no_cache:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
-    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
+    finally:
+        persist = getattr(engine, "persist_cache", None)  # the local engine's cache, written for the next start
+        if persist is not None and getattr(engine, "tier", None) is not None:
+            print(f"Cache written to the second tier for the next start ({persist()} new chunks).", flush=True)
     return 0
 
 
