@@ -55,8 +55,9 @@ def run_clients(engine: Engine, n_threads: int = 4, per_thread: int = 6) -> tupl
     return threads, (results, errors)
 
 
-def stress(engine: Engine, fault, references) -> int:
-    """Run clients while ``fault()`` repeats; return how many times the fault hit."""
+def stress(engine: Engine, fault, references, refusal: str | None = None) -> int:
+    """Run clients while ``fault()`` repeats; return how many times the fault hit. ``refusal``: a
+    request may fail with a message containing it (and only so); the others' answers are checked."""
     threads, (results, errors) = run_clients(engine)
     hits = 0
     while any(t.is_alive() for t in threads):
@@ -65,8 +66,9 @@ def stress(engine: Engine, fault, references) -> int:
         time.sleep(0.002)
     for t in threads:
         t.join()
-    assert errors == []
-    assert len(results) == 24
+    refused = [e for e in errors if refusal is not None and refusal in str(e)]
+    assert [e for e in errors if e not in refused] == []
+    assert len(results) + len(refused) == 24 and len(results) >= 12
     for i, out in results:
         assert out == references[i], f"prompt {i}: answer changed under the fault"
     wait_idle(engine)
@@ -94,7 +96,9 @@ def test_change_budget_while_requests_run(tiny_runner, references):
             refused.append(str(exc))
         engine.check_invariants()
 
-    assert stress(engine, change, references) > 10
+    # All KV is in the pool: a request waiting while the budget is below what it needs (0 or 1 token
+    # here, with nothing running) is refused with a clear message; every other answer is unchanged.
+    assert stress(engine, change, references, refusal="the cache budget is") > 10
     assert all("running requests hold" in msg for msg in refused)
 
 
