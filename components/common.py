@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import gradio as gr
 
 from components.chart_style import TOKEN_COLORS
-from components.format import SAME_SPEED, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.format import SAME_SPEED, cached_line, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
 from engine.types import EngineError, GenerationEvent, RequestMetrics
 
 CACHED, COMPUTED = "cached", "computed"
@@ -104,15 +104,13 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
     """One request's numbers: what the cache served, prefill with and without reuse, and
     the time the visitor actually waited for the first token (``ttft_ms``, from arrival: queue
     plus engine), split into its two parts. A request stopped before its first token has none."""
-    share = m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0
     first = "– (stopped before the first token)" if m.ttft_ms is None else (
         f"{fmt_ms(m.ttft_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, m.ttft_ms - m.queue_ms))})")
     lines = []
     if m.finish_reason == "cancelled":
         lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
     lines += [
-        f"**{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens served from the cache** "
-        f"({fmt_pct(share)}); {m.computed_tokens:,} computed.",
+        cached_line(m),
         "",
         "| prefill with reuse | without reuse | compared | first text after | decode |",
         "|---|---|---|---|---|",

@@ -94,3 +94,14 @@ def fmt_tokens(num_tokens: int, exact: bool = True, bucket: int = 256) -> str:
     if exact or num_tokens <= 0:
         return f"{num_tokens:,}"
     return f"≤{-(-num_tokens // bucket) * bucket:,}"
+
+
+def cached_line(m) -> str:
+    """How much of a request's prompt came from the cache, and from which tier (a ``RequestMetrics``)."""
+    share = m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0
+    tier = getattr(m, "tier_tokens", 0)
+    where = (f": {m.cached_tokens - tier:,} from memory, {tier:,} loaded back from the second tier in "
+             f"{fmt_ms(m.tier_load_ms)} instead of recomputed") if tier else ""
+    return (f"**{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens served from the cache** "
+            f"({fmt_pct(share)}){where}; {m.computed_tokens:,} computed.")
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from components.format import fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.format import cached_line, fmt_ms, plural, reuse_is_noise, reuse_words
 from engine.prefill_timing import PrefillTiming
 from engine.types import RequestMetrics
 
@@ -56,8 +56,7 @@ def how_measured(t: PrefillTiming) -> str:
 
 def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = False) -> str:
     """The chat's numbers card with the paired timing (``running``: it is being measured now)."""
-    share = m.cached_tokens / m.prompt_tokens if m.prompt_tokens else 0
-    waited_ms = m.queue_ms + m.ttft_ms
+    waited_ms = m.ttft_ms  # from arrival: queue plus engine (None: stopped before the first token)
     paired = t is not None and t.full_ms is not None
     reuse_ms = t.reuse_ms if paired else None
     full_ms = t.full_ms if paired else None
@@ -70,13 +69,14 @@ def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = Fa
     if m.finish_reason == "cancelled":
         lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
     lines += [
-        f"**{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens served from the cache** "
-        f"({fmt_pct(share)}); {m.computed_tokens:,} computed.",
+        cached_line(m),
         "",
         "| prefill with reuse | without reuse | compared | live, in the batch | first text after | decode |",
         "|---|---|---|---|---|---|",
-        f"| {fmt_ms(reuse_ms)} | {fmt_ms(full_ms)} | {compared} | {fmt_ms(m.prefill_ms)} | "
-        f"{fmt_ms(waited_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(m.ttft_ms)}) | {decode} |",
+        f"| {fmt_ms(reuse_ms)} | {fmt_ms(full_ms)} | {compared} | {fmt_ms(m.prefill_ms)} | " +
+        (f"– (stopped before the first token) | {decode} |" if waited_ms is None else
+         f"{fmt_ms(waited_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, waited_ms - m.queue_ms))}) | "
+         f"{decode} |"),
     ]
     notes = []
     if running:

@@ -39,6 +39,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.types import (
     EngineBusy,
     EngineError,
+    EngineFault,
     EngineInfo,
     EngineStats,
     GenerationEvent,
@@ -242,7 +243,7 @@ class Engine(FacadeBase):
         Validation happens here, before anything touches the cache.
         """
         if self._closed:
-            raise EngineError("This engine has been shut down.")
+            raise EngineFault("This engine has been shut down.")
         ids = self.prompt_ids(request)
         capacity = self.cache.pool.capacity
         if len(ids) + 1 > capacity:  # the prompt and one new token must fit in the pool

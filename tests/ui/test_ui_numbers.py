@@ -107,3 +107,14 @@ def test_a_new_system_prompt_starts_a_new_chat_with_fitting_starters(engine):
     assert [b["value"] for b in out[8:]] == STARTERS_BY_PRESET["Pirate"]
     assert "win is small" in out[2]  # a short prompt: the hint points at the long handbook
     assert STARTERS_BY_PRESET[DEFAULT_SYSTEM][0] in ("How long is the warranty on tents?",)
+
+
+def test_cached_line_says_which_tier_the_cached_tokens_came_from():
+    from types import SimpleNamespace
+
+    from components.format import cached_line
+
+    m = SimpleNamespace(cached_tokens=2300, prompt_tokens=2320, computed_tokens=20, tier_tokens=2240, tier_load_ms=180.0)
+    line = cached_line(m)
+    assert "2,300 of 2,320" in line and "60 from memory, 2,240 loaded back from the second tier" in line
+    assert "second tier" not in cached_line(SimpleNamespace(**{**vars(m), "tier_tokens": 0}))
