@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -106,11 +107,11 @@ def build_engine(args: argparse.Namespace, runner=None):
 
     if runner is None:
         runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
-    from engine.model_loader import converted_cache_dir
+    from engine.model_loader import cache_root
 
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
-    tier_dir = str(converted_cache_dir() / "kv-tier") if runner.device.type == "cpu" else None
+    tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                   max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_app(engine, args.max_queue)
     if not args.backend and not args.no_cache:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
+    def stop(signum, frame):  # a container's stop (SIGTERM) ends like Ctrl+C: the cache is written first
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
     finally:

@@ -88,9 +88,13 @@ def embedded_gguf_path() -> Path | None:
     return path if path.exists() else None
 
 
+def cache_root() -> Path:
+    """This app's cache folder: ``RADIX_PLAYGROUND_CACHE`` or ``~/.cache/radix-playground``."""
+    return Path(os.environ.get("RADIX_PLAYGROUND_CACHE") or Path.home() / ".cache" / "radix-playground")
+
+
 def converted_cache_dir() -> Path:
-    root = os.environ.get("RADIX_PLAYGROUND_CACHE") or Path.home() / ".cache" / "radix-playground"
-    return Path(root) / "SmolLM2-135M-Instruct-converted"
+    return cache_root() / "SmolLM2-135M-Instruct-converted"
 
 
 STALE_AFTER_S = 3600.0  # a conversion takes about 20 s; a temporary folder untouched this long is abandoned
