@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 import gradio as gr
 
 from components.chart_style import TOKEN_COLORS
-from components.format import SAME_SPEED, cached_line, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.format import (
+    SAME_SPEED,
+    card_head,
+    first_token_cell,
+    fmt_ms,
+    fmt_pct,
+    plural,
+    reuse_is_noise,
+    reuse_words,
+)
 from engine.types import EngineError, GenerationEvent, RequestMetrics
 
 CACHED, COMPUTED = "cached", "computed"
@@ -104,14 +113,8 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
     """One request's numbers: what the cache served, prefill with and without reuse, and
     the time the visitor actually waited for the first token (``ttft_ms``, from arrival: queue
     plus engine), split into its two parts. A request stopped before its first token has none."""
-    first = "– (stopped before the first token)" if m.ttft_ms is None else (
-        f"{fmt_ms(m.ttft_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, m.ttft_ms - m.queue_ms))})")
-    lines = []
-    if m.finish_reason == "cancelled":
-        lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
-    lines += [
-        cached_line(m),
-        "",
+    first = first_token_cell(m)
+    lines = card_head(m) + [
         "| prefill with reuse | without reuse | compared | first text after | decode |",
         "|---|---|---|---|---|",
         f"| {fmt_ms(m.prefill_ms)} | {fmt_ms(m.baseline_prefill_ms)} | {speed_cell(m)} | {first} | "

@@ -105,3 +105,18 @@ def cached_line(m) -> str:
     return (f"**{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens served from the cache** "
             f"({fmt_pct(share)}){where}; {m.computed_tokens:,} computed.")
 
+
+def card_head(m) -> list[str]:
+    """The first lines of a request's numbers card: stopped early (if so), then ``cached_line``."""
+    lines = []
+    if m.finish_reason == "cancelled":
+        lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
+    return lines + [cached_line(m), ""]
+
+
+def first_token_cell(m) -> str:
+    """The time the visitor waited for the first token (from arrival), split into queue and engine."""
+    if m.ttft_ms is None:
+        return "– (stopped before the first token)"
+    return f"{fmt_ms(m.ttft_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, m.ttft_ms - m.queue_ms))})"
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from components.format import cached_line, fmt_ms, plural, reuse_is_noise, reuse_words
+from components.format import card_head, first_token_cell, fmt_ms, plural, reuse_is_noise, reuse_words
 from engine.prefill_timing import PrefillTiming
 from engine.types import RequestMetrics
 
@@ -56,7 +56,6 @@ def how_measured(t: PrefillTiming) -> str:
 
 def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = False) -> str:
     """The chat's numbers card with the paired timing (``running``: it is being measured now)."""
-    waited_ms = m.ttft_ms  # from arrival: queue plus engine (None: stopped before the first token)
     paired = t is not None and t.full_ms is not None
     reuse_ms = t.reuse_ms if paired else None
     full_ms = t.full_ms if paired else None
@@ -65,18 +64,11 @@ def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = Fa
     else:
         compared = reuse_words(m.cached_tokens, m.prompt_tokens, full_ms, reuse_ms or 0) if paired else "–"
     decode = f"{m.decode_tokens_per_s:.1f} tok/s" if m.decode_tokens_per_s else "–"
-    lines = []
-    if m.finish_reason == "cancelled":
-        lines += [f"**Stopped** after {plural(m.output_tokens, 'token')}: the numbers cover the partial request.", ""]
-    lines += [
-        cached_line(m),
-        "",
+    lines = card_head(m) + [
         "| prefill with reuse | without reuse | compared | live, in the batch | first text after | decode |",
         "|---|---|---|---|---|---|",
-        f"| {fmt_ms(reuse_ms)} | {fmt_ms(full_ms)} | {compared} | {fmt_ms(m.prefill_ms)} | " +
-        (f"– (stopped before the first token) | {decode} |" if waited_ms is None else
-         f"{fmt_ms(waited_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, waited_ms - m.queue_ms))}) | "
-         f"{decode} |"),
+        f"| {fmt_ms(reuse_ms)} | {fmt_ms(full_ms)} | {compared} | {fmt_ms(m.prefill_ms)} | "
+        f"{first_token_cell(m)} | {decode} |",
     ]
     notes = []
     if running:

@@ -104,56 +104,54 @@ class RequestKV:
         return self.k[:, :, :n], self.v[:, :, :n]
 
 
-class _RowsLayer(DynamicLayer):
+class _PassThroughLayer(DynamicLayer):
+    """A layer of a forward whose attention reads KV elsewhere (the requests' buffers, the pool):
+    ``store`` puts the new keys and values there; the layer itself holds nothing."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.store(key_states, value_states)
+        return key_states, value_states  # attention reads where ``store`` put them, not these
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("these forwards' caches are never cropped")
+
+
+class _RowsLayer(_PassThroughLayer):
     """One layer of a packed forward: hands each request's slice of the new KV to its buffer."""
 
     def __init__(self, kvs: list[RequestKV], lens: list[int], layer_idx: int) -> None:
         super().__init__()
         self._kvs, self._lens, self._idx = kvs, lens, layer_idx
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         start = 0
         for kv, n in zip(self._kvs, self._lens, strict=True):
             kv.layers[self._idx].update(key_states[:, :, start:start + n], value_states[:, :, start:start + n])
             start += n
-        return key_states, value_states  # attention reads the requests' buffers, not these
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("packed forward caches are never cropped")
 
 
-class _PoolWriteLayer(DynamicLayer):
+class _PoolWriteLayer(_PassThroughLayer):
     """One layer of a forward over the pool: the pack's new keys and values go to their slots."""
 
     def __init__(self, pool, write_index: torch.Tensor, layer_idx: int) -> None:
         super().__init__()
         self._pool, self._index, self._idx = pool, write_index, layer_idx
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._pool.k[self._idx].index_copy_(1, self._index, key_states[0])
         self._pool.v[self._idx].index_copy_(1, self._index, value_states[0])
-        return key_states, value_states  # attention reads the pool, not these
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("pool forwards are never cropped")
 
 
 class PoolWriteCache(Cache):
