@@ -307,19 +307,29 @@ class RadixCache:
             if self.tier.put(key, kv):
                 self.tier_spilled_tokens += CHUNK_TOKENS
 
-    def _tier_chunks(self, key: CacheKey, cached: int, max_len: int) -> list[tuple[int, torch.Tensor]]:
+    def _tier_keys(self, key: CacheKey, cached: int, max_len: int) -> list[tuple[int, str]]:
         """The chunks after the first ``cached`` tokens of ``key`` that the tier holds, in order
-        and without a gap, within ``max_len``: ``(chunk end, kv)`` pairs."""
+        and without a gap, within ``max_len``: ``(chunk end, chunk key)`` pairs. Reads no file."""
         if self.tier is None or not self.tier.num_chunks:
             return []
         out = []
         stop = (cached // CHUNK_TOKENS + 1) * CHUNK_TOKENS
         while stop <= max_len and self._may_spill(key.namespace, key.public_len, stop):
-            kv = self.tier.get(self._tier_key(key.ids, stop, key.public_len, key.namespace))
+            chunk = self._tier_key(key.ids, stop, key.public_len, key.namespace)
+            if chunk not in self.tier:
+                break
+            out.append((stop, chunk))
+            stop += CHUNK_TOKENS
+        return out
+
+    def _tier_read(self, keys: list[tuple[int, str]]) -> list[tuple[int, torch.Tensor]]:
+        """The chunks' KV, up to the first that cannot be read (a bad file is dropped by the tier)."""
+        out = []
+        for stop, chunk in keys:
+            kv = self.tier.get(chunk)
             if kv is None:
                 break
             out.append((stop, kv))
-            stop += CHUNK_TOKENS
         return out
 
     def _load(self, key: CacheKey, cached: int, chunks: list[tuple[int, torch.Tensor]]) -> int:
@@ -347,10 +357,11 @@ class RadixCache:
         back into the pool and the tree; returns tokens loaded (0 without room)."""
         with self._lock:
             cached = self._match(key, max_len).length
-            chunks = self._tier_chunks(key, cached, max_len)
-            if not chunks or not self._make_room(chunks[-1][0] - cached, key.namespace):
+            keys = self._tier_keys(key, cached, max_len)
+            if not keys or not self._make_room(keys[-1][0] - cached, key.namespace):
                 return 0
-            return self._load(key, cached, chunks)
+            chunks = self._tier_read(keys)
+            return self._load(key, cached, chunks) if chunks else 0
 
     def offload(self) -> int:
         """Evict every unlocked entry to the second tier (for benchmarks and tests); tokens evicted."""
@@ -375,9 +386,9 @@ class RadixCache:
         with self._lock:
             t0 = time.perf_counter()
             m = self._match(key, max_len)
-            chunks = self._tier_chunks(key, m.length, max_len)  # read before room is made: sizes known
-            cached = chunks[-1][0] if chunks else m.length
-            own = max(0, total_tokens - cached)
+            # Room for the whole request past the memory match: the tier's chunks (read only once
+            # room is made, so a request waiting for room reads no file) plus its own slots.
+            keys = self._tier_keys(key, m.length, max_len)
             node, nodes_before = None, self.tree.num_nodes
             if m.length:
                 # Protect exactly the match while making room: where the prompt leaves a node
@@ -387,7 +398,7 @@ class RadixCache:
                 node = m.node if capped else self._split_at(key, m.length)
                 self.tree.lock(node)
             try:
-                room = self._make_room(own + cached - m.length, key.namespace)
+                room = self._make_room(max(0, total_tokens - m.length), key.namespace)
             finally:
                 if node is not None:
                     self.tree.unlock(node)
@@ -395,7 +406,10 @@ class RadixCache:
                 if self.tree.num_nodes > nodes_before:
                     self.tree.unsplit(node)  # a failed admission leaves the tree as it found it
                 return None
+            chunks = self._tier_read(keys) if keys else []
             loaded = self._load(key, m.length, chunks) if chunks else 0
+            cached = m.length + loaded
+            own = max(0, total_tokens - cached)
             load_ms = (time.perf_counter() - t0) * 1000 if loaded else 0.0
             self.tier_load_ms += load_ms
             path: tuple[int, ...] = ()

@@ -182,3 +182,27 @@ def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, t
     assert sum(m.tier_tokens for m in results) > 0 and engine.stats().tier_spilled_tokens > 0
     wait_idle(engine)
     assert_clean(engine)
+
+
+def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch):
+    """A request waiting for room retries its admission every step: the tier's files are read
+    only once room is made, never by an attempt that fails."""
+    vocab = len(tiny_runner.tokenizer)
+    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400)
+    doc = rand_ids(8, 3 * C, vocab)
+    engine.run(req(doc, 1))
+    engine.offload_cache()
+    cache = engine.cache
+    reads = []
+    real = engine.tier.get
+    monkeypatch.setattr(engine.tier, "get", lambda key: reads.append(key) or real(key))
+    with cache._lock:
+        held = cache.acquire(CacheKey(tuple(rand_ids(9, 300, vocab))), 299, 390)  # nearly the whole pool
+        assert held is not None
+        assert cache.acquire(CacheKey(tuple(doc + [1])), 3 * C, 3 * C + 5) is None
+        assert reads == []
+        cache.release(held)
+        rs = cache.acquire(CacheKey(tuple(doc + [1])), 3 * C, 3 * C + 5)
+        assert rs is not None and rs.tier_tokens == 3 * C and len(reads) == 3
+        cache.release(rs)
+    assert_clean(engine)
