@@ -152,7 +152,7 @@ def server_routes(engine, api_key: str | None = None) -> list:
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    if getattr(engine.info(), "backend", ""):
+    if engine.capabilities.remote:
         return []
     return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
             + metrics_routes(EngineMetrics(lambda: engine)))
@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
     finally:
-        persist = getattr(engine, "persist_cache", None)  # the local engine's cache, written for the next start
-        if persist is not None and getattr(engine, "tier", None) is not None:
-            print(f"Cache written to the second tier for the next start ({persist()} new chunks).", flush=True)
+        if engine.capabilities.second_tier:  # the local engine's cache, written for the next start
+            print(f"Cache written to the second tier for the next start ({engine.persist_cache()} new chunks).",
+                  flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ from components.overview_panel import build_overview_panel
 from components.replay_panel import build_replay_panel
 from components.scheduler_panel import build_scheduler_panel
 from components.tree_panel import build_tree_panel
-from engine.engine import Engine
+from engine.api import EngineAPI
 
 TITLE = "Radix Cache Playground"
 STATE_SESSIONS = 500  # Gradio's default keeps 10,000 sessions' inputs and state in memory
@@ -86,7 +86,7 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
                 state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware(), **(app_kwargs or {})})
 
 
-def build_demo(engine: Engine) -> gr.Blocks:
+def build_demo(engine: EngineAPI) -> gr.Blocks:
     live: dict[str, list[LiveView]] = {}  # tab label -> the live views inside it
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}")

@@ -16,7 +16,7 @@ from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared
 from components.session import visitor_namespace
 from components.tree_figures import snapshot_summary, tree_figure
 from components.tree_marks import request_path
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import RequestMetrics, TreeSnapshot
 
 LEGEND = (
@@ -36,7 +36,7 @@ REMOTE_NOTE = (
 )
 
 
-def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
+def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: RequestMetrics | None,
                     color_by: str = "recency", view: str = "tree", collapse: bool | None = True, **kw):
     """The tree as this visitor may see it; ``collapse=None`` collapses chains only
     past a couple of dozen nodes (a small tree reads better node by node)."""
@@ -48,7 +48,7 @@ def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: Request
                        viewer_owns=viewer if engine.isolation else None, collapse_chains=collapse, **kw)
 
 
-def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = False) -> LiveView:
+def build_tree_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = False) -> LiveView:
     with gr.Row():
         view = gr.Radio(["tree", "icicle"], value="tree", label="View",
                         info="icicle: x = prefix length in tokens; best past a few hundred nodes", scale=2)
@@ -57,7 +57,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
     status = status_line(elem_id="tree-status")
-    gr.Markdown(LEGEND + (REMOTE_NOTE if getattr(engine.info(), "backend", "") else ""), elem_classes=["legend"])
+    gr.Markdown(LEGEND + (REMOTE_NOTE if engine.capabilities.remote else ""), elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):
@@ -88,7 +88,7 @@ _summaries: dict[int, tuple[TreeSnapshot, dict]] = {}  # id(view) -> (that view,
 _summaries_lock = threading.Lock()
 
 
-def snapshot_summary_for(engine: Engine, viewer: str) -> dict:
+def snapshot_summary_for(engine: EngineAPI, viewer: str) -> dict:
     """``snapshot_summary`` of the viewer's shared snapshot, reused while that view is the same
     object (``shared_snapshot`` hands every stranger one view, and each visitor the same one
     until the tree changes)."""

@@ -22,13 +22,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from engine import kv_tier, validation
+from engine.api import LOCAL, Capabilities, EngineAPI
 from engine.kv_pool import KVPool
 from engine.model_runner import ModelRunner
 from engine.paged_attention import PagedSegment
@@ -51,6 +52,7 @@ from engine.types import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
 __all__ = ["Engine", "FacadeBase", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
@@ -103,6 +105,8 @@ class FacadeBase:
 
     def _start_records(self, history_size: int, lock) -> None:
         self._records_lock = lock
+        self._attachments: dict[str, object] = {}
+        self._attachments_lock = threading.Lock()
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
                             baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
@@ -120,6 +124,18 @@ class FacadeBase:
             t["reuse_prefill_ms_measured"] += m.prefill_ms
         self.history.append(m)
         return m
+
+    def attachment(self, name: str, make: Callable[[], T]) -> T:
+        """State another layer keeps per engine (``engine.api``): made once by ``make``, owned here."""
+        with self._attachments_lock:
+            if name not in self._attachments:
+                self._attachments[name] = make()
+            return self._attachments[name]  # type: ignore[return-value]
+
+    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
+        """The request's namespace is set by server code (the UI passes ``PUBLIC``
+        unless isolation is on; the ordering lab uses one namespace per variant)."""
+        return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._records_lock:
@@ -332,6 +348,23 @@ class Engine(FacadeBase):
             evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
             locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(LOCAL, second_tier=self.tier is not None)
+
+    def backend_metrics(self) -> dict[str, float]:
+        """No server behind this engine: its own metrics are ``server.metrics``' (``/metrics``)."""
+        return {}
+
+    def version(self) -> int:
+        """Changes whenever the tree, its locks, the budget or the request records change."""
+        return self.cache.version * 1_000_003 + self._totals["requests"]
+
+    def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
+        """A small engine of its own on this one's model (the request-order demo's); steps of
+        the two take turns on the runner. Its cache is separate and starts empty."""
+        return Engine(self.runner, budget_bytes=budget_bytes, max_queue=max_queue, max_batch=max_batch)
+
     def info(self) -> EngineInfo:
         r = self.runner
         return EngineInfo(model_name=r.name, device=str(r.device), dtype=str(r.dtype).replace("torch.", ""),
@@ -349,11 +382,6 @@ class Engine(FacadeBase):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
-
-    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
-        """The request's namespace is set by server code (the UI passes ``PUBLIC``
-        unless isolation is on; the ordering lab uses one namespace per variant)."""
-        return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
     def _request_key(self, ids: list[int], r: Request) -> CacheKey:
         return self.cache_key(ids, r.req)

@@ -64,7 +64,7 @@ def test_viewers_share_one_walk_per_tick(engine, monkeypatch):
         return real(viewer=viewer)
 
     monkeypatch.setattr(engine, "snapshot", counting)
-    monkeypatch.setattr(live, "_snapshots", {})
+    live.forget(engine)
     viewers = ["v-a", "v-b", "v-c", "v-d"] + [f"v-stranger-{i}" for i in range(4)]
     views = {v: shared_snapshot(engine, v, max_age_s=60) for v in viewers}
     assert walks == [None]  # eight viewers: one walk, of the whole tree
@@ -100,7 +100,7 @@ def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch)
         return real(decode, viewer=viewer, **kw)
 
     monkeypatch.setattr(engine.cache, "snapshot", counting)
-    monkeypatch.setattr(live, "_snapshots", {})
+    live.forget(engine)
     viewers = ["v-a", "v-b", "v-c", "v-d"] + [f"v-stranger-{i}" for i in range(4)]
     for v in viewers:
         key_numbers_html(engine, None, v)
