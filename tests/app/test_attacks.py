@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from components.hardening import MAX_BODY_BYTES
 from engine.engine import Engine
 from engine.types import EngineError
+from server.request_guard import MAX_BODY_BYTES
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
 
