@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.lab.ordering_runs import LabPrompt, RunTotals, lab_request
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"

@@ -261,7 +261,7 @@ class ModelError(RuntimeError):
 
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
     from engine.engine import default_budget_bytes
-    from engine.model_loader import ModelLoadError, load_tokenizer, resolve_device
+    from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
     from engine.tools.simulate import model_geometry, simulate_lines
 
     try:
@@ -290,8 +290,8 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
 
 def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int]:
     from engine.engine import Engine
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import ModelLoadError, load_model
+    from engine.model.runner import ModelRunner
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     try:
@@ -301,7 +301,7 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     budget = None if args.budget_mb is None else int(args.budget_mb * 2**20)
     engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, max_new_tokens_cap=10**6)
     budget_tokens = engine.cache.budget_bytes // runner.kv_bytes_per_token
-    stats = ReplayStats(budget_tokens, runner.decode, lambda t: len(runner.encode(t)) if t else 0,
+    stats = ReplayStats(budget_tokens, engine.decode, lambda t: len(engine.encode(t)) if t else 0,
                         engine.special_token_ids, None, pricing)
     order = LogOrder()
     progress = Progress(not args.no_progress, "replaying on the model")
