@@ -102,12 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace, runner=None):
     """The engine the flags describe; ``runner`` (tests) skips loading ``args.model``."""
     from engine.engine import Engine
-    from engine.model_loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
 
     if runner is None:
         runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
-    from engine.model_loader import cache_root
+    from engine.model.loader import cache_root
 
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
@@ -133,7 +133,7 @@ def build_app(engine, max_queue: int = 32):
 def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
     and model name once (``EngineError`` with one clear message when any is wrong)."""
-    from engine.model_loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     from server.remote_engine import RemoteEngine
 
     if tokenizer is None:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from engine.model_loader import ModelLoadError
+    from engine.model.loader import ModelLoadError
     from engine.types import EngineError
 
     if args.backend:

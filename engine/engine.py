@@ -31,12 +31,13 @@ import torch
 from engine import kv_tier, validation
 from engine.api import LOCAL, Capabilities, EngineAPI
 from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
-from engine.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedSegment
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
 from engine.request import DONE, Request, RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -95,12 +96,12 @@ class FacadeBase:
     tokenizing a request (``prompt_ids``), ``generate``/``run`` over ``submit``, and the
     text side for the UI and the lab (tokenize, render, detokenize).
 
-    Reads ``self.text`` (an object with the ``ModelRunner``'s text methods: the runner
-    itself here, a model-free stand-in remotely) and ``self.max_prompt_tokens``;
+    Reads ``self.text`` (the ``TextCodec``: the runner's here, one built from a tokenizer
+    alone remotely) and ``self.max_prompt_tokens``;
     subclasses provide ``submit``. The request records (``history``, running totals,
     ``recent``) are kept the same way by both, under the lock ``_start_records`` is given."""
 
-    text: ModelRunner
+    text: TextCodec
     max_prompt_tokens: int
 
     def _start_records(self, history_size: int, lock) -> None:
@@ -163,13 +164,13 @@ class FacadeBase:
         given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
         if sum(given) != 1:
             raise EngineError("give exactly one of messages, prompt or prompt_ids")
-        runner = self.text
+        text = self.text
         if request.messages is not None:
             messages = validation.check_messages(request.messages)
             validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
-                                         runner.max_token_chars, runner.encode)
+                                         text.max_token_chars, text.encode)
             try:
-                ids = runner.encode_chat(messages)
+                ids = text.encode_chat(messages)
             except Exception as exc:  # a chat template may refuse a role order (jinja raises)
                 raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
         elif request.prompt is not None:
@@ -177,11 +178,11 @@ class FacadeBase:
                 raise EngineError("The prompt must be text.")
             if not request.prompt.strip():
                 raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
-                                         runner.encode)
-            ids = runner.encode(request.prompt)
+            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, text.max_token_chars,
+                                         text.encode)
+            ids = text.encode(request.prompt)
         else:
-            ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
+            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
         if not ids:
             raise EngineError("The prompt is empty: type something first.")
         if len(ids) > self.max_prompt_tokens:
@@ -212,7 +213,7 @@ class FacadeBase:
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
+        return self.text.special_token_ids
 
 
 class Engine(FacadeBase):
@@ -226,11 +227,12 @@ class Engine(FacadeBase):
         """``tier_bytes`` > 0 turns on the second tier (``engine.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
         ``tier_dir`` is None and the model runs on a GPU."""
-        self.runner = self.text = runner
+        self.runner = runner
+        self.text = runner.text
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.tokenizer, runner.num_layers, runner.num_kv_heads,
+        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers, runner.num_kv_heads,
                                  runner.head_dim) if enable_cache and tier_bytes > 0 else ""
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
@@ -283,7 +285,7 @@ class Engine(FacadeBase):
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The tree as plain data; in isolation mode ``viewer`` (a namespace) sees
         other namespaces' nodes as shape and size only."""
-        return self.cache.snapshot(self.runner.decode, viewer=viewer if self.isolation else None)
+        return self.cache.snapshot(self.text.decode, viewer=viewer if self.isolation else None)
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Running totals and the cache's state. In isolation mode, with ``viewer`` (a

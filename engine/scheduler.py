@@ -51,9 +51,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import sampling
-from engine.model_runner import ModelRunner
-from engine.paged_attention import PagedSegment
+from engine.model import sampling
+from engine.model.paged_attention import PagedSegment
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.radix_tree import CacheKey, common_prefix_len
 from engine.request import DONE, Request, State
@@ -326,11 +326,11 @@ class Scheduler:
         if r.first_token_at is None:
             r.first_token_at = now
         self._count_output(1)
-        if tok in self.runner.eos_ids:
+        if tok in self.runner.text.eos_ids:
             self._finish(r, "stop")
             return
         r.last_token_at = now
-        text = r.append_token(tok, self.runner.decode)
+        text = r.append_token(tok, self.runner.text.decode)
         r.emit(GenerationEvent(text=text, token_id=tok, phase="decode", prompt_tokens=len(r.ids),
                                cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
         if len(r.out_ids) >= r.max_new_tokens:
@@ -391,7 +391,7 @@ class Scheduler:
         r.state = State.DONE
         if r in self.running:
             self.running.remove(r)
-        r.text = self.runner.decode(r.out_ids)
+        r.text = self.runner.text.decode(r.out_ids)
         metrics = self._record(r)
         r.emit(GenerationEvent(text=r.text, done=True, metrics=metrics, phase="done", prompt_tokens=len(r.ids),
                                cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))

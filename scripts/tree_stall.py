@@ -91,12 +91,13 @@ def percentile(values: list[float], q: float) -> float:
 def load_runner(tiny: bool, model: str, device: str):
     """The embedded (or ``model``) runner, or the tests' tiny random Llama."""
     if tiny:
-        from engine.model_loader import load_tokenizer
+        from engine.model.loader import load_tokenizer
+
         from tests.conftest import make_tiny_runner
 
         return make_tiny_runner(load_tokenizer())
-    from engine.model_loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
 
     return ModelRunner(load_model(model, device=device))
 
@@ -118,7 +119,7 @@ def fill_tree(engine, num_nodes: int, seed: int = 0) -> int:
     from engine.radix_tree import CacheKey
 
     rng = random.Random(seed)
-    vocab = engine.runner.vocab_size
+    vocab = engine.runner.text.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(48)]]
     engine.prefill_in_pool(CacheKey(tuple(prompts[0])))
     while engine.cache.num_nodes < num_nodes:

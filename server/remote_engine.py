@@ -25,7 +25,6 @@ Knows nothing about Gradio.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import hmac
 import logging
@@ -38,10 +37,10 @@ from dataclasses import dataclass
 from engine import validation
 from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
-from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
 from engine.request import DONE, RequestHandle
 from engine.snapshot_view import for_viewer, visible_to
+from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -64,28 +63,10 @@ log = logging.getLogger(__name__)
 # with 8 slots of 2,048 tokens holds 16,384). Node count, and so a snapshot's cost, stays bounded too.
 DEFAULT_SHADOW_TOKENS = 65_536
 
+
 @dataclass
 class RemoteRequestMetrics(RequestMetrics):
     cached_tokens_reported: bool = True  # False: the server gave no count (cached_tokens reads 0)
-
-
-class LocalTokenizer:
-    """The text side of ``ModelRunner`` (same methods, same results) without a model."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    has_chat_template = ModelRunner.has_chat_template
-    render_chat = ModelRunner.render_chat
-    encode = ModelRunner.encode
-    encode_chat = ModelRunner.encode_chat
-    decode = ModelRunner.decode
-    token_pieces = ModelRunner.token_pieces
-    max_token_chars = ModelRunner.max_token_chars
-
-    @functools.cached_property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
 
 
 class RemoteEngine(FacadeBase):
@@ -96,7 +77,7 @@ class RemoteEngine(FacadeBase):
                  timeout_s: float = 300.0, history_size: int = 1000,
                  shadow_tokens: int = DEFAULT_SHADOW_TOKENS) -> None:
         self.client = BackendClient(base_url, model, api_key, timeout_s)
-        self.text = LocalTokenizer(tokenizer)
+        self.text = TextCodec(tokenizer)
         self.isolation = isolation
         context = getattr(tokenizer, "model_max_length", 0)
         self.max_context = int(context) if isinstance(context, int) and 0 < context <= 1_000_000 else 8192

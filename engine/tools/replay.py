@@ -275,7 +275,7 @@ class ModelError(RuntimeError):
 
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
     from engine.engine import default_budget_bytes
-    from engine.model_loader import ModelLoadError, load_tokenizer, resolve_device
+    from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
     from engine.tools.simulate import model_geometry, simulate_lines
 
     try:
@@ -309,8 +309,8 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
 
 def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int]:
     from engine.engine import Engine
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import ModelLoadError, load_model
+    from engine.model.runner import ModelRunner
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     try:
@@ -325,7 +325,7 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, max_new_tokens_cap=10**6,
                     tier_bytes=tier_bytes, tier_dir=None if tier_dir is None else tier_dir.name)
     budget_tokens = engine.cache.budget_bytes // runner.kv_bytes_per_token
-    stats = ReplayStats(budget_tokens, runner.decode, lambda t: len(runner.encode(t)) if t else 0,
+    stats = ReplayStats(budget_tokens, engine.decode, lambda t: len(engine.encode(t)) if t else 0,
                         engine.special_token_ids, None, pricing)
     order = LogOrder()
     progress = Progress(not args.no_progress, "replaying on the model")

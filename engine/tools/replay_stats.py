@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from engine.lab.cost_estimate import CostEstimate, PricingRules, estimate_cost
 from engine.lab.miss_explainer import explain_miss
 from engine.lab.template_lint import LintReport, TemplateError, lint_template
+from engine.text.detokenizer import token_pieces
 from engine.tools.log_formats import LogRecord, SkippedLine
 from engine.tools.sim_cache import SimCache
 from engine.tools.template_infer import InferredTemplate, infer_template
@@ -228,20 +229,6 @@ def _with_pieces(e: MissExample, pieces: Callable[[Sequence[int]], list[str]]) -
     return MissExample(**{**e.__dict__, "before_pieces": tuple(pieces(e.before_ids)),
                           "after_pieces": tuple(pieces(e.after_ids)),
                           "cached_after_pieces": tuple(pieces(e.cached_after_ids))})
-
-
-def token_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[str]:
-    """One display string per token whose concatenation is ``decode(ids)`` (decoding growing
-    prefixes, so a multi-byte character split across tokens is not shown as U+FFFD)."""
-    pieces, prev = [], ""
-    for i in range(len(ids)):
-        cur = decode(ids[:i + 1])
-        if cur.endswith("\ufffd") and i + 1 < len(ids):
-            pieces.append("")
-            continue
-        pieces.append(cur[len(prev):] if cur.startswith(prev) else cur)
-        prev = cur
-    return pieces
 
 
 # ------------------------------------------------------------------ the report's data

@@ -4,7 +4,7 @@ A SIMULATION of hits, tokens and cost, labelled as such wherever it is shown: no
 model runs, so there are no timings. It keeps:
 
 - the token ids the engine would see: the model's tokenizer and chat template,
-  rendered the way ``ModelRunner.render_chat`` does, in batches (the fast
+  rendered by ``engine.text.codec.TextCodec.render_chat`` as the engine renders it, in batches (the fast
   tokenizer's batch call is where a simulation spends most of its time);
 - the engine's budget in tokens: budget bytes / KV bytes per token, read from the
   model's config without loading weights (``model_geometry``);
@@ -32,10 +32,11 @@ from typing import Any
 
 from engine.kv_tier import CHUNK_TOKENS
 from engine.lab.cost_estimate import PricingRules
+from engine.text.codec import TextCodec
 from engine.tools.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
 from engine.tools.replay_stats import ReplayReport, ReplayStats
 from engine.tools.sim_cache import ServeResult, SimCache, tree_snapshot
-from engine.validation import flatten_content, valid_text
+from engine.validation import valid_text
 
 
 # ------------------------------------------------------------------ the model, without weights
@@ -52,7 +53,7 @@ def model_geometry(model: str = "embedded", dtype: str = "auto", device: str = "
     import torch
     from transformers import AutoConfig
 
-    from engine.model_loader import (
+    from engine.model.loader import (
         EMBEDDED_HUB_ID,
         EMBEDDED_MODEL,
         converted_cache_dir,
@@ -108,7 +109,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, max_context: int, memo_tokens: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self._has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._text = TextCodec(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._fast = getattr(backend, "encode_batch_fast", None)
         self._splitter = _added_token_splitter(backend)
@@ -119,13 +120,7 @@ class PromptEncoder:
     def render(self, record: LogRecord) -> str:
         if record.messages is None:
             return valid_text(record.prompt or "")
-        msgs = [{"role": str(m.get("role", "user")), "content": flatten_content(m.get("content"))}
-                for m in record.messages]
-        if self._has_template:
-            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-        return valid_text(text)
+        return valid_text(self._text.render_chat(record.messages))
 
     def _whole(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:

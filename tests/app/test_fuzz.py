@@ -416,7 +416,7 @@ def test_fuzz_chat_api_on_the_real_model(real_runner):
 def test_fuzz_engine(tiny_runner):
     engine = Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
     rng = random.Random(7)
-    emoji_ids = tiny_runner.encode("👨‍👩‍👧‍👦🏳️‍🌈")
+    emoji_ids = tiny_runner.text.encode("👨‍👩‍👧‍👦🏳️‍🌈")
     problems, outcomes = [], {"ok": 0, "refused": 0, "cancelled": 0}
     n = 700
     for i in range(n):
@@ -424,7 +424,7 @@ def test_fuzz_engine(tiny_runner):
         body: dict[str, Any] = {
             "prompt": {"prompt": fz.text(rng) if rng.random() < 0.97 else rng.choice(fz.one_mb_texts())},
             "messages": {"messages": fz.messages(rng)},
-            "prompt_ids": {"prompt_ids": fz.prompt_ids(rng, tiny_runner.vocab_size, emoji_ids)},
+            "prompt_ids": {"prompt_ids": fz.prompt_ids(rng, tiny_runner.text.vocab_size, emoji_ids)},
         }[form]
         try:
             sampling = SamplingParams(**fz.sampling_values(rng))

@@ -88,7 +88,7 @@ def test_the_simulation_agrees_with_the_engine(tiny_runner, tmp_path, tier_chunk
     engine = Engine(tiny_runner, budget_bytes=budget * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
     sim = SimCache(budget, tier_chunks=tier_bytes // (C * bpt))
     for ids in evicting_log():
-        ids = [t % len(tiny_runner.tokenizer) for t in ids]
+        ids = [t % len(tiny_runner.text.tokenizer) for t in ids]
         m = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=4)))
         served = sim.serve(ids, list(m.prompt_ids) + list(m.output_ids[:-1]))
         assert (served.cached_tokens, served.tier_tokens) == (m.cached_tokens, m.tier_tokens)
@@ -152,7 +152,7 @@ def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, 
     bpt = tiny_runner.kv_bytes_per_token
     for tier_bytes in (0, 64 * 2**20):
         engine = Engine(tiny_runner, budget_bytes=300 * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
-        stats = ReplayStats(300, tiny_runner.decode, lambda t: 1)
+        stats = ReplayStats(300, tiny_runner.text.decode, lambda t: 1)
         out = io.StringIO()
         replay_on_engine(engine, [LogRecord(line=1, messages=None, prompt="hello there")], stats, 2, False, out=out)
         line = json.loads(out.getvalue())

@@ -47,7 +47,7 @@ def engine(tiny_runner) -> Engine:
 
 @pytest.mark.parametrize("viewer", ["v-a", "v-b", "v-c", "v-d", "v-nobody"])
 def test_for_viewer_gives_what_the_cache_gives(engine, viewer):
-    decode = engine.runner.decode
+    decode = engine.runner.text.decode
     full = engine.cache.snapshot(decode, viewer=None)
     want = engine.cache.snapshot(decode, viewer=viewer)
     got = for_viewer(full, viewer)
