@@ -112,3 +112,21 @@ def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch)
         s = engine.stats(v)
         assert figures[v] == live.CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes,
                                                 s.evicted_tokens)
+
+
+def test_open_tabs_share_one_figure_per_change(engine):
+    """N sessions with the tree tab open draw one figure per snapshot, not one each."""
+    from types import SimpleNamespace
+
+    from components.tree_panel import tree_figure_for
+
+    live.forget(engine)
+    shared = Engine(engine.runner, max_new_tokens_cap=4)  # a shared cache: every session sees the same tree
+    try:
+        shared.run(GenerationRequest(prompt="a shared line", sampling=SamplingParams(max_new_tokens=2)))
+        figs = [tree_figure_for(shared, SimpleNamespace(session_hash=f"s{i}"), None) for i in range(8)]
+        assert all(f is figs[0] for f in figs)
+        shared.run(GenerationRequest(prompt="another shared line", sampling=SamplingParams(max_new_tokens=2)))
+        assert tree_figure_for(shared, SimpleNamespace(session_hash="s0"), None) is not figs[0]
+    finally:
+        shared.close()
