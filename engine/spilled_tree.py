@@ -97,26 +97,28 @@ class SpilledTree:
                 self._at[key] = entry
                 continue
             path = self.path_of(entry[0])
-            if path is not None:
+            if len(path.ids) >= entry[1]:  # else a cut took the chunk already
                 self.cut(path, entry[1] - CHUNK_TOKENS)
 
-    def path_of(self, node: Node) -> CacheKey | None:
-        """The path from the root to the end of ``node``, or None when ``node`` was cut away."""
+    def path_of(self, node: Node) -> CacheKey:
+        """The path from the root to the end of ``node``, or of its deepest ancestor still in the
+        tree when a cut took ``node`` (a cut keeps the part above it, so that part still holds
+        every chunk of ``node``'s path that ends before the cut)."""
         chain = []
         while node is not self.tree.root:
-            parent = node.parent
-            if parent is None or parent.children.get((node.namespace, node.key[0])) is not node:
-                return None
             chain.append(node)
-            node = parent
+            node = node.parent
         ids: list[int] = []
-        public, namespace = 0, PUBLIC
+        public, namespace, parent = 0, PUBLIC, self.tree.root
         for n in reversed(chain):
+            if parent.children.get((n.namespace, n.key[0])) is not n:
+                break
             ids.extend(n.key)
             if n.namespace == PUBLIC:
                 public += len(n.key)
             else:
                 namespace = n.namespace
+            parent = n
         return CacheKey(tuple(ids), namespace, public)
 
     # ------------------------------------------------------------- views
@@ -160,8 +162,8 @@ class SpilledTree:
         for node in self.tree.nodes():
             assert node.lock_ref == 0 and all(v in (True, None) for v in node.value), f"spilled node {node.id}"
             path = self.path_of(node)
-            assert path is not None
             end = len(path.ids)
+            assert end == node.depth_tokens(), f"spilled node {node.id} is not in the tree"
             if node.is_leaf:
                 assert end % CHUNK_TOKENS == 0, f"spilled leaf {node.id} ends inside a chunk ({end})"
             start = end - len(node.key)
