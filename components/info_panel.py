@@ -41,7 +41,7 @@ def info_markdown(engine: EngineAPI) -> str:
             f"| cached tokens reported | {_reported(engine)} |",
             f"| prompt cap · new-token cap | {engine.max_prompt_tokens:,} · {engine.max_new_tokens_cap:,} tokens |",
             f"| visitor isolation | {'on: each visitor sends a cache salt of their own' if i.isolation else 'off'} |",
-            f"| requests in flight | {s.queue_depth} |",
+            f"| requests in flight (sent, not answered yet) | {s.running} |",
         ] + [f"| server metric `{k}` | {v:,.4g} |" for k, v in _backend_metrics(engine).items()])
     return "\n".join([
         "| engine | |", "|---|---|",

@@ -25,8 +25,8 @@ from components.format import fmt_tokens
 from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from engine.api import EngineAPI
-from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
 from engine.scheduler import visitor_of
+from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 from engine.types import RequestMetrics, StepRecord
 
 SHOWN_FORWARDS = 120

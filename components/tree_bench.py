@@ -22,10 +22,11 @@ import functools
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
-from engine.types import NodeInfo, RequestMetrics, TreeSnapshot
+from engine.snapshot_view import may_see, node_infos, with_text
+from engine.types import RequestMetrics, TreeSnapshot
 
 HEADER = (1, 9690, 198)  # "<|im_start|>system\n": every system prompt starts with it
 BYTES_PER_TOKEN = 46_080  # the embedded model's KV per token in fp32
@@ -106,26 +107,32 @@ def simulate_traffic(num_nodes: int, seed: int = 0, num_prompts: int = 36, num_v
 
 
 def traffic_snapshot(traffic: Traffic, viewer: str | None = None, coarse_hidden: bool = False) -> TreeSnapshot:
-    """The snapshot ``viewer`` would get (``None``: sees everything), as ``RadixCache.snapshot`` builds it.
+    """The snapshot ``viewer`` would get (``None``: sees everything), nodes built as the cache builds
+    them (``engine.snapshot_view.node_infos``), text a made-up word per token.
 
+    Other visitors' nodes stay hidden node by node (the engine folds them into one coarse node per
+    subtree, ``for_viewer``; node by node is the figures' worst case, and what they must draw too).
     ``coarse_hidden``: hidden nodes carry no hits, times or locks, and sizes rounded up.
     """
     infos = []
-    for node in traffic.tree.nodes():
-        hidden = viewer is not None and node.namespace not in (PUBLIC, viewer)
-        depth = node.depth_tokens()
-        num_tokens, hits, ago, locks = len(node.key), node.hits, traffic.now - node.last_access, node.lock_ref
-        if hidden and coarse_hidden:
+    for n in with_text(node_infos(traffic.tree, traffic.now, BYTES_PER_TOKEN), _words, 48):
+        if may_see(viewer, n.namespace):
+            infos.append(n)
+            continue
+        num_tokens, depth = n.num_tokens, n.depth_tokens
+        if coarse_hidden:
             num_tokens = -(-num_tokens // COARSE_TOKENS) * COARSE_TOKENS
             depth = -(-depth // COARSE_TOKENS) * COARSE_TOKENS
-            hits, ago, locks = 0, 0.0, 0
-        ids = () if hidden else node.key
-        text = "" if hidden else " ".join(f"w{t % 997}" for t in ids[:48]) + ("…" if len(ids) > 48 else "")
-        infos.append(NodeInfo(node.id, node.parent.id, num_tokens, depth, num_tokens * BYTES_PER_TOKEN, locks, hits,
-                              max(0.0, ago), "other" if hidden else node.namespace, hidden, ids, text))
+            n = replace(n, hits=0, last_access_s_ago=0.0, lock_ref=0)
+        infos.append(replace(n, num_tokens=num_tokens, depth_tokens=depth, num_bytes=num_tokens * BYTES_PER_TOKEN,
+                             namespace="other", hidden=True, token_ids=(), text=""))
     total = traffic.tree.num_tokens
     return TreeSnapshot(tuple(infos), total, total * BYTES_PER_TOKEN, 2 * total * BYTES_PER_TOKEN, 2 * total,
                         0, BYTES_PER_TOKEN)
+
+
+def _words(ids) -> str:
+    return " ".join(f"w{t % 997}" for t in ids)
 
 
 def last_request(traffic: Traffic) -> RequestMetrics:

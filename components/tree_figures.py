@@ -11,7 +11,8 @@ picks and places:
   how far into the prompt a node starts and ends.
 
 Size by tokens, colour by recency or hits, the last request's path in green
-(reused) and orange (computed), hover text escaped. Knows nothing about Gradio
+(reused) and orange (computed), nodes in the second tier (``spilled``) hollow in the
+tree, hatched in the icicle, dotted edges, named in the hover and the legend; hover text escaped. Knows nothing about Gradio
 or the engine object; other visitors' nodes reach it ``hidden``, without text.
 """
 
@@ -28,10 +29,13 @@ from plotly.colors import sample_colorscale
 from components.chart_style import TOKEN_COLORS
 from components.format import fmt_ago, fmt_bytes
 from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
+from engine.snapshot_view import is_own
 from engine.types import TreeSnapshot
 
 STATUS_COLORS = {REUSED: TOKEN_COLORS["cached"], COMPUTED: TOKEN_COLORS["computed"]}
 HIDDEN_COLOR = "#cbd5e1"
+SPILLED_LINE = "#475569"  # outline of a node in the second tier: drawn hollow (tree) or hatched (icicle)
+SPILLED = "spilled"  # edge style key of a spilled mark off the last request's path
 RECENCY_SCALE = ((0.0, "#1e3a8a"), (0.35, "#3b82f6"), (0.7, "#93c5fd"), (1.0, "#e2e8f0"))
 HITS_SCALE = ((0.0, "#ede9fe"), (0.5, "#8b5cf6"), (1.0, "#4c1d95"))
 COLOR_MODES = ("recency", "hits")
@@ -66,7 +70,7 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
             xref="paper", yref="paper", showarrow=False, font=dict(size=14))]
         return go.Figure(layout=fig_layout)
     colors, cbar = _colors(marks, color_by)
-    hover = {vid: _hover(m, viewer_owns) for vid, m in marks.items() if vid}
+    hover = {vid: _hover(m, viewer_owns, snapshot.tier_kind) for vid, m in marks.items() if vid}
     if icicle:
         traces = _icicle_traces(marks, layout(marks)[1], colors, hover, fig_layout, label=len(marks) <= 40)
     else:
@@ -85,7 +89,29 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
                                    showscale=not compact,
                                    colorbar=dict(title=dict(text=cbar[3], side="right"), thickness=10,
                                                  len=0.6, tickvals=cbar[4], ticktext=cbar[5]))))
+    if any(m.spilled for m in marks.values()):
+        _spilled_legend(traces, fig_layout, snapshot.tier_kind, icicle)
     return go.Figure(data=traces, layout=fig_layout, _validate=False)
+
+
+def tier_words(tier_kind: str) -> str:
+    """How a spilled node's place reads: "in the second tier (disk)"."""
+    return f"in the second tier ({tier_kind})" if tier_kind else "in the second tier"
+
+
+def _spilled_legend(traces: list[dict], fig_layout: dict, tier_kind: str, icicle: bool) -> None:
+    """One legend entry that says what the hollow (hatched) marks are; no other trace shows in it."""
+    for t in traces:
+        t.setdefault("showlegend", False)
+    sample = (dict(type="bar", x=[None], y=[None], orientation="h",
+                   marker=dict(color="white", line=dict(color=SPILLED_LINE, width=1), pattern=dict(shape="/")))
+              if icicle else
+              dict(type="scatter", x=[None], y=[None], mode="markers",
+                   marker=dict(size=12, color="white", symbol="circle", line=dict(color=SPILLED_LINE, width=2))))
+    traces.append(dict(sample, name=tier_words(tier_kind) + ": not in memory, loaded back when needed",
+                       showlegend=True, hoverinfo="skip"))
+    fig_layout.update(showlegend=True, legend=dict(orientation="h", x=0, y=0, yanchor="bottom", bgcolor="rgba(0,0,0,0)",
+                                                   font=dict(size=11)))
 
 
 def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> dict:
@@ -108,7 +134,9 @@ def _outline(m: VisualNode) -> tuple[str, float]:
     """Outline colour and width: the last request's status, else red when locked."""
     if m.status:
         return STATUS_COLORS[m.status], 3
-    return ("#dc2626", 3) if m.lock_ref else ("white", 1)
+    if m.lock_ref:
+        return "#dc2626", 3
+    return (SPILLED_LINE, 2) if m.spilled else ("white", 1)
 
 
 # Label geometry, in pixels. The figure's width is the page's to choose (Gradio sizes the plot to its
@@ -180,16 +208,17 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
     max_tok = max(size_of.values(), default=1) or 1
     size_px = {v: 8 + 34 * math.sqrt(size_of[v] / max_tok) for v in marks}
     size_px[0] = 9
-    edges: dict[str, tuple[list, list]] = {"": ([], []), REUSED: ([], []), COMPUTED: ([], [])}
+    edges: dict[str, tuple[list, list]] = {"": ([], []), REUSED: ([], []), COMPUTED: ([], []), SPILLED: ([], [])}
     for vid, m in marks.items():
         if vid == 0:
             continue
         (x0, y0), (x1, y1) = pos[m.parent_vid], pos[vid]
-        xs, ys = edges[m.status]
+        xs, ys = edges[m.status or (SPILLED if m.spilled else "")]
         xs += [x0, x0, x1, None]  # elbow: down the parent's column, then across
         ys += [y0, y1, y1, None]
     traces = [dict(type="scatter", x=xs, y=ys, mode="lines", hoverinfo="skip",
-                   line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status else 1.2))
+                   line=dict(color=STATUS_COLORS.get(status, "#94a3b8"), width=4 if status in STATUS_COLORS else 1.2,
+                             dash="dot" if status == SPILLED else "solid"))
               for status, (xs, ys) in edges.items()]
     # most telling first: labels are placed in this order, and the page script hides later ones first
     vids = sorted((v for v in marks if v), key=lambda v: _label_rank(marks[v]))
@@ -243,6 +272,9 @@ def _icicle_traces(marks, span, colors, hover, fig_layout: dict, label: bool) ->
         hoverinfo="text",
         marker=dict(color=[colors[v] for v in vids],
                     line=dict(color=[c for c, _ in outlines], width=[w if w > 1 else 0.5 for _, w in outlines])))
+    if any(marks[v].spilled for v in vids):  # hatched: in the second tier
+        bars["marker"]["pattern"] = dict(shape=["/" if marks[v].spilled else "" for v in vids], fgcolor=SPILLED_LINE,
+                                         size=6)
     if label:
         bars.update(text=[_label(marks[v], 40) for v in vids], textposition="inside", insidetextanchor="start",
                     textfont=dict(size=10), constraintext="inside")
@@ -264,7 +296,8 @@ def _colors(marks: dict[int, VisualNode], color_by: str):
         ticks = [0, math.log10(11) / horizon, math.log10(61) / horizon, math.log10(601) / horizon, 1]
         scale, cbar = RECENCY_SCALE, (_as_lists(RECENCY_SCALE), 0, 1, "last used", ticks, ["now", "10 s", "1 min", "10 min", "1 h"])
     lut = _palette(scale)
-    colors = {v: HIDDEN_COLOR if marks[v].hidden else lut[round(vals[v] * (len(lut) - 1))] for v in vids}
+    colors = {v: "white" if marks[v].spilled else HIDDEN_COLOR if marks[v].hidden
+              else lut[round(vals[v] * (len(lut) - 1))] for v in vids}
     return colors, cbar
 
 
@@ -283,14 +316,13 @@ def _owner(m: VisualNode, viewer_owns: str | None) -> str:
         return "another visitor's (text hidden)"
     if m.namespace == "":
         return "shared"
-    if viewer_owns and m.namespace == viewer_owns:
-        return "yours"
-    if viewer_owns and m.namespace.startswith(viewer_owns + "/"):
-        return f"yours ({html.escape(m.namespace[len(viewer_owns) + 1:])})"
+    if viewer_owns and is_own(viewer_owns, m.namespace):
+        sub = m.namespace[len(viewer_owns) + 1:]
+        return f"yours ({html.escape(sub)})" if sub else "yours"
     return f"namespace {html.escape(m.namespace)}"
 
 
-def _hover(m: VisualNode, viewer_owns: str | None) -> str:
+def _hover(m: VisualNode, viewer_owns: str | None, tier_kind: str = "") -> str:
     if m.grouped_nodes:
         return _group_hover(m)
     lines = [f"<b>{m.num_tokens:,} tokens</b> · {fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
@@ -301,6 +333,9 @@ def _hover(m: VisualNode, viewer_owns: str | None) -> str:
     elif m.lock_ref:
         lines.append(f"<b>read now</b> by {m.lock_ref} running request(s) (locked)")
     lines.append(_owner(m, viewer_owns))
+    if m.spilled:
+        lines.append(f"<b>{tier_words(tier_kind)}</b>, not in memory: a request that needs it loads it back "
+                     "instead of recomputing it (whole chunks)")
     if len(m.member_ids) > 1:
         lines.append(f"{len(m.member_ids)} nodes in a chain, drawn as one")
     if m.status:
@@ -362,12 +397,14 @@ def _gist(text: str) -> str:
 
 # ---------------------------------------------------------------- plain data
 def snapshot_summary(snapshot: TreeSnapshot) -> dict:
-    """A JSON-able view for the API: text is null for other visitors' nodes."""
+    """A JSON-able view for the API: text is null for other visitors' nodes; ``spilled`` nodes
+    are in the second tier (``tier_kind``), not in the pool."""
     return {
         "num_tokens": snapshot.num_tokens, "num_bytes": snapshot.num_bytes, "budget_bytes": snapshot.budget_bytes,
         "evicted_tokens": snapshot.evicted_tokens, "bytes_per_token": snapshot.bytes_per_token,
+        "tier_kind": snapshot.tier_kind,
         "nodes": [{"node_id": n.node_id, "parent_id": n.parent_id, "num_tokens": n.num_tokens,
                    "depth_tokens": n.depth_tokens, "num_bytes": n.num_bytes, "hits": n.hits, "lock_ref": n.lock_ref,
-                   "shared": n.namespace == "" and not n.hidden, "hidden": n.hidden,
+                   "shared": n.namespace == "" and not n.hidden, "hidden": n.hidden, "spilled": n.spilled,
                    "text": None if n.hidden else n.text} for n in snapshot.nodes],
     }

@@ -37,6 +37,7 @@ class VisualNode:
     hidden: bool
     text: str
     status: str = ""
+    spilled: bool = False  # in the second tier, not in the pool (``NodeInfo.spilled``)
     # A group mark (``grouped_nodes`` > 0) stands for whole subtrees folded to keep the view
     # readable: that many snapshot nodes holding ``grouped_tokens`` tokens, in ``grouped_branches``
     # sibling subtrees.
@@ -94,7 +95,8 @@ def visual_tree(snapshot: TreeSnapshot, path: dict[int, str] | None = None, coll
     """The marks to draw, keyed by visual id (0 is the root).
 
     A node joins its parent's mark when the parent has exactly one child and
-    both look the same (owner, hidden, reused/computed status): a chat's turns
+    both look the same (owner, hidden, reused/computed status, in the pool or
+    the second tier): a chat's turns
     read as one bar instead of twenty. Past ``max_nodes`` marks, or ``max_fan``
     children under one parent, whole subtrees are folded into group marks
     (see ``_fold``); the highlighted path is never folded.
@@ -115,8 +117,8 @@ def visual_tree(snapshot: TreeSnapshot, path: dict[int, str] | None = None, coll
             status = path.get(n.node_id, "")
             size = max(0, n.num_tokens)
             if (collapse_chains and pid != 0 and len(siblings) == 1
-                    and (parent_mark.hidden, parent_mark.namespace, parent_mark.status)
-                    == (n.hidden, n.namespace, status)):
+                    and (parent_mark.hidden, parent_mark.namespace, parent_mark.status, parent_mark.spilled)
+                    == (n.hidden, n.namespace, status, n.spilled)):
                 m = parent_mark
                 m.member_ids.append(n.node_id)
                 m.end_tokens += size
@@ -131,7 +133,7 @@ def visual_tree(snapshot: TreeSnapshot, path: dict[int, str] | None = None, coll
                 # snapshot whose hidden nodes carry rounded sizes still draws without gaps.
                 start = parent_mark.end_tokens
                 m = VisualNode(n.node_id, parent_mark.vid, [n.node_id], start, start + size, n.num_bytes, n.hits,
-                               n.last_access_s_ago, n.lock_ref, n.namespace, n.hidden, n.text, status)
+                               n.last_access_s_ago, n.lock_ref, n.namespace, n.hidden, n.text, status, n.spilled)
                 marks[m.vid] = m
                 parent_mark.children.append(m.vid)
             owner[n.node_id] = m.vid

@@ -37,6 +37,7 @@ from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
 from engine.request import DONE, Request, RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.snapshot_view import stats_for_viewer
 from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
@@ -313,7 +314,7 @@ class Engine(FacadeBase):
         return dict(tier_bytes=tier.bytes_in_use, tier_budget_bytes=tier.budget_bytes, tier_chunks=tier.num_chunks,
                     tier_loaded_tokens=self.cache.tier_loaded_tokens, tier_spilled_tokens=self.cache.tier_spilled_tokens,
                     tier_bytes_read=tier.bytes_read, tier_bytes_written=tier.bytes_written,
-                    tier_kind="disk" if isinstance(tier, kv_tier.DiskStore) else "host memory")
+                    tier_kind=tier.kind)
 
     def offload_cache(self) -> int:
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
@@ -338,17 +339,7 @@ class Engine(FacadeBase):
         return self.scheduler.step_log(n)
 
     def _stats_for(self, viewer: str) -> EngineStats:
-        mine = [m for m in self.recent() if m.namespace == viewer or m.namespace.startswith(viewer + "/")]
-        measured = [m for m in mine if m.baseline_prefill_ms is not None]
-        snap = self.cache.snapshot(None, viewer=viewer)
-        return EngineStats(
-            requests=len(mine), prompt_tokens=sum(m.prompt_tokens for m in mine),
-            cached_tokens=sum(m.cached_tokens for m in mine), computed_tokens=sum(m.computed_tokens for m in mine),
-            prefill_ms=sum(m.prefill_ms for m in mine), baseline_prefill_ms=sum(m.baseline_prefill_ms for m in measured),
-            reuse_prefill_ms_measured=sum(m.prefill_ms for m in measured), cache_bytes=snap.num_bytes,
-            budget_bytes=snap.budget_bytes, cached_tokens_now=snap.num_tokens, num_nodes=len(snap.nodes),
-            evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
-            locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
+        return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._queue.qsize())
 
     @property
     def capabilities(self) -> Capabilities:

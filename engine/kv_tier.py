@@ -29,6 +29,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,9 +50,13 @@ def chunk_key(fingerprint: str, namespace: str, public_tokens: int, ids) -> str:
 
 class ChunkStore:
     """LRU over chunks under a byte budget; subclasses keep the bytes (disk or host memory).
-    Thread-safe."""
+    Thread-safe. ``on_drop`` (if set) is told the key of every chunk that leaves: dropped for
+    room or found bad (the cache keeps its map of what the tier holds by it)."""
+
+    kind = ""  # where the bytes are, for a person: "disk" or "host memory"
 
     def __init__(self, budget_bytes: int) -> None:
+        self.on_drop: Callable[[str], None] | None = None
         self.budget_bytes = int(budget_bytes)
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._lock = threading.Lock()
@@ -81,7 +86,7 @@ class ChunkStore:
                 old, old_size = self._sizes.popitem(last=False)
                 self.bytes_in_use -= old_size
                 self.dropped_chunks += 1
-                self._drop(old)
+                self._forget(old)
             try:
                 self._write(key, kv)
             except OSError as exc:  # a full disk: the chunk is simply not kept
@@ -102,12 +107,17 @@ class ChunkStore:
             if kv is None:
                 self.bad_chunks += 1
                 self.bytes_in_use -= self._sizes.pop(key)
-                self._drop(key)
+                self._forget(key)
                 return None
             self._sizes.move_to_end(key)
             self.loaded_chunks += 1
             self.bytes_read += kv.numel() * kv.element_size()
             return kv
+
+    def _forget(self, key: str) -> None:
+        self._drop(key)
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     def _write(self, key: str, kv: torch.Tensor) -> None:
         raise NotImplementedError
@@ -121,6 +131,8 @@ class ChunkStore:
 
 class HostStore(ChunkStore):
     """Chunks as CPU tensors: a GPU's second tier (copied back per load); gone at exit."""
+
+    kind = "host memory"
 
     def __init__(self, budget_bytes: int) -> None:
         super().__init__(budget_bytes)
@@ -138,6 +150,8 @@ class HostStore(ChunkStore):
 
 class DiskStore(ChunkStore):
     """Chunks as files under ``folder`` (one per chunk), found again after a restart."""
+
+    kind = "disk"
 
     def __init__(self, folder: Path, budget_bytes: int) -> None:
         super().__init__(budget_bytes)

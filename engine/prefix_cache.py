@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -37,7 +37,9 @@ from engine.kv_pool import KVPool, contiguous_runs
 from engine.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
 from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
 from engine.request_kv import RequestKV
-from engine.types import EngineError, NodeInfo, TreeSnapshot
+from engine.snapshot_view import for_viewer, node_infos, with_text
+from engine.spilled_tree import SpilledTree
+from engine.types import EngineError, TreeSnapshot
 
 
 @dataclass(eq=False)
@@ -64,19 +66,6 @@ class RequestSlots:
         if self._runs is None:
             self._runs = contiguous_runs(self.slots)
         return self._runs
-
-
-HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
-
-
-def coarse_tokens(num_tokens: int) -> int:
-    """``num_tokens`` rounded up to whole ``HIDDEN_BUCKET_TOKENS`` buckets."""
-    return -(-num_tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS
-
-
-def _visible_to(namespace: str, viewer: str) -> bool:
-    """Public content, the viewer's own namespace and its sub-namespaces (``<viewer>/...``)."""
-    return namespace in (PUBLIC, viewer) or namespace.startswith(viewer + "/")
 
 
 class PrefixCache(Protocol):
@@ -168,7 +157,8 @@ class PrefixCache(Protocol):
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
         """A read-only copy as plain data; with ``viewer`` set, other namespaces' nodes
-        are hidden (shape and size only)."""
+        are hidden (shape and size only). Nodes whose KV is in the second tier, not in the
+        pool, are there too, marked ``spilled`` (never counted in the pool's tokens)."""
 
 
 class RadixCache:
@@ -184,6 +174,9 @@ class RadixCache:
         self.tree = RadixTree()
         self.fair_share = fair_share
         self.tier, self.fingerprint = tier, fingerprint
+        self.spilled = SpilledTree()  # what the tier holds, for the tree view (``engine.spilled_tree``)
+        if tier is not None:
+            tier.on_drop = self.spilled.dropped
         self._lock = threading.RLock()
         self._live: set[RequestSlots] = set()  # acquired, not released
         self._running_tokens = 0  # own slots of the live ones
@@ -261,6 +254,7 @@ class RadixCache:
         if self.tier is not None:
             for node in removed:
                 self._spill(node)
+            self.spilled.apply_drops(self.tier.__contains__)
         self.pool.free(freed)
 
     # ------------------------------------------------------------- second tier
@@ -296,19 +290,29 @@ class RadixCache:
         ancestors, which go when they are evicted)."""
         ids, slots, public, namespace = self._path_of(node)
         end, start = len(ids), len(ids) - len(node.key)
-        first = start // CHUNK_TOKENS + 1
-        for i in range(first, end // CHUNK_TOKENS + 1):
+        chunks: list[tuple[int, str, bool]] = []  # (chunk end, key, kept), for the tree view
+        for i in range(start // CHUNK_TOKENS + 1, end // CHUNK_TOKENS + 1):
             stop = i * CHUNK_TOKENS
             if not self._may_spill(namespace, public, stop):
-                return
+                break
             key = self._tier_key(ids, stop, public, namespace)
-            if key in self.tier:
-                continue
-            idx = torch.tensor(slots[stop - CHUNK_TOKENS:stop], dtype=torch.long, device=self.pool.device)
-            kv = torch.stack([torch.stack([layer.index_select(1, idx) for layer in half])
-                              for half in (self.pool.k, self.pool.v)])
-            if self.tier.put(key, kv):
-                self.tier_spilled_tokens += CHUNK_TOKENS
+            chunks.append((stop, key, key in self.tier or self._put(key, slots[stop - CHUNK_TOKENS:stop])))
+        if chunks:
+            self.spilled.record(CacheKey(tuple(ids[:chunks[-1][0]]), namespace, public), chunks)
+
+    def _put(self, key: str, slots: list) -> bool:
+        """Write one chunk's KV (the pool's ``slots``) to the tier; whether it was kept."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
+        kv = torch.stack([torch.stack([layer.index_select(1, idx) for layer in half])
+                          for half in (self.pool.k, self.pool.v)])
+        if not self.tier.put(key, kv):
+            return False
+        self.tier_spilled_tokens += CHUNK_TOKENS
+        return True
+
+    def _path_chunk_key(self, path: CacheKey, stop: int) -> str:
+        """The tier's key of the chunk ending at ``stop`` on ``path`` (a spilled tree's path)."""
+        return self._tier_key(path.ids, stop, path.public_len, path.namespace)
 
     def _tier_keys(self, key: CacheKey, cached: int, max_len: int) -> list[tuple[int, str]]:
         """The chunks after the first ``cached`` tokens of ``key`` that the tier holds, in order
@@ -570,59 +574,33 @@ class RadixCache:
             assert self.pool.num_used == len(values) + len(own), (
                 f"pool slots in use {self.pool.num_used} != tree {len(values)} + running {len(own)}")
             assert self.pool.bytes_in_use <= self.pool.budget_bytes
+            if self.tier is None:
+                assert self.spilled.tree.num_nodes == 0, "spilled nodes without a second tier"
+            else:
+                self.spilled.apply_drops(self.tier.__contains__)
+                self.spilled.check(self.tier.__contains__, self._path_chunk_key)
 
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
-        """A read-only copy of the tree. With ``viewer`` set, what other visitors cached shows
-        only in a form that does not identify it: every subtree of other namespaces hanging
-        from a node is one ``hidden`` "others" node (id ``-1 - parent id``) whose size is
-        rounded up to ``HIDDEN_BUCKET_TOKENS``, with no text, hits, lock or access time; shared
-        (``PUBLIC``) nodes show no hits, locks or access times (others use them too); and the
-        totals count hidden tokens, and evictions, in the same buckets.
+        """A read-only copy of the tree, with the second tier's nodes (``spilled``, see
+        ``engine.spilled_tree``) beside the pool's. With ``viewer`` set, what other visitors
+        cached shows only as ``engine.snapshot_view.for_viewer`` allows (coarse "others" nodes,
+        no text, hits, locks or times on shared nodes, totals in buckets).
 
         The structure is copied under the lock; text is decoded after it is released, so a
         redraw never holds up the scheduler."""
         now = time.monotonic()
         bpt = self.pool.bytes_per_token
         with self._lock:
-            infos, hidden_under, depth = [], {}, {self.tree.root.id: 0}
-            anchor: dict[int, tuple[int, int]] = {}  # hidden node id -> (id, depth) of the visible node above
-            for node in self.tree.nodes():  # parents before children
-                depth[node.id] = depth[node.parent.id] + len(node.key)
-                if viewer is not None and not _visible_to(node.namespace, viewer):
-                    top = anchor.get(node.parent.id, (node.parent.id, depth[node.parent.id]))
-                    anchor[node.id] = top
-                    hidden_under[top] = hidden_under.get(top, 0) + len(node.key)
-                    continue
-                shared = viewer is not None and node.namespace == PUBLIC
-                infos.append(NodeInfo(
-                    node_id=node.id, parent_id=node.parent.id, num_tokens=len(node.key), depth_tokens=depth[node.id],
-                    num_bytes=len(node.key) * bpt, lock_ref=0 if shared else node.lock_ref,
-                    hits=0 if shared else node.hits,
-                    last_access_s_ago=0.0 if shared else max(0.0, now - node.last_access),
-                    namespace=node.namespace, hidden=False, token_ids=tuple(node.key), text=""))
-            num_tokens, num_bytes, evicted = self.tree.num_tokens, self.tree_bytes, self.tree.evicted_tokens
-            capacity, budget = self.pool.capacity, self.pool.budget_bytes
-        if decode is not None:
-            infos = [_with_text(n, decode, max_text_tokens) for n in infos]
-        for (parent_id, parent_depth), tokens in hidden_under.items():
-            size = coarse_tokens(tokens)
-            infos.append(NodeInfo(
-                node_id=-1 - parent_id, parent_id=parent_id, num_tokens=size, depth_tokens=parent_depth + size,
-                num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0, namespace="other", hidden=True,
-                token_ids=(), text=""))
-        if viewer is not None:
-            num_tokens = sum(n.num_tokens for n in infos)
-            num_bytes, evicted = num_tokens * bpt, coarse_tokens(evicted)
-        return TreeSnapshot(tuple(infos), num_tokens, num_bytes, budget, capacity, evicted, bpt)
-
-
-def _with_text(info: NodeInfo, decode: Callable[[Sequence[int]], str], max_text_tokens: int) -> NodeInfo:
-    import dataclasses
-
-    ids = info.token_ids
-    shown = ids if len(ids) <= max_text_tokens else ids[:max_text_tokens]
-    return dataclasses.replace(info, text=decode(shown) + ("…" if len(ids) > max_text_tokens else ""))
+            infos = node_infos(self.tree, now, bpt)
+            if self.tier is not None:
+                self.spilled.apply_drops(self.tier.__contains__)
+                infos += self.spilled.infos(self.tree, now, bpt)
+            full = TreeSnapshot(tuple(infos), self.tree.num_tokens, self.tree_bytes, self.pool.budget_bytes,
+                                self.pool.capacity, self.tree.evicted_tokens, bpt,
+                                self.tier.kind if self.tier is not None else "")
+        view = for_viewer(full, viewer) if viewer is not None else full
+        return replace(view, nodes=with_text(view.nodes, decode, max_text_tokens))
 
 
 class NoPrefixCache(RadixCache):

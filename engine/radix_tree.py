@@ -321,6 +321,24 @@ class RadixTree:
             self.num_nodes += 1
             self.evicted_tokens -= len(node.key)
 
+    def remove_subtree(self, node: Node) -> list[Any]:
+        """Take ``node`` and everything below it (all unlocked) out of the tree; returns their
+        values. Not an eviction (``evicted_tokens`` is unchanged): the caller drops a stretch it
+        knows is gone (the second tier's map cuts a path at a dropped chunk)."""
+        parent = node.parent
+        assert parent is not None and parent.children.get((node.namespace, node.key[0])) is node
+        del parent.children[(node.namespace, node.key[0])]
+        freed: list[Any] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n.lock_ref == 0, "removing a locked node"
+            freed.extend(n.value)
+            self.num_tokens -= len(n.key)
+            self.num_nodes -= 1
+            stack.extend(n.children.values())
+        return freed
+
     def clear(self, namespace: str | None = None) -> list[Any]:
         """Evict everything that is not locked; return the freed values."""
         return self.evict(self.num_tokens, namespace)

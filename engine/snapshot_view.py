@@ -1,42 +1,115 @@
-"""What one visitor may see of the tree, derived from a full snapshot.
+"""What a viewer may see of a cache tree, and how a tree node becomes display data.
 
-Owns: ``for_viewer``, the viewer's copy of a snapshot taken with ``viewer=None``, by the rule
-``RadixCache.snapshot(viewer=...)`` applies under the cache lock, so a dashboard can take one
-full snapshot per tick and give every visitor their view of it without walking the tree (or
-decoding a token) again per visitor. The rule, as ``engine/prefix_cache.py`` states it:
+Owns the one rule every view applies (the local cache, the remote engine's shadow tree,
+the dashboard's shared per-tick snapshot) and the one ``Node -> NodeInfo`` conversion (the
+cache, the remote shadow tree, the replay simulation and the figure bench):
 
-- every subtree of other namespaces hanging from a visible node (or the root) becomes one
-  ``hidden`` "others" node, id ``-1 - parent id``, its size rounded up to whole
-  ``HIDDEN_BUCKET_TOKENS`` buckets, with no text, hits, lock or access time;
-- shared (``PUBLIC``) nodes show no hits, locks or access times (others use them too);
-- the totals count hidden tokens, and evictions, in the same buckets.
+- ``may_see(viewer, namespace)``: public content, the viewer's own namespace and its
+  sub-namespaces (``<viewer>/...``);
+- ``node_infos(tree, ...)``: a tree's nodes as ``NodeInfo`` (parents first, no text: call it
+  under the owner's lock), then ``with_text`` decodes outside that lock;
+- ``for_viewer(full, viewer)``: a full snapshot as one viewer may see it:
 
-``tests/engine/test_snapshot_view.py`` checks node for node that both give the same answer.
-Pure: plain data in, plain data out.
+  - every subtree of other namespaces hanging from a visible node (or the root) becomes one
+    ``hidden`` "others" node, id ``-1 - parent id``, its size rounded up to whole
+    ``HIDDEN_BUCKET_TOKENS`` buckets, with no text, hits, lock or access time (others'
+    second-tier nodes, which isolation never writes, fold the same way into a ``spilled``
+    "others" node of their own, id ``HIDDEN_SPILLED_BASE - parent id``);
+  - shared (``PUBLIC``) nodes show no hits, locks or access times (others use them too);
+  - the totals count hidden tokens, and evictions, in the same buckets; second-tier
+    (``spilled``) nodes never count as pool tokens;
+
+- ``stats_for_viewer``: the running totals a viewer may see (their own requests) with the
+  cache's figures as their view gives them.
+
+So a dashboard can take one full snapshot per tick and give every visitor their view of it
+without walking the tree (or decoding a token) again per visitor. Pure: plain data in, plain
+data out; reads tree nodes but never changes a tree, and knows nothing about KV or the UI.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from engine.prefix_cache import coarse_tokens
-from engine.radix_tree import PUBLIC
-from engine.types import NodeInfo, TreeSnapshot
+from engine.radix_tree import PUBLIC, Node, RadixTree
+from engine.types import EngineStats, NodeInfo, RequestMetrics, TreeSnapshot
+
+HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
+HIDDEN_SPILLED_BASE = -(1 << 50)  # ids of hidden "others" nodes of the second tier (below every other id)
 
 
-def visible_to(namespace: str, viewer: str) -> bool:
-    """Public content, the viewer's own namespace and its sub-namespaces (``<viewer>/...``)."""
-    return namespace in (PUBLIC, viewer) or namespace.startswith(viewer + "/")
+def coarse_tokens(num_tokens: int) -> int:
+    """``num_tokens`` rounded up to whole ``HIDDEN_BUCKET_TOKENS`` buckets."""
+    return -(-num_tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS
+
+
+def is_own(viewer: str, namespace: str) -> bool:
+    """Whether ``namespace`` is the viewer's own namespace or one of its sub-namespaces."""
+    return namespace == viewer or namespace.startswith(viewer + "/")
+
+
+def may_see(viewer: str | None, namespace: str) -> bool:
+    """Whether ``viewer`` (None: the operator, who sees everything) may see ``namespace``'s
+    content: public content, the viewer's own namespace and its sub-namespaces."""
+    return viewer is None or namespace == PUBLIC or is_own(viewer, namespace)
 
 
 def owns_any(namespaces: frozenset[str], viewer: str) -> bool:
     """Whether any of ``namespaces`` is the viewer's own: if not, the viewer sees what any
     stranger sees (public nodes only), so one derived view serves all of them."""
-    return any(ns != PUBLIC and visible_to(ns, viewer) for ns in namespaces)
+    return any(ns != PUBLIC and is_own(viewer, ns) for ns in namespaces)
 
 
 def namespaces_of(snapshot: TreeSnapshot) -> frozenset[str]:
     return frozenset(n.namespace for n in snapshot.nodes)
+
+
+# ---------------------------------------------------------------- node -> NodeInfo
+def node_info(node: Node, depth_tokens: int, now: float, bytes_per_token: int, *, node_id: int | None = None,
+              parent_id: int | None = None, key: Sequence[int] | None = None, spilled: bool = False) -> NodeInfo:
+    """``node`` as display data, without text. ``key`` (default: the node's edge), ``node_id``
+    and ``parent_id`` let a caller show part of an edge under ids of its own (second-tier nodes)."""
+    key = node.key if key is None else key
+    return NodeInfo(
+        node_id=node.id if node_id is None else node_id, parent_id=node.parent.id if parent_id is None else parent_id,
+        num_tokens=len(key), depth_tokens=depth_tokens, num_bytes=len(key) * bytes_per_token,
+        lock_ref=node.lock_ref, hits=node.hits, last_access_s_ago=max(0.0, now - node.last_access),
+        namespace=node.namespace, hidden=False, token_ids=tuple(key), text="", spilled=spilled)
+
+
+def node_infos(tree: RadixTree, now: float, bytes_per_token: int) -> list[NodeInfo]:
+    """Every node of ``tree`` as ``NodeInfo``, parents before children, without text (call it
+    under the lock that guards ``tree``; ``with_text`` decodes after it is released)."""
+    depth = {tree.root.id: 0}
+    out = []
+    for node in tree.nodes():  # parents before children
+        depth[node.id] = depth[node.parent.id] + len(node.key)
+        out.append(node_info(node, depth[node.id], now, bytes_per_token))
+    return out
+
+
+def with_text(infos: Iterable[NodeInfo], decode: Callable[[Sequence[int]], str] | None,
+              max_text_tokens: int) -> tuple[NodeInfo, ...]:
+    """``infos`` with their text decoded (at most ``max_text_tokens`` of each, "…" past that);
+    hidden nodes carry no tokens and keep no text. Without ``decode`` the text stays empty."""
+    if decode is None:
+        return tuple(infos)
+    out = []
+    for n in infos:
+        ids = n.token_ids
+        if n.hidden or not ids:
+            out.append(n)
+            continue
+        shown = ids if len(ids) <= max_text_tokens else ids[:max_text_tokens]
+        out.append(replace(n, text=decode(shown) + ("…" if len(ids) > max_text_tokens else "")))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- one viewer's view
+def pool_tokens(nodes: Iterable[NodeInfo]) -> int:
+    """Tokens of ``nodes`` held in the pool (second-tier nodes are not)."""
+    return sum(n.num_tokens for n in nodes if not n.spilled)
 
 
 def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
@@ -44,24 +117,42 @@ def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
     infos: list[NodeInfo] = []
     depth: dict[int, int] = {0: 0}  # visible node id (0: the root) -> depth in tokens
     anchor: dict[int, int] = {}  # hidden node id -> the visible node (or root) its subtree hangs from
-    hidden_under: dict[int, int] = {}  # visible parent id -> tokens of others hanging from it, in order
+    hidden_under: dict[tuple[int, bool], int] = {}  # (visible parent id, spilled) -> others' tokens, in order
     for n in full.nodes:
-        if not visible_to(n.namespace, viewer):
+        if not may_see(viewer, n.namespace):
             top = anchor.get(n.parent_id, n.parent_id)
             anchor[n.node_id] = top
-            hidden_under[top] = hidden_under.get(top, 0) + n.num_tokens
+            hidden_under[top, n.spilled] = hidden_under.get((top, n.spilled), 0) + n.num_tokens
             continue
         depth[n.node_id] = n.depth_tokens
         if n.namespace == PUBLIC:
             n = replace(n, lock_ref=0, hits=0, last_access_s_ago=0.0)
         infos.append(n)
     bpt = full.bytes_per_token
-    for parent, tokens in hidden_under.items():
+    for (parent, spilled), tokens in hidden_under.items():
         size = coarse_tokens(tokens)
         infos.append(NodeInfo(
-            node_id=-1 - parent, parent_id=parent, num_tokens=size, depth_tokens=depth[parent] + size,
-            num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0, namespace="other", hidden=True,
-            token_ids=(), text=""))
-    num_tokens = sum(n.num_tokens for n in infos)
+            node_id=(HIDDEN_SPILLED_BASE if spilled else -1) - parent, parent_id=parent, num_tokens=size,
+            depth_tokens=depth[parent] + size, num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0,
+            namespace="other", hidden=True, token_ids=(), text="", spilled=spilled))
+    num_tokens = pool_tokens(infos)
     return TreeSnapshot(tuple(infos), num_tokens, num_tokens * bpt, full.budget_bytes, full.capacity_tokens,
-                        coarse_tokens(full.evicted_tokens), bpt)
+                        coarse_tokens(full.evicted_tokens), bpt, full.tier_kind)
+
+
+def stats_for_viewer(records: Sequence[RequestMetrics], view: TreeSnapshot, viewer: str,
+                     queue_depth: int) -> EngineStats:
+    """What ``viewer`` may see of the running totals: sums over their own requests (their
+    namespace and its sub-namespaces) in ``records``, and the cache's figures as ``view``
+    (their snapshot) gives them."""
+    mine = [m for m in records if is_own(viewer, m.namespace)]
+    measured = [m for m in mine if m.baseline_prefill_ms is not None]
+    resident = [n for n in view.nodes if not n.spilled]
+    return EngineStats(
+        requests=len(mine), prompt_tokens=sum(m.prompt_tokens for m in mine),
+        cached_tokens=sum(m.cached_tokens for m in mine), computed_tokens=sum(m.computed_tokens for m in mine),
+        prefill_ms=sum(m.prefill_ms for m in mine), baseline_prefill_ms=sum(m.baseline_prefill_ms for m in measured),
+        reuse_prefill_ms_measured=sum(m.prefill_ms for m in measured), cache_bytes=view.num_bytes,
+        budget_bytes=view.budget_bytes, cached_tokens_now=view.num_tokens, num_nodes=len(resident),
+        evicted_tokens=view.evicted_tokens, queue_depth=queue_depth,
+        locked_tokens=sum(n.num_tokens for n in resident if n.lock_ref > 0))

@@ -158,6 +158,9 @@ class NodeInfo:
     hidden: bool  # another visitor's private node: shape and size only
     token_ids: tuple[int, ...]
     text: str
+    # In the second tier (disk or host memory), not in the pool: a stretch evicted whole chunks at
+    # a time, loaded back by the next request that needs it. Never counted in the pool's tokens.
+    spilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class TreeSnapshot:
     capacity_tokens: int
     evicted_tokens: int
     bytes_per_token: int
+    tier_kind: str = ""  # where ``spilled`` nodes' KV is: "disk", "host memory" or "" (no second tier)
 
 
 @dataclass(frozen=True)

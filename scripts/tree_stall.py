@@ -92,7 +92,6 @@ def load_runner(tiny: bool, model: str, device: str):
     """The embedded (or ``model``) runner, or the tests' tiny random Llama."""
     if tiny:
         from engine.model.loader import load_tokenizer
-
         from tests.conftest import make_tiny_runner
 
         return make_tiny_runner(load_tokenizer())

@@ -39,7 +39,7 @@ from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
 from engine.request import DONE, RequestHandle
-from engine.snapshot_view import for_viewer, visible_to
+from engine.snapshot_view import for_viewer, node_infos, stats_for_viewer, with_text
 from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
@@ -49,7 +49,6 @@ from engine.types import (
     EngineStats,
     GenerationEvent,
     GenerationRequest,
-    NodeInfo,
     RequestMetrics,
     StepRecord,
     TreeSnapshot,
@@ -186,28 +185,30 @@ class RemoteEngine(FacadeBase):
     # ------------------------------------------------------------- state
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The shadow tree as plain data (no bytes: the server's memory is unknown here). In
-        isolation mode ``viewer`` sees others' nodes as the local engine shows them
-        (``engine.snapshot_view``: one coarse "others" node per subtree, no text, hits or times)."""
-        now = time.monotonic()
-        with self._lock:  # the structure under the lock; text decoded outside it
-            nodes = [(node.id, node.parent.id if node.parent else 0, tuple(node.key), node.depth_tokens(),
-                      node.hits, max(0.0, now - node.last_access), node.namespace) for node in self.tree.nodes()]
-            num_tokens = self.tree.num_tokens
-        hide = viewer is not None and self.isolation
-        infos = tuple(NodeInfo(
-            node_id=nid, parent_id=pid, num_tokens=len(ids), depth_tokens=depth, num_bytes=0, lock_ref=0, hits=hits,
-            last_access_s_ago=ago, namespace=ns, hidden=False, token_ids=ids,
-            text="" if hide and not visible_to(ns, viewer) else self.decode(ids[:256]) + ("…" if len(ids) > 256 else ""))
-            for nid, pid, ids, depth, hits, ago, ns in nodes)
-        full = TreeSnapshot(infos, num_tokens, 0, 0, 0, 0, 0)
-        return for_viewer(full, viewer) if hide else full
+        isolation mode ``viewer`` sees others' nodes exactly as the local engine shows them
+        (``engine.snapshot_view.for_viewer``: one coarse "others" node per subtree, no text,
+        hits or times)."""
+        view = self._view(viewer)
+        return dataclasses.replace(view, nodes=with_text(view.nodes, self.decode, 256))
+
+    def _view(self, viewer: str | None) -> TreeSnapshot:
+        """The shadow tree as ``viewer`` may see it, without text (the structure copied under the lock)."""
+        with self._lock:
+            full = TreeSnapshot(tuple(node_infos(self.tree, time.monotonic(), 0)), self.tree.num_tokens, 0, 0, 0, 0, 0)
+        return for_viewer(full, viewer) if viewer is not None and self.isolation else full
 
     def stats(self, viewer: str | None = None) -> EngineStats:
-        """This dashboard's totals over what it sent (``viewer`` is accepted for the local
-        engine's signature; the shadow tree holds only this dashboard's own requests)."""
+        """This dashboard's totals over what it sent. In isolation mode, with ``viewer``, only what
+        that visitor may see, by the local engine's rule (``engine.snapshot_view.stats_for_viewer``):
+        totals over their own requests, the shadow tree's figures as their ``snapshot`` gives them."""
+        # ``queue_depth`` is what waits in this process to start: nothing (each request goes to the
+        # server at once); what the server runs or queues is ``running`` here, as one figure.
+        if viewer is not None and self.isolation:
+            return stats_for_viewer(self.recent(), self._view(viewer), viewer, 0)
         with self._lock:
             return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
-                               num_nodes=len(self.tree.nodes()), evicted_tokens=0, queue_depth=self._in_flight)
+                               num_nodes=self.tree.num_nodes, evicted_tokens=0, queue_depth=0,
+                               running=self._in_flight)
 
     def step_log(self, n: int | None = None) -> list[StepRecord]:
         """The backend schedules its own forwards: there are none of this app's to show."""

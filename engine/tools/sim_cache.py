@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 from engine.kv_tier import CHUNK_TOKENS
 from engine.radix_tree import PUBLIC, CacheKey, InsertResult, Node, RadixTree
-from engine.types import NodeInfo, TreeSnapshot
+from engine.snapshot_view import node_infos, with_text
+from engine.types import TreeSnapshot
 
 
 # ------------------------------------------------------------------ the cache
@@ -263,16 +264,9 @@ class SimCache:
 
 def tree_snapshot(cache: SimCache, decode, bytes_per_token: int, max_text_tokens: int = 128) -> TreeSnapshot:
     """The simulated tree as the plain data the tree figures draw (``last_access_s_ago``
-    is in the log's clock)."""
-    infos = []
-    for node in cache.tree.nodes():
-        shown = node.key[:max_text_tokens]
-        text = decode(shown) + ("…" if len(node.key) > max_text_tokens else "") if decode else ""
-        infos.append(NodeInfo(node_id=node.id, parent_id=node.parent.id, num_tokens=len(node.key),
-                              depth_tokens=node.depth_tokens(), num_bytes=len(node.key) * bytes_per_token,
-                              lock_ref=0, hits=node.hits, last_access_s_ago=max(0.0, cache.now - node.last_access),
-                              namespace=node.namespace, hidden=False, token_ids=tuple(node.key), text=text))
+    is in the log's clock), built as the cache builds its own (``engine.snapshot_view``)."""
+    infos = with_text(node_infos(cache.tree, cache.now, bytes_per_token), decode, max_text_tokens)
     budget = cache.budget_tokens if cache.budget_tokens is not None else cache.tree.num_tokens
-    return TreeSnapshot(tuple(infos), cache.tree.num_tokens, cache.tree.num_tokens * bytes_per_token,
+    return TreeSnapshot(infos, cache.tree.num_tokens, cache.tree.num_tokens * bytes_per_token,
                         budget * bytes_per_token, budget, cache.evicted_tokens + cache.expired_tokens,
                         bytes_per_token)

@@ -344,7 +344,7 @@ def test_the_shadow_tree_is_bounded_least_recently_sent_first(tokenizer):
 
 
 def test_remote_snapshot_hides_others_by_the_local_rule(tokenizer):
-    from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
+    from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 
     text = (FIXTURES / "vllm_completions_stream.txt").read_bytes()
     with scripted_backend(text, finish=True) as url:
