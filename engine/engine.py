@@ -4,8 +4,8 @@ Owns: validation of requests, the inbox (bounded: ``EngineBusy``), the one
 worker thread that drives the scheduler one step at a time under the runner's
 lock (engines sharing a runner take turns step by step), metrics and running
 totals. The scheduling itself (admission, batching, chunked prefill,
-fairness, memory) is ``engine/scheduler.py``; one running request is
-``engine/request.py``. Knows nothing about the UI.
+fairness, memory) is ``engine/scheduler/``; one running request is
+``engine/scheduler/request.py``. Knows nothing about the UI.
 
 One request, in token positions::
 
@@ -34,8 +34,8 @@ from engine.model_runner import ModelRunner
 from engine.paged_attention import PagedSegment
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
-from engine.request import DONE, Request, RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.request import END_OF_STREAM, Request, RequestHandle, request_key
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -231,7 +231,7 @@ class Engine(FacadeBase):
         config = SchedulerConfig(max_batch=max(1, int(max_batch)),
                                  chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
                                  isolation=isolation)
-        self.scheduler = Scheduler(runner, self.cache, config, self._request_key, self._record)
+        self.scheduler = Scheduler(runner, self.cache, config)
         self._closed = self._stopping = False
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
@@ -353,10 +353,7 @@ class Engine(FacadeBase):
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
         """The request's namespace is set by server code (the UI passes ``PUBLIC``
         unless isolation is on; the ordering lab uses one namespace per variant)."""
-        return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
-
-    def _request_key(self, ids: list[int], r: Request) -> CacheKey:
-        return self.cache_key(ids, r.req)
+        return request_key(ids, request)
 
     # ---------------------------------------------------------------- worker
     def close(self, timeout_s: float = 30.0) -> None:
@@ -379,11 +376,12 @@ class Engine(FacadeBase):
                     with self.runner.lock:  # engines sharing one runner take turns, step by step
                         self._take(pending)
                         pending = []
-                        self.runner.compute.call(self.scheduler.step)  # torch runs on one thread
+                        self._end(self.runner.compute.call(self.scheduler.step))  # torch runs on one thread
                         idle = not self.scheduler.has_work()
                 except Exception as exc:  # never kill the worker; fail what was running, report one line
                     log.exception("scheduler step failed")
                     self.scheduler.fail_all(exc)
+                    self._end(self.scheduler.take_finished())  # those that finished before it failed
                     idle = not self.scheduler.has_work()
                 if idle and self._stopping:
                     return
@@ -405,7 +403,7 @@ class Engine(FacadeBase):
                 self._stopping = True
                 continue
             if handle.cancelled.is_set():
-                handle.events.put(DONE)
+                handle.events.put(END_OF_STREAM)
                 continue
             req, ids = handle.request, handle.ids
             max_new = max(0, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap,
@@ -458,6 +456,11 @@ class Engine(FacadeBase):
             self.cache.release(rs)
         prefill_ms = (time.perf_counter() - t0) * 1000
         return PrefillResult(logits, rs.cached_tokens, prefill_ms, inserted)
+
+    def _end(self, finished: list[Request]) -> None:
+        """Record the requests the scheduler finished and close their streams with the metrics."""
+        for r in finished:
+            r.end(self._record(r))
 
     def _record(self, r: Request) -> RequestMetrics:
         req, ids, out_ids = r.req, r.ids, r.out_ids

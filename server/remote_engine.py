@@ -39,7 +39,7 @@ from engine import validation
 from engine.engine import FacadeBase
 from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
-from engine.request import DONE, RequestHandle
+from engine.scheduler.request import END_OF_STREAM, RequestHandle
 from engine.snapshot_view import for_viewer, visible_to
 from engine.types import (
     EngineBusy,
@@ -154,7 +154,7 @@ class RemoteEngine(FacadeBase):
         finally:
             with self._lock:
                 self._in_flight -= 1
-            handle.events.put(DONE)
+            handle.events.put(END_OF_STREAM)
 
     def _salt(self, namespace: str) -> str | None:
         with self._lock:
