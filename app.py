@@ -102,12 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace, runner=None):
     """The engine the flags describe; ``runner`` (tests) skips loading ``args.model``."""
     from engine.engine import Engine
-    from engine.model_loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
 
     if runner is None:
         runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
-    from engine.model_loader import cache_root
+    from engine.model.loader import cache_root
 
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
@@ -133,7 +133,7 @@ def build_app(engine, max_queue: int = 32):
 def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
     and model name once (``EngineError`` with one clear message when any is wrong)."""
-    from engine.model_loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     from server.remote_engine import RemoteEngine
 
     if tokenizer is None:
@@ -152,7 +152,7 @@ def server_routes(engine, api_key: str | None = None) -> list:
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    if getattr(engine.info(), "backend", ""):
+    if engine.capabilities.remote:
         return []
     return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
             + metrics_routes(EngineMetrics(lambda: engine)))
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from engine.model_loader import ModelLoadError
+    from engine.model.loader import ModelLoadError
     from engine.types import EngineError
 
     if args.backend:
@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
     finally:
-        persist = getattr(engine, "persist_cache", None)  # the local engine's cache, written for the next start
-        if persist is not None and getattr(engine, "tier", None) is not None:
-            print(f"Cache written to the second tier for the next start ({persist()} new chunks).", flush=True)
+        if engine.capabilities.second_tier:  # the local engine's cache, written for the next start
+            print(f"Cache written to the second tier for the next start ({engine.persist_cache()} new chunks).",
+                  flush=True)
     return 0
 
 

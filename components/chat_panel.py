@@ -36,7 +36,7 @@ from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
 from components.timing_view import turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.scheduler import BASELINE_MAX_TOKENS
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
 from engine.validation import flatten_content
@@ -64,7 +64,7 @@ SHORT_HINT = (
 LONG_PRESET_TOKENS = 1000  # a system prompt at least this long gets START_HINT
 
 
-def start_hint(engine: Engine, name: str) -> str:
+def start_hint(engine: EngineAPI, name: str) -> str:
     """The hint above the starters for preset ``name`` (with the warm-start sentence when there is one)."""
     from components.warm_start import system_tokens
 
@@ -88,14 +88,14 @@ def chat_messages(system: str, history: list[dict], message: str) -> list[dict]:
     return msgs
 
 
-def sampling_for(engine: Engine, max_new_tokens, loop_guard) -> SamplingParams:
+def sampling_for(engine: EngineAPI, max_new_tokens, loop_guard) -> SamplingParams:
     max_new = clamp_int(max_new_tokens, default=32, low=1, high=engine.max_new_tokens_cap)
     on = loop_guard is None or bool(loop_guard)  # API clients that leave it out get the default (on)
     return SamplingParams(max_new_tokens=max_new, no_repeat_ngram_size=LOOP_GUARD_NGRAM if on else 0,
                           repetition_penalty=LOOP_GUARD_PENALTY if on else 1.0)
 
 
-def build_request(engine: Engine, messages: list[dict], max_new_tokens, measure_baseline,
+def build_request(engine: EngineAPI, messages: list[dict], max_new_tokens, measure_baseline,
                   request: gr.Request | None, tag: str, loop_guard=True) -> GenerationRequest:
     """Tokenize once, then set the cache namespace and shareable length server-side.
     The no-reuse measurement is left off above ``BASELINE_MAX_TOKENS`` (see ``baseline_skipped``)."""
@@ -118,7 +118,7 @@ def system_text(preset_name, custom_text) -> str:
     return (custom_text or "") if preset_name == CUSTOM_SYSTEM else SYSTEM_PRESETS.get(str(preset_name), "")
 
 
-def stream_request(engine: Engine, handle, request, panel: str) -> Iterator[tuple[str, str, RequestMetrics | None]]:
+def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[tuple[str, str, RequestMetrics | None]]:
     """(text so far, status, final metrics or None) for each event of ``handle``; ends with the
     metrics, or a "stopped" status if it never ran. The caller registers ``handle`` with
     ``RUNNING`` right after submitting it (so Stop works while it waits); this unregisters it."""
@@ -138,13 +138,12 @@ def stream_request(engine: Engine, handle, request, panel: str) -> Iterator[tupl
         yield text, "**Stopped** before the request ran: nothing was computed.", None
 
 
-def paired_timer(engine: Engine):
+def paired_timer(engine: EngineAPI):
     """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
-    make = getattr(engine, "prefill_timer", None)
-    return make() if make is not None else None
+    return engine.prefill_timer()
 
 
-def respond(engine: Engine, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,
+def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,
             request: gr.Request | None = None) -> Iterator[tuple]:
     """The chat turn: (chatbot, message box, coloured prompt, numbers, last metrics, last timing) per step.
 
@@ -213,7 +212,7 @@ def stop_chat(request: gr.Request):
     stop_running("chat", request)
 
 
-def on_preset(engine: Engine, name: str):
+def on_preset(engine: EngineAPI, name: str):
     """A new system prompt starts a new chat, with starter questions that fit it."""
     is_custom = name == CUSTOM_SYSTEM
     starters = STARTERS_BY_PRESET.get(str(name), [])
@@ -227,7 +226,7 @@ def new_chat():
     return [], "", [], IDLE_NUMBERS, None, None
 
 
-def build_chat_panel(engine: Engine, last_metrics: gr.State, last_timing: gr.State | None = None) -> None:
+def build_chat_panel(engine: EngineAPI, last_metrics: gr.State, last_timing: gr.State | None = None) -> None:
     """``last_timing`` holds this visitor's last ``(request_id, PrefillTiming)`` (the side card reads it)."""
     last_timing = last_timing if last_timing is not None else gr.State(None)
     first = chat_default(engine)

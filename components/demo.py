@@ -14,7 +14,6 @@ import gradio as gr
 from components.chat_panel import build_chat_panel
 from components.fewshot_panel import build_fewshot_panel
 from components.growth_panel import build_growth_panel
-from components.hardening import guard_middleware
 from components.info_panel import build_info_panel
 from components.lab.tab import build_ordering_lab
 from components.latency_panel import build_latency_panel
@@ -24,7 +23,8 @@ from components.overview_panel import build_overview_panel
 from components.replay_panel import build_replay_panel
 from components.scheduler_panel import build_scheduler_panel
 from components.tree_panel import build_tree_panel
-from engine.engine import Engine
+from engine.api import EngineAPI
+from server.request_guard import guard_middleware
 
 TITLE = "Radix Cache Playground"
 STATE_SESSIONS = 500  # Gradio's default keeps 10,000 sessions' inputs and state in memory
@@ -78,7 +78,7 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
     Public-page settings (tests/app/test_public_hosting.py checks them): no error details to
     visitors; no run history (Gradio would keep each visitor's prompts in the browser, or
     in a bucket); no /monitoring page; uploads and deep links refused and request bodies capped
-    (``components.hardening.RequestGuard``: the app takes no files); Gradio keeps per-session
+    (``server.request_guard.RequestGuard``: the app takes no files); Gradio keeps per-session
     state (inputs, ``gr.State``) for at most ``STATE_SESSIONS`` sessions, oldest dropped first.
     ``app_kwargs`` (the HTTP API's routes, see ``app.app_kwargs``) join the guard's middleware."""
     return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],
@@ -86,7 +86,7 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
                 state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware(), **(app_kwargs or {})})
 
 
-def build_demo(engine: Engine) -> gr.Blocks:
+def build_demo(engine: EngineAPI) -> gr.Blocks:
     live: dict[str, list[LiveView]] = {}  # tab label -> the live views inside it
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}")

@@ -21,7 +21,7 @@ from components.chat_presets import FEW_SHOT_PRESETS, few_shot_prompt
 from components.common import TOKEN_COLORS, highlighted_prompt, metrics_markdown, warn
 from components.format import clamp_int, fmt_ms, plural, ratio_words
 from components.session import RUNNING
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import EngineError, RequestMetrics
 
 MAX_EXAMPLES = 64
@@ -75,7 +75,7 @@ def _preset_rows(name: str) -> list[list[str]]:
     return [list(e) for e in FEW_SHOT_PRESETS[name]["examples"]]
 
 
-def _submit(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard, request, tag,
+def _submit(engine: EngineAPI, instr, rows, text, shuffle_on, max_new_tokens, measure, guard, request, tag,
             rng: random.Random):
     exs = parse_examples(rows)
     if shuffle_on:
@@ -87,7 +87,7 @@ def _submit(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
     return req, handle
 
 
-def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard=True,
+def run_one(engine: EngineAPI, instr, rows, text, shuffle_on, max_new_tokens, measure, guard=True,
             request: gr.Request | None = None) -> Iterator[tuple]:
     """One query: (answer, coloured prompt, numbers, last metrics) per step."""
     if not (text or "").strip():
@@ -111,7 +111,7 @@ def run_one(engine: Engine, instr, rows, text, shuffle_on, max_new_tokens, measu
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
 
-def run_batch(engine: Engine, instr, rows, queries_text, n, shuffle_on, max_new_tokens, measure, guard=True,
+def run_batch(engine: EngineAPI, instr, rows, queries_text, n, shuffle_on, max_new_tokens, measure, guard=True,
               request: gr.Request | None = None) -> Iterator[tuple]:
     """N queries in a row: (summary, chart, table, last metrics) after each; Stop ends the run
     after cancelling the request that is running."""
@@ -156,7 +156,7 @@ def on_preset(name: str):
         p["queries"][0], "\n".join(p["queries"])
 
 
-def build_fewshot_panel(engine: Engine, last_metrics: gr.State) -> None:
+def build_fewshot_panel(engine: EngineAPI, last_metrics: gr.State) -> None:
     preset0 = FEW_SHOT_PRESETS[DEFAULT_PRESET]
     with gr.Row():
         preset = gr.Dropdown(list(FEW_SHOT_PRESETS), value=DEFAULT_PRESET, label="Example set", scale=1)
@@ -180,7 +180,7 @@ def build_fewshot_panel(engine: Engine, last_metrics: gr.State) -> None:
     preset.change(on_preset, preset, [instruction, examples, query, queries], api_visibility="private")
 
 
-def _build_one_query(engine: Engine, last_metrics: gr.State, preset0: dict, shared: list) -> gr.Textbox:
+def _build_one_query(engine: EngineAPI, last_metrics: gr.State, preset0: dict, shared: list) -> gr.Textbox:
     """One query at a time; returns its query box (a preset fills it)."""
     instruction, examples, shuffle, max_new, baseline, guard = shared
     with gr.Row():
@@ -203,7 +203,7 @@ def _build_one_query(engine: Engine, last_metrics: gr.State, preset0: dict, shar
     return query
 
 
-def _build_batch(engine: Engine, last_metrics: gr.State, preset0: dict, shared: list) -> gr.Textbox:
+def _build_batch(engine: EngineAPI, last_metrics: gr.State, preset0: dict, shared: list) -> gr.Textbox:
     """N queries in a row, with a chart and a table; returns its queries box (a preset fills it)."""
     instruction, examples, shuffle, max_new, baseline, guard = shared
     gr.Markdown("#### Run N queries: watch reuse build up, request after request")

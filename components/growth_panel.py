@@ -49,8 +49,8 @@ def curve_markdown(curve, isolation: bool) -> str:
 def build_growth_panel(engine, active: bool = False) -> LiveView | None:
     """The chart, its words and a Measure button; a ``LiveView`` that redraws when the curve changes."""
     gr.Markdown("### How the win grows with the cached length")
-    timer = getattr(engine, "prefill_timer", None)
-    if timer is None:
+    timer = engine.prefill_timer
+    if not engine.capabilities.prefill_timing:
         gr.Markdown("*Remote mode: the backend's prefill cannot be timed from here block by block.*")
         return None
     plot = gr.Plot(show_label=False, elem_id="growth-plot")

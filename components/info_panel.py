@@ -8,7 +8,7 @@ import gradio as gr
 
 from components.format import fmt_bytes
 from components.live import LiveView
-from engine.engine import Engine
+from engine.api import EngineAPI
 
 
 def dtype_note(dtype: str) -> str:
@@ -21,18 +21,18 @@ def dtype_note(dtype: str) -> str:
     return ""
 
 
-def engine_line(engine: Engine) -> str:
+def engine_line(engine: EngineAPI) -> str:
     """One short line: which model runs where, in which dtype, and what a token of KV costs."""
     i = engine.info()
     return (f"Running **{i.model_name}** on {i.device} in **{i.dtype}** · KV {fmt_bytes(i.kv_bytes_per_token)} "
             f"per token")
 
 
-def info_markdown(engine: Engine) -> str:
+def info_markdown(engine: EngineAPI) -> str:
     i, s = engine.info(), engine.stats()
     bpt = i.kv_bytes_per_token
-    backend = getattr(i, "backend", "")
-    if backend:  # remote mode (server.remote_engine)
+    backend = i.backend
+    if engine.capabilities.remote:  # remote mode (server.remote_engine)
         return "\n".join([
             "| engine (remote) | |", "|---|---|",
             f"| server | **{backend}** |",
@@ -61,20 +61,19 @@ def info_markdown(engine: Engine) -> str:
     ])
 
 
-def _reported(engine) -> str:
-    reported = getattr(engine, "cache_reported", None)
+def _reported(engine: EngineAPI) -> str:
+    reported = engine.info().cache_reported
     if reported is None:
         return "not yet known (no request sent)"
     return "yes" if reported else ("**no**: start vLLM with `--enable-prompt-tokens-details`, SGLang with "
                                    "`--enable-cache-report`")
 
 
-def _backend_metrics(engine) -> dict[str, float]:
-    read = getattr(engine, "backend_metrics", None)
-    return read() if read is not None else {}
+def _backend_metrics(engine: EngineAPI) -> dict[str, float]:
+    return engine.backend_metrics()
 
 
-def build_info_panel(engine: Engine, active: bool = False) -> LiveView:
+def build_info_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     text = gr.Markdown(info_markdown(engine))
     gr.Markdown(
         "A scheduler runs the model step by step on one thread: each step decodes one token for every running "

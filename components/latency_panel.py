@@ -14,7 +14,7 @@ from components.charts import latency_bars, speedup_scatter
 from components.common import history_refresh
 from components.format import fmt_ms, plural, ratio_words, reuse_is_noise
 from components.live import KEEP_ZOOM, LiveView
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import RequestMetrics
 
 HISTORY = 40
@@ -47,7 +47,7 @@ def latency_summary(history: list[RequestMetrics], mine: bool = False) -> str:
     return text
 
 
-def build_latency_panel(engine: Engine, active: bool = False) -> LiveView:
+def build_latency_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     summary = gr.Markdown(latency_summary([]))
     bars = gr.Plot(show_label=False, elem_id="latency-bars", elem_classes=[KEEP_ZOOM])
     scatter = gr.Plot(show_label=False, elem_id="speedup-scatter", elem_classes=[KEEP_ZOOM])

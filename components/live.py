@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.snapshot_view import for_viewer, namespaces_of, owns_any
 from engine.types import TreeSnapshot
 
@@ -140,11 +140,10 @@ def _quiet(fn: Callable, num_outputs: int, with_status: bool = False) -> Callabl
     return wrapper
 
 
-def engine_signature(engine: Engine) -> tuple:
-    """Changes whenever anything a panel shows could have changed (bar the clock)."""
-    s = engine.stats()
-    return (s.requests, s.cached_tokens_now, s.num_nodes, s.evicted_tokens, s.cache_bytes, s.budget_bytes,
-            s.locked_tokens)
+def engine_signature(engine: EngineAPI) -> tuple:
+    """Changes whenever anything a panel shows could have changed (bar the clock): the engine's
+    change counter, no stats built."""
+    return (engine.version(),)
 
 
 def unchanged(seen: tuple | None, signature: tuple) -> bool:
@@ -168,34 +167,48 @@ class _Shared:
 STRANGER = "\x00stranger"  # the view of every viewer who owns nothing in the tree: public nodes only
 MAX_VIEWS = 1024  # derived views kept per snapshot; past that, derived again (cheap, no lock)
 
-_snapshots: dict[int, _Shared] = {}
-_snapshots_lock = threading.Lock()
-_walk_lock = threading.Lock()
+class _SharedSlot:
+    """The engine's current shared snapshot (an ``engine.attachment``, so it lives with the engine)."""
+
+    def __init__(self) -> None:
+        self.shared: _Shared | None = None
+        self.lock = threading.Lock()  # guards ``shared``
+        self.walk_lock = threading.Lock()  # visitors whose timers fire together wait for one walk
 
 
-def shared_snapshot(engine: Engine, viewer: str | None, max_age_s: float = 1.0) -> TreeSnapshot:
+def _slot(engine: EngineAPI) -> _SharedSlot:
+    return engine.attachment("live.shared_snapshot", _SharedSlot)
+
+
+def forget(engine: EngineAPI) -> None:
+    """Drop the engine's shared snapshot (the next tick walks the tree again)."""
+    slot = _slot(engine)
+    with slot.lock:
+        slot.shared = None
+
+
+def shared_snapshot(engine: EngineAPI, viewer: str | None, max_age_s: float = 1.0) -> TreeSnapshot:
     """``engine.snapshot(viewer)`` at the cost of one tree walk per engine per ``max_age_s``,
     however many visitors poll it: the full snapshot (``viewer=None``) is taken once while the
     engine's signature holds, and each viewer's view is derived from it by
     ``engine.snapshot_view.for_viewer`` (the engine's own hiding rule, applied to plain data:
     no cache lock, no decoding). Viewers who own nothing in the tree share one view."""
     sig = engine_signature(engine)
+    slot = _slot(engine)
 
     def current() -> _Shared | None:
-        with _snapshots_lock:
-            got = _snapshots.get(id(engine))
+        with slot.lock:
+            got = slot.shared
         return got if got and got.signature == sig and time.monotonic() - got.taken_at < max_age_s else None
 
     shared = current()
     if shared is None:
-        with _walk_lock:  # visitors whose timers fire together wait for one walk instead of each taking one
+        with slot.walk_lock:  # visitors whose timers fire together wait for one walk instead of each taking one
             shared = current()
             if shared is None:
                 shared = _Shared(sig, engine.snapshot(viewer=None))
-                with _snapshots_lock:
-                    if len(_snapshots) > 64:
-                        _snapshots.clear()
-                    _snapshots[id(engine)] = shared
+                with slot.lock:
+                    slot.shared = shared
     if viewer is None or not engine.isolation:
         return shared.full
     key = viewer if owns_any(shared.namespaces, viewer) else STRANGER
@@ -222,12 +235,12 @@ class CacheFigures:
     shared_tokens: int = 0
 
 
-def cache_figures(engine: Engine, viewer: str | None) -> CacheFigures:
+def cache_figures(engine: EngineAPI, viewer: str | None) -> CacheFigures:
     """What ``engine.stats(viewer)`` says of the cache, at no walk of the tree per viewer: in
     isolation mode ``stats(viewer)`` takes a snapshot of its own for every visitor on every
     tick (the overview's cards, the memory tab); this reads the viewer's view of the shared
     one instead (others' tokens coarse, the same rule). Shared or remote: ``engine.stats()``."""
-    if viewer is None or not engine.isolation or getattr(engine.info(), "backend", ""):
+    if viewer is None or not engine.isolation or not engine.capabilities.local_cache:
         s = engine.stats(viewer)
         return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens,
                             s.tree_bytes, s.running_bytes, s.shared_tokens)

@@ -15,14 +15,14 @@ from components.common import history_refresh, playground_history, totals, warn
 from components.format import fmt_bytes, fmt_ms, plural
 from components.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import EngineError, RequestMetrics
 
 MiB = 2**20
 HISTORY = 200
 
 
-def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
+def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
     """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
     mode) and the hit rate over ``mine``: the playground's requests, lab runs left out (the
     visitor's own in isolation mode)."""
@@ -38,8 +38,8 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
     rate_row = (f"| token hit rate, {whose} requests | **{cached / prompt if prompt else 0:.1%}** over "
                 f"{plural(len(history), 'request')} ({cached:,} of {prompt:,} prompt tokens from the cache; lab runs "
                 "not counted) |")
-    backend = getattr(engine.info(), "backend", "")
-    if backend:  # remote mode: the server's memory is its own
+    backend = engine.info().backend
+    if not engine.capabilities.local_cache:  # remote mode: the server's memory is its own
         return "\n".join([
             "| cache (remote server) | |", "|---|---|",
             f"| server | {backend} |",
@@ -75,7 +75,7 @@ def memory_markdown(engine: Engine, mine: list[RequestMetrics] | None = None, vi
     ])
 
 
-def set_budget(engine: Engine, max_mib: float, mib):
+def set_budget(engine: EngineAPI, max_mib: float, mib):
     """Apply a new budget (never above ``max_mib``, what the host sized memory for); says what it evicted."""
     if engine.isolation:
         gr.Warning("The cache budget is fixed on a shared deployment.")
@@ -99,7 +99,7 @@ def set_budget(engine: Engine, max_mib: float, mib):
             f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
     return round(mib, 1)
 
-def clear_cache(engine: Engine, request: gr.Request | None = None):
+def clear_cache(engine: EngineAPI, request: gr.Request | None = None):
     """Clear the visitor's own cached prompts (everything, when the cache is shared); says what it freed."""
     ns = own_namespace(request, engine)
     if engine.isolation and not ns:
@@ -114,7 +114,7 @@ def clear_cache(engine: Engine, request: gr.Request | None = None):
 
 
 
-def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
+def build_memory_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     budget_mib = engine.stats().budget_bytes / MiB
     with gr.Row():
         with gr.Column(scale=2):
@@ -128,14 +128,14 @@ def build_memory_panel(engine: Engine, active: bool = False) -> LiveView:
                                info="shrinking evicts least-recently-used leaves"
                                if not engine.isolation else "fixed on a shared public deployment")
         apply = gr.Button("Apply budget", scale=1,
-                          interactive=not engine.isolation and not getattr(engine.info(), "backend", ""))
+                          interactive=not engine.isolation and engine.capabilities.settable_budget)
         clear = gr.Button("Clear your cached prompts" if engine.isolation else "Clear the cache", variant="stop",
                           scale=1)
     seen = gr.State(None)
 
     def draw(mine: list[RequestMetrics], ns: str | None) -> tuple:
         title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
-        gauge_fig = (None if getattr(engine.info(), "backend", "") else
+        gauge_fig = (None if not engine.capabilities.local_cache else
                      memory_gauge(cache_figures(engine, ns), everyone=engine.isolation))
         return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title)
 

@@ -17,7 +17,7 @@ from components.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_si
 from components.session import visitor_namespace
 from components.timing_view import speed_card, timing_for
 from components.tree_panel import tree_figure_for
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import RequestMetrics
 
 
@@ -44,7 +44,7 @@ def _speed_card(m: RequestMetrics, timing=None) -> str:
     return _card(value, f"{rest} prefill: {times}", "blue")
 
 
-def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str, timing=None) -> str:
+def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: str, timing=None) -> str:
     """Cards with numbers only (no prompt text, so nothing to escape or leak). Totals are
     the playground's (lab runs left out); in isolation mode, the visitor's own."""
     if metrics is None:
@@ -66,7 +66,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
         _card(fmt_pct(rate), f"token hit rate over {whose} {plural(len(mine), 'request')} (lab runs not counted)"),
         _card("unknown", f"the remote server's KV memory; {stats.cached_tokens_now:,} tokens sent, in "
                          f"{stats.num_nodes:,} nodes of the shadow tree")
-        if getattr(engine.info(), "backend", "") else
+        if not engine.capabilities.local_cache else
         _card(fmt_bytes(stats.cache_bytes), f"{cache_label}: {stats.cached_tokens_now:,} tokens in "
                                             f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"),
     ]
@@ -74,7 +74,7 @@ def key_numbers_html(engine: Engine, metrics: RequestMetrics | None, viewer: str
             + "</div>")
 
 
-def build_overview_panel(engine: Engine, last_metrics: gr.State, active: bool = True,
+def build_overview_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = True,
                          last_timing: gr.State | None = None) -> LiveView:
     gr.Markdown("### What the cache just did", elem_classes=["side-title"])
     gr.Markdown(engine_line(engine), elem_id="engine-line", elem_classes=["legend"])

@@ -25,7 +25,7 @@ from components.replay_report import (
     skipped_html,
     templates_html,
 )
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.tools.log_formats import LogLineError
 from engine.tools.replay import parse_ttl
 from engine.tools.replay_stats import ReplayReport
@@ -63,12 +63,12 @@ def check_pasted(text: object) -> str:
     return text
 
 
-def _default_budget_mib(engine: Engine) -> float:
+def _default_budget_mib(engine: EngineAPI) -> float:
     """The app's own cache budget (a remote server's is unknown: 1 GiB then)."""
     return (engine.stats().budget_bytes or 2**30) / 2**20
 
 
-def simulate_pasted(engine: Engine, text: object, ttl: object, budget_mb: object) -> ReplayReport:
+def simulate_pasted(engine: EngineAPI, text: object, ttl: object, budget_mb: object) -> ReplayReport:
     """The simulated report of a pasted log, on a cache of its own. Raises EngineError."""
     text = check_pasted(text)
     ttl_s = None if str(ttl) in ("", "none", "None") else parse_ttl(str(ttl)) if str(ttl) in TTL_CHOICES else None
@@ -88,7 +88,7 @@ def simulate_pasted(engine: Engine, text: object, ttl: object, budget_mb: object
         raise EngineError(str(exc)) from None
 
 
-def build_replay_panel(engine: Engine) -> None:
+def build_replay_panel(engine: EngineAPI) -> None:
     gr.Markdown(INTRO)
     with gr.Row():
         with gr.Column(scale=3):

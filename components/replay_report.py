@@ -266,6 +266,9 @@ def headline_html(report: ReplayReport) -> str:
              (f"{report.requests:,}", "requests replayed"),
              (f"{report.computed_tokens:,}", "prompt tokens computed"),
              (f"{report.evicted_tokens + report.expired_tokens:,}", "tokens evicted or expired")]
+    if report.has_tier:
+        cards.insert(1, (f"{report.tier_tokens:,}", f"of them from the {report.tier_budget_bytes / 2**20:,.0f} MiB "
+                                                    "second tier"))
     if report.cost.usd_without_caching:
         cards.append((percent(report.cost.saving_share), "hosted-API input saving (estimate)"))
     grid = "".join(f'<div class="card"><div class="val">{v}</div><div class="lab">{_e(t)}</div></div>'

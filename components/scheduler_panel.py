@@ -1,6 +1,6 @@
 """Scheduler panel: what the engine ran, forward by forward, for everyone at once.
 
-A timeline of the last forwards from ``Engine.step_log``: one row per request,
+A timeline of the last forwards from ``EngineAPI.step_log``: one row per request,
 one bar per forward it took part in (coloured by what it did there: a prefill
 chunk, a decode token or a no-reuse baseline chunk), so a forward that served
 many requests reads as a column of bars sharing a time span. The viewer's own requests are drawn solid and the others faded: in
@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 from components.format import fmt_tokens
 from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.namespaces import owner_of
 from engine.prefix_cache import HIDDEN_BUCKET_TOKENS
 from engine.types import RequestMetrics, StepRecord
@@ -101,7 +101,7 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
     return fig
 
 
-def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str | None = None,
+def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: str | None = None,
                        my_ids: set[int] | frozenset[int] = frozenset()) -> str:
     """The figures beside the timeline; with ``namespace`` (isolation mode) token figures that
     include other visitors' work are coarse."""
@@ -112,7 +112,7 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str |
     computed = _tokens(sum(r.computed_tokens for r in steps), exact)
     cached = _tokens(sum(r.cached_tokens for r in steps), exact)
     reserved = f"{s.running_bytes / 2**20:.1f} MiB"
-    bpt = getattr(engine.info(), "kv_bytes_per_token", 0)
+    bpt = engine.info().kv_bytes_per_token
     if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
         tokens = -(-s.running_bytes // bpt)
         reserved = f"≤{-(-tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS * bpt / 2**20:.1f} MiB"
@@ -129,7 +129,7 @@ def scheduler_markdown(engine: Engine, steps: list[StepRecord], namespace: str |
     ])
 
 
-def build_scheduler_panel(engine: Engine, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
+def build_scheduler_panel(engine: EngineAPI, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
     gr.Markdown("Every forward the engine ran, newest at the right. Requests run **together**: one forward is a "
                 "column of bars, a decode token (blue) for each answering request and prompt **chunks** (orange) "
                 "for new ones, so a long prompt never stops anyone's stream. Your requests are drawn solid.",
@@ -140,7 +140,7 @@ def build_scheduler_panel(engine: Engine, last_metrics: gr.State | None = None, 
         with gr.Column(scale=2):
             table = gr.Markdown(scheduler_markdown(engine, [], "" if engine.isolation else None))
 
-    remote = bool(getattr(engine.info(), "backend", ""))
+    remote = not engine.capabilities.scheduler_steps
     empty = REMOTE_EMPTY if remote else None
 
     def refresh(last: RequestMetrics | None, request: gr.Request):

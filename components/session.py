@@ -19,16 +19,15 @@ import hashlib
 import hmac
 import secrets
 import threading
-from functools import lru_cache
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.radix_tree import PUBLIC
 
 _SALT = secrets.token_bytes(16)  # per server process, never sent to a client
 
 
-def visitor_namespace(request, engine: Engine | None = None) -> str:
+def visitor_namespace(request, engine: EngineAPI | None = None) -> str:
     """A private namespace for this visitor's session; ``PUBLIC`` (everything shared)
     when the engine does not isolate visitors or there is no session."""
     if engine is not None and not engine.isolation:
@@ -39,16 +38,20 @@ def visitor_namespace(request, engine: Engine | None = None) -> str:
     return "v-" + hmac.new(_SALT, str(session).encode(), hashlib.sha256).hexdigest()[:12]
 
 
-def sub_namespace(request, engine: Engine | None, name: str) -> str:
+def sub_namespace(request, engine: EngineAPI | None, name: str) -> str:
     """A namespace of its own for one part of a visitor's work (an ordering variant),
     inside the visitor's namespace, so it stays private and the visitor's tree view
-    still shows it (``Engine.snapshot`` treats ``<viewer>/...`` as the viewer's own)."""
+    still shows it (``EngineAPI.snapshot`` treats ``<viewer>/...`` as the viewer's own)."""
     base = visitor_namespace(request, engine)
     return f"{base}/{name}" if base else name
 
 
-@lru_cache(maxsize=8)
-def _public_prefixes(engine_id: int, engine: Engine) -> tuple[tuple[int, ...], ...]:
+def _public_prefixes(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
+    """The shipped blocks' token ids, tokenized once per engine (kept by the engine)."""
+    return engine.attachment("session.public_prefixes", lambda: _tokenize_shipped(engine))
+
+
+def _tokenize_shipped(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
     out = []
     for text in SYSTEM_PRESETS.values():
         out.append(tuple(engine.encode(engine.render_chat([{"role": "system", "content": text}],
@@ -62,14 +65,14 @@ def _public_prefixes(engine_id: int, engine: Engine) -> tuple[tuple[int, ...], .
     return tuple(p[:-1] for p in out if len(p) > 1)
 
 
-def public_len(engine: Engine, ids: list[int]) -> int:
+def public_len(engine: EngineAPI, ids: list[int]) -> int:
     """Tokens of ``ids`` that are content shipped with the app (shareable): the longest
     shipped block that ``ids`` starts with in full, else 0."""
     ids = tuple(ids)
-    return max((len(p) for p in _public_prefixes(id(engine), engine) if ids[: len(p)] == p), default=0)
+    return max((len(p) for p in _public_prefixes(engine) if ids[: len(p)] == p), default=0)
 
 
-def own_namespace(request, engine: Engine) -> str | None:
+def own_namespace(request, engine: EngineAPI) -> str | None:
     """What a visitor's history and controls cover: their namespace in isolation
     mode, ``None`` (everything) when the whole cache is shared."""
     return visitor_namespace(request, engine) if engine.isolation else None

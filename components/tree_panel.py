@@ -9,6 +9,9 @@ nodes as shape and size only (the engine's snapshot hides their text).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import gradio as gr
 
@@ -16,7 +19,7 @@ from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared
 from components.session import visitor_namespace
 from components.tree_figures import snapshot_summary, tree_figure
 from components.tree_marks import request_path
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import RequestMetrics, TreeSnapshot
 
 LEGEND = (
@@ -36,7 +39,7 @@ REMOTE_NOTE = (
 )
 
 
-def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: RequestMetrics | None,
+def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: RequestMetrics | None,
                     color_by: str = "recency", view: str = "tree", collapse: bool | None = True, **kw):
     """The tree as this visitor may see it; ``collapse=None`` collapses chains only
     past a couple of dozen nodes (a small tree reads better node by node)."""
@@ -44,11 +47,41 @@ def tree_figure_for(engine: Engine, request: gr.Request | None, metrics: Request
     snap = shared_snapshot(engine, viewer)
     if collapse is None:
         collapse = len(snap.nodes) > 24
-    return tree_figure(snap, request_path(snap, metrics), color_by=color_by, view=view,
-                       viewer_owns=viewer if engine.isolation else None, collapse_chains=collapse, **kw)
+    owns = viewer if engine.isolation else None
+    key = (owns, metrics.request_id if metrics is not None else None, color_by, view, collapse,
+           tuple(sorted(kw.items())))
+    return engine.attachment("tree_panel.figures", FigureMemo).get(snap, key, lambda: tree_figure(
+        snap, request_path(snap, metrics), color_by=color_by, view=view, viewer_owns=owns, collapse_chains=collapse,
+        **kw))
 
 
-def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = False) -> LiveView:
+class FigureMemo:
+    """Tree figures drawn from a shared snapshot, reused by every session that asks for the
+    same picture of the same snapshot (same viewer rule, last request, colour, view), so N
+    open tabs cost one figure per change, not N. Figures are only read after they are made
+    (Gradio serialises them), so sessions may share one. Bounded; oldest dropped first."""
+
+    MAX_FIGURES = 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._figures: OrderedDict[tuple, tuple[TreeSnapshot, Any]] = OrderedDict()
+
+    def get(self, snap: TreeSnapshot, key: tuple, make: Callable[[], Any]) -> Any:
+        full_key = (id(snap), *key)
+        with self._lock:
+            hit = self._figures.get(full_key)
+        if hit is not None and hit[0] is snap:
+            return hit[1]
+        fig = make()  # outside the lock: sessions drawing other pictures do not wait
+        with self._lock:
+            self._figures[full_key] = (snap, fig)
+            while len(self._figures) > self.MAX_FIGURES:
+                self._figures.popitem(last=False)
+        return fig
+
+
+def build_tree_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = False) -> LiveView:
     with gr.Row():
         view = gr.Radio(["tree", "icicle"], value="tree", label="View",
                         info="icicle: x = prefix length in tokens; best past a few hundred nodes", scale=2)
@@ -57,7 +90,7 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
     status = status_line(elem_id="tree-status")
-    gr.Markdown(LEGEND + (REMOTE_NOTE if getattr(engine.info(), "backend", "") else ""), elem_classes=["legend"])
+    gr.Markdown(LEGEND + (REMOTE_NOTE if engine.capabilities.remote else ""), elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):
@@ -84,22 +117,10 @@ def build_tree_panel(engine: Engine, last_metrics: gr.State, active: bool = Fals
 
 
 SNAPSHOT_API_CONCURRENCY = 2
-_summaries: dict[int, tuple[TreeSnapshot, dict]] = {}  # id(view) -> (that view, its summary)
-_summaries_lock = threading.Lock()
-
-
-def snapshot_summary_for(engine: Engine, viewer: str) -> dict:
+def snapshot_summary_for(engine: EngineAPI, viewer: str) -> dict:
     """``snapshot_summary`` of the viewer's shared snapshot, reused while that view is the same
     object (``shared_snapshot`` hands every stranger one view, and each visitor the same one
     until the tree changes)."""
     snap = shared_snapshot(engine, viewer)
-    with _summaries_lock:
-        hit = _summaries.get(id(snap))
-    if hit is not None and hit[0] is snap:
-        return hit[1]
-    summary = snapshot_summary(snap)
-    with _summaries_lock:
-        if len(_summaries) >= 256:
-            _summaries.clear()
-        _summaries[id(snap)] = (snap, summary)
-    return summary
+    return engine.attachment("tree_panel.summaries", FigureMemo).get(snap, ("summary",),
+                                                                      lambda: snapshot_summary(snap))

@@ -59,11 +59,11 @@ def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
 def warm_start(engine) -> tuple:
     """Prefill every shipped block into the cache now (before the page is served); returns the
     ``WarmPrefix`` results, which the page reads back through ``engine.prefill_timer().warmed``."""
-    timer = getattr(engine, "prefill_timer", None)
+    timer = engine.prefill_timer()
     if timer is None:  # remote mode: the backend owns its cache
         return ()
     t0 = time.perf_counter()
-    warmed = timer().warm(shipped_prefixes(engine))
+    warmed = timer.warm(shipped_prefixes(engine))
     done = [w for w in warmed if not w.skipped]
     log.info("Warm start: %s (%s tokens) in the cache in %.1f s", plural(len(done), "shipped prefix", "shipped prefixes"),
              f"{sum(w.num_tokens for w in done):,}", time.perf_counter() - t0)
@@ -72,8 +72,8 @@ def warm_start(engine) -> tuple:
 
 def warm_note(engine) -> str:
     """The page's sentence about the warm start ("" when nothing was warmed)."""
-    timer = getattr(engine, "prefill_timer", None)
-    warmed = [w for w in (timer().warmed if timer else ()) if not w.skipped]
+    timer = engine.prefill_timer()
+    warmed = [w for w in (timer.warmed if timer else ()) if not w.skipped]
     if not warmed:
         return ""
     first = warmed[0]
@@ -109,10 +109,9 @@ def start_growth_curve(engine) -> threading.Thread | None:
     remote mode or while one is already running."""
     from engine.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
 
-    make = getattr(engine, "prefill_timer", None)
-    if make is None or make().curve.state == "running":
+    timer = engine.prefill_timer()
+    if timer is None or timer.curve.state == "running":
         return None
-    timer = make()
     device = str(engine.info().device).split(":")[0]
     filler = growth_filler(engine, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
 

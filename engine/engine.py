@@ -22,20 +22,22 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from engine import kv_tier, validation
+from engine.api import LOCAL, Capabilities, EngineAPI
 from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
-from engine.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedSegment
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.request import END_OF_STREAM, Request, RequestHandle, request_key
+from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -51,6 +53,7 @@ from engine.types import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
 __all__ = ["Engine", "FacadeBase", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
@@ -93,16 +96,18 @@ class FacadeBase:
     tokenizing a request (``prompt_ids``), ``generate``/``run`` over ``submit``, and the
     text side for the UI and the lab (tokenize, render, detokenize).
 
-    Reads ``self.text`` (an object with the ``ModelRunner``'s text methods: the runner
-    itself here, a model-free stand-in remotely) and ``self.max_prompt_tokens``;
+    Reads ``self.text`` (the ``TextCodec``: the runner's here, one built from a tokenizer
+    alone remotely) and ``self.max_prompt_tokens``;
     subclasses provide ``submit``. The request records (``history``, running totals,
     ``recent``) are kept the same way by both, under the lock ``_start_records`` is given."""
 
-    text: ModelRunner
+    text: TextCodec
     max_prompt_tokens: int
 
     def _start_records(self, history_size: int, lock) -> None:
         self._records_lock = lock
+        self._attachments: dict[str, object] = {}
+        self._attachments_lock = threading.Lock()
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
                             baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
@@ -120,6 +125,18 @@ class FacadeBase:
             t["reuse_prefill_ms_measured"] += m.prefill_ms
         self.history.append(m)
         return m
+
+    def attachment(self, name: str, make: Callable[[], T]) -> T:
+        """State another layer keeps per engine (``engine.api``): made once by ``make``, owned here."""
+        with self._attachments_lock:
+            if name not in self._attachments:
+                self._attachments[name] = make()
+            return self._attachments[name]  # type: ignore[return-value]
+
+    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
+        """The request's namespace is set by server code (the UI passes ``PUBLIC``
+        unless isolation is on; the ordering lab uses one namespace per variant)."""
+        return request_key(ids, request)
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._records_lock:
@@ -147,13 +164,13 @@ class FacadeBase:
         given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
         if sum(given) != 1:
             raise EngineError("give exactly one of messages, prompt or prompt_ids")
-        runner = self.text
+        text = self.text
         if request.messages is not None:
             messages = validation.check_messages(request.messages)
             validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
-                                         runner.max_token_chars, runner.encode)
+                                         text.max_token_chars, text.encode)
             try:
-                ids = runner.encode_chat(messages)
+                ids = text.encode_chat(messages)
             except Exception as exc:  # a chat template may refuse a role order (jinja raises)
                 raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
         elif request.prompt is not None:
@@ -161,11 +178,11 @@ class FacadeBase:
                 raise EngineError("The prompt must be text.")
             if not request.prompt.strip():
                 raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, runner.max_token_chars,
-                                         runner.encode)
-            ids = runner.encode(request.prompt)
+            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, text.max_token_chars,
+                                         text.encode)
+            ids = text.encode(request.prompt)
         else:
-            ids = validation.check_prompt_ids(request.prompt_ids, runner.vocab_size)
+            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
         if not ids:
             raise EngineError("The prompt is empty: type something first.")
         if len(ids) > self.max_prompt_tokens:
@@ -196,7 +213,7 @@ class FacadeBase:
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        return frozenset(getattr(self.text.tokenizer, "all_special_ids", []) or [])
+        return self.text.special_token_ids
 
 
 class Engine(FacadeBase):
@@ -210,11 +227,12 @@ class Engine(FacadeBase):
         """``tier_bytes`` > 0 turns on the second tier (``engine.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
         ``tier_dir`` is None and the model runs on a GPU."""
-        self.runner = self.text = runner
+        self.runner = runner
+        self.text = runner.text
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.tokenizer, runner.num_layers, runner.num_kv_heads,
+        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers, runner.num_kv_heads,
                                  runner.head_dim) if enable_cache and tier_bytes > 0 else ""
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
@@ -267,7 +285,7 @@ class Engine(FacadeBase):
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
         """The tree as plain data; in isolation mode ``viewer`` (a namespace) sees
         other namespaces' nodes as shape and size only."""
-        return self.cache.snapshot(self.runner.decode, viewer=viewer if self.isolation else None)
+        return self.cache.snapshot(self.text.decode, viewer=viewer if self.isolation else None)
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """Running totals and the cache's state. In isolation mode, with ``viewer`` (a
@@ -332,6 +350,23 @@ class Engine(FacadeBase):
             evicted_tokens=snap.evicted_tokens, queue_depth=self._queue.qsize(),
             locked_tokens=sum(n.num_tokens for n in snap.nodes if n.lock_ref > 0))
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(LOCAL, second_tier=self.tier is not None)
+
+    def backend_metrics(self) -> dict[str, float]:
+        """No server behind this engine: its own metrics are ``server.metrics``' (``/metrics``)."""
+        return {}
+
+    def version(self) -> int:
+        """Changes whenever the tree, its locks, the budget or the request records change."""
+        return self.cache.version * 1_000_003 + self._totals["requests"]
+
+    def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
+        """A small engine of its own on this one's model (the request-order demo's); steps of
+        the two take turns on the runner. Its cache is separate and starts empty."""
+        return Engine(self.runner, budget_bytes=budget_bytes, max_queue=max_queue, max_batch=max_batch)
+
     def info(self) -> EngineInfo:
         r = self.runner
         return EngineInfo(model_name=r.name, device=str(r.device), dtype=str(r.dtype).replace("torch.", ""),
@@ -349,11 +384,6 @@ class Engine(FacadeBase):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
-
-    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
-        """The request's namespace is set by server code (the UI passes ``PUBLIC``
-        unless isolation is on; the ordering lab uses one namespace per variant)."""
-        return request_key(ids, request)
 
     # ---------------------------------------------------------------- worker
     def close(self, timeout_s: float = 30.0) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -379,14 +378,6 @@ class PrefillTimer:
             raise EngineError("the cache had no room for the curve's filler")
 
 
-_TIMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_TIMERS_LOCK = threading.Lock()
-
-
 def timer_for(engine) -> PrefillTimer:
     """The engine's one ``PrefillTimer`` (made on first use; its memo and curve are kept)."""
-    with _TIMERS_LOCK:
-        timer = _TIMERS.get(engine)
-        if timer is None:
-            timer = _TIMERS[engine] = PrefillTimer(engine)
-        return timer
+    return engine.attachment("prefill_timer", lambda: PrefillTimer(engine))

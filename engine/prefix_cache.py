@@ -160,6 +160,8 @@ class PrefixCache(Protocol):
     def locked_tokens(self) -> int:
         """Cached tokens pinned by running requests right now."""
 
+    version: int  # changes whenever anything ``snapshot`` or the counters show could have
+
     def check_invariants(self) -> None:
         """Assert the cache is consistent (tests call it after every operation)."""
 
@@ -187,6 +189,7 @@ class RadixCache:
         self._running_tokens = 0  # own slots of the live ones
         self.tier_loaded_tokens = self.tier_spilled_tokens = 0  # running totals
         self.tier_load_ms = 0.0
+        self.version = 0  # bumped by every change of the tree, its locks or the budget (panels compare it)
 
     # ---------------------------------------------------------------- facts
     @property
@@ -361,6 +364,7 @@ class RadixCache:
             if not keys or not self._make_room(keys[-1][0] - cached, key.namespace):
                 return 0
             chunks = self._tier_read(keys)
+            self.version += 1
             return self._load(key, cached, chunks) if chunks else 0
 
     def offload(self) -> int:
@@ -369,6 +373,7 @@ class RadixCache:
             removed: list[Node] = []
             freed = self.tree.evict(self.tree.num_tokens, removed=removed)
             self._evicted(removed, freed)
+            self.version += 1
             return len(freed)
 
     def persist(self) -> int:
@@ -425,6 +430,7 @@ class RadixCache:
                               tier_tokens=loaded, tier_load_ms=load_ms)
             self._live.add(rs)
             self._running_tokens += own
+            self.version += 1
             return rs
 
     def _match(self, key: CacheKey, max_len: int):
@@ -447,6 +453,7 @@ class RadixCache:
             stored = n - max(existing.length, rs.tree_len)
             self._running_tokens -= n - rs.tree_len
             rs.node, rs.tree_len, rs._runs = node, n, None
+            self.version += 1
             return max(0, stored)
 
     def release(self, rs: RequestSlots) -> None:
@@ -454,6 +461,7 @@ class RadixCache:
             if rs not in self._live:
                 return
             self._live.discard(rs)
+            self.version += 1
             self.pool.free(rs.slots[rs.tree_len:])
             self._running_tokens -= rs.own_tokens
             if rs.node is not None:
@@ -505,6 +513,7 @@ class RadixCache:
             end = existing.length + take
             self.pool.write_from(slots, kv.k[:, :, existing.length:end], kv.v[:, :, existing.length:end])
             self.tree.insert(key.prefix(end), [-1] * existing.length + slots)
+            self.version += 1
             return take
 
     # ------------------------------------------------------------- controls
@@ -514,6 +523,7 @@ class RadixCache:
         with self._lock:
             freed = self.tree.clear(namespace)
             self.pool.free(freed)
+            self.version += 1
             return len(freed)
 
     def set_budget(self, budget_bytes: int) -> int:
@@ -542,6 +552,7 @@ class RadixCache:
             for rs in self._live:
                 rs.slots = [mapping[s] for s in rs.slots]
                 rs._runs = None
+            self.version += 1
             return evicted
 
     # ------------------------------------------------------------- checking

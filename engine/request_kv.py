@@ -2,7 +2,7 @@
 
 The scheduler's requests keep their KV in the pool (``engine.kv_pool``): in a
 forward over it, ``PoolWriteCache`` writes each new token's key and value to
-its slot, and the attention (``engine.paged_attention``) reads the pool.
+its slot, and the attention (``engine.model.paged_attention``) reads the pool.
 
 ``RequestKV`` is a scratch buffer outside the pool, for single-request paths
 (the prefill benchmark, timings, tools, tests): one pre-allocated buffer that the model appends to in place.

@@ -160,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     if root not in sys.path:
         sys.path.insert(0, root)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from engine.model_loader import load_tokenizer
-    from server.remote_engine import LocalTokenizer
+    from engine.model.loader import load_tokenizer
+    from engine.text.codec import TextCodec
 
     # The prompt as remote mode sends it: the chat rendered and tokenized here, by the same
     # model's tokenizer. It starts like the chat turns before it, so the slot's cache serves it.
-    ids = LocalTokenizer(load_tokenizer()).encode_chat(
+    ids = TextCodec(load_tokenizer()).encode_chat(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a radix tree?"}])
     with running_server(log_path=args.server_log) as url:
         for name in record(url, token_ids=ids):

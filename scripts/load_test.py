@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests decoded together (default: the engine's, 16; 1 = one at a time)")
     args = p.parse_args(argv)
 
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import ModelLoadError, load_model
+    from engine.model.runner import ModelRunner
 
     print(f"loading {args.model} ...", flush=True)
     try:

@@ -11,7 +11,7 @@ this dashboard sent, coloured by what the server said it reused (bounded: past
 ``shadow_tokens`` the least recently sent leaves go; requests sent with ``store=False`` are
 not drawn). The server's own cache may be block-granular and evicts on its own; the shadow
 tree cannot see that, and its memory and budget are unknown here (reported as 0 with
-``RemoteEngineInfo.backend`` set, and the panels say "unknown").
+``EngineInfo.backend`` set, and the panels say "unknown").
 
 Namespaces become salts: a request's namespace (and an epoch that ``clear_cache`` bumps) is
 turned into a ``cache_salt`` with a secret of this process, so visitors stay apart on the
@@ -25,7 +25,6 @@ Knows nothing about Gradio.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import hmac
 import logging
@@ -36,11 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine import validation
+from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
-from engine.model_runner import ModelRunner
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
 from engine.scheduler.request import END_OF_STREAM, RequestHandle
 from engine.snapshot_view import for_viewer, visible_to
+from engine.text.codec import TextCodec
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -63,56 +63,21 @@ log = logging.getLogger(__name__)
 # with 8 slots of 2,048 tokens holds 16,384). Node count, and so a snapshot's cost, stays bounded too.
 DEFAULT_SHADOW_TOKENS = 65_536
 
-@dataclass(frozen=True)
-class RemoteEngineInfo(EngineInfo):
-    backend: str = ""  # the server's URL; memory, budget and KV geometry are unknown here
-    backend_model: str = ""
-
 
 @dataclass
 class RemoteRequestMetrics(RequestMetrics):
     cached_tokens_reported: bool = True  # False: the server gave no count (cached_tokens reads 0)
 
 
-class LocalTokenizer:
-    """The text side of ``ModelRunner`` (same methods, same results) without a model."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    has_chat_template = ModelRunner.has_chat_template
-    render_chat = ModelRunner.render_chat
-    encode = ModelRunner.encode
-    encode_chat = ModelRunner.encode_chat
-    decode = ModelRunner.decode
-    token_pieces = ModelRunner.token_pieces
-    max_token_chars = ModelRunner.max_token_chars
-
-    @functools.cached_property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
-
-class _ShadowCache:
-    """What the ordering lab reads off ``engine.cache``; evictions on the server are unknown (0)."""
-
-    enabled = True
-    evicted_tokens = 0
-
-    def __init__(self, tree: RadixTree) -> None:
-        self.tree = tree
-
-    def match_len(self, key: CacheKey) -> int:
-        return self.tree.match(key, touch=False).length
-
-
 class RemoteEngine(FacadeBase):
+    """``engine.api.EngineAPI`` over another server (``capabilities``: ``engine.api.REMOTE``)."""
+
     def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None, isolation: bool = False,
                  max_queue: int = 32, max_prompt_tokens: int | None = None, max_new_tokens_cap: int = 512,
                  timeout_s: float = 300.0, history_size: int = 1000,
                  shadow_tokens: int = DEFAULT_SHADOW_TOKENS) -> None:
         self.client = BackendClient(base_url, model, api_key, timeout_s)
-        self.text = LocalTokenizer(tokenizer)
+        self.text = TextCodec(tokenizer)
         self.isolation = isolation
         context = getattr(tokenizer, "model_max_length", 0)
         self.max_context = int(context) if isinstance(context, int) and 0 < context <= 1_000_000 else 8192
@@ -121,13 +86,13 @@ class RemoteEngine(FacadeBase):
         self.max_queue = max_queue
         self.tree = RadixTree()
         self.shadow_tokens = max(1, int(shadow_tokens))  # the shadow tree's bound (LRU beyond it)
-        self.cache = _ShadowCache(self.tree)
         self.cache_reported: bool | None = None  # None until the first answer says
         self._secret = secrets.token_bytes(16)
         self._epochs: dict[str | None, int] = {}
         self._lock = threading.RLock()
         self._in_flight = 0
         self._next_id = 1
+        self._version = 0  # bumped by every record and clear (the panels' change counter)
         self._start_records(history_size, self._lock)
 
     # ---------------------------------------------------------------- requests
@@ -205,6 +170,7 @@ class RemoteEngine(FacadeBase):
             self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
             rid = self._next_id
             self._next_id += 1
+            self._version += 1
             m = RemoteRequestMetrics(
                 request_id=rid, tag=req.tag, namespace=req.namespace, prompt_tokens=len(ids), cached_tokens=cached,
                 computed_tokens=len(ids) - cached, prefill_ms=res.ttft_ms, baseline_prefill_ms=baseline_ms,
@@ -247,11 +213,19 @@ class RemoteEngine(FacadeBase):
         """The backend schedules its own forwards: there are none of this app's to show."""
         return []
 
-    def info(self) -> RemoteEngineInfo:
-        return RemoteEngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0,
-                                num_kv_heads=0, head_dim=0, kv_bytes_per_token=0, max_context=self.max_context,
-                                cache_enabled=True, isolation=self.isolation, backend=self.base_url,
-                                backend_model=self.model)
+    @property
+    def capabilities(self) -> Capabilities:
+        return REMOTE
+
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0, num_kv_heads=0,
+                          head_dim=0, kv_bytes_per_token=0, max_context=self.max_context, cache_enabled=True,
+                          isolation=self.isolation, backend=self.base_url, backend_model=self.model,
+                          cache_reported=self.cache_reported)
 
     def clear_cache(self, namespace: str | None = None) -> int:
         """Forget a namespace here and start it cold on the server: its next requests carry a
@@ -260,6 +234,7 @@ class RemoteEngine(FacadeBase):
             before = self.tree.num_tokens
             self._epochs[namespace] = self._epochs.get(namespace, 0) + 1
             self.tree.clear(namespace)
+            self._version += 1
             return before - self.tree.num_tokens
 
     def set_budget(self, budget_bytes: int) -> int:
@@ -269,10 +244,20 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             self.tree.check_invariants()
 
-    @property
-    def runner(self):
+    def prefill_timer(self) -> None:
+        """The backend's prefill cannot be timed from here block by block."""
+        return None
+
+    def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "
                           "model.")
+
+    def configure_scheduler(self, **changes) -> None:
+        raise EngineError("The backend schedules its own requests: its scheduler cannot be set from here.")
+
+    def persist_cache(self) -> int:
+        """The backend keeps its own cache: nothing is written here."""
+        return 0
 
     def backend_metrics(self) -> dict[str, float]:
         return self.client.metrics()

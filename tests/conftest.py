@@ -12,8 +12,8 @@ os.environ.setdefault("RADIX_DISK_CACHE_MB", "0")  # no second tier unless a tes
 import pytest
 import torch
 
-from engine.model_loader import LoadedModel, load_model, load_tokenizer
-from engine.model_runner import ModelRunner
+from engine.model.loader import LoadedModel, load_model, load_tokenizer
+from engine.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="session")

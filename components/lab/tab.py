@@ -32,7 +32,7 @@ from components.lab.presets import (
     scheduling_queue,
 )
 from components.session import sub_namespace
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.lab.cost_estimate import PricingRules, estimate_cost
 from engine.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
 from engine.lab.miss_explainer import explain_miss
@@ -104,13 +104,13 @@ def cost_view(results: Sequence[VariantResult] | None, price, fraction, minimum,
 
 # ---------------------------------------------------------------------- handlers
 # Module-level functions of the engine (bound with ``_bind``), testable without the Blocks.
-def _bind(fn: Callable, engine: Engine) -> Callable:
+def _bind(fn: Callable, engine: EngineAPI) -> Callable:
     bound = partial(fn, engine)
     bound.__name__ = fn.__name__  # Gradio names events after their function
     return bound
 
 
-def lint(engine: Engine, a, b, values_text) -> str:
+def lint(engine: EngineAPI, a, b, values_text) -> str:
     """The linter's verdict on template A (and B), as Markdown."""
     count_tokens = views.count_tokens_with(engine.encode)
     try:
@@ -125,7 +125,7 @@ def lint(engine: Engine, a, b, values_text) -> str:
         return f"⚠️ {exc}"
 
 
-def fill_suggestion(engine: Engine, a, values_text):
+def fill_suggestion(engine: EngineAPI, a, values_text):
     try:
         report = lint_template(a or "", parse_values(values_text or ""), views.count_tokens_with(engine.encode))
     except EngineError as exc:
@@ -137,7 +137,7 @@ def fill_suggestion(engine: Engine, a, values_text):
     return report.suggested_template
 
 
-def explain(engine: Engine, results, choice):
+def explain(engine: EngineAPI, results, choice):
     if not results or not choice:
         return [], "Run a preset, then pick a request to see where it left the cached path."
     try:
@@ -151,7 +151,7 @@ def explain(engine: Engine, results, choice):
     return views.explanation_spans(ex), views.explanation_markdown(ex, f"{variant.name} · {q.label}")
 
 
-def final_outputs(engine: Engine, results: list[VariantResult], title: str, stopped: bool) -> tuple:
+def final_outputs(engine: EngineAPI, results: list[VariantResult], title: str, stopped: bool) -> tuple:
     """Every results view (in ``LabResults.outputs`` order) once a run ends."""
     choice = views.default_explainer_choice(results)
     spans, text = explain(engine, results, choice)
@@ -167,7 +167,7 @@ def final_outputs(engine: Engine, results: list[VariantResult], title: str, stop
 N_RESULT_OUTPUTS = 12
 
 
-def stream(engine: Engine, variants: list[Variant], title: str, max_new_tokens, measure_baseline,
+def stream(engine: EngineAPI, variants: list[Variant], title: str, max_new_tokens, measure_baseline,
            request: gr.Request | None, progress) -> Iterator[tuple]:
     """Run both orderings; stream progress, then every view."""
     skip = (gr.skip(),) * (N_RESULT_OUTPUTS - 6)
@@ -194,7 +194,7 @@ def stream(engine: Engine, variants: list[Variant], title: str, max_new_tokens, 
         events.close()  # a stopped run clears its namespaces now, not at garbage collection
 
 
-def run_preset(engine: Engine, title, n, max_new_tokens, measure_baseline, request: gr.Request = None,
+def run_preset(engine: EngineAPI, title, n, max_new_tokens, measure_baseline, request: gr.Request = None,
                progress=gr.Progress()):
     """Run a preset's good and bad orderings; stream progress, then every view."""
     chosen = PRESETS.get(str(title))
@@ -206,7 +206,7 @@ def run_preset(engine: Engine, title, n, max_new_tokens, measure_baseline, reque
     yield from stream(engine, chosen.variants(n), chosen.title, max_new_tokens, measure_baseline, request, progress)
 
 
-def run_custom(engine: Engine, a, b, values_text, max_new_tokens, measure_baseline, request: gr.Request = None,
+def run_custom(engine: EngineAPI, a, b, values_text, max_new_tokens, measure_baseline, request: gr.Request = None,
                progress=gr.Progress()):
     """Run the visitor's template against a second ordering (theirs, or the suggested one)."""
     try:
@@ -219,7 +219,7 @@ def run_custom(engine: Engine, a, b, values_text, max_new_tokens, measure_baseli
     yield from stream(engine, variants, title, max_new_tokens, measure_baseline, request, progress)
 
 
-def run_schedule(engine: Engine, groups, per_group, budget, progress=gr.Progress()):
+def run_schedule(engine: EngineAPI, groups, per_group, budget, progress=gr.Progress()):
     queue = scheduling_queue(clamp_int(per_group, 3, 2, 4), clamp_int(groups, 3, 2, 4))
     budget = clamp_int(budget, 520, 16, 20_000)
     events = None
@@ -306,7 +306,7 @@ def _build_run_controls() -> RunControls:
                        gr.Markdown(f"*{PRESETS[DEFAULT_PRESET].what}*"))
 
 
-def _build_custom(engine: Engine) -> tuple[list, gr.Button]:
+def _build_custom(engine: EngineAPI) -> tuple[list, gr.Button]:
     """The template editor with its live linter; returns its inputs and its run button."""
     with gr.Accordion("Write your own template", open=False, elem_id="lab-custom"):
         gr.Markdown("A template with `{variables}` (write `{{` and `}}` for literal braces) and one JSON object of "
@@ -328,7 +328,7 @@ def _build_custom(engine: Engine) -> tuple[list, gr.Button]:
     return [template_a, template_b, values], run
 
 
-def _build_results(engine: Engine) -> LabResults:
+def _build_results(engine: EngineAPI) -> LabResults:
     with gr.Group(elem_id="lab-results"):
         headline = gr.Markdown(views.headline_markdown([]))
         # Before the first run: one short card instead of three empty charts and an empty table.
@@ -363,7 +363,7 @@ def reveal_results():
     return gr.update(visible=False), *(gr.update(visible=True) for _ in range(4))
 
 
-def _build_schedule(engine: Engine) -> None:
+def _build_schedule(engine: EngineAPI) -> None:
     with gr.Accordion("Request order under a small cache: first-come-first-served vs longest-prefix-match first",
                       open=False):
         gr.Markdown("A burst of requests from several workloads arrives interleaved (A1 B1 C1 A2 …). The cache "
@@ -408,7 +408,7 @@ def _build_cost(state: gr.State, runs: list) -> None:
         comp.change(cost_view, inputs, out, api_visibility="private")
 
 
-def build_ordering_lab(engine: Engine) -> None:
+def build_ordering_lab(engine: EngineAPI) -> None:
     gr.Markdown(INTRO)
     ctl = _build_run_controls()
     custom_inputs, custom_run = _build_custom(engine)

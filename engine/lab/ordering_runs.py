@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.types import EngineError, GenerationRequest, NodeInfo, RequestMetrics, SamplingParams
 
 MAX_RUN_PROMPT_TOKENS = 24_000
@@ -146,7 +146,7 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:10]
 
 
-def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1, measure_baseline: bool = True,
+def run_lab(engine: EngineAPI, variants: Sequence[Variant], max_new_tokens: int = 1, measure_baseline: bool = True,
             should_stop: Callable[[], bool] | None = None, run_id: str | None = None,
             namespace_of: Callable[[str], str] | None = None, tag: str = "ordering-lab",
             max_prompt_tokens: int = MAX_RUN_PROMPT_TOKENS) -> Iterator[LabProgress]:
@@ -162,7 +162,7 @@ def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1
     """
     if not variants or not any(v.prompts for v in variants):
         raise EngineError("Nothing to run: the lab needs at least one request.")
-    if not engine.cache.enabled:
+    if not engine.info().cache_enabled:
         raise EngineError("The app runs with the prefix cache off (--no-cache): the ordering lab needs it on.")
     run_id = run_id or new_run_id()
     # Tokenize (and validate) everything first: a bad prompt fails before any work.
@@ -179,7 +179,7 @@ def run_lab(engine: Engine, variants: Sequence[Variant], max_new_tokens: int = 1
     for vi, variant in enumerate(variants):
         ns = (namespace_of or str)(f"lab-{run_id}-{vi}")
         engine.clear_cache(ns)
-        evicted_before = engine.cache.evicted_tokens
+        evicted_before = engine.stats().evicted_tokens
         outcomes: list[RequestOutcome] = []
         try:
             for ri, (prompt, prompt_ids) in enumerate(zip(variant.prompts, ids[vi], strict=True)):
@@ -217,12 +217,12 @@ def _outcome(index: int, label: str, m: RequestMetrics) -> RequestOutcome:
 
 
 def _result(variant: Variant, ns: str, outcomes: list[RequestOutcome], tree: tuple[NodeInfo, ...], planned: int,
-            evicted_before: int, engine: Engine) -> VariantResult:
+            evicted_before: int, engine: EngineAPI) -> VariantResult:
     return VariantResult(name=variant.name, namespace=ns, requests=tuple(outcomes), tree=tree, planned=planned,
-                         evicted_tokens=engine.cache.evicted_tokens - evicted_before)
+                         evicted_tokens=engine.stats().evicted_tokens - evicted_before)
 
 
-def run_lab_to_end(engine: Engine, variants: Sequence[Variant], **kwargs) -> tuple[VariantResult, ...]:
+def run_lab_to_end(engine: EngineAPI, variants: Sequence[Variant], **kwargs) -> tuple[VariantResult, ...]:
     """Blocking convenience for tests and scripts: the final results."""
     events = list(run_lab(engine, variants, **kwargs))
     return events[-1].results

@@ -1,8 +1,8 @@
 """Request order under a small cache: first-come-first-served against longest-prefix-match first.
 
 Owns: running one queue of waiting requests through a dedicated small-budget
-``Engine`` built on the app's ``ModelRunner`` (``runner.lock`` serialises model
-use with the app's engine), once per policy from an empty cache, and the
+engine that the app's engine spawns on its own model (``EngineAPI.spawn``; their
+steps take turns on the model), once per policy from an empty cache, and the
 per-policy results. Every number comes from the real engine, and the order
 comes from the real scheduler's admission order (``engine/scheduler/policy.py``): the
 whole queue is submitted at once and the scheduler picks.
@@ -30,9 +30,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.engine import Engine
+from engine.api import EngineAPI
 from engine.lab.ordering_runs import LabPrompt, RunTotals, lab_request
-from engine.model_runner import ModelRunner
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"
@@ -71,17 +70,17 @@ class ScheduleProgress:
 
 
 class RequestOrderDemo:
-    """A small-budget engine of its own, on a shared runner; one comparison at a time."""
+    """A small-budget engine of its own, spawned by ``parent`` on its model; one comparison at a time."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self._engine: Engine | None = None
+    def __init__(self, parent: EngineAPI) -> None:
+        self.parent = parent
+        self._engine: EngineAPI | None = None
         self._busy = threading.Lock()
 
-    def _engine_for(self, budget_tokens: int) -> Engine:
-        budget = budget_tokens * self.runner.kv_bytes_per_token
+    def _engine_for(self, budget_tokens: int) -> EngineAPI:
+        budget = budget_tokens * self.parent.info().kv_bytes_per_token
         if self._engine is None:
-            self._engine = Engine(self.runner, budget_bytes=budget, max_queue=64, max_batch=1)
+            self._engine = self.parent.spawn(budget, max_batch=1, max_queue=64)
         else:
             self._engine.clear_cache()
             self._engine.set_budget(budget)
@@ -164,7 +163,7 @@ def _collect(index: int, handle, out: queue.Queue) -> None:
     out.put((index, metrics if metrics is not None and metrics.finish_reason != "cancelled" else None))
 
 
-def _wait_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+def _wait_idle(engine: EngineAPI, timeout_s: float = 10.0) -> None:
     """Until the cancelled requests have left the engine (so clearing frees everything)."""
     import time
 
@@ -180,15 +179,10 @@ def _req(ids: Sequence[int], sampling: SamplingParams) -> GenerationRequest:
     return GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, tag="scheduling-lab")
 
 
-_LABS: dict[int, RequestOrderDemo] = {}
-_LABS_LOCK = threading.Lock()
-
-
-def request_order_demo_for(engine: Engine) -> RequestOrderDemo:
-    """One ``RequestOrderDemo`` (and so one small engine) per model runner, built on first use."""
-    runner = engine.runner
-    with _LABS_LOCK:
-        lab = _LABS.get(id(runner))
-        if lab is None or lab.runner is not runner:
-            lab = _LABS[id(runner)] = RequestOrderDemo(runner)
-        return lab
+def request_order_demo_for(engine: EngineAPI) -> RequestOrderDemo:
+    """The engine's one ``RequestOrderDemo`` (and so one small engine), made on first use and
+    kept by the engine (``EngineAPI.attachment``). Where the engine cannot spawn one (remote
+    mode) this raises ``EngineError`` saying so."""
+    if not engine.capabilities.private_engines:
+        engine.spawn(0)  # raises the engine's own message
+    return engine.attachment("lab.request_order_demo", lambda: RequestOrderDemo(engine))

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_pool import KVPool
-from engine.model_runner import ModelRunner
-from engine.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedSegment
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import RequestSlots
 from engine.scheduler.request import Request, State
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from engine import sampling
-from engine.model_runner import ModelRunner
+from engine.model import sampling
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import baseline
 from engine.scheduler.batch import Batch, Output
@@ -93,11 +93,11 @@ class Postprocess:
         if r.first_token_at is None:
             r.first_token_at = now
         self.telemetry.count_output(1, self.state.config.rate_window_s)
-        if tok in self.runner.eos_ids:
+        if tok in self.runner.text.eos_ids:
             self.finish(r, "stop")
             return
         r.last_token_at = now
-        text = r.append_token(tok, self.runner.decode)
+        text = r.append_token(tok, self.runner.text.decode)
         r.emit(GenerationEvent(text=text, token_id=tok, phase="decode", prompt_tokens=len(r.ids),
                                cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
         if len(r.out_ids) >= r.max_new_tokens:
@@ -121,7 +121,7 @@ class Postprocess:
     def complete(self, r: Request) -> None:
         """Done: slots back, the final text decoded whole, into the outbox."""
         self._leave(r)
-        r.text = self.runner.decode(r.out_ids)
+        r.text = self.runner.text.decode(r.out_ids)
         self.state.finished.append(r)
 
     def fail(self, r: Request, exc: BaseException) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from engine.prefix_cache import RequestSlots
 from engine.radix_tree import CacheKey
+from engine.text.detokenizer import Detokenizer
 from engine.types import GenerationEvent, GenerationRequest, RequestMetrics
 
 END_OF_STREAM = object()  # the last item on a handle's event queue
@@ -94,9 +95,7 @@ class Request:
         # output
         self.out_ids: list[int] = []
         self.text = ""
-        self._detok_from = 0  # out_ids[_detok_from:] is decoded each token (a short window)
-        self._text_before = ""  # text of out_ids[:_detok_from]
-        self._ctx_text = ""  # text of the context tokens decoded before the window
+        self._detokenizer: Detokenizer | None = None  # made with the first token's decode
         self.generator: torch.Generator | None = None
         self.finish_reason = "length"
         # timings (perf_counter seconds) and batch sizes
@@ -155,22 +154,14 @@ class Request:
     def append_token(self, token_id: int, decode: Callable[[Sequence[int]], str]) -> str:
         """Add a sampled token; return the text so far (without a trailing partial character).
 
-        Decodes only a short window of recent tokens per call (with a few tokens of context
-        before it, so tokenizers that drop a leading space still join up), so a long answer
-        costs linear time: decoding the whole answer per token is quadratic. The final text
-        is decoded whole at the end anyway.
+        Incremental (``engine.text.detokenizer``): a short window per token, so a long answer
+        costs linear time. The final text is decoded whole at the end anyway.
         """
         self.out_ids.append(token_id)
-        ctx = max(0, self._detok_from - 4)
-        window = decode(self.out_ids[ctx:])
-        if window.endswith("\ufffd"):
-            return self.text
-        piece = window[len(self._ctx_text):] if window.startswith(self._ctx_text) else window
-        self.text = self._text_before + piece
-        if len(self.out_ids) - self._detok_from >= 8:
-            self._detok_from = len(self.out_ids)
-            self._text_before = self.text
-            self._ctx_text = decode(self.out_ids[max(0, self._detok_from - 4):])
+        if self._detokenizer is None:
+            self._detokenizer = Detokenizer(decode)
+        self._detokenizer.feed(token_id)
+        self.text = self._detokenizer.text
         return self.text
 
     def seed_generator(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import admission, baseline, policy
 from engine.scheduler.batch import Batch, Output, forward, pack

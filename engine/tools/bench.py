@@ -80,7 +80,7 @@ CHAT_QUESTIONS = ("Can I return a book I already read?", "How much is shipping o
 def chat_agreement(engine: Engine, new_tokens: int = 32) -> tuple[int, int]:
     """Greedy answers to ``CHAT_QUESTIONS`` with reuse (the system prompt cached after the first) vs without:
     (answers identical, answers compared); (0, 0) for a model without a chat template."""
-    if not engine.runner.has_chat_template:
+    if not engine.text.has_chat_template:
         return 0, 0
     plain, same = Engine(engine.runner, enable_cache=False), 0
     for question in CHAT_QUESTIONS:
@@ -111,7 +111,7 @@ def _ideal_ms(runner, prefix_kv, prefix_len: int, suffix: list[int]) -> float:
 def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, seed: int = 0,
                greedy_tokens: int = 16) -> dict:
     runner = engine.runner
-    vocab = len(runner.tokenizer)
+    vocab = len(runner.text.tokenizer)
     gen = torch.Generator().manual_seed(seed + prefix_len)
     prefix = torch.randint(10, vocab, (prefix_len,), generator=gen).tolist()
     suffixes = [torch.randint(10, vocab, (suffix_len,), generator=gen).tolist() for _ in range(repeats + 1)]
@@ -123,7 +123,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     warm = engine.prefill(CacheKey(tuple(prefix)), kv)
     assert warm.cached_tokens == 0
     # Tensor work here runs on the runner's compute thread, like the engine's: a second thread with
-    # an OpenMP pool of its own would slow both paths (see engine.compute_thread).
+    # an OpenMP pool of its own would slow both paths (see engine.model.compute_thread).
     prefix_kv = runner.compute.call(lambda: [(kv.k[i, :, :prefix_len].unsqueeze(0).clone(),
                                               kv.v[i, :, :prefix_len].unsqueeze(0).clone())
                                              for i in range(runner.num_layers)])
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default=None, help="several, side by side in one run, e.g. float32,bfloat16")
     p.add_argument("--no-tier", action="store_true", help="skip the second-tier row (disk on CPU, host memory on GPU)")
     args = p.parse_args(argv)
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import ModelLoadError, load_model
+    from engine.model.runner import ModelRunner
 
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]

@@ -1,6 +1,6 @@
 """Replay a prompt log and see what prefix caching saves, and why it misses.
 
-    python -m engine.tools.replay LOG.jsonl --simulate --report report.html [--ttl 5m] [--budget-mb N]
+    python -m engine.tools.replay LOG.jsonl --simulate --report report.html [--ttl 5m] [--budget-mb N] [--disk-cache-mb N]
     python -m engine.tools.replay LOG.jsonl [--baseline] [--no-cache] [--report report.html]
 
 Two speeds:
@@ -8,7 +8,9 @@ Two speeds:
 - ``--simulate``: the model's tokenizer and the pure radix tree with the
   engine's budget and LRU eviction; no model runs (hits, tokens and cost, no
   timings); thousands of requests a second. ``--ttl 5m|1h`` adds the hosted
-  APIs' time-to-live on the log's timestamps.
+  APIs' time-to-live on the log's timestamps. ``--disk-cache-mb N`` adds the
+  engine's second tier (evicted prefixes kept in 64-token chunks, loaded back
+  instead of recomputed) with its own budget.
 - default: every request runs on the real model through the engine (measured
   prefill; ``--baseline`` also times each prompt with no reuse). stdout gets one
   JSON object per request, as before.
@@ -33,6 +35,7 @@ import json
 import re
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -126,7 +129,7 @@ def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, m
         text = engine.render_chat(record.messages) if record.messages is not None else record.prompt or ""
         fed = list(m.prompt_ids) + list(m.output_ids[:-1])  # the last sampled token is never fed
         kind = stats.observe(record, m.prompt_ids, fed, m.cached_tokens, text, now, m.prefill_ms,
-                             m.baseline_prefill_ms)
+                             m.baseline_prefill_ms, m.tier_tokens)
         peak = max(peak, m.cache_bytes)
         print(json.dumps({
             "index": index, "line": record.line, "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
@@ -135,6 +138,7 @@ def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, m
             "ttft_ms": None if m.ttft_ms is None else round(m.ttft_ms, 3), "output_text": m.output_text,
             "prompt_ids": m.prompt_ids, "output_ids": m.output_ids, "cache_bytes": m.cache_bytes, "cache_budget_bytes": m.cache_budget_bytes,
             "evicted_tokens": m.evicted_tokens, "miss_cause": kind,
+            **({"tier_tokens": m.tier_tokens} if getattr(engine, "tier", None) is not None else {}),
         }, ensure_ascii=False), file=out, flush=True)
         index += 1
         if progress is not None:
@@ -159,6 +163,8 @@ def summary_json(report: ReplayReport, peak_cache_bytes: int | None = None, repo
         "mode": report.mode, "requests": n, "prompt_tokens": report.prompt_tokens,
         "cached_tokens": report.cached_tokens, "token_hit_rate": round(report.hit_rate, 4),
         "tokens_saved": report.cached_tokens,
+        **({"tier_tokens": report.tier_tokens, "tier_budget_bytes": report.tier_budget_bytes}
+           if report.has_tier else {}),
         "mean_prefill_ms": round(report.prefill_ms / n, 3) if report.prefill_ms is not None and n else None,
         "mean_baseline_prefill_ms": (round(report.baseline_prefill_ms / max(1, _baseline_count(report)), 3)
                                      if report.baseline_prefill_ms is not None else None),
@@ -204,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=parse_ttl, default=None, help="simulation: entries expire after 5m, 1h, ...")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--budget-mb", type=float, default=None, help="KV cache budget in MiB (default: the engine's)")
+    p.add_argument("--disk-cache-mb", type=float, default=0.0, metavar="N",
+                   help="a second tier of N MiB: evicted prefixes kept in 64-token chunks and loaded back instead of "
+                        "recomputed (0: off). Simulation: simulated from the model's KV bytes per token. Real model: "
+                        "the engine's own second tier (as app.py --disk-cache-mb), in a fresh temporary folder on a "
+                        "CPU (a replay never reads another run's chunks), in host memory on a GPU")
     p.add_argument("--model", default="embedded", help="HF causal LM id or path (default: embedded SmolLM2)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -224,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.log.is_file():
         print(f"error: no such log file: {args.log}", file=sys.stderr)
+        return 2
+    if args.disk_cache_mb < 0:
+        print("error: --disk-cache-mb cannot be negative", file=sys.stderr)
         return 2
     if args.ttl is not None and not args.simulate:
         print("error: --ttl needs --simulate (the engine itself has no time-to-live)", file=sys.stderr)
@@ -261,7 +275,7 @@ class ModelError(RuntimeError):
 
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
     from engine.engine import default_budget_bytes
-    from engine.model_loader import ModelLoadError, load_tokenizer, resolve_device
+    from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
     from engine.tools.simulate import model_geometry, simulate_lines
 
     try:
@@ -273,16 +287,21 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
         raise ModelError(f"could not load the tokenizer or config of {args.model!r}: {exc}") from exc
     progress = Progress(not args.no_progress, "simulating")
 
+    tier_bytes = int(args.disk_cache_mb * 2**20)
+
     def per_request(item, served, kind) -> None:
-        print(json.dumps({"line": item.record.line, "prompt_tokens": len(item.ids),
-                          "cached_tokens": served.cached_tokens, "evicted_tokens": served.evicted_tokens,
-                          "expired_tokens": served.expired_tokens, "miss_cause": kind}), flush=False)
+        line = {"line": item.record.line, "prompt_tokens": len(item.ids), "cached_tokens": served.cached_tokens,
+                "evicted_tokens": served.evicted_tokens, "expired_tokens": served.expired_tokens, "miss_cause": kind}
+        if tier_bytes > 0:
+            line["tier_tokens"] = served.tier_tokens
+        print(json.dumps(line), flush=False)
 
     with StopFlag() as stop, open_log(args.log) as fh:
         try:
             report = simulate_lines(fh, tokenizer, geometry, budget // geometry.kv_bytes_per_token, args.ttl,
                                     args.strict, pricing, args.log.name, on_progress=progress.update,
-                                    should_stop=stop, on_request=per_request if args.per_request else None)
+                                    should_stop=stop, on_request=per_request if args.per_request else None,
+                                    tier_bytes=tier_bytes)
         finally:
             progress.close()
     return report, None
@@ -290,8 +309,8 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
 
 def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int]:
     from engine.engine import Engine
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import ModelLoadError, load_model
+    from engine.model.runner import ModelRunner
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     try:
@@ -299,9 +318,14 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     except ModelLoadError as exc:
         raise ModelError(str(exc)) from exc
     budget = None if args.budget_mb is None else int(args.budget_mb * 2**20)
-    engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, max_new_tokens_cap=10**6)
+    tier_bytes = int(args.disk_cache_mb * 2**20)
+    # A fresh folder: a replay measures its own log, never chunks another run left (removed at exit).
+    tier_dir = (tempfile.TemporaryDirectory(prefix="replay-kv-tier-")
+                if tier_bytes > 0 and runner.device.type == "cpu" else None)
+    engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, max_new_tokens_cap=10**6,
+                    tier_bytes=tier_bytes, tier_dir=None if tier_dir is None else tier_dir.name)
     budget_tokens = engine.cache.budget_bytes // runner.kv_bytes_per_token
-    stats = ReplayStats(budget_tokens, runner.decode, lambda t: len(runner.encode(t)) if t else 0,
+    stats = ReplayStats(budget_tokens, engine.decode, lambda t: len(engine.encode(t)) if t else 0,
                         engine.special_token_ids, None, pricing)
     order = LogOrder()
     progress = Progress(not args.no_progress, "replaying on the model")
@@ -323,7 +347,8 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
         notes.append("--no-cache: the engine reused nothing; miss causes say what a cache would have matched.")
     report = stats.finish("measured", runner.name, args.log.name, runner.kv_bytes_per_token,
                           engine.snapshot(), stopped, time.perf_counter() - started, order.late,
-                          s.evicted_tokens, 0, peak // max(1, runner.kv_bytes_per_token), notes)
+                          s.evicted_tokens, 0, peak // max(1, runner.kv_bytes_per_token), notes,
+                          engine.tier.budget_bytes if engine.tier is not None else None)
     return report, peak
 
 

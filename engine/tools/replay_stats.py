@@ -3,7 +3,8 @@
 Owns the report's data, gathered request by request in bounded memory whatever
 the log's length:
 
-- totals and a per-request series that halves its resolution when it grows
+- totals (cached tokens count both tiers: memory and, when the replay has one, the
+  second tier, whose share is also kept on its own) and a per-request series that halves its resolution when it grows
   past ``Series.max_points`` (buckets of 1, 2, 4 ... requests);
 - the miss causes: ``engine.lab.miss_explainer.explain_miss`` run on every
   request against what the cache held before it. The "cached prompt" it is
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from engine.lab.cost_estimate import CostEstimate, PricingRules, estimate_cost
 from engine.lab.miss_explainer import explain_miss
 from engine.lab.template_lint import LintReport, TemplateError, lint_template
+from engine.text.detokenizer import token_pieces
 from engine.tools.log_formats import LogRecord, SkippedLine
 from engine.tools.sim_cache import SimCache
 from engine.tools.template_infer import InferredTemplate, infer_template
@@ -229,20 +231,6 @@ def _with_pieces(e: MissExample, pieces: Callable[[Sequence[int]], list[str]]) -
                           "cached_after_pieces": tuple(pieces(e.cached_after_ids))})
 
 
-def token_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[str]:
-    """One display string per token whose concatenation is ``decode(ids)`` (decoding growing
-    prefixes, so a multi-byte character split across tokens is not shown as U+FFFD)."""
-    pieces, prev = [], ""
-    for i in range(len(ids)):
-        cur = decode(ids[:i + 1])
-        if cur.endswith("\ufffd") and i + 1 < len(ids):
-            pieces.append("")
-            continue
-        pieces.append(cur[len(prev):] if cur.startswith(prev) else cur)
-        prev = cur
-    return pieces
-
-
 # ------------------------------------------------------------------ the report's data
 @dataclass(frozen=True)
 class TemplateFinding:
@@ -283,6 +271,12 @@ class ReplayReport:
     baseline_prefill_ms: float | None = None  # summed over requests that measured it
     reuse_prefill_ms_measured: float | None = None  # with reuse, over those same requests
     notes: tuple[str, ...] = ()
+    tier_tokens: int = 0  # of ``cached_tokens``, served from the second tier
+    tier_budget_bytes: int | None = None  # None: the replay had no second tier
+
+    @property
+    def has_tier(self) -> bool:
+        return self.tier_budget_bytes is not None
 
     @property
     def hit_rate(self) -> float:
@@ -304,7 +298,7 @@ class ReplayStats:
         self.misses = MissTracker(budget_tokens, decode, special_ids, ttl_s)
         self.block_cached = dict.fromkeys(BLOCK_SIZES, 0)
         self.series = Series()
-        self.requests = self.prompt_tokens = self.cached_tokens = 0
+        self.requests = self.prompt_tokens = self.cached_tokens = self.tier_tokens = 0
         self.prefill_ms = self.baseline_ms = self.reuse_ms_measured = 0.0
         self.baseline_n = 0
         self.formats: Counter[str] = Counter()
@@ -321,11 +315,14 @@ class ReplayStats:
             self.skipped.append(skipped)
 
     def observe(self, record: LogRecord, ids: Sequence[int], inserted: Sequence[int], cached: int, text: str,
-                now: float, prefill_ms: float | None = None, baseline_ms: float | None = None) -> str:
-        """One replayed request; returns its miss cause."""
+                now: float, prefill_ms: float | None = None, baseline_ms: float | None = None,
+                tier_tokens: int = 0) -> str:
+        """One replayed request (``cached`` tokens from both tiers, ``tier_tokens`` of them from
+        the second); returns its miss cause."""
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.cached_tokens += cached
+        self.tier_tokens += tier_tokens
         self.formats[record.fmt] += 1
         self.series.add(len(ids), cached, prefill_ms, baseline_ms)
         if prefill_ms is not None:
@@ -381,7 +378,8 @@ class ReplayStats:
 
     def finish(self, mode: str, model: str, log_name: str, kv_bytes_per_token: int, tree: TreeSnapshot | None,
                stopped: bool, elapsed_s: float, late_count: int = 0, evicted_tokens: int = 0,
-               expired_tokens: int = 0, peak_cached_tokens: int = 0, notes: Sequence[str] = ()) -> ReplayReport:
+               expired_tokens: int = 0, peak_cached_tokens: int = 0, notes: Sequence[str] = (),
+               tier_budget_bytes: int | None = None) -> ReplayReport:
         self._flush_cost()
         cost = CostEstimate(sum(c.requests for c in self._cost), sum(c.prompt_tokens for c in self._cost),
                             sum(c.billed_cached_tokens for c in self._cost),
@@ -399,7 +397,7 @@ class ReplayStats:
             prefill_ms=self.prefill_ms if measured else None,
             baseline_prefill_ms=self.baseline_ms if measured and self.baseline_n else None,
             reuse_prefill_ms_measured=self.reuse_ms_measured if measured and self.baseline_n else None,
-            notes=tuple(notes))
+            notes=tuple(notes), tier_tokens=self.tier_tokens, tier_budget_bytes=tier_budget_bytes)
 
 
 # ------------------------------------------------------------------ plain words
@@ -421,6 +419,10 @@ def summary_text(report: ReplayReport) -> str:
     verb = "would serve" if report.mode == "simulation" else "served"
     text = (f"On this log, prefix caching {verb} {report.hit_rate:.0%} of prompt tokens from cache "
             f"({report.cached_tokens:,} of {report.prompt_tokens:,} over {report.requests:,} requests).")
+    if report.has_tier:
+        text += (f" Of those, {report.tier_tokens:,} ({percent(report.tier_tokens / report.prompt_tokens)} of "
+                 f"prompt tokens) came back from the {report.tier_budget_bytes / 2**20:,.0f} MiB second tier "
+                 "instead of being recomputed after eviction.")
     loss = biggest_loss(report)
     if loss is None:
         text += " Nothing avoidable was lost: the computed tokens are each request's own new content."

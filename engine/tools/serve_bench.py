@@ -16,7 +16,7 @@ when its answer is done), through:
   page size 16, at most ``c`` requests per batch), all requests handed over at once.
   It runs in a child process with the model exactly as transformers loads it (plain
   linears, SDPA), so its threads, like ours, have the CPU's OpenMP pool to themselves
-  (see ``engine.compute_thread``).
+  (see ``engine.model.compute_thread``).
 
 With ``--system-tokens N`` the system prompt is a policy manual of about ``N``
 tokens (one copy of its KV is ``N x kv_bytes_per_token``), the workload this product
@@ -44,10 +44,10 @@ from collections.abc import Collection
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from engine.compute_thread import in_fresh_thread
 from engine.engine import Engine
-from engine.model_runner import ModelRunner
-from engine.packed_linear import unpack_linears
+from engine.model.compute_thread import in_fresh_thread
+from engine.model.packed_linear import unpack_linears
+from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
 
 SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
@@ -73,7 +73,7 @@ def policy_manual(runner: ModelRunner, num_tokens: int) -> str:
     prompt of the long-prefix workload), cut at a sentence near the target."""
     parts = [SYSTEM, "\n\nPolicy manual (staff edition). Quote the clause that applies."]
     i = 0
-    while len(runner.encode(" ".join(parts))) < num_tokens:
+    while len(runner.text.encode(" ".join(parts))) < num_tokens:
         topic = _MANUAL_TOPICS[i % len(_MANUAL_TOPICS)]
         n = i + 1
         parts.append(
@@ -233,7 +233,7 @@ _CHILD_MODEL = None  # the peer's model, in its child process (see the module do
 
 def _child_load(model: str, device: str, dtype: str) -> None:
     global _CHILD_MODEL
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     _CHILD_MODEL = load_model(model, device=device, dtype=dtype).model
     _CHILD_MODEL.set_attn_implementation("sdpa")
@@ -289,14 +289,14 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
     reference = [alone.run(r).output_ids for r in requests]
     alone.close()
     peer = HfPeer(runner, peer_model, device, dtype) if "hf" in engines else None
-    ids = [runner.encode_chat(r.messages) for r in requests]
+    ids = [runner.text.encode_chat(r.messages) for r in requests]
     rows = []
     try:
         for c in streams:
             for kind in engines:
                 growth = None
                 if kind == "hf":
-                    wall, ttfts, outs = peer.run(ids, runner.eos_ids, c, max_new_tokens)
+                    wall, ttfts, outs = peer.run(ids, runner.text.eos_ids, c, max_new_tokens)
                 else:
                     wall, ttfts, outs, growth = run_engine(runner, requests, c, 1 if kind == "one" else 16,
                                                            reference, budget, warm_up)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.requests, args.max_new_tokens = "1,4", 4, 8
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
     streams = [int(s) for s in args.streams.split(",") if s.strip()]

@@ -4,11 +4,14 @@ A SIMULATION of hits, tokens and cost, labelled as such wherever it is shown: no
 model runs, so there are no timings. It keeps:
 
 - the token ids the engine would see: the model's tokenizer and chat template,
-  rendered the way ``ModelRunner.render_chat`` does, in batches (the fast
+  rendered by ``engine.text.codec.TextCodec.render_chat`` as the engine renders it, in batches (the fast
   tokenizer's batch call is where a simulation spends most of its time);
 - the engine's budget in tokens: budget bytes / KV bytes per token, read from the
   model's config without loading weights (``model_geometry``);
-- the engine's cache rules (``engine.tools.sim_cache.SimCache``), plus an optional TTL.
+- the engine's cache rules (``engine.tools.sim_cache.SimCache``), plus an optional TTL;
+- optionally the engine's second tier (``tier_bytes``, the engine's ``--disk-cache-mb``):
+  evicted prefixes kept in whole 64-token chunks under that byte budget, loaded back
+  by a later request instead of recomputed.
 
 ``simulate_lines`` streams a log (any iterable of lines) through all of that
 and ``ReplayStats`` and returns the ``ReplayReport``. Knows nothing about
@@ -27,11 +30,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.kv_tier import CHUNK_TOKENS
 from engine.lab.cost_estimate import PricingRules
+from engine.text.codec import TextCodec
 from engine.tools.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
 from engine.tools.replay_stats import ReplayReport, ReplayStats
 from engine.tools.sim_cache import ServeResult, SimCache, tree_snapshot
-from engine.validation import flatten_content, valid_text
+from engine.validation import valid_text
 
 
 # ------------------------------------------------------------------ the model, without weights
@@ -48,7 +53,7 @@ def model_geometry(model: str = "embedded", dtype: str = "auto", device: str = "
     import torch
     from transformers import AutoConfig
 
-    from engine.model_loader import (
+    from engine.model.loader import (
         EMBEDDED_HUB_ID,
         EMBEDDED_MODEL,
         converted_cache_dir,
@@ -104,7 +109,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, max_context: int, memo_tokens: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self._has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._text = TextCodec(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._fast = getattr(backend, "encode_batch_fast", None)
         self._splitter = _added_token_splitter(backend)
@@ -115,13 +120,7 @@ class PromptEncoder:
     def render(self, record: LogRecord) -> str:
         if record.messages is None:
             return valid_text(record.prompt or "")
-        msgs = [{"role": str(m.get("role", "user")), "content": flatten_content(m.get("content"))}
-                for m in record.messages]
-        if self._has_template:
-            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-        return valid_text(text)
+        return valid_text(self._text.render_chat(record.messages))
 
     def _whole(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
@@ -211,18 +210,20 @@ def _added_token_splitter(backend: Any) -> re.Pattern | None:
 # ------------------------------------------------------------------ the run
 def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry, budget_tokens: int | None,
                    ttl_s: float | None = None, strict: bool = False, pricing: PricingRules = PricingRules(),
-                   log_name: str = "", chunk: int = 256,
+                   log_name: str = "", chunk: int = 256, tier_bytes: int = 0,
                    on_progress: Callable[[ReplayStats], None] | None = None,
                    should_stop: Callable[[], bool] = lambda: False,
                    on_request: Callable[[EncodedRequest, ServeResult, str], None] | None = None) -> ReplayReport:
-    """Replay ``lines`` through the simulated cache; ``should_stop`` is asked after each
-    chunk (a stopped run still returns the report of what it replayed)."""
+    """Replay ``lines`` through the simulated cache, with a second tier of ``tier_bytes`` when
+    that is > 0; ``should_stop`` is asked after each chunk (a stopped run still returns the
+    report of what it replayed)."""
     started = time.perf_counter()
     encoder = PromptEncoder(tokenizer, geometry.max_context)
     decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     stats = ReplayStats(budget_tokens, decode, lambda text: len(encoder.encode_texts([text])[0]) if text else 0,
                         getattr(tokenizer, "all_special_ids", ()) or (), ttl_s, pricing)
-    cache = SimCache(budget_tokens, ttl_s=ttl_s)
+    chunk_bytes = geometry.kv_bytes_per_token * CHUNK_TOKENS
+    cache = SimCache(budget_tokens, ttl_s=ttl_s, tier_chunks=tier_bytes // chunk_bytes if tier_bytes > 0 else None)
     order = LogOrder()
     records = read_log(lines, on_skip=stats.skip, strict=strict, order=order)
     stopped, now = False, 0.0
@@ -238,7 +239,8 @@ def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry
             stamp = item.record.timestamp
             now = max(stamp, now + 1e-6) if stamp is not None else now + 1e-6
             served = cache.serve(item.ids, item.inserted, item.record.session, now)
-            kind = stats.observe(item.record, item.ids, item.inserted, served.cached_tokens, item.text, now)
+            kind = stats.observe(item.record, item.ids, item.inserted, served.cached_tokens, item.text, now,
+                                 tier_tokens=served.tier_tokens)
             if on_request is not None:
                 on_request(item, served, kind)
         if on_progress is not None:
@@ -249,6 +251,10 @@ def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry
     notes = [f"Simulation: the tokenizer and the pure radix tree with a cache budget of "
              f"{_budget(budget_tokens, geometry)} and LRU eviction, as the engine would have; no model ran, so "
              "there are no timings."]
+    if tier_bytes > 0:
+        notes.append(f"Second tier: {tier_bytes / 2**20:,.0f} MiB = {tier_bytes // chunk_bytes:,} chunks of "
+                     f"{CHUNK_TOKENS} tokens; evicted prefixes are kept in whole chunks and loaded back instead of "
+                     "recomputed, as the engine's --disk-cache-mb does.")
     if ttl_s is not None:
         notes.append(f"Time-to-live {ttl_s:,.0f} s on the log's timestamps" +
                      ("." if order.timed else ": the log has no timestamps, so nothing expired."))
@@ -258,7 +264,7 @@ def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry
     return stats.finish("simulation", geometry.name, log_name, geometry.kv_bytes_per_token,
                         tree_snapshot(cache, decode, geometry.kv_bytes_per_token), stopped,
                         time.perf_counter() - started, order.late, cache.evicted_tokens, cache.expired_tokens,
-                        cache.peak_tokens, notes)
+                        cache.peak_tokens, notes, tier_bytes if tier_bytes > 0 else None)
 
 
 def _budget(budget_tokens: int | None, geometry: ModelGeometry) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from components.hardening import MAX_BODY_BYTES
 from engine.engine import Engine
 from engine.types import EngineError
+from server.request_guard import MAX_BODY_BYTES
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
 
@@ -119,11 +119,11 @@ def test_malformed_turns_are_refused_with_one_log_line(app_url, caplog):
 def test_over_long_prompt_refused_after_a_bounded_prefix(app_url, monkeypatch):
     url, engine = app_url
     client = visitor(url)
-    real = engine.runner.encode
+    real = engine.runner.text.encode
     tokenized: list[int] = []
-    monkeypatch.setattr(engine.runner, "encode", lambda text: tokenized.append(len(text)) or real(text))
+    monkeypatch.setattr(engine.runner.text, "encode", lambda text: tokenized.append(len(text)) or real(text))
     # Under the character bound (about 660,000 characters on the real model), far over the token limit.
-    text = "word " * (engine.max_prompt_tokens * engine.runner.max_token_chars // 10)
+    text = "word " * (engine.max_prompt_tokens * engine.runner.text.max_token_chars // 10)
     job = client.submit(text, [], "Pirate", "", 2, False, api_name="/chat")
     job.result()
     from tests.helpers_app import shown_logs

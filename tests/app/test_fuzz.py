@@ -295,7 +295,7 @@ def _client_can_send(args: list) -> bool:
 
 def _body_over_cap(args: list) -> bool:
     """Whether a request carrying ``args`` is over the server's body cap, however the client encodes it."""
-    from components.hardening import MAX_BODY_BYTES
+    from server.request_guard import MAX_BODY_BYTES
 
     as_utf8 = len(json.dumps(args, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     return max(as_utf8, len(json.dumps(args))) > MAX_BODY_BYTES  # raw_call escapes non-ASCII: 6 bytes a unit
@@ -344,7 +344,7 @@ def api_fuzz(url: str, n_per_endpoint: int, seed: int) -> tuple[Findings, int]:
                 continue
             except Exception as exc:
                 if getattr(getattr(exc, "response", None), "status_code", None) == 413 and _body_over_cap(args):
-                    continue  # the server's designed refusal of an oversized body (components/hardening.py)
+                    continue  # the server's designed refusal of an oversized body (server/request_guard.py)
                 findings.add(where, f"client got {type(exc).__name__}: {exc}", args)
                 continue
             for s in shown_strings(result):
@@ -416,7 +416,7 @@ def test_fuzz_chat_api_on_the_real_model(real_runner):
 def test_fuzz_engine(tiny_runner):
     engine = Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
     rng = random.Random(7)
-    emoji_ids = tiny_runner.encode("👨‍👩‍👧‍👦🏳️‍🌈")
+    emoji_ids = tiny_runner.text.encode("👨‍👩‍👧‍👦🏳️‍🌈")
     problems, outcomes = [], {"ok": 0, "refused": 0, "cancelled": 0}
     n = 700
     for i in range(n):
@@ -424,7 +424,7 @@ def test_fuzz_engine(tiny_runner):
         body: dict[str, Any] = {
             "prompt": {"prompt": fz.text(rng) if rng.random() < 0.97 else rng.choice(fz.one_mb_texts())},
             "messages": {"messages": fz.messages(rng)},
-            "prompt_ids": {"prompt_ids": fz.prompt_ids(rng, tiny_runner.vocab_size, emoji_ids)},
+            "prompt_ids": {"prompt_ids": fz.prompt_ids(rng, tiny_runner.text.vocab_size, emoji_ids)},
         }[form]
         try:
             sampling = SamplingParams(**fz.sampling_values(rng))

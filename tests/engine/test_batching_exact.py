@@ -33,7 +33,7 @@ def together(engine: Engine, requests) -> list:
 def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
     """Rows of different lengths and different cached prefixes, joining and leaving between
     steps: every row's logits equal a from-scratch forward of its tokens (1e-4)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 20, vocab)
     prompts = [rand_ids(2, 5, vocab), shared + rand_ids(3, 9, vocab), shared + rand_ids(4, 31, vocab),
                rand_ids(5, 60, vocab)]
@@ -61,7 +61,7 @@ def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
 def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
     """One packed forward holding a fresh prompt, a second chunk of a prompt, and decode tokens:
     each segment's logits equal a from-scratch forward, and the KV it wrote serves later steps."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     seqs = [rand_ids(80 + i, n, vocab) for i, n in enumerate((12, 30, 7, 19))]
     kvs = [tiny_runner.new_request_kv(64) for _ in seqs]
     tiny_runner.forward_last(seqs[1][:10], kvs[1])  # a prompt half prefilled
@@ -80,7 +80,7 @@ def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
 
 
 def test_chunked_prefill_logits_exact(tiny_runner):
-    ids = rand_ids(9, 53, len(tiny_runner.tokenizer))
+    ids = rand_ids(9, 53, len(tiny_runner.text.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
     for start in range(0, len(ids), 7):
         logits = tiny_runner.forward_last(ids[start:start + 7], kv)
@@ -96,7 +96,7 @@ def lone(tiny_runner):
 
 
 def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(10, 30, vocab)
     requests = [req(shared + rand_ids(20 + i, 3 + 4 * i, vocab), n=4 + 3 * i) for i in range(6)]
     requests.append(req(rand_ids(99, 17, vocab), n=12))
@@ -112,7 +112,7 @@ def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
 
 
 def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     first = [req(rand_ids(30 + i, 12, vocab), n=40) for i in range(2)]
     handles = [engine.submit(r) for r in first]
@@ -129,7 +129,7 @@ def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):
 
 @pytest.mark.parametrize("guard", [dict(), dict(no_repeat_ngram_size=2, repetition_penalty=1.2)])
 def test_seeded_sampling_same_alone_or_batched(tiny_runner, lone, guard):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=s, **guard) for s in range(4)]
     requests = [req(rand_ids(50 + i, 10 + i, vocab), sampling=p) for i, p in enumerate(params)]
     engine = Engine(tiny_runner)
@@ -139,7 +139,7 @@ def test_seeded_sampling_same_alone_or_batched(tiny_runner, lone, guard):
 
 
 def test_cached_prefixes_differ_per_row(tiny_runner, lone):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     a, b = rand_ids(60, 40, vocab), rand_ids(61, 15, vocab)
     engine.run(req(a, 1))
@@ -156,7 +156,7 @@ def test_cached_prefixes_differ_per_row(tiny_runner, lone):
 def test_public_prefill_api_unchanged(tiny_runner):
     """``Engine.prefill`` (the bench uses it) still prefills one request synchronously."""
     engine = Engine(tiny_runner)
-    ids = rand_ids(70, 20, len(tiny_runner.tokenizer))
+    ids = rand_ids(70, 20, len(tiny_runner.text.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
     res = engine.prefill(CacheKey(tuple(ids)), kv)
     ref, _ = tiny_runner.baseline_prefill(ids)
@@ -188,19 +188,19 @@ def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
     from engine.scheduler.request import Request, RequestHandle
 
     text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
-    ids = tiny_runner.encode(text)
+    ids = tiny_runner.text.encode(text)
     r = Request(RequestHandle(req([1]), [1]), CacheKey((1,)), max_new_tokens=len(ids), seq=1)
-    whole = tiny_runner.decode(ids)
+    whole = tiny_runner.text.decode(ids)
     for tok in ids:
-        streamed = r.append_token(tok, tiny_runner.decode)
+        streamed = r.append_token(tok, tiny_runner.text.decode)
         assert whole.startswith(streamed)
     assert streamed == whole
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
 def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
-    from engine.model_loader import LoadedModel
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import LoadedModel
+    from engine.model.runner import ModelRunner
     from tests.engine.test_model_families import tiny
 
     runner = ModelRunner(LoadedModel(tiny(family, len(tokenizer)).eval(), tokenizer, f"tiny-{family}",

@@ -3,8 +3,8 @@ side by side, with the greedy tokens compared with and without reuse."""
 
 from __future__ import annotations
 
-from engine import model_loader
 from engine.engine import Engine
+from engine.model import loader
 from engine.tools import bench
 from engine.tools.bench import bench_size, format_dtype_table, format_table
 
@@ -39,10 +39,10 @@ def test_fp32_and_bf16_side_by_side_in_one_run(tiny_runner, tiny_runner_bf16, mo
     def fake_load(model, device, dtype):
         asked.append(dtype)
         r = runners[dtype]
-        return model_loader.LoadedModel(model=r.model, tokenizer=r.tokenizer, name="tiny", device=r.device,
+        return loader.LoadedModel(model=r.model, tokenizer=r.text.tokenizer, name="tiny", device=r.device,
                                         dtype=r.dtype)
 
-    monkeypatch.setattr(model_loader, "load_model", fake_load)
+    monkeypatch.setattr(loader, "load_model", fake_load)
     assert bench.main(["--sizes", "32", "--suffix", "4", "--repeats", "1", "--greedy-tokens", "4",
                        "--dtypes", "float32,bfloat16"]) == 0
     out = capsys.readouterr().out

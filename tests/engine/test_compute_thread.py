@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from engine.compute_thread import ComputeThread, in_fresh_thread
 from engine.engine import Engine
+from engine.model.compute_thread import ComputeThread, in_fresh_thread
 from engine.types import GenerationRequest, SamplingParams
 
 
@@ -78,7 +78,7 @@ EXIT_RIGHT_AFTER_AN_ANSWER = """
 import sys
 sys.path.insert(0, {root!r})
 from tests.conftest import make_tiny_runner
-from engine.model_loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 engine = Engine(make_tiny_runner(load_tokenizer()))

@@ -9,7 +9,7 @@ import torch
 
 from engine.engine import Engine
 from engine.kv_pool import KVPool
-from engine.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedSegment
 from engine.types import GenerationRequest, SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 def cuda_runner(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.model_loader import LoadedModel
-    from engine.model_runner import ModelRunner
+    from engine.model.loader import LoadedModel
+    from engine.model.runner import ModelRunner
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

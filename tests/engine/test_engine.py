@@ -31,7 +31,7 @@ def engine(tiny_runner):
 
 def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine):
     off = Engine(tiny_runner, enable_cache=False)
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 50, vocab)
     prompts = [shared + rand_ids(i, 10, vocab) for i in range(2, 6)] + [shared]
     for p in prompts:
@@ -46,7 +46,7 @@ def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine):
                                    dict(no_repeat_ngram_size=2, repetition_penalty=1.2, temperature=0.7, seed=5)])
 def test_loop_guards_keep_outputs_identical_with_and_without_cache(tiny_runner, engine, guard):
     off = Engine(tiny_runner, enable_cache=False)
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(7, 40, vocab)
     for i in range(3):
         r = GenerationRequest(prompt_ids=tuple(shared + rand_ids(20 + i, 6, vocab)),
@@ -57,7 +57,7 @@ def test_loop_guards_keep_outputs_identical_with_and_without_cache(tiny_runner, 
 
 
 def test_cached_tokens_equal_longest_common_prefix(tiny_runner, engine):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     a = rand_ids(1, 30, vocab)
     b = a[:12] + rand_ids(2, 10, vocab)
     m1 = engine.run(req(a, 4))
@@ -73,7 +73,7 @@ def test_cached_tokens_equal_longest_common_prefix(tiny_runner, engine):
 def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner):
     bpt = tiny_runner.kv_bytes_per_token
     engine = Engine(tiny_runner, budget_bytes=25 * bpt)  # a little more than one request
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     for i in range(8):
         m = engine.run(req(rand_ids(i, 20, vocab), 3))
         assert m.output_tokens > 0
@@ -86,7 +86,7 @@ def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner):
 
 
 def test_baseline_measured_on_same_request(engine, tiny_runner):
-    m = engine.run(req(rand_ids(5, 30, len(tiny_runner.tokenizer)), 2, measure_baseline=True))
+    m = engine.run(req(rand_ids(5, 30, len(tiny_runner.text.tokenizer)), 2, measure_baseline=True))
     assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
 
 
@@ -96,7 +96,7 @@ def test_baseline_measured_on_same_request(engine, tiny_runner):
     GenerationRequest(prompt="x", prompt_ids=(1,)),
 ])
 def test_bad_input_clear_error_and_cache_unchanged(engine, bad, tiny_runner):
-    engine.run(req(rand_ids(9, 20, len(tiny_runner.tokenizer)), 2))
+    engine.run(req(rand_ids(9, 20, len(tiny_runner.text.tokenizer)), 2))
     before = shape(engine)
     with pytest.raises(EngineError):
         engine.run(bad)
@@ -112,7 +112,7 @@ def test_prompt_longer_than_context_rejected(engine, tiny_runner):
 
 
 def test_concurrent_requests_keep_cache_consistent(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 30, vocab)
     errors, results = [], {}
 
@@ -139,7 +139,7 @@ def test_concurrent_requests_keep_cache_consistent(engine, tiny_runner):
 
 
 def test_cancel_mid_stream_releases_locks(engine, tiny_runner):
-    handle = engine.submit(req(rand_ids(4, 30, len(tiny_runner.tokenizer)), 50))
+    handle = engine.submit(req(rand_ids(4, 30, len(tiny_runner.text.tokenizer)), 50))
     for _ in handle:
         handle.cancel()
     engine.run(req([12, 13, 14], 1))  # the worker moved on
@@ -149,7 +149,7 @@ def test_cancel_mid_stream_releases_locks(engine, tiny_runner):
 
 
 def test_sampling_with_seed_is_reproducible(engine, tiny_runner):
-    ids = rand_ids(8, 20, len(tiny_runner.tokenizer))
+    ids = rand_ids(8, 20, len(tiny_runner.text.tokenizer))
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=42)
     a = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=params)).output_ids
     b = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=params)).output_ids
@@ -157,7 +157,7 @@ def test_sampling_with_seed_is_reproducible(engine, tiny_runner):
 
 
 def test_set_budget_and_clear(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     for i in range(3):
         engine.run(req(rand_ids(i, 30, vocab), 2))
     bpt = tiny_runner.kv_bytes_per_token

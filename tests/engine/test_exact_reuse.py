@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.kv_pool import KVPool
-from engine.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedSegment
 from engine.prefix_cache import RadixCache
 from engine.radix_tree import CacheKey
 
@@ -69,7 +69,7 @@ def assert_same_logits(runner, logits, reference):
 @pytest.mark.parametrize("case", ["mid_edge", "node_boundary", "fully_cached", "one_token_suffix", "extends_leaf"])
 def test_logits_with_reuse_equal_logits_without(runner, case):
     gen = torch.Generator().manual_seed(hash(case) % 1000)
-    vocab = len(runner.tokenizer)
+    vocab = len(runner.text.tokenizer)
     base = rand_ids(gen, 40, vocab)
     cache = make_cache(runner)
     run_cached(runner, cache, base)
@@ -92,7 +92,7 @@ def test_logits_with_reuse_equal_logits_without(runner, case):
 
 def test_reuse_exact_after_budget_change_moves_slots(runner):
     gen = torch.Generator().manual_seed(7)
-    vocab = len(runner.tokenizer)
+    vocab = len(runner.text.tokenizer)
     cache = make_cache(runner, budget_tokens=200)
     a, b = rand_ids(gen, 60, vocab), rand_ids(gen, 60, vocab)
     run_cached(runner, cache, a)
@@ -112,7 +112,7 @@ def test_reuse_exact_after_budget_change_moves_slots(runner):
 def test_decode_through_buffer_matches_full_forward(runner):
     """Token-by-token decode appends in place; every step's logits match a full forward."""
     gen = torch.Generator().manual_seed(3)
-    ids = rand_ids(gen, 20, len(runner.tokenizer))
+    ids = rand_ids(gen, 20, len(runner.text.tokenizer))
     kv = runner.new_request_kv(4)  # too small on purpose: the buffer grows
     runner.forward(ids[:10], kv)
     for i in range(10, 20):
@@ -129,7 +129,7 @@ def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, t
 
     runner = tiny_runner_bf16
     gen = torch.Generator().manual_seed(11)
-    vocab = len(runner.tokenizer)
+    vocab = len(runner.text.tokenizer)
     shared = rand_ids(gen, 48, vocab)
     engine, plain = Engine(runner, budget_bytes=2000 * runner.kv_bytes_per_token), Engine(runner, enable_cache=False)
     assert engine.info().dtype == "bfloat16" and runner.kv_bytes_per_token * 2 == tiny_runner.kv_bytes_per_token

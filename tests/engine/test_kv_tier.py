@@ -95,7 +95,7 @@ def req(ids, n=6, **kw) -> GenerationRequest:
 
 
 def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path)
     cache = engine.cache
     doc = rand_ids(1, 3 * C + 10, vocab)
@@ -119,7 +119,7 @@ def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, t
 
 
 def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(3, 2 * C + 7, vocab)
     first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 4))
@@ -133,7 +133,7 @@ def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path):
 
 
 def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp_path):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(4, 2 * C + 1, vocab)
     first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 2))
@@ -144,7 +144,7 @@ def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp
 
 
 def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000, isolation=True)
     shipped = rand_ids(5, 2 * C, vocab)
     private = rand_ids(6, 3 * C, vocab)
@@ -157,7 +157,7 @@ def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
 
 
 def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
     docs = [rand_ids(20 + i, 2 * C + 3, vocab) for i in range(4)]
     requests = [req(docs[i % 4] + rand_ids(40 + i, 4, vocab), 5) for i in range(16)]
@@ -187,7 +187,7 @@ def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, t
 def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch):
     """A request waiting for room retries its admission every step: the tier's files are read
     only once room is made, never by an attempt that fails."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400)
     doc = rand_ids(8, 3 * C, vocab)
     engine.run(req(doc, 1))

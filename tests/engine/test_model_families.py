@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner
+from engine.model.loader import LoadedModel
+from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
 
 

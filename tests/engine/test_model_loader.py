@@ -1,4 +1,4 @@
-"""engine.model_loader: what an interrupted first start leaves behind is removed at the next start, and
+"""engine.model.loader: what an interrupted first start leaves behind is removed at the next start, and
 nothing else is; dtype names. No model is loaded here."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_loader
-from engine.model_loader import (
+from engine.model import loader
+from engine.model.loader import (
     STALE_AFTER_S,
     ModelLoadError,
     converted_cache_dir,
@@ -94,7 +94,7 @@ def test_a_start_removes_what_an_interrupted_start_left(cache_root, monkeypatch)
     def offline(*args, **kwargs):
         raise OSError("offline")
 
-    monkeypatch.setattr(model_loader, "embedded_gguf_path", lambda: None)
+    monkeypatch.setattr(loader, "embedded_gguf_path", lambda: None)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     with pytest.raises(ModelLoadError, match="offline"):
         load_model(device="cpu")

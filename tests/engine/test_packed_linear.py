@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.packed_linear import ENV_SWITCH, PackedLinear, can_pack, pack_linears, unpack_linears
+from engine.model.packed_linear import ENV_SWITCH, PackedLinear, can_pack, pack_linears, unpack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -72,7 +72,7 @@ def test_runner_packs_the_tiny_model(tiny_runner):
 
 
 def test_not_packed_where_a_packed_product_fails(monkeypatch):
-    import engine.packed_linear as pl
+    import engine.model.packed_linear as pl
 
     monkeypatch.setattr(pl, "_packing_works", lambda: False)
     assert pack_linears(_mlp()) == 0

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import paged_attention
 from engine.kv_pool import KVPool, contiguous_runs
-from engine.paged_attention import PagedPlan, PagedSegment, attend, attend_math
+from engine.model import paged_attention
+from engine.model.paged_attention import PagedPlan, PagedSegment, attend, attend_math
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 

@@ -65,7 +65,7 @@ class Spy:
 
 
 def test_pairs_time_both_sides_on_the_same_prompt_and_leave_the_cache_alone(engine, tiny_runner, monkeypatch):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 120, vocab)
     run(engine, shared + rand_ids(2, 10, vocab))
     key, cached = run(engine, shared + rand_ids(3, 12, vocab))
@@ -93,7 +93,7 @@ def test_pairs_time_both_sides_on_the_same_prompt_and_leave_the_cache_alone(engi
 
 
 def test_sides_alternate_which_goes_first(engine, tiny_runner, monkeypatch):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     key, cached = run(engine, rand_ids(4, 80, vocab))
     key, cached = run(engine, list(key.ids) + rand_ids(5, 8, vocab))
     spy = Spy(tiny_runner, monkeypatch)
@@ -103,7 +103,7 @@ def test_sides_alternate_which_goes_first(engine, tiny_runner, monkeypatch):
 
 
 def test_the_reuse_side_of_a_pair_is_the_median_of_several_runs(engine, tiny_runner, monkeypatch):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     key, cached = run(engine, rand_ids(21, 80, vocab))
     key, cached = run(engine, list(key.ids) + rand_ids(22, 8, vocab))
     spy = Spy(tiny_runner, monkeypatch)
@@ -120,7 +120,7 @@ def test_the_median_pair_is_a_measured_pair():
 
 
 def test_cost_is_bounded(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     key, _ = run(engine, rand_ids(6, 200, vocab))
     key, cached = run(engine, list(key.ids) + rand_ids(7, 10, vocab))
     n = len(key.ids)
@@ -132,14 +132,14 @@ def test_cost_is_bounded(engine, tiny_runner):
 
 
 def test_nothing_cached_is_not_timed(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     key = CacheKey(tuple(rand_ids(8, 40, vocab)), PUBLIC, 0)
     t = PrefillTimer(engine).time_pairs(key, 30)
     assert t.cached_tokens == 0 and t.full_ms is None and "nothing" in t.skipped
 
 
 def test_memo_serves_the_same_shipped_prefix_and_length_only(engine, tiny_runner, monkeypatch):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shipped = rand_ids(9, 100, vocab)
     policy = TimingPolicy(pairs=3, memo_min_tokens=64, block_tokens=1024)
     timer = PrefillTimer(engine, policy)
@@ -161,7 +161,7 @@ def test_memo_serves_the_same_shipped_prefix_and_length_only(engine, tiny_runner
 
 
 def test_a_busy_timer_skips_instead_of_queueing_forever(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     key, _ = run(engine, rand_ids(14, 60, vocab))
     key, cached = run(engine, list(key.ids) + rand_ids(15, 6, vocab))
     timer = PrefillTimer(engine, TimingPolicy(wait_s=0.05))
@@ -171,7 +171,7 @@ def test_a_busy_timer_skips_instead_of_queueing_forever(engine, tiny_runner):
 
 
 def test_warm_start_makes_the_first_request_a_hit(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     shipped = rand_ids(16, 150, vocab)
     too_long = rand_ids(17, tiny_runner.max_context + 5, vocab)
     timer = PrefillTimer(engine)
@@ -186,7 +186,7 @@ def test_warm_start_makes_the_first_request_a_hit(engine, tiny_runner):
 
 
 def test_growth_curve_measures_each_length_and_clears_its_filler(engine, tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     filler = rand_ids(19, 700, vocab)
     seen = []
     curve = PrefillTimer(engine, TimingPolicy(block_tokens=128)).growth_curve(

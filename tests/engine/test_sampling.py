@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import banned_by_ngram, guard_logits, sample
+from engine.model.sampling import banned_by_ngram, guard_logits, sample
 from engine.types import SamplingParams
 
 

@@ -37,7 +37,7 @@ def configure(engine: Engine, **changes) -> Engine:
 
 
 def test_same_uncached_prefix_is_computed_once(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     shared = rand_ids(1, 60, vocab)
     handles = submit_together(engine, [req(shared + rand_ids(10 + i, 5, vocab)) for i in range(4)])
@@ -50,7 +50,7 @@ def test_same_uncached_prefix_is_computed_once(tiny_runner):
 def test_running_requests_count_against_the_budget(tiny_runner):
     """Each running request reserves its buffer (prompt + new tokens): with room for two,
     no more than two run at once; the rest wait, nothing is lost, the cache stays in budget."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     bpt = tiny_runner.kv_bytes_per_token
     engine = Engine(tiny_runner, budget_bytes=70 * bpt)  # each request needs 30 + 5
     requests = [req(rand_ids(20 + i, 30, vocab), 5) for i in range(5)]
@@ -70,7 +70,7 @@ def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_
     """All KV lives in the pool, so a prompt that alone exceeds the budget cannot run: it is
     refused at submit with a message naming both sizes; new tokens that would not fit are
     cut to what does (the answer ends with ``length``)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=10 * tiny_runner.kv_bytes_per_token)
     with pytest.raises(EngineError, match="MiB of KV .* cache budget"):
         engine.submit(req(rand_ids(30, 40, vocab), 3))
@@ -82,7 +82,7 @@ def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_
 
 
 def test_longest_cached_prefix_first_then_ageing(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, max_batch=1, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     cached = rand_ids(40, 30, vocab)
     engine.run(req(cached, 1))
@@ -102,7 +102,7 @@ def test_longest_cached_prefix_first_then_ageing(tiny_runner):
 
 
 def test_isolation_runs_one_request_per_visitor_and_takes_turns(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, isolation=True)
     a = [req(rand_ids(50 + i, 20, vocab), 6, namespace="v-a") for i in range(3)]
     b = [req(rand_ids(60, 20, vocab), 6, namespace="v-b"), req(rand_ids(61, 20, vocab), 6, namespace="v-b/lab")]
@@ -118,7 +118,7 @@ def test_isolation_runs_one_request_per_visitor_and_takes_turns(tiny_runner):
 
 
 def test_cancel_one_request_in_a_batch(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=200)
     shared = rand_ids(70, 30, vocab)
     engine.run(req(shared, 1))  # a cached prefix: the running requests lock it
@@ -140,7 +140,7 @@ def test_cancel_one_request_in_a_batch(tiny_runner):
 
 
 def test_progress_events_and_chunked_prefill(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, chunk_tokens=10, max_batch=1)
     handles = submit_together(engine, [req(rand_ids(80, 12, vocab), 3), req(rand_ids(81, 35, vocab), 3)])
     events = [list(h) for h in handles]
@@ -155,7 +155,7 @@ def test_progress_events_and_chunked_prefill(tiny_runner):
 
 
 def test_baseline_is_scheduled_work_and_skipped_when_long_and_isolated(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, chunk_tokens=16)
     m = engine.run(req(rand_ids(90, 40, vocab), 2, measure_baseline=True))
     assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
@@ -168,7 +168,7 @@ def test_baseline_is_scheduled_work_and_skipped_when_long_and_isolated(tiny_runn
 
 
 def test_stats_and_step_log(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, max_batch=4)
     handles = submit_together(engine, [req(rand_ids(100 + i, 8, vocab), 6) for i in range(4)])
     for h in handles:
@@ -186,7 +186,7 @@ def test_stats_and_step_log(tiny_runner):
 def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
     """Running requests reserve only what they add (prompt beyond the cached prefix, plus the
     reply); the shared prefix sits once in the cache, locked while they run."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=130 * tiny_runner.kv_bytes_per_token)
     shared = rand_ids(110, 60, vocab)
     engine.run(req(shared, 1))
@@ -209,7 +209,7 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     """Issue 14's starvation case, in steps: visitor A sends two long prompts, B a short
     question. B's prefill runs before A's first prompt has finished its chunks, A's second
     prompt waits behind A's first, and A's no-reuse baseline is skipped (long, public)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = configure(Engine(tiny_runner, isolation=True, chunk_tokens=8), baseline_max_tokens_isolated=100)
     a = [req(rand_ids(120 + i, 400, vocab), 3, namespace="v-a", measure_baseline=True) for i in range(2)]
     with tiny_runner.lock:
@@ -235,7 +235,7 @@ def test_close_finishes_submitted_work_then_stops(tiny_runner):
     from engine.types import EngineError
 
     engine = Engine(tiny_runner)
-    handle = engine.submit(req(rand_ids(140, 10, len(tiny_runner.tokenizer)), 3))
+    handle = engine.submit(req(rand_ids(140, 10, len(tiny_runner.text.tokenizer)), 3))
     engine.close()
     assert list(handle)[-1].done
     assert not engine._worker.is_alive()

@@ -28,7 +28,7 @@ def watch(engine: Engine, stop: threading.Event, seen: list) -> None:
 
 
 def test_requests_behind_one_prefix_share_its_slots_and_stay_within_the_pool(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     system = rand_ids(1, 120, vocab)
     engine = Engine(tiny_runner, budget_bytes=400 * tiny_runner.kv_bytes_per_token, max_batch=8)
     engine.run(req(system + rand_ids(2, 4, vocab), 2))  # the system prompt is cached
@@ -54,7 +54,7 @@ def test_requests_behind_one_prefix_share_its_slots_and_stay_within_the_pool(tin
 
 
 def test_gauges_count_tree_running_and_shared(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     system = rand_ids(3, 64, vocab)
     engine = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token)
     engine.run(req(system + [5], 1))
@@ -80,7 +80,7 @@ def test_gauges_count_tree_running_and_shared(tiny_runner):
 def test_short_memory_holds_admissions_and_everyone_finishes(tiny_runner):
     """Room for about two requests at once: the rest wait (no deadlock, nobody lost) and run as
     slots come back; answers equal a run with no cache."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=70 * tiny_runner.kv_bytes_per_token, max_batch=8)
     requests = [req(rand_ids(40 + i, 20, vocab), 10) for i in range(6)]
     metrics = together(engine, requests)
@@ -93,7 +93,7 @@ def test_short_memory_holds_admissions_and_everyone_finishes(tiny_runner):
 
 def test_failed_admission_changes_nothing(tiny_runner):
     """No room: the tree's shape, hits and access times are as they were (review defect)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=100 * tiny_runner.kv_bytes_per_token)
     cache = engine.cache
     long = rand_ids(50, 60, vocab)
@@ -109,7 +109,7 @@ def test_failed_admission_changes_nothing(tiny_runner):
 
 
 def test_an_error_admitting_one_request_fails_only_it(tiny_runner, monkeypatch):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, max_batch=4)
     real = engine.cache.acquire
     bad = tuple(rand_ids(60, 12, vocab))
@@ -137,7 +137,7 @@ def test_an_error_admitting_one_request_fails_only_it(tiny_runner, monkeypatch):
 def test_fair_share_refusal_drains_nothing_and_the_engine_goes_on(tiny_runner):
     """Isolation mode: a visitor's request larger than what fair share lets them take is refused;
     it evicts nobody, and later requests still run (review defect: reserve evicted, then said no)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, isolation=True, budget_bytes=200 * tiny_runner.kv_bytes_per_token)
     kept = rand_ids(70, 80, vocab)
     engine.run(GenerationRequest(prompt_ids=tuple(kept), sampling=SamplingParams(max_new_tokens=2), namespace="v-b"))
@@ -155,7 +155,7 @@ def test_fair_share_refusal_drains_nothing_and_the_engine_goes_on(tiny_runner):
 
 
 def test_budget_change_while_requests_run_renumbers_their_slots(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
     filler = [rand_ids(80 + i, 40, vocab) for i in range(4)]
     for f in filler:
@@ -179,7 +179,7 @@ def test_budget_change_while_requests_run_renumbers_their_slots(tiny_runner):
 
 
 def test_unstorable_request_caches_nothing(tiny_runner):
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner)
     m = engine.run(GenerationRequest(prompt_ids=tuple(rand_ids(95, 30, vocab)),
                                      sampling=SamplingParams(max_new_tokens=4), store=False))
@@ -190,7 +190,7 @@ def test_unstorable_request_caches_nothing(tiny_runner):
 def test_baseline_gets_a_share_of_every_step_under_prefill_load(tiny_runner):
     """A request that asked for its no-reuse timing finishes while others keep prefilling
     (review defect: the baseline only got what prefills left of the step's budget)."""
-    vocab = len(tiny_runner.tokenizer)
+    vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, chunk_tokens=32, max_batch=16)
     timed = engine.submit(req(rand_ids(100, 60, vocab), 1, measure_baseline=True))
     stop = threading.Event()

@@ -10,7 +10,7 @@ import pytest
 
 from engine import validation
 from engine.engine import Engine
-from engine.sampling import sample
+from engine.model.sampling import sample
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from engine.validation import valid_text
 
@@ -23,17 +23,17 @@ def engine(tiny_runner):
 def test_lone_surrogates_become_replacement_chars(tiny_runner):
     assert valid_text("a\ud800b") == "a\ufffdb"
     assert valid_text("ok 😀") == "ok 😀"
-    assert tiny_runner.encode("a\udfffb") == tiny_runner.encode("a\ufffdb")
+    assert tiny_runner.text.encode("a\udfffb") == tiny_runner.text.encode("a\ufffdb")
 
 
 def test_max_token_chars_bounds_every_vocab_entry(tiny_runner):
-    tok = tiny_runner.tokenizer
-    assert all(len(tok.convert_tokens_to_string([t])) <= tiny_runner.max_token_chars for t in tok.get_vocab())
+    tok = tiny_runner.text.tokenizer
+    assert all(len(tok.convert_tokens_to_string([t])) <= tiny_runner.text.max_token_chars for t in tok.get_vocab())
 
 
 def test_one_megabyte_prompt_rejected_without_tokenizing(engine, monkeypatch):
     calls = []
-    monkeypatch.setattr(engine.runner, "encode", lambda text: calls.append(text) or [1])
+    monkeypatch.setattr(engine.runner.text, "encode", lambda text: calls.append(text) or [1])
     t0 = time.perf_counter()
     for req in (GenerationRequest(prompt="a" * 2**20),
                 GenerationRequest(messages=({"role": "user", "content": "\u200b" * 2**20},))):
@@ -45,8 +45,8 @@ def test_one_megabyte_prompt_rejected_without_tokenizing(engine, monkeypatch):
 
 def test_size_bound_never_rejects_a_prompt_that_fits(engine):
     # The longest vocabulary entries packed to the limit still pass the character bound.
-    validation.check_text_size(engine.max_prompt_tokens * engine.runner.max_token_chars,
-                               engine.max_prompt_tokens, engine.runner.max_token_chars)
+    validation.check_text_size(engine.max_prompt_tokens * engine.runner.text.max_token_chars,
+                               engine.max_prompt_tokens, engine.runner.text.max_token_chars)
 
 
 @pytest.mark.parametrize("messages", [
@@ -123,10 +123,10 @@ def test_sampling_at_extreme_temperatures_stays_a_distribution(tiny_runner):
 def test_over_long_text_refused_after_tokenizing_a_bounded_prefix(engine, monkeypatch):
     """The attack: a text just under the character bound (max_token_chars per allowed token,
     about 660,000 characters on the real model) was tokenized in full before being refused."""
-    limit, per_token = engine.max_prompt_tokens, engine.runner.max_token_chars
-    real_encode = engine.runner.encode
+    limit, per_token = engine.max_prompt_tokens, engine.runner.text.max_token_chars
+    real_encode = engine.runner.text.encode
     tokenized: list[int] = []
-    monkeypatch.setattr(engine.runner, "encode", lambda text: tokenized.append(len(text)) or real_encode(text))
+    monkeypatch.setattr(engine.runner.text, "encode", lambda text: tokenized.append(len(text)) or real_encode(text))
     text = ("word " * (limit * per_token))[: limit * per_token - 1]  # passes the character bound
     for req in (GenerationRequest(prompt=text), GenerationRequest(messages=({"role": "user", "content": text},))):
         tokenized.clear()
@@ -138,21 +138,21 @@ def test_over_long_text_refused_after_tokenizing_a_bounded_prefix(engine, monkey
 @pytest.mark.parametrize("unit", ["word ", "        x", " " * 80 + "\n", "漢字 ", "🎉 ", "a" * 30 + "\n\n"])
 def test_prefix_bound_never_rejects_a_prompt_that_fits(tiny_runner, unit):
     text = unit * 4_000
-    n = len(tiny_runner.encode(text))
-    validation.check_text_tokens([text], n, tiny_runner.max_token_chars, tiny_runner.encode)  # exactly at the limit
+    n = len(tiny_runner.text.encode(text))
+    validation.check_text_tokens([text], n, tiny_runner.text.max_token_chars, tiny_runner.text.encode)  # exactly at the limit
     halves = [text[: len(text) // 2], text[len(text) // 2:]]
-    n2 = len(tiny_runner.encode(halves[0])) + len(tiny_runner.encode(halves[1]))
-    validation.check_text_tokens(halves, n2, tiny_runner.max_token_chars, tiny_runner.encode)
+    n2 = len(tiny_runner.text.encode(halves[0])) + len(tiny_runner.text.encode(halves[1]))
+    validation.check_text_tokens(halves, n2, tiny_runner.text.max_token_chars, tiny_runner.text.encode)
 
 
 def test_token_pieces_is_linear_and_exact(tiny_runner, monkeypatch):
     """Colouring a prompt decoded growing prefixes: n^2/2 tokens decoded for n tokens."""
     text = "Hello, world! 漢字テスト 🎉🎉 naïve café  spaced   out.\n\n  code: x = [1, 2]  " * 40
-    ids = tiny_runner.encode(text)
-    real_decode = tiny_runner.decode
+    ids = tiny_runner.text.encode(text)
+    real_decode = tiny_runner.text.decode
     decoded: list[int] = []
-    monkeypatch.setattr(tiny_runner, "decode", lambda i: decoded.append(len(i)) or real_decode(i))
-    pieces = tiny_runner.token_pieces(ids)
+    monkeypatch.setattr(tiny_runner.text, "decode", lambda i: decoded.append(len(i)) or real_decode(i))
+    pieces = tiny_runner.text.token_pieces(ids)
     assert len(pieces) == len(ids) and "".join(pieces) == real_decode(ids)
     assert sum(decoded) <= 20 * len(ids), f"{sum(decoded):,} tokens decoded for {len(ids):,}"
-    assert pieces[ids.index(tiny_runner.encode(" 🎉")[0])] == ""  # a split character shows on its last token
+    assert pieces[ids.index(tiny_runner.text.encode(" 🎉")[0])] == ""  # a split character shows on its last token

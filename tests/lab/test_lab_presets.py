@@ -36,7 +36,7 @@ def test_custom_template_suggested_order_beats_the_original(engine):
     assert suggested.name == "Suggested order"
     res_mine, res_suggested = run_lab_to_end(engine, [mine, suggested], measure_baseline=False)
     assert res_suggested.hit_rate > res_mine.hit_rate
-    report = lint_template(CUSTOM_TEMPLATE, parse_values(values), lambda s: len(engine.runner.encode(s)))
+    report = lint_template(CUSTOM_TEMPLATE, parse_values(values), lambda s: len(engine.runner.text.encode(s)))
     assert report.warnings and report.reusable_share_suggested > report.reusable_share
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from components.lab.presets import scheduling_queue
+from engine.engine import Engine
 from engine.lab.request_order_demo import FCFS, LPM, RequestOrderDemo, request_order_demo_for
 from engine.types import EngineBusy, EngineError
 
@@ -18,7 +19,7 @@ def _run(lab, queue, budget):
 
 
 def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
-    lab = RequestOrderDemo(tiny_runner)
+    lab = RequestOrderDemo(Engine(tiny_runner))
     queue = scheduling_queue(per_group=3, groups=3)
     res = _run(lab, queue, budget=520)
     fcfs, lpm = res[FCFS], res[LPM]
@@ -33,12 +34,12 @@ def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
 
 
 def test_budget_large_enough_makes_the_order_irrelevant(tiny_runner):
-    res = _run(RequestOrderDemo(tiny_runner), scheduling_queue(2, 2), budget=5000)
+    res = _run(RequestOrderDemo(Engine(tiny_runner)), scheduling_queue(2, 2), budget=5000)
     assert res[FCFS].cached_tokens == res[LPM].cached_tokens
 
 
 def test_one_comparison_at_a_time_and_bad_settings(tiny_runner):
-    lab = RequestOrderDemo(tiny_runner)
+    lab = RequestOrderDemo(Engine(tiny_runner))
     gen = lab.compare(scheduling_queue(2, 2), 520)
     next(gen)
     with pytest.raises(EngineBusy):
@@ -53,9 +54,7 @@ def test_one_comparison_at_a_time_and_bad_settings(tiny_runner):
 
 
 def test_stop_and_one_lab_per_runner(tiny_runner):
-    from types import SimpleNamespace
-
-    facade = SimpleNamespace(runner=tiny_runner)  # only the runner is read
+    facade = Engine(tiny_runner)  # the app's engine: the demo's small engine is spawned by it
     lab = request_order_demo_for(facade)
     assert request_order_demo_for(facade) is lab
     calls = {"n": 0}

@@ -185,7 +185,7 @@ def test_prompt_encoder_memo_equals_whole_tokenization(tokenizer, tiny_runner):
     got = enc.encode(records)
     assert enc._splitter is not None  # the memo stayed on: it agreed with whole tokenization
     for r, e in zip(records, got, strict=True):
-        assert list(e.ids) == tiny_runner.encode_chat(r.messages)
+        assert list(e.ids) == tiny_runner.text.encode_chat(r.messages)
 
 
 def test_budget_in_tokens_comes_from_the_config_without_weights():

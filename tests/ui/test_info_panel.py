@@ -28,7 +28,7 @@ def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
 
 def test_the_linear_kernels_are_named(tiny_runner, tiny_runner_bf16):
     """fp32 on an x86 CPU multiplies through oneDNN-packed weights; the info tab says so (and bf16 does not)."""
-    from engine.packed_linear import can_pack
+    from engine.model.packed_linear import can_pack
 
     packed = "| linear layers | oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
     if can_pack(tiny_runner.model) or tiny_runner.packed_linears:

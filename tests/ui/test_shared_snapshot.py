@@ -47,7 +47,7 @@ def engine(tiny_runner) -> Engine:
 
 @pytest.mark.parametrize("viewer", ["v-a", "v-b", "v-c", "v-d", "v-nobody"])
 def test_for_viewer_gives_what_the_cache_gives(engine, viewer):
-    decode = engine.runner.decode
+    decode = engine.runner.text.decode
     full = engine.cache.snapshot(decode, viewer=None)
     want = engine.cache.snapshot(decode, viewer=viewer)
     got = for_viewer(full, viewer)
@@ -64,7 +64,7 @@ def test_viewers_share_one_walk_per_tick(engine, monkeypatch):
         return real(viewer=viewer)
 
     monkeypatch.setattr(engine, "snapshot", counting)
-    monkeypatch.setattr(live, "_snapshots", {})
+    live.forget(engine)
     viewers = ["v-a", "v-b", "v-c", "v-d"] + [f"v-stranger-{i}" for i in range(4)]
     views = {v: shared_snapshot(engine, v, max_age_s=60) for v in viewers}
     assert walks == [None]  # eight viewers: one walk, of the whole tree
@@ -100,7 +100,7 @@ def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch)
         return real(decode, viewer=viewer, **kw)
 
     monkeypatch.setattr(engine.cache, "snapshot", counting)
-    monkeypatch.setattr(live, "_snapshots", {})
+    live.forget(engine)
     viewers = ["v-a", "v-b", "v-c", "v-d"] + [f"v-stranger-{i}" for i in range(4)]
     for v in viewers:
         key_numbers_html(engine, None, v)
@@ -112,3 +112,21 @@ def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch)
         s = engine.stats(v)
         assert figures[v] == live.CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes,
                                                 s.evicted_tokens)
+
+
+def test_open_tabs_share_one_figure_per_change(engine):
+    """N sessions with the tree tab open draw one figure per snapshot, not one each."""
+    from types import SimpleNamespace
+
+    from components.tree_panel import tree_figure_for
+
+    live.forget(engine)
+    shared = Engine(engine.runner, max_new_tokens_cap=4)  # a shared cache: every session sees the same tree
+    try:
+        shared.run(GenerationRequest(prompt="a shared line", sampling=SamplingParams(max_new_tokens=2)))
+        figs = [tree_figure_for(shared, SimpleNamespace(session_hash=f"s{i}"), None) for i in range(8)]
+        assert all(f is figs[0] for f in figs)
+        shared.run(GenerationRequest(prompt="another shared line", sampling=SamplingParams(max_new_tokens=2)))
+        assert tree_figure_for(shared, SimpleNamespace(session_hash="s0"), None) is not figs[0]
+    finally:
+        shared.close()

@@ -203,7 +203,7 @@ def test_tree_tab_redraws_while_another_visitor_chats(app, page):
 def test_the_page_runs_no_torch_outside_the_compute_thread(page):
     """Every tab, chats, Stop and redraws above: no thread but the runner's compute thread ran a
     parallel torch op. Each thread that does keeps an OpenMP pool of its own (new native threads),
-    and two pools on the machine's cores slow every forward (engine/compute_thread.py)."""
+    and two pools on the machine's cores slow every forward (engine/model/compute_thread.py)."""
     for tab in ("Radix tree", "Cache memory", "Scheduler", "Latency", "Your traffic", "Few-shot",
                 "Prompt-ordering lab", "Engine info", "Chat"):
         page.get_by_role("tab", name=tab).click()

@@ -1,11 +1,13 @@
-"""The model runner: the only code that runs the transformers model and tokenizer.
+"""The model runner: the only code that runs the transformers model.
 
-Owns: tokenizing (chat template or raw text), forward passes on a request's
-KV buffer, batched decode forwards over many requests' buffers, the no-reuse
-baseline prefill and detokenizing. Every forward runs on the runner's one
-compute thread (``engine.compute_thread``), whoever calls it; on an x86 CPU
-in float32 the model's linears are oneDNN-packed (``engine.packed_linear``). Knows nothing about the radix tree, the
-pool or the scheduler: it is handed token ids and buffers.
+Owns: forward passes on a request's KV buffer, packed forwards over many requests'
+buffers, the scheduler's forward over the KV pool, the no-reuse baseline prefill, and
+the model's KV geometry. Every forward runs on the runner's one compute thread
+(``engine.model.compute_thread``), whoever calls it; on an x86 CPU in float32 the
+model's linears are oneDNN-packed (``engine.model.packed_linear``). Holds the model's
+text half as ``text`` (``engine.text.codec.TextCodec``: template, encode, decode, eos)
+and does no text itself. Knows nothing about the radix tree, the pool's policy or the
+scheduler: it is handed token ids and buffers.
 
 Batched forwards (``forward_packed``; ``decode_batch`` is its one-token case):
 several requests' new tokens (decode tokens and prefill chunks alike) packed
@@ -29,14 +31,14 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.compute_thread import ComputeThread
 from engine.kv_pool import KVPool
-from engine.model_loader import LoadedModel
-from engine.packed_linear import PackedLinear, pack_linears
-from engine.paged_attention import PagedPlan, PagedSegment
+from engine.model.compute_thread import ComputeThread
+from engine.model.loader import LoadedModel
+from engine.model.packed_linear import PackedLinear, pack_linears
+from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.request_kv import PoolWriteCache, RequestKV, RowsCache
+from engine.text.codec import TextCodec
 from engine.types import EngineError
-from engine.validation import flatten_content, valid_text
 
 ROWS_ATTENTION = "radix_rows"
 _batch = threading.local()  # the buffers of the batched forward running on this thread, if any
@@ -44,7 +46,7 @@ _batch = threading.local()  # the buffers of the batched forward running on this
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA, except inside a batched forward: in ``forward_paged`` every request attends over
-    its slots in the pool (``engine.paged_attention``: a shared prefix read once for all);
+    its slots in the pool (``engine.model.paged_attention``: a shared prefix read once for all);
     in ``forward_packed`` the packed tokens are split back into their requests and each
     attends over its own ``RequestKV`` buffer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -100,9 +102,9 @@ def _on_compute_thread(method):
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel) -> None:
-        # Every forward runs on this one thread (see engine.compute_thread: one OpenMP pool).
+        # Every forward runs on this one thread (see engine.model.compute_thread: one OpenMP pool).
         self.compute = ComputeThread()
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model = loaded.model
         self.name, self.device, self.dtype = loaded.name, loaded.device, loaded.dtype
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
@@ -114,7 +116,9 @@ class ModelRunner:
         _, self.num_kv_heads, _, self.head_dim = layers[0].keys.shape
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.kv_bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-        self.eos_ids = self._eos_ids()
+        # The text half (template, encode, decode, eos): no forward, so remote mode has it too.
+        self.text = TextCodec(loaded.tokenizer, vocab_size=int(self.model.get_input_embeddings().num_embeddings),
+                              model_eos=getattr(self.model.generation_config, "eos_token_id", None))
         self.lock = threading.Lock()  # one forward at a time, whichever engine asks
         self.can_batch = self._enable_batching()
         self.compute.call(self._warm_up)
@@ -154,86 +158,6 @@ class ModelRunner:
         other = self.new_request_kv(4)
         self.forward_last(ids[:3], other)
         self.forward_packed([([1], kv), ([2, 3], other)])
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, list | tuple):
-                ids.update(i for i in src if isinstance(i, int))
-        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
-                if tok in self.tokenizer.get_vocab():
-                    ids.add(tid)
-        return ids
-
-    # ------------------------------------------------------------- tokenizing
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        msgs = [{"role": str(m.get("role", "user")), "content": flatten_content(m.get("content"))}
-                for m in messages]
-        if self.has_chat_template:
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
-        return text + ("assistant:" if add_generation_prompt else "")
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as is (special-token markup in it is parsed, no BOS added).
-
-        Lone surrogates (``"\\ud800"``, which JSON can carry but UTF-8 cannot) become U+FFFD
-        instead of failing inside the tokenizer.
-        """
-        return list(self.tokenizer(valid_text(text), add_special_tokens=False)["input_ids"])
-
-    @functools.cached_property
-    def vocab_size(self) -> int:
-        """Rows of the input embedding: a valid token id is in ``range(vocab_size)``."""
-        return int(self.model.get_input_embeddings().num_embeddings)
-
-    @functools.cached_property
-    def max_token_chars(self) -> int:
-        """Characters in the longest vocabulary entry: a text of ``n`` characters has at
-        least ``n / max_token_chars`` tokens, a bound that rejects huge prompts before
-        tokenizing them (tokenizing 1 MB takes seconds)."""
-        vocab = self.tokenizer.get_vocab()
-        longest = max((len(self.tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
-        return max(1, longest)
-
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        return self.encode(self.render_chat(messages))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def token_pieces(self, ids: Sequence[int]) -> list[str]:
-        """One display string per token whose concatenation is ``decode(ids)``, in linear time.
-
-        Per-token decode shows U+FFFD for split multi-byte characters, and some decoders
-        drop a leading space at the start of a text; so each token is decoded after a
-        short window of the tokens before it (incremental detokenization, as in serving
-        engines), and a token that ends inside a character gives "" while the next one
-        carries it. A character spans at most 4 tokens (4 bytes): after that the window
-        moves on regardless, so junk bytes cannot make the window grow (for such junk the
-        replacement characters may then differ from ``decode(ids)``'s).
-        """
-        ids = list(ids)
-        pieces: list[str] = []
-        context = done = 0  # ids[context:done] is decoded context; ids[done:i+1] awaits display
-        for i in range(len(ids)):
-            before = self.decode(ids[context:done])
-            text = self.decode(ids[context:i + 1])
-            if text.endswith("\ufffd") and i + 1 < len(ids) and i + 1 - done < 4:
-                pieces.append("")
-                continue
-            pieces.append(text[len(before):] if text.startswith(before) else text)
-            context, done = done, i + 1
-        return pieces
 
     # ---------------------------------------------------------------- running
     def new_request_kv(self, capacity: int) -> RequestKV:
@@ -309,7 +233,7 @@ class ModelRunner:
         """The scheduler's forward: every request's KV lives in ``pool``. ``segments[i]`` runs
         its ``ids`` after the ``past`` tokens it holds; their KV is written to the pool at
         ``slots[past:past + len(ids)]`` and attention reads the slots of every position (a
-        prefix shared by several requests once for all of them: ``engine.paged_attention``).
+        prefix shared by several requests once for all of them: ``engine.model.paged_attention``).
         Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``; with
         ``every_position`` (one segment only, for tests) the logits of every new token."""
         if not segments or any(not s.ids for s in segments):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compute_thread import in_fresh_thread
+from engine.model.compute_thread import in_fresh_thread
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def load_model(model: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "
     """Load tokenizer and model; raise ModelLoadError with a one-line reason on failure.
 
     Loads on a thread of its own that then exits, so the caller's thread keeps no OpenMP
-    pool (see ``engine.compute_thread``: the forwards run on the runner's compute thread)."""
+    pool (see ``engine.model.compute_thread``: the forwards run on the runner's compute thread)."""
     return in_fresh_thread(_load_model, model, device, dtype)
 
 

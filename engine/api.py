@@ -1,0 +1,122 @@
+"""The engine interface: what the dashboard, the HTTP server and the lab may call, and its contract.
+
+Owns: ``EngineAPI``, the one written interface over an engine, and ``Capabilities``, what an
+engine can do beyond it. Two engines implement all of it: ``engine.engine.Engine`` (the model
+and the radix cache in this process) and ``server.remote_engine.RemoteEngine`` (another server
+over HTTP, with a shadow tree of what this dashboard sent). Callers never test which one they
+hold: they ask ``engine.capabilities``. Knows nothing about either implementation, the UI or HTTP.
+
+Contract, for both implementations:
+
+- ``submit`` validates before anything touches a cache: bad input raises ``EngineError`` (a
+  message for a person), a full inbox ``EngineBusy``, a shut-down engine ``EngineFault``. The
+  handle it returns yields ``GenerationEvent``s; the last one has ``done`` and ``metrics``.
+  ``cancel()`` on the handle (or closing its iterator) ends the request; its KV stays consistent.
+- ``prompt_ids`` tokenizes and validates exactly as ``submit`` will (same errors, same ids), so
+  a caller that shows the tokens first may pass them on as ``prompt_ids`` (tokenized once).
+- ``snapshot(viewer)`` and ``stats(viewer)``: with isolation on and a ``viewer`` namespace,
+  only what that visitor may see (others' nodes as coarse shape, by ``engine.snapshot_view``);
+  otherwise everything. Neither changes the cache. ``version()`` is a cheap counter that changes
+  whenever what they return could have (bar the clock): panels compare it instead of building
+  stats to learn that nothing changed.
+- ``clear_cache(namespace)`` frees what nobody is reading (one namespace, or all); it never
+  breaks a running request. ``set_budget`` raises ``EngineError`` where
+  ``capabilities.settable_budget`` is False.
+- ``persist_cache()`` writes the cache to the second tier (0 where ``capabilities.second_tier``
+  is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
+- ``prefill_timer()`` is None where ``capabilities.prefill_timing`` is False; ``spawn`` raises
+  ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
+  ``capabilities.scheduler_steps`` is False.
+- ``attachment(name, make)``: state another layer keeps per engine (a shared tree snapshot,
+  a demo engine), made once by ``make`` and owned by the engine, so it lives and dies with it
+  (no module-level tables keyed by ``id(engine)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+from engine.radix_tree import CacheKey
+from engine.types import (
+    EngineInfo,
+    EngineStats,
+    GenerationEvent,
+    GenerationRequest,
+    RequestMetrics,
+    StepRecord,
+    TreeSnapshot,
+)
+
+if TYPE_CHECKING:
+    from engine.scheduler.request import RequestHandle
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond the common interface; panels read these, never the class."""
+
+    local_cache: bool  # the KV cache lives in this process: its bytes, budget and gauges are real
+    settable_budget: bool  # set_budget works (and a person may change the budget from the page)
+    prefill_timing: bool  # prefill_timer() times prefill with and without reuse, block by block
+    private_engines: bool  # spawn() gives a small engine of its own on the same model (request-order demo)
+    scheduler_steps: bool  # step_log() shows this process's forwards (the Scheduler tab)
+    remote: bool = False  # a client of another server (``info().backend`` names it)
+    second_tier: bool = False  # evicted KV goes to disk or host memory; persist_cache() writes it for a restart
+
+
+LOCAL = Capabilities(local_cache=True, settable_budget=True, prefill_timing=True, private_engines=True,
+                     scheduler_steps=True)
+REMOTE = Capabilities(local_cache=False, settable_budget=False, prefill_timing=False, private_engines=False,
+                      scheduler_steps=False, remote=True)
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """The interface every engine implements (see the module's docstring for the contract)."""
+
+    isolation: bool  # visitors are kept apart (namespaces; fair share; others' nodes coarse)
+    max_prompt_tokens: int
+    max_new_tokens_cap: int
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    # requests
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]: ...
+    def run(self, request: GenerationRequest) -> RequestMetrics: ...
+    def prompt_ids(self, request: GenerationRequest) -> list[int]: ...
+    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey: ...
+
+    # text (the model's tokenizer and chat template)
+    def encode(self, text: str) -> list[int]: ...
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def token_pieces(self, ids: Sequence[int]) -> list[str]: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
+
+    # state, as plain data
+    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]: ...
+    def stats(self, viewer: str | None = None) -> EngineStats: ...
+    def snapshot(self, viewer: str | None = None) -> TreeSnapshot: ...
+    def version(self) -> int: ...
+    def step_log(self, n: int | None = None) -> list[StepRecord]: ...
+    def info(self) -> EngineInfo: ...
+
+    # controls
+    def clear_cache(self, namespace: str | None = None) -> int: ...
+    def set_budget(self, budget_bytes: int) -> int: ...
+    def check_invariants(self) -> None: ...
+    def prefill_timer(self) -> Any: ...
+    def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI: ...
+    def configure_scheduler(self, **changes: Any) -> None: ...
+    def persist_cache(self) -> int: ...
+    def backend_metrics(self) -> dict[str, float]: ...
+    def attachment(self, name: str, make: Callable[[], T]) -> T: ...
