@@ -37,6 +37,7 @@ from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len,
 from components.timing_view import turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
 from engine.api import EngineAPI
+from engine.scheduler import BASELINE_MAX_TOKENS
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
 from engine.validation import flatten_content
 
@@ -49,8 +50,6 @@ __all__ = ["build_chat_panel", "build_request", "chat_messages", "clamp_int", "r
 LOOP_GUARD_NGRAM = 4
 LOOP_GUARD_PENALTY = 1.1
 LOOP_GUARD_LABEL = f"Loop guard: no repeated {LOOP_GUARD_NGRAM}-grams, repetition penalty {LOOP_GUARD_PENALTY}"
-# Above this many prompt tokens the no-reuse measurement (a second full prefill) is skipped.
-BASELINE_MAX_TOKENS = 2048
 IDLE_NUMBERS = "Send a message to see what the cache served."
 START_HINT = (
     "**Start here: click two of these questions, one after the other.** Each prompt starts with the long "
@@ -120,9 +119,9 @@ def system_text(preset_name, custom_text) -> str:
 
 
 def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[tuple[str, str, RequestMetrics | None]]:
-    """(text so far, status, final metrics or None) for each event of ``handle``, registered
-    so that Stop can cancel it; ends with the metrics, or a "stopped" status if it never ran."""
-    RUNNING.started(request, panel, handle)
+    """(text so far, status, final metrics or None) for each event of ``handle``; ends with the
+    metrics, or a "stopped" status if it never ran. The caller registers ``handle`` with
+    ``RUNNING`` right after submitting it (so Stop works while it waits); this unregisters it."""
     started = time.monotonic()
     text, got_metrics = "", False
     try:

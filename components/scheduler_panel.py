@@ -25,7 +25,7 @@ from components.format import fmt_tokens
 from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from engine.api import EngineAPI
-from engine.scheduler import visitor_of
+from engine.namespaces import owner_of
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 from engine.types import RequestMetrics, StepRecord
 
@@ -38,7 +38,7 @@ REMOTE_EMPTY = "Remote server: it schedules its own requests, so there are no fo
 def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -> bool:
     if rec.request_ids[i] in my_ids:
         return True
-    return namespace is not None and visitor_of(rec.namespaces[i]) == visitor_of(namespace)
+    return namespace is not None and owner_of(rec.namespaces[i]) == owner_of(namespace)
 
 
 def _exact(rec: StepRecord, namespace: str | None, my_ids: set[int]) -> bool:

@@ -50,7 +50,7 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
-    from engine.request import RequestHandle
+    from engine.scheduler.request import RequestHandle
 
 T = TypeVar("T")
 

@@ -4,8 +4,8 @@ Owns: validation of requests, the inbox (bounded: ``EngineBusy``), the one
 worker thread that drives the scheduler one step at a time under the runner's
 lock (engines sharing a runner take turns step by step), metrics and running
 totals. The scheduling itself (admission, batching, chunked prefill,
-fairness, memory) is ``engine/scheduler.py``; one running request is
-``engine/request.py``. Knows nothing about the UI.
+fairness, memory) is ``engine/scheduler/``; one running request is
+``engine/scheduler/request.py``. Knows nothing about the UI.
 
 One request, in token positions::
 
@@ -35,8 +35,8 @@ from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
 from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.radix_tree import CacheKey
-from engine.request import DONE, Request, RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.request import END_OF_STREAM, Request, RequestHandle, request_key
 from engine.snapshot_view import stats_for_viewer
 from engine.text.codec import TextCodec
 from engine.types import (
@@ -137,7 +137,7 @@ class FacadeBase:
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
         """The request's namespace is set by server code (the UI passes ``PUBLIC``
         unless isolation is on; the ordering lab uses one namespace per variant)."""
-        return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
+        return request_key(ids, request)
 
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._records_lock:
@@ -250,7 +250,7 @@ class Engine(FacadeBase):
         config = SchedulerConfig(max_batch=max(1, int(max_batch)),
                                  chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
                                  isolation=isolation)
-        self.scheduler = Scheduler(runner, self.cache, config, self._request_key, self._record)
+        self.scheduler = Scheduler(runner, self.cache, config)
         self._closed = self._stopping = False
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
@@ -275,7 +275,7 @@ class Engine(FacadeBase):
             self._next_id += 1
         handle = RequestHandle(request, ids, rid)
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
-        if self._queue.qsize() + len(self.scheduler.waiting) >= self.max_queue:
+        if self._waiting() >= self.max_queue:
             raise busy
         try:
             self._queue.put_nowait(handle)
@@ -297,7 +297,7 @@ class Engine(FacadeBase):
         with self._stats_lock:
             t = dict(self._totals)
         sched = self.scheduler
-        waiting = self._queue.qsize() + len(sched.waiting)
+        waiting = self._waiting()
         return EngineStats(**t, cache_bytes=self.cache.bytes_in_use, budget_bytes=self.cache.budget_bytes,
                            cached_tokens_now=self.cache.num_tokens, num_nodes=self.cache.num_nodes,
                            evicted_tokens=self.cache.evicted_tokens, queue_depth=waiting,
@@ -339,7 +339,12 @@ class Engine(FacadeBase):
         return self.scheduler.step_log(n)
 
     def _stats_for(self, viewer: str) -> EngineStats:
-        return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._queue.qsize())
+        return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._waiting())
+
+    def _waiting(self) -> int:
+        """Requests submitted and not admitted yet (the inbox and the scheduler's waiting list):
+        what ``queue_depth`` means everywhere."""
+        return self._queue.qsize() + len(self.scheduler.waiting)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -376,9 +381,6 @@ class Engine(FacadeBase):
     def check_invariants(self) -> None:
         self.cache.check_invariants()
 
-    def _request_key(self, ids: list[int], r: Request) -> CacheKey:
-        return self.cache_key(ids, r.req)
-
     # ---------------------------------------------------------------- worker
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker once the requests already submitted are done; later submits raise
@@ -400,11 +402,12 @@ class Engine(FacadeBase):
                     with self.runner.lock:  # engines sharing one runner take turns, step by step
                         self._take(pending)
                         pending = []
-                        self.runner.compute.call(self.scheduler.step)  # torch runs on one thread
+                        self._end(self.runner.compute.call(self.scheduler.step))  # torch runs on one thread
                         idle = not self.scheduler.has_work()
                 except Exception as exc:  # never kill the worker; fail what was running, report one line
                     log.exception("scheduler step failed")
                     self.scheduler.fail_all(exc)
+                    self._end(self.scheduler.take_finished())  # those that finished before it failed
                     idle = not self.scheduler.has_work()
                 if idle and self._stopping:
                     return
@@ -426,7 +429,7 @@ class Engine(FacadeBase):
                 self._stopping = True
                 continue
             if handle.cancelled.is_set():
-                handle.events.put(DONE)
+                handle.events.put(END_OF_STREAM)
                 continue
             req, ids = handle.request, handle.ids
             max_new = max(0, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap,
@@ -479,6 +482,11 @@ class Engine(FacadeBase):
             self.cache.release(rs)
         prefill_ms = (time.perf_counter() - t0) * 1000
         return PrefillResult(logits, rs.cached_tokens, prefill_ms, inserted)
+
+    def _end(self, finished: list[Request]) -> None:
+        """Record the requests the scheduler finished and close their streams with the metrics."""
+        for r in finished:
+            r.end(self._record(r))
 
     def _record(self, r: Request) -> RequestMetrics:
         req, ids, out_ids = r.req, r.ids, r.out_ids

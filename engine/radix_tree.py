@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.namespaces import owner_of
+
 PUBLIC = ""
 
 
@@ -378,11 +380,6 @@ class RadixTree:
         assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
         assert locked == self.locked_tokens, f"locked_tokens {self.locked_tokens} != {locked}"
         assert shared == self.shared_tokens, f"shared_tokens {self.shared_tokens} != {shared}"
-
-
-def owner_of(namespace: str) -> str:
-    """Whose share a namespace counts against: a visitor's sub-namespaces (``<ns>/lab-1``) are theirs."""
-    return namespace.split("/", 1)[0]
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0, limit: int | None = None) -> int:

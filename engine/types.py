@@ -207,7 +207,7 @@ class EngineStats:
     cached_tokens_now: int
     num_nodes: int
     evicted_tokens: int
-    queue_depth: int
+    queue_depth: int  # requests submitted to this process and not started yet (0 remotely: sent at once)
     locked_tokens: int = 0  # cached tokens pinned by running requests right now
     running: int = 0  # requests admitted by the scheduler (prefill, decode or baseline)
     waiting: int = 0  # requests not admitted yet (same as queue_depth)

@@ -38,7 +38,7 @@ from engine import validation
 from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
 from engine.radix_tree import PUBLIC, CacheKey, RadixTree
-from engine.request import DONE, RequestHandle
+from engine.scheduler.request import END_OF_STREAM, RequestHandle
 from engine.snapshot_view import for_viewer, node_infos, stats_for_viewer, with_text
 from engine.text.codec import TextCodec
 from engine.types import (
@@ -118,7 +118,7 @@ class RemoteEngine(FacadeBase):
         finally:
             with self._lock:
                 self._in_flight -= 1
-            handle.events.put(DONE)
+            handle.events.put(END_OF_STREAM)
 
     def _salt(self, namespace: str) -> str | None:
         with self._lock:

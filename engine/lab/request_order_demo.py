@@ -4,7 +4,7 @@ Owns: running one queue of waiting requests through a dedicated small-budget
 engine that the app's engine spawns on its own model (``EngineAPI.spawn``; their
 steps take turns on the model), once per policy from an empty cache, and the
 per-policy results. Every number comes from the real engine, and the order
-comes from the real scheduler's admission code (``engine/scheduler.py``): the
+comes from the real scheduler's admission order (``engine/scheduler/policy.py``): the
 whole queue is submitted at once and the scheduler picks.
 
 - ``fcfs``: requests run in arrival order (the scheduler's first-come-first-served

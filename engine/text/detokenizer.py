@@ -1,7 +1,7 @@
 """The one incremental detokenizer: token ids in one at a time, the text they add out.
 
 Owns: turning a growing list of token ids into text in linear time, exactly as decoding
-them all at once would: the streamed answer (``engine.request``), one display piece per
+them all at once would: the streamed answer (``engine.scheduler.request``), one display piece per
 prompt token (``token_pieces``: the token view, the replay report's examples). Knows
 nothing about tokenizers beyond a ``decode(ids) -> str`` callable, nor about models or
 requests.

@@ -17,9 +17,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine.engine import Engine
-from engine.radix_tree import owner_of
-from engine.request import DONE, RequestHandle
-from engine.scheduler import visitor_of
+from engine.namespaces import owner_of
+from engine.scheduler.request import END_OF_STREAM, RequestHandle
 from engine.types import (
     EngineBusy,
     EngineError,
@@ -63,7 +62,7 @@ class ScriptedEngine:
         handle = RequestHandle(request, [1, 2, 3], 1)
         for item in self.script:
             handle.events.put(item)
-        handle.events.put(DONE)
+        handle.events.put(END_OF_STREAM)
         return handle
 
 
@@ -161,7 +160,7 @@ def test_range_errors_say_the_real_range_in_plain_digits(field, value, words):
 def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny_runner):
     scope = CacheScope(isolation=True)
     a, b = scope.namespace(None), scope.namespace(None)
-    assert a != b and owner_of(a) == owner_of(b) == visitor_of(a) == ANON_OWNER
+    assert a != b and owner_of(a) == owner_of(b) == ANON_OWNER
     assert not scope.store(None) and scope.store("team") and CacheScope(isolation=False).store(None)
     assert owner_of(scope.namespace("team")) != ANON_OWNER
 

@@ -185,7 +185,7 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
 def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
     """The streamed text (a short window decoded per token) is always a prefix of, and at the
     end equal to, decoding the whole answer, across multi-byte characters."""
-    from engine.request import Request, RequestHandle
+    from engine.scheduler.request import Request, RequestHandle
 
     text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
     ids = tiny_runner.text.encode(text)

@@ -1,6 +1,8 @@
 """One request inside the engine: its handle to the caller and its running state.
 
-Owns: the ``RequestHandle`` a caller iterates (events in, cancel out) and the
+Owns: the ``RequestHandle`` a caller iterates (events in, cancel out), the
+``END_OF_STREAM`` marker that closes its event queue, the request's ``CacheKey``
+(``request_key``: namespace and shareable length, set by server code) and the
 ``Request`` object the scheduler moves through its states (waiting -> prefill
 -> decode -> [baseline] -> done): token ids, the request's KV slots in the pool, the
 output so far and its text (detokenized incrementally), the seeded sampler,
@@ -21,9 +23,16 @@ import torch
 from engine.prefix_cache import RequestSlots
 from engine.radix_tree import CacheKey
 from engine.text.detokenizer import Detokenizer
-from engine.types import GenerationEvent, GenerationRequest
+from engine.types import GenerationEvent, GenerationRequest, RequestMetrics
 
-DONE = object()  # end-of-stream marker on a handle's event queue
+END_OF_STREAM = object()  # the last item on a handle's event queue
+
+
+def request_key(ids: Sequence[int], request: GenerationRequest) -> CacheKey:
+    """The cache key of ``ids`` for ``request``: its namespace, and the shareable (public)
+    length clamped to ``ids``. The namespace is set by server code (the UI passes
+    ``PUBLIC`` unless isolation is on; the ordering lab uses one namespace per variant)."""
+    return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
 
 class RequestHandle:
@@ -44,7 +53,7 @@ class RequestHandle:
         try:
             while True:
                 item = self.events.get()
-                if item is DONE:
+                if item is END_OF_STREAM:
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -124,8 +133,22 @@ class Request:
     def capacity_tokens(self) -> int:
         return len(self.ids) + self.max_new_tokens
 
+    def reply_key(self) -> CacheKey:
+        """The key of the prompt plus the reply whose KV is in the pool (for caching both)."""
+        assert self.slots is not None
+        return request_key(self.ids + self.out_ids[: self.slots.length - len(self.ids)], self.req)
+
     def emit(self, event: GenerationEvent | BaseException | object) -> None:
         self.handle.events.put(event)
+
+    def end(self, metrics: RequestMetrics | None = None) -> None:
+        """Close the stream: with ``metrics``, after the final ``done`` event that carries them
+        (a request that never ran or failed ends without one)."""
+        if metrics is not None:
+            n = len(self.ids)
+            self.emit(GenerationEvent(text=self.text, done=True, metrics=metrics, phase="done", prompt_tokens=n,
+                                      cached_tokens=self.cached_tokens, prefilled_tokens=n))
+        self.emit(END_OF_STREAM)
 
     # ------------------------------------------------------------ the answer
     def append_token(self, token_id: int, decode: Callable[[Sequence[int]], str]) -> str:

@@ -1,0 +1,101 @@
+"""One forward's rows, how a step packs them, and running the forward.
+
+Owns: ``Batch`` (prefill chunks, then one decode token per decoding request, or one
+no-reuse baseline chunk), the packing of a step's model work (chunked prefill: at most
+``chunk_tokens`` prompt tokens per step, prompts with fewer chunks done first so a
+short newcomer is not stuck behind a long prompt, packed with every request in
+decode; a request measuring the no-reuse baseline prefills in forwards of its own, so
+its with-reuse figure is its own work only) and ``forward``: the rows as paged segments
+through the ``ModelRunner``, timed. Knows nothing about what the logits become
+(``postprocess``) or who was admitted (``admission``)::
+
+    prompt ids:  [0 ....... cached) [cached .. start) [start .. start+n) ...
+                  the tree's slots   earlier chunks    this step's chunk
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_pool import KVPool
+from engine.model.paged_attention import PagedSegment
+from engine.model.runner import ModelRunner
+from engine.prefix_cache import RequestSlots
+from engine.scheduler.request import Request, State
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request: Request
+    start: int  # first prompt position computed
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The rows of one forward: ``chunks`` first (prompt chunks, or for ``kind`` "baseline"
+    one chunk of a no-reuse prefill into its own slots), then ``decoding``."""
+
+    kind: str  # "prefill", "decode", "mixed" or "baseline"
+    chunks: tuple[Chunk, ...] = ()
+    decoding: tuple[Request, ...] = ()
+
+    @property
+    def rows(self) -> list[Request]:
+        return [c.request for c in self.chunks] + list(self.decoding)
+
+    def slots_of(self, r: Request) -> RequestSlots:
+        rs = r.baseline_slots if self.kind == "baseline" else r.slots
+        assert rs is not None
+        return rs
+
+    def segments(self) -> list[PagedSegment]:
+        segs = []
+        for c in self.chunks:
+            rs = self.slots_of(c.request)
+            segs.append(PagedSegment(c.request.ids[c.start:c.start + c.num_tokens], c.start, rs.slots, rs.runs()))
+        for r in self.decoding:
+            rs = self.slots_of(r)
+            segs.append(PagedSegment([r.out_ids[-1]], rs.length, rs.slots, rs.runs()))
+        return segs
+
+
+@dataclass(frozen=True)
+class Output:
+    logits: torch.Tensor | None  # a row per segment; None when the forward failed
+    duration_ms: float = 0.0
+    error: BaseException | None = None
+
+
+def pack(running: list[Request], budget: int) -> tuple[list[Batch], int]:
+    """This step's prefill and decode forwards (the lone prefills of requests that measure the
+    no-reuse baseline first, then the packed one) and what is left of the token ``budget``."""
+    own, packed = [], []
+    for r in sorted((r for r in running if r.state is State.PREFILL), key=lambda r: (r.prefill_chunks, r.seq)):
+        if budget <= 0:
+            break
+        start = r.prefilled
+        n = min(len(r.ids) - start, budget)
+        budget -= n
+        (own if r.req.measure_baseline else packed).append(Chunk(r, start, n))
+    decoding = tuple(r for r in running if r.state is State.DECODE)
+    batches = [Batch("prefill", (c,)) for c in own]
+    if packed or decoding:
+        kind = "decode" if not packed else "prefill" if not decoding else "mixed"
+        batches.append(Batch(kind, tuple(packed), decoding))
+    return batches, budget
+
+
+def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
+    """Run ``batch`` through the model; a failure comes back as ``Output.error`` (its rows fail)."""
+    segments = batch.segments()
+    try:
+        t0 = time.perf_counter()
+        logits = runner.forward_paged(pool, segments)
+        runner.synchronize()
+        return Output(logits, (time.perf_counter() - t0) * 1000)
+    except Exception as exc:
+        return Output(None, error=exc)
