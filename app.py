@@ -134,7 +134,7 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
     and model name once (``EngineError`` with one clear message when any is wrong)."""
     from engine.model.loader import load_tokenizer
-    from server.remote_engine import RemoteEngine
+    from server.remote.engine import RemoteEngine
 
     if tokenizer is None:
         tokenizer = load_tokenizer(args.model)

@@ -36,8 +36,7 @@ from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
 from components.timing_view import turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
-from engine.api import EngineAPI
-from engine.scheduler import BASELINE_MAX_TOKENS
+from engine.api import BASELINE_MAX_TOKENS, EngineAPI
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
 from engine.validation import flatten_content
 

@@ -132,7 +132,7 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
         notes.append(baseline_skipped)
     elif m.baseline_prefill_ms is None and m.finish_reason != "cancelled":
         notes.append("No-reuse measurement off: tick “Measure prefill without reuse” to compare.")
-    if getattr(m, "cached_tokens_reported", None) is not None:  # remote mode (server.remote_engine)
+    if getattr(m, "cached_tokens_reported", None) is not None:  # remote mode (server.remote.engine)
         notes.append("Remote server: prefill times are times to first token measured here; without reuse = the "
                      "same prompt under a fresh cache salt.")
         if not m.cached_tokens_reported:

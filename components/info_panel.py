@@ -32,7 +32,7 @@ def info_markdown(engine: EngineAPI) -> str:
     i, s = engine.info(), engine.stats()
     bpt = i.kv_bytes_per_token
     backend = i.backend
-    if engine.capabilities.remote:  # remote mode (server.remote_engine)
+    if engine.capabilities.remote:  # remote mode (server.remote.engine)
         return "\n".join([
             "| engine (remote) | |", "|---|---|",
             f"| server | **{backend}** |",

@@ -1,7 +1,7 @@
 """The "Your traffic" tab: paste a JSONL prompt log, get the simulated replay report inline.
 
 Owns the tab's layout, its size limits and its one handler. The work is the
-command line's ``--simulate`` (``engine.tools.simulate.simulate_lines``) on the
+command line's ``--simulate`` (``engine.replay.simulate.simulate_lines``) on the
 app's tokenizer, with a radix tree built for this one call: a visitor's log
 touches no shared cache, is kept nowhere after the reply, and no file is
 uploaded (the text box is the only input). The figures and HTML pieces are the
@@ -26,11 +26,10 @@ from components.replay_report import (
     templates_html,
 )
 from engine.api import EngineAPI
-from engine.tools.log_formats import LogLineError
-from engine.tools.replay import parse_ttl
-from engine.tools.replay_stats import ReplayReport
-from engine.tools.simulate import ModelGeometry, simulate_lines
-from engine.tools.synthetic_log import generate
+from engine.replay.log_formats import LogLineError, parse_ttl
+from engine.replay.replay_stats import ReplayReport
+from engine.replay.simulate import ModelGeometry, simulate_lines
+from engine.replay.synthetic_log import generate
 from engine.types import EngineError
 
 MAX_CHARS = 200_000
@@ -42,7 +41,7 @@ INTRO = (
     "Batch API lines or ShareGPT `{\"conversations\": [...]}`, with an optional `timestamp`. The log is **simulated** "
     "here with this model's tokenizer and a radix tree built for you alone (no model runs, so no timings), and "
     f"is kept nowhere. Up to {MAX_LINES} lines and {MAX_CHARS // 1000} KB; for more, run "
-    "`python -m engine.tools.replay LOG --simulate --report report.html` on your machine."
+    "`python -m tools.replay LOG --simulate --report report.html` on your machine."
 )
 
 

@@ -1,7 +1,7 @@
 """The replay report, drawn: a ``ReplayReport`` in, plotly figures and HTML pieces out.
 
 Owns the look of the replay report, for both of its readers: the command line
-(``python -m engine.tools.replay --report``, one self-contained HTML file with
+(``python -m tools.replay --report``, one self-contained HTML file with
 plotly.js inlined, which opens offline) and the "Your traffic" tab (the same
 figures as ``gr.Plot``, the same pieces as HTML). Reuses the tree view's icicle
 (``components.tree_figures``) and the lab's granularity chart. Every piece of
@@ -24,7 +24,7 @@ from components.common import TOKEN_COLORS
 from components.lab.figures import empty_figure, granularity_figure
 from components.tree_figures import tree_figure
 from engine.lab.granularity import GranularityResult
-from engine.tools.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
+from engine.replay.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
 
 CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
 EXPECTED_COLOR = "#94a3b8"

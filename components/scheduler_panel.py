@@ -9,7 +9,7 @@ isolation mode these are the requests of the viewer's namespace; on a shared
 the viewer's last answer. Beside it: requests running and waiting, the decode
 batch size, output tokens per second. Knows only the engine's plain data.
 
-In isolation mode other visitors' sizes follow the tree's rule (``engine.prefix_cache``):
+In isolation mode other visitors' sizes follow the tree's rule (``engine.kvcache.prefix_cache``):
 every token figure that includes another visitor's tokens (a forward they took part in, the
 totals over the shown forwards, the KV held by running requests) shows only the
 ``HIDDEN_BUCKET_TOKENS`` bucket it fits in, so the timeline is no hit or prompt-length

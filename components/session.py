@@ -22,7 +22,7 @@ import threading
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
 from engine.api import EngineAPI
-from engine.radix_tree import PUBLIC
+from engine.types import PUBLIC
 
 _SALT = secrets.token_bytes(16)  # per server process, never sent to a client
 

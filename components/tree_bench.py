@@ -24,9 +24,9 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from engine.radix_tree import PUBLIC, CacheKey, RadixTree
+from engine.kvcache.radix_tree import RadixTree
 from engine.snapshot_view import may_see, node_infos, with_text
-from engine.types import RequestMetrics, TreeSnapshot
+from engine.types import PUBLIC, CacheKey, RequestMetrics, TreeSnapshot
 
 HEADER = (1, 9690, 198)  # "<|im_start|>system\n": every system prompt starts with it
 BYTES_PER_TOKEN = 46_080  # the embedded model's KV per token in fp32

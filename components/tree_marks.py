@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.radix_tree import common_prefix_len
+from engine.kvcache.radix_tree import common_prefix_len
 from engine.types import NodeInfo, RequestMetrics, TreeSnapshot
 
 REUSED, COMPUTED = "reused", "computed"

@@ -16,8 +16,7 @@ import time
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
 from components.format import fmt_ms, plural
 from components.session import public_len
-from engine.radix_tree import PUBLIC, CacheKey
-from engine.types import EngineError, GenerationRequest
+from engine.types import PUBLIC, CacheKey, EngineError, GenerationRequest
 
 log = logging.getLogger(__name__)
 

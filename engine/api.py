@@ -2,7 +2,7 @@
 
 Owns: ``EngineAPI``, the one written interface over an engine, and ``Capabilities``, what an
 engine can do beyond it. Two engines implement all of it: ``engine.engine.Engine`` (the model
-and the radix cache in this process) and ``server.remote_engine.RemoteEngine`` (another server
+and the radix cache in this process) and ``server.remote.engine.RemoteEngine`` (another server
 over HTTP, with a shadow tree of what this dashboard sent). Callers never test which one they
 hold: they ask ``engine.capabilities``. Knows nothing about either implementation, the UI or HTTP.
 
@@ -36,10 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from engine.radix_tree import CacheKey
+from engine.handle import RequestHandle
+from engine.scheduler.config import BASELINE_MAX_TOKENS  # noqa: F401  (the no-reuse timing cutoff the page states)
 from engine.types import (
+    CacheKey,
     EngineInfo,
     EngineStats,
     GenerationEvent,
@@ -48,9 +50,6 @@ from engine.types import (
     StepRecord,
     TreeSnapshot,
 )
-
-if TYPE_CHECKING:
-    from engine.scheduler.request import RequestHandle
 
 T = TypeVar("T")
 

@@ -28,18 +28,20 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from engine import kv_tier, validation
+from engine import validation
 from engine.api import LOCAL, Capabilities, EngineAPI
-from engine.kv_pool import KVPool
+from engine.handle import END_OF_STREAM, RequestHandle, request_key
+from engine.kvcache import kv_tier
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
-from engine.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
-from engine.radix_tree import CacheKey
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler.request import END_OF_STREAM, Request, RequestHandle, request_key
+from engine.scheduler.request import Request
 from engine.snapshot_view import stats_for_viewer
 from engine.text.codec import TextCodec
 from engine.types import (
+    CacheKey,
     EngineBusy,
     EngineError,
     EngineFault,
@@ -93,7 +95,7 @@ class PrefillResult(NamedTuple):
 
 
 class FacadeBase:
-    """What the local engine and ``server.remote_engine.RemoteEngine`` share: validating and
+    """What the local engine and ``server.remote.engine.RemoteEngine`` share: validating and
     tokenizing a request (``prompt_ids``), ``generate``/``run`` over ``submit``, and the
     text side for the UI and the lab (tokenize, render, detokenize).
 
@@ -225,7 +227,7 @@ class Engine(FacadeBase):
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
                  chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None) -> None:
-        """``tier_bytes`` > 0 turns on the second tier (``engine.kv_tier``): evicted KV goes to
+        """``tier_bytes`` > 0 turns on the second tier (``engine.kvcache.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
         ``tier_dir`` is None and the model runs on a GPU."""
         self.runner = runner

@@ -37,8 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.radix_tree import CacheKey
-from engine.types import EngineError
+from engine.types import CacheKey, EngineError
 
 __all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
            "WarmPrefix", "default_policy", "timer_for"]

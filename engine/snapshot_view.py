@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from engine.radix_tree import PUBLIC, Node, RadixTree
-from engine.types import EngineStats, NodeInfo, RequestMetrics, TreeSnapshot
+from engine.kvcache.radix_tree import Node, RadixTree
+from engine.types import PUBLIC, EngineStats, NodeInfo, RequestMetrics, TreeSnapshot
 
 HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
 HIDDEN_SPILLED_BASE = -(1 << 50)  # ids of hidden "others" nodes of the second tier (below every other id)

@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import secrets
 
-from engine.radix_tree import PUBLIC
+from engine.types import PUBLIC
 
 MAX_SALT_CHARS = 256
 ANON_OWNER = "api-anon"  # the one owner of every unsalted request's namespace when isolating

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.radix_tree import CacheKey, RadixTree
+from engine.kvcache.radix_tree import RadixTree
+from engine.types import CacheKey
 
 DEFAULT_BLOCK_SIZES = (1, 16, 64)
 

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from engine.radix_tree import common_prefix_len
+from engine.kvcache.radix_tree import common_prefix_len
 
 VALUE_MAX_TOKENS = 24  # a "value" that differs is at most this long ...
 RESYNC_MIN_TOKENS = 12  # ... and is followed by at least this many identical tokens

@@ -121,7 +121,7 @@ class PagedPlan:
     pack order and the runner puts them back."""
 
     def __init__(self, segments: Sequence[PagedSegment], device: torch.device) -> None:
-        from engine.kv_pool import contiguous_runs
+        from engine.kvcache.kv_pool import contiguous_runs
 
         self.device = device
         heads = []  # (first slot of the shared run, its usable length) per segment

@@ -31,12 +31,12 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.model.compute_thread import ComputeThread
 from engine.model.loader import LoadedModel
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
-from engine.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.text.codec import TextCodec
 from engine.types import EngineError
 

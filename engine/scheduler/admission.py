@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from engine.prefix_cache import PrefixCache
-from engine.radix_tree import common_prefix_len
+from engine.kvcache.prefix_cache import PrefixCache
+from engine.kvcache.radix_tree import common_prefix_len
 from engine.scheduler import policy
 from engine.scheduler.request import Request, State
 from engine.scheduler.state import SchedulerState

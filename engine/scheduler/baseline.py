@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.prefix_cache import PrefixCache
-from engine.radix_tree import CacheKey
+from engine.kvcache.prefix_cache import PrefixCache
 from engine.scheduler.batch import Batch, Chunk
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request, State
-from engine.types import GenerationEvent
+from engine.types import CacheKey, GenerationEvent
 
 
 def wanted(r: Request, config: SchedulerConfig) -> bool:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.prefix_cache import RequestSlots
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
-from engine.prefix_cache import RequestSlots
 from engine.scheduler.request import Request, State
 
 

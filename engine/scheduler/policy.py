@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
+from engine.kvcache.prefix_cache import PrefixCache
 from engine.namespaces import owner_of
-from engine.prefix_cache import PrefixCache
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request
 

@@ -16,12 +16,13 @@ import time
 
 import torch
 
+from engine.handle import END_OF_STREAM
+from engine.kvcache.prefix_cache import PrefixCache
 from engine.model import sampling
 from engine.model.runner import ModelRunner
-from engine.prefix_cache import PrefixCache
 from engine.scheduler import baseline
 from engine.scheduler.batch import Batch, Output
-from engine.scheduler.request import END_OF_STREAM, Request, State
+from engine.scheduler.request import Request, State
 from engine.scheduler.state import SchedulerState
 from engine.scheduler.telemetry import Telemetry
 from engine.types import EngineError, EngineFault, GenerationEvent

@@ -1,9 +1,6 @@
 """One request inside the engine: its handle to the caller and its running state.
 
-Owns: the ``RequestHandle`` a caller iterates (events in, cancel out), the
-``END_OF_STREAM`` marker that closes its event queue, the request's ``CacheKey``
-(``request_key``: namespace and shareable length, set by server code) and the
-``Request`` object the scheduler moves through its states (waiting -> prefill
+Owns: the ``Request`` object the scheduler moves through its states (waiting -> prefill
 -> decode -> [baseline] -> done): token ids, the request's KV slots in the pool, the
 output so far and its text (detokenized incrementally), the seeded sampler,
 timings and counters for the metrics. Knows nothing about the model or the
@@ -12,54 +9,16 @@ cache: the scheduler does the work and writes the results here.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import torch
 
-from engine.prefix_cache import RequestSlots
-from engine.radix_tree import CacheKey
+from engine.handle import END_OF_STREAM, RequestHandle, request_key
+from engine.kvcache.prefix_cache import RequestSlots
 from engine.text.detokenizer import Detokenizer
-from engine.types import GenerationEvent, GenerationRequest, RequestMetrics
-
-END_OF_STREAM = object()  # the last item on a handle's event queue
-
-
-def request_key(ids: Sequence[int], request: GenerationRequest) -> CacheKey:
-    """The cache key of ``ids`` for ``request``: its namespace, and the shareable (public)
-    length clamped to ``ids``. The namespace is set by server code (the UI passes
-    ``PUBLIC`` unless isolation is on; the ordering lab uses one namespace per variant)."""
-    return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
-
-
-class RequestHandle:
-    """A submitted request: iterate it for events; ``cancel()`` stops it at the next step."""
-
-    def __init__(self, request: GenerationRequest, ids: list[int] | None = None, request_id: int = 0) -> None:
-        self.request = request
-        self.ids = ids
-        self.request_id = request_id
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
-        self.submitted_at = time.perf_counter()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def __iter__(self) -> Iterator[GenerationEvent]:
-        try:
-            while True:
-                item = self.events.get()
-                if item is END_OF_STREAM:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel()  # a consumer that stops listening stops the work
+from engine.types import CacheKey, GenerationEvent, GenerationRequest, RequestMetrics
 
 
 class State(Enum):

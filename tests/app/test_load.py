@@ -1,12 +1,12 @@
-"""A short run of the load script (scripts/load_test.py) on the real model: concurrent
+"""A short run of the load script (tools/load_test.py) on the real model: concurrent
 gradio_client visitors, no errors, answers identical to lone runs, budget never exceeded,
-no lock left once idle. The full 16-visitor, 2-minute run is `python scripts/load_test.py`."""
+no lock left once idle. The full 16-visitor, 2-minute run is `python tools/load_test.py`."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.load_test import format_report, run_load
+from tools.load_test import format_report, run_load
 
 
 @pytest.mark.slow

@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from engine.engine import Engine
-from engine.radix_tree import PUBLIC
-from engine.types import EngineBusy, GenerationRequest, SamplingParams
+from engine.types import PUBLIC, EngineBusy, GenerationRequest, SamplingParams
 from server.cache_scope import CacheScope
 from server.openai_protocol import StopMatcher
 from tests.helpers_app import assert_clean, launched_app, wait_idle

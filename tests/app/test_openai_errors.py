@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine.engine import Engine
+from engine.handle import END_OF_STREAM, RequestHandle
 from engine.namespaces import owner_of
-from engine.scheduler.request import END_OF_STREAM, RequestHandle
 from engine.types import (
     EngineBusy,
     EngineError,

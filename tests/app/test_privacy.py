@@ -18,9 +18,8 @@ from components.chat_panel import build_request, chat_messages
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
 from components.session import public_len, sub_namespace, visitor_namespace
 from engine.engine import Engine
-from engine.radix_tree import PUBLIC
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import PUBLIC, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor
 
 SECRET = "My bank PIN is 4921 and my password is tangerine-falcon."

@@ -18,10 +18,9 @@ import pytest
 
 import app
 from engine.engine import Engine
-from engine.radix_tree import CacheKey
-from engine.types import EngineError, GenerationRequest, SamplingParams
-from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
-from server.remote_engine import RemoteEngine
+from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
+from server.remote.engine import RemoteEngine
+from server.remote.usage import BackendUsage, error_message, parse_choice, parse_usage
 from tests.helpers_app import assert_clean, free_port, launched_app, shown_logs, visitor, wait_idle
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -60,7 +59,7 @@ def test_sglang_native_meta_info_and_openai_cache_report():
 
 
 def test_llamacpp_recorded_exchange():
-    """A real llama-server (scripts/llamacpp.py record): usage carries cached_tokens and timings.cache_n."""
+    """A real llama-server (tools/llamacpp.py record): usage carries cached_tokens and timings.cache_n."""
     chat = fixture("llamacpp_chat.json")
     assert parse_usage(chat) == BackendUsage(48, 24, 0)  # the first turn: nothing cached yet
     assert chat["timings"]["cache_n"] == 0 and parse_choice(chat).text.startswith("A radix tree")
@@ -82,7 +81,7 @@ def test_llamacpp_recorded_exchange():
 
 
 def test_remote_mode_reads_a_recorded_llamacpp_stream(tokenizer):
-    from scripts.llamacpp import SYSTEM as RECORDED_SYSTEM
+    from tools.llamacpp import SYSTEM as RECORDED_SYSTEM
 
     asked = ({"role": "system", "content": RECORDED_SYSTEM}, {"role": "user", "content": "What is a radix tree?"})
     with scripted_backend((FIXTURES / "llamacpp_completions_stream.txt").read_bytes(), finish=True) as url:

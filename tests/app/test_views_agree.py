@@ -10,10 +10,9 @@ import dataclasses
 import pytest
 
 from engine.engine import Engine
-from engine.radix_tree import PUBLIC
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
-from engine.types import GenerationRequest, SamplingParams, TreeSnapshot
-from server.remote_engine import RemoteEngine
+from engine.types import PUBLIC, GenerationRequest, SamplingParams, TreeSnapshot
+from server.remote.engine import RemoteEngine
 from tests.app.test_remote import FIXTURES, scripted_backend
 from tests.helpers_app import wait_idle
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.radix_tree import CacheKey
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import CacheKey, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, wait_idle
 
 
@@ -185,7 +184,8 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
 def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
     """The streamed text (a short window decoded per token) is always a prefix of, and at the
     end equal to, decoding the whole answer, across multi-byte characters."""
-    from engine.scheduler.request import Request, RequestHandle
+    from engine.handle import RequestHandle
+    from engine.scheduler.request import Request
 
     text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
     ids = tiny_runner.text.encode(text)

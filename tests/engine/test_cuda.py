@@ -1,6 +1,6 @@
 """The same engine on CUDA in bf16: the pool, attention over it (float32 math path there) and the
 scheduler, exact against the same requests with no cache. Skipped without a GPU;
-``scripts/gpu_check.sh`` runs these with the benches on the day a device is there."""
+``tools/gpu_check.sh`` runs these with the benches on the day a device is there."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
 from engine.model.paged_attention import PagedSegment
 from engine.types import GenerationRequest, SamplingParams
 

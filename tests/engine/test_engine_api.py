@@ -12,7 +12,7 @@ import pytest
 from engine.api import LOCAL, REMOTE, EngineAPI
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
-from server.remote_engine import RemoteEngine
+from server.remote.engine import RemoteEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = [n for n in dir(EngineAPI) if not n.startswith("_")] + list(EngineAPI.__annotations__)

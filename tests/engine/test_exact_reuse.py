@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.prefix_cache import RadixCache
 from engine.model.paged_attention import PagedSegment
-from engine.prefix_cache import RadixCache
-from engine.radix_tree import CacheKey
+from engine.types import CacheKey
 
 
 def make_cache(runner, budget_tokens=4096):

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from engine.kv_pool import KVPool, contiguous_runs
+from engine.kvcache.kv_pool import KVPool, contiguous_runs
 
 
 def pool(slots: int = 100) -> KVPool:

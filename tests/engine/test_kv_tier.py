@@ -10,11 +10,10 @@ import threading
 import pytest
 import torch
 
-from engine import kv_tier
 from engine.engine import Engine
-from engine.kv_tier import CHUNK_TOKENS, DiskStore, HostStore
-from engine.radix_tree import CacheKey
-from engine.types import GenerationRequest, SamplingParams
+from engine.kvcache import kv_tier
+from engine.kvcache.kv_tier import CHUNK_TOKENS, DiskStore, HostStore
+from engine.types import CacheKey, GenerationRequest, SamplingParams
 from tests.engine.test_batching_exact import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
@@ -53,14 +52,14 @@ def test_corrupt_truncated_and_foreign_files_are_skipped_with_one_line(tmp_path,
     data = bytearray((tmp_path / ("a" * 40 + ".kv")).read_bytes())
     data[-5] ^= 0xFF  # one flipped byte in the payload
     (tmp_path / ("a" * 40 + ".kv")).write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tier"):
+    with caplog.at_level(logging.WARNING, logger="engine.kvcache.kv_tier"):
         assert store.get("a" * 40) is None
     assert "checksum" in caplog.text and "a" * 40 not in store
     path = tmp_path / ("b" * 40 + ".kv")
     path.write_bytes(path.read_bytes()[:-100])  # truncated
     (tmp_path / ("d" * 40 + ".kv")).write_bytes(b"not a chunk at all")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tier"):
+    with caplog.at_level(logging.WARNING, logger="engine.kvcache.kv_tier"):
         again = DiskStore(tmp_path, 10 * 2**20)
     assert "c" * 40 in again and "b" * 40 not in again and "d" * 40 not in again
     assert caplog.text.count("skipping") == 2

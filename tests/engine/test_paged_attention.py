@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pool import KVPool, contiguous_runs
+from engine.kvcache.kv_pool import KVPool, contiguous_runs
 from engine.model import paged_attention
 from engine.model.paged_attention import PagedPlan, PagedSegment, attend, attend_math
 

@@ -20,8 +20,7 @@ from engine.prefill_timing import (
     default_policy,
     timer_for,
 )
-from engine.radix_tree import PUBLIC, CacheKey
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 
 
 def rand_ids(seed: int, n: int, vocab: int) -> list[int]:

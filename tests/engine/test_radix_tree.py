@@ -7,7 +7,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.radix_tree import PUBLIC, CacheKey, RadixTree
+from engine.kvcache.radix_tree import RadixTree
+from engine.types import PUBLIC, CacheKey
 
 
 def key(ids, ns=PUBLIC, public_len=0):

@@ -104,7 +104,7 @@ def test_replay_cli_on_small_trace(tmp_path):
              {"messages": [{"role": "user", "content": "Hi!"}], "max_new_tokens": 3, "session": "s1"}]
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "engine.tools.replay", str(trace), "--baseline", "--budget-mb", "64"],
+    out = subprocess.run([sys.executable, "-m", "tools.replay", str(trace), "--baseline", "--budget-mb", "64"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(x) for x in out.stdout.splitlines()]
@@ -117,7 +117,7 @@ def test_replay_cli_on_small_trace(tmp_path):
     assert records[0]["baseline_prefill_ms"] is not None
     summary = records[-1]["summary"]
     assert summary["requests"] == 3 and summary["tokens_saved"] == 5 and summary["peak_cache_bytes"] > 0
-    off = subprocess.run([sys.executable, "-m", "engine.tools.replay", str(trace), "--no-cache"], cwd=ROOT, env=env,
+    off = subprocess.run([sys.executable, "-m", "tools.replay", str(trace), "--no-cache"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert off.returncode == 0, off.stderr[-2000:]
     off_records = [json.loads(x) for x in off.stdout.splitlines()]

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from engine.engine import Engine
-from engine.radix_tree import CacheKey
-from engine.types import EngineError, GenerationRequest, SamplingParams
+from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
 from tests.engine.test_batching_exact import rand_ids, req, together
 from tests.helpers_app import assert_clean, wait_idle
 

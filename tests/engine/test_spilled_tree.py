@@ -6,7 +6,7 @@ drops its chunks; with the tier off there is none (tiny random Llama)."""
 from __future__ import annotations
 
 from engine.engine import Engine
-from engine.kv_tier import CHUNK_TOKENS
+from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, HIDDEN_SPILLED_BASE, for_viewer
 from engine.types import NodeInfo, TreeSnapshot
 from tests.engine.test_batching_exact import rand_ids

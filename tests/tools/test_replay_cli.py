@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tools.replay import main, parse_ttl
-from engine.tools.synthetic_log import generate
+from engine.replay.synthetic_log import generate
+from tools.replay import main, parse_ttl
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -91,7 +91,7 @@ def test_strict_stops_at_the_first_bad_line_and_flags_are_checked(tmp_path, caps
 def test_ctrl_c_mid_run_still_writes_the_report(tmp_path):
     log = write_log(tmp_path / "big.jsonl", generate(4000, seed=1))
     report = tmp_path / "report.html"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.tools.replay", str(log), "--simulate", "--report",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.replay", str(log), "--simulate", "--report",
                              str(report)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     os.set_blocking(proc.stderr.fileno(), False)
     seen, deadline = b"", time.monotonic() + 120
@@ -153,9 +153,9 @@ def test_replay_honours_the_loop_guard(tiny_runner):
     """``--no-repeat-ngram`` / ``--repetition-penalty`` reach the engine: the replayed answer is the
     one a direct run with the same guard gives, and the guard changes the request's sampling."""
     from engine.engine import Engine
-    from engine.tools.log_formats import LogRecord
-    from engine.tools.replay import to_request
+    from engine.replay.log_formats import LogRecord
     from engine.types import GenerationRequest, SamplingParams
+    from tools.replay import to_request
 
     guard = SamplingParams(no_repeat_ngram_size=2, repetition_penalty=1.3)
     record = LogRecord(line=1, messages=None, prompt="one two three one two three one two", max_new_tokens=12)

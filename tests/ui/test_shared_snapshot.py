@@ -13,9 +13,8 @@ from components import live
 from components.live import shared_snapshot
 from components.tree_panel import snapshot_summary_for
 from engine.engine import Engine
-from engine.radix_tree import PUBLIC
 from engine.snapshot_view import for_viewer
-from engine.types import GenerationRequest, SamplingParams, TreeSnapshot
+from engine.types import PUBLIC, GenerationRequest, SamplingParams, TreeSnapshot
 
 SHARED = "You are the shop's assistant. Answer in one short sentence, politely and precisely. " * 2
 

@@ -21,8 +21,8 @@ from components.tree_bench import Traffic, traffic_snapshot
 from components.tree_figures import COLORBAR_PX, LABEL_WIDTH_PX, tree_figure
 from components.tree_marks import node_places, request_path, stable_layout, visual_tree
 from engine.engine import Engine
-from engine.radix_tree import CacheKey, RadixTree
-from engine.types import GenerationRequest, SamplingParams, TreeSnapshot
+from engine.kvcache.radix_tree import RadixTree
+from engine.types import CacheKey, GenerationRequest, SamplingParams, TreeSnapshot
 
 FOLLOW_UPS = ("And how long does that take?", "Can I pay by card?", "What if it arrives broken?",
               "Thanks. One more thing: do you ship abroad?", "Is there a warranty?")

@@ -9,7 +9,7 @@ import pytest
 
 from components.tree_figures import SPILLED_LINE, snapshot_summary, tree_figure
 from engine.engine import Engine
-from engine.kv_tier import CHUNK_TOKENS
+from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 
 

@@ -1,14 +1,14 @@
-"""A small run of the tree-stall script (scripts/tree_stall.py) on the tiny random Llama: the tree
+"""A small run of the tree-stall script (tools/tree_stall.py) on the tiny random Llama: the tree
 is filled by real prefills without eviction, each mode streams, the tab sessions tick and draw
 through the tree panel's own refresh, the API sessions call the endpoint, and the report's
 numbers are sane. No timing is asserted (the machine is noisy); the figures come from
-``python scripts/tree_stall.py`` on a quiet machine."""
+``python tools/tree_stall.py`` on a quiet machine."""
 
 from __future__ import annotations
 
 import math
 
-from scripts.tree_stall import MODES, build_engine, format_report, measure
+from tools.tree_stall import MODES, build_engine, format_report, measure
 
 
 def test_a_small_stall_run_reports_sane_numbers(tiny_runner):

@@ -12,7 +12,7 @@ PY=${PYTHON:-python}
 run() { echo "+ $*" | tee -a "$log"; timeout "$1" "${@:2}" 2>&1 | tee -a "$log"; }
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee -a "$log"
 run 180 "$PY" -m pytest -q -m cuda tests/engine/test_cuda.py
-run 180 "$PY" -m engine.tools.bench --device cuda --dtype bfloat16 --sizes 256,1024,4096,8000 --repeats 3
-run 150 "$PY" -m engine.tools.serve_bench --device cuda --dtype bfloat16 --streams 1,8,16 --engines one,batched,hf
-run 150 "$PY" -m engine.tools.serve_bench --device cuda --dtype bfloat16 --streams 16 --engines batched,hf --system-tokens 2300
+run 180 "$PY" -m tools.bench --device cuda --dtype bfloat16 --sizes 256,1024,4096,8000 --repeats 3
+run 150 "$PY" -m tools.serve_bench --device cuda --dtype bfloat16 --streams 1,8,16 --engines one,batched,hf
+run 150 "$PY" -m tools.serve_bench --device cuda --dtype bfloat16 --streams 16 --engines batched,hf --system-tokens 2300
 echo "done: $log"

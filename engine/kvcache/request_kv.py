@@ -1,6 +1,6 @@
 """Transformers ``Cache`` objects over the engine's KV: scratch buffers and the pool.
 
-The scheduler's requests keep their KV in the pool (``engine.kv_pool``): in a
+The scheduler's requests keep their KV in the pool (``engine.kvcache.kv_pool``): in a
 forward over it, ``PoolWriteCache`` writes each new token's key and value to
 its slot, and the attention (``engine.model.paged_attention``) reads the pool.
 

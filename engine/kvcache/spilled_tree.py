@@ -2,7 +2,7 @@
 
 Owns: ``SpilledTree``, a ``RadixTree`` (no KV) of the token paths whose chunks the cache
 spilled, and the map from a chunk's key to where it sits on those paths. Knows nothing
-about tensors or files (``engine.kv_tier`` keeps the bytes) and nothing about the pool:
+about tensors or files (``engine.kvcache.kv_tier`` keeps the bytes) and nothing about the pool:
 ``RadixCache`` tells it what it spilled and what the tier dropped, and asks it for the
 spilled nodes of a snapshot.
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.kv_tier import CHUNK_TOKENS
-from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
+from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.radix_tree import Node, RadixTree
 from engine.snapshot_view import node_info
-from engine.types import NodeInfo
+from engine.types import PUBLIC, CacheKey, NodeInfo
 
 SPILLED_IDS = 1 << 40  # snapshot ids of spilled nodes: this plus the spilled tree's node id (no clash)
 

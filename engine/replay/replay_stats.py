@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from engine.lab.cost_estimate import CostEstimate, PricingRules, estimate_cost
 from engine.lab.miss_explainer import explain_miss
 from engine.lab.template_lint import LintReport, TemplateError, lint_template
+from engine.replay.log_formats import LogRecord, SkippedLine
+from engine.replay.sim_cache import SimCache
+from engine.replay.template_infer import InferredTemplate, infer_template
 from engine.text.detokenizer import token_pieces
-from engine.tools.log_formats import LogRecord, SkippedLine
-from engine.tools.sim_cache import SimCache
-from engine.tools.template_infer import InferredTemplate, infer_template
 from engine.types import TreeSnapshot
 
 SHADOW_FACTOR = 4

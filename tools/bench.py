@@ -1,6 +1,6 @@
 """Benchmark: prefill with reuse through the engine vs full prefill vs the ideal path, per dtype.
 
-    python -m engine.tools.bench [--sizes 256,1024,2048,4096] [--suffix 32] [--repeats 3] [--model ID]
+    python -m tools.bench [--sizes 256,1024,2048,4096] [--suffix 32] [--repeats 3] [--model ID]
                                  [--dtypes float32,bfloat16]
 
 For each cached-prefix size, all in one process and interleaved per repeat:
@@ -37,9 +37,9 @@ import time
 import torch
 
 from engine.engine import Engine
-from engine.kv_tier import CHUNK_TOKENS
-from engine.radix_tree import CacheKey, RadixTree
-from engine.types import GenerationRequest, SamplingParams
+from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.radix_tree import RadixTree
+from engine.types import CacheKey, GenerationRequest, SamplingParams
 
 
 def _ideal_cache(prefix_kv):
@@ -207,7 +207,7 @@ def format_dtype_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256,1024,2048,4096", help="cached prefix sizes, comma-separated")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per size (median reported)")

@@ -8,7 +8,7 @@ model runs, so there are no timings. It keeps:
   tokenizer's batch call is where a simulation spends most of its time);
 - the engine's budget in tokens: budget bytes / KV bytes per token, read from the
   model's config without loading weights (``model_geometry``);
-- the engine's cache rules (``engine.tools.sim_cache.SimCache``), plus an optional TTL;
+- the engine's cache rules (``engine.replay.sim_cache.SimCache``), plus an optional TTL;
 - optionally the engine's second tier (``tier_bytes``, the engine's ``--disk-cache-mb``):
   evicted prefixes kept in whole 64-token chunks under that byte budget, loaded back
   by a later request instead of recomputed.
@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kv_tier import CHUNK_TOKENS
+from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.lab.cost_estimate import PricingRules
+from engine.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
+from engine.replay.replay_stats import ReplayReport, ReplayStats
+from engine.replay.sim_cache import ServeResult, SimCache, tree_snapshot
 from engine.text.codec import TextCodec
-from engine.tools.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
-from engine.tools.replay_stats import ReplayReport, ReplayStats
-from engine.tools.sim_cache import ServeResult, SimCache, tree_snapshot
 from engine.validation import valid_text
 
 

@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, SamplingParams
-from server.backend_usage import BackendUsage, error_message, parse_choice, parse_usage
+from server.remote.usage import BackendUsage, error_message, parse_choice, parse_usage
 
 # What a server's /metrics may say about its cache and queue (vLLM, SGLang, this app).
 BACKEND_METRICS = (

@@ -33,13 +33,13 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_pool import KVPool, contiguous_runs
-from engine.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
-from engine.radix_tree import PUBLIC, CacheKey, Node, RadixTree
-from engine.request_kv import RequestKV
+from engine.kvcache.kv_pool import KVPool, contiguous_runs
+from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
+from engine.kvcache.radix_tree import Node, RadixTree
+from engine.kvcache.request_kv import RequestKV
+from engine.kvcache.spilled_tree import SpilledTree
 from engine.snapshot_view import for_viewer, node_infos, with_text
-from engine.spilled_tree import SpilledTree
-from engine.types import EngineError, TreeSnapshot
+from engine.types import PUBLIC, CacheKey, EngineError, TreeSnapshot
 
 
 @dataclass(eq=False)
@@ -174,7 +174,7 @@ class RadixCache:
         self.tree = RadixTree()
         self.fair_share = fair_share
         self.tier, self.fingerprint = tier, fingerprint
-        self.spilled = SpilledTree()  # what the tier holds, for the tree view (``engine.spilled_tree``)
+        self.spilled = SpilledTree()  # what the tier holds, for the tree view (``engine.kvcache.spilled_tree``)
         if tier is not None:
             tier.on_drop = self.spilled.dropped
         self._lock = threading.RLock()
@@ -583,7 +583,7 @@ class RadixCache:
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
         """A read-only copy of the tree, with the second tier's nodes (``spilled``, see
-        ``engine.spilled_tree``) beside the pool's. With ``viewer`` set, what other visitors
+        ``engine.kvcache.spilled_tree``) beside the pool's. With ``viewer`` set, what other visitors
         cached shows only as ``engine.snapshot_view.for_viewer`` allows (coarse "others" nodes,
         no text, hits, locks or times on shared nodes, totals in buckets).
 

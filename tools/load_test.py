@@ -17,9 +17,9 @@ It prints requests served, p50/p95 time to first token (as the visitor saw it,
 queueing included, and inside the engine), hit rate and peak cache bytes, and
 exits non-zero if a check failed.
 
-    python scripts/load_test.py                 # 16 visitors, 120 s, real model
-    python scripts/load_test.py --seconds 20 --visitors 4
-    python scripts/load_test.py --visitors 8 --max-batch 1   # the one-at-a-time engine, to compare
+    python tools/load_test.py                 # 16 visitors, 120 s, real model
+    python tools/load_test.py --seconds 20 --visitors 4
+    python tools/load_test.py --visitors 8 --max-batch 1   # the one-at-a-time engine, to compare
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
 
 
 def _sampler(engine, stop: threading.Event, report: LoadReport) -> None:
-    from engine.tools.serve_bench import rss_bytes
+    from tools.serve_bench import rss_bytes
 
     last_check = 0.0
     while not stop.is_set():
@@ -273,7 +273,7 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
         log(f"app on {demo.local_url}; {visitors} visitors for {seconds:.0f} s, budget {budget_mb:g} MiB, "
             f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}, "
             f"batches of up to {engine.scheduler.config.max_batch}")
-        from engine.tools.serve_bench import rss_bytes
+        from tools.serve_bench import rss_bytes
 
         report.rss_start = report.rss_peak = rss_bytes()
         sampler.start()

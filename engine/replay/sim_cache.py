@@ -1,13 +1,13 @@
 """The simulated cache: the pure radix tree with the engine's rules, a budget in tokens, LRU and a TTL.
 
 A SIMULATION (no model, no KV, ``value`` entries are ``None``), used by the
-model-free replay (``engine.tools.simulate``) and by the replay's analysis
+model-free replay (``engine.replay.simulate``) and by the replay's analysis
 (shadow tree, block granularity). What it keeps of the engine: a request reuses
 its longest cached prefix, at least one prompt token is computed, then its
 tokens are inserted and least recently used leaves are evicted down to
 ``budget_tokens``. Optionally a time-to-live (hosted APIs keep a prefix 5
 minutes or 1 hour): an entry not touched within ``ttl_s`` of the log's clock
-expires. Optionally a second tier (``SimTier``, the engine's ``engine.kv_tier``
+expires. Optionally a second tier (``SimTier``, the engine's ``engine.kvcache.kv_tier``
 without bytes): what eviction drops goes there in whole ``CHUNK_TOKENS`` chunks
 and a later request loads it back instead of recomputing it (an expired entry is
 gone: the TTL models a provider that forgets).
@@ -25,10 +25,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-from engine.kv_tier import CHUNK_TOKENS
-from engine.radix_tree import PUBLIC, CacheKey, InsertResult, Node, RadixTree
+from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.radix_tree import InsertResult, Node, RadixTree
 from engine.snapshot_view import node_infos, with_text
-from engine.types import TreeSnapshot
+from engine.types import PUBLIC, CacheKey, TreeSnapshot
 
 
 # ------------------------------------------------------------------ the cache

@@ -46,29 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine.namespaces import owner_of
-
-PUBLIC = ""
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Token ids plus the namespace they are cached under (see module docstring)."""
-
-    ids: tuple[int, ...]
-    namespace: str = PUBLIC
-    public_len: int = 0
-
-    def ns_at(self, pos: int) -> str:
-        return PUBLIC if pos < self.public_len else self.namespace
-
-    def ns_end(self, pos: int) -> int:
-        """First position after ``pos`` whose namespace differs from ``ns_at(pos)``."""
-        if pos < self.public_len and self.namespace != PUBLIC:
-            return min(self.public_len, len(self.ids))
-        return len(self.ids)
-
-    def prefix(self, n: int) -> CacheKey:
-        return CacheKey(self.ids[:n], self.namespace, self.public_len)
+from engine.types import PUBLIC, CacheKey
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.tools.serve_bench import format_table, run_bench
+from tools.serve_bench import format_table, run_bench
 
 
 def test_serve_bench_smoke_on_tiny_model(tiny_runner):

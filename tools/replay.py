@@ -1,7 +1,7 @@
 """Replay a prompt log and see what prefix caching saves, and why it misses.
 
-    python -m engine.tools.replay LOG.jsonl --simulate --report report.html [--ttl 5m] [--budget-mb N] [--disk-cache-mb N]
-    python -m engine.tools.replay LOG.jsonl [--baseline] [--no-cache] [--report report.html]
+    python -m tools.replay LOG.jsonl --simulate --report report.html [--ttl 5m] [--budget-mb N] [--disk-cache-mb N]
+    python -m tools.replay LOG.jsonl [--baseline] [--no-cache] [--report report.html]
 
 Two speeds:
 
@@ -18,7 +18,7 @@ Two speeds:
 Log lines: ``{"messages": [...]}``, ``{"prompt": "..."}``, OpenAI Batch API lines
 (``{"custom_id", "body": {"messages": ...}}``) or ShareGPT
 (``{"conversations": [{"from", "value"}]}``), with optional ``timestamp``,
-``session``, ``max_new_tokens`` and ``response`` (see engine/tools/log_formats.py).
+``session``, ``max_new_tokens`` and ``response`` (see engine/replay/log_formats.py).
 A malformed line is reported with its number and skipped (``--strict`` stops).
 ``LOG.jsonl.gz`` is read compressed.
 stdout ends with ``{"summary": {...}}``; a progress bar goes to stderr. Ctrl-C
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import gzip
 import json
-import re
 import signal
 import sys
 import tempfile
@@ -42,8 +41,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.lab.cost_estimate import PricingRules
-from engine.tools.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
-from engine.tools.replay_stats import ReplayReport, ReplayStats, summary_text
+from engine.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, parse_ttl, read_log
+from engine.replay.replay_stats import ReplayReport, ReplayStats, summary_text
 from engine.types import EngineError, GenerationRequest, SamplingParams
 
 
@@ -149,14 +148,6 @@ def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, m
 
 
 # ------------------------------------------------------------------ command line
-def parse_ttl(text: str) -> float:
-    """``5m``, ``1h``, ``90s`` or plain seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
-    if m is None or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a time-to-live: write 5m, 1h, 90s or seconds")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
-
-
 def summary_json(report: ReplayReport, peak_cache_bytes: int | None = None, report_path: Path | None = None) -> dict:
     n = report.requests
     return {
@@ -203,7 +194,7 @@ def write_report(report: ReplayReport, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.replay", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("log", type=Path, help="JSONL file, one request per line (ShareGPT: one conversation)")
     p.add_argument("--simulate", action="store_true", help="tokenizer + radix tree only, no model (no timings)")
     p.add_argument("--report", type=Path, default=None, help="write a self-contained HTML report here")
@@ -276,7 +267,7 @@ class ModelError(RuntimeError):
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
     from engine.engine import default_budget_bytes
     from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
-    from engine.tools.simulate import model_geometry, simulate_lines
+    from engine.replay.simulate import model_geometry, simulate_lines
 
     try:
         tokenizer = load_tokenizer(args.model)

@@ -10,13 +10,13 @@ import json
 import pytest
 
 from engine.engine import Engine
-from engine.kv_tier import CHUNK_TOKENS
-from engine.tools.replay import main
-from engine.tools.sim_cache import SimCache
-from engine.tools.simulate import ModelGeometry, model_geometry, simulate_lines
+from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.replay.sim_cache import SimCache
+from engine.replay.simulate import ModelGeometry, model_geometry, simulate_lines
 from engine.types import GenerationRequest, SamplingParams
 from tests.engine.test_batching_exact import rand_ids
 from tests.helpers_app import assert_clean
+from tools.replay import main
 
 C = CHUNK_TOKENS
 VOCAB = 40_000
@@ -145,9 +145,9 @@ def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, 
     """Real-model mode hands the tier to the engine; each request's line says its tier tokens."""
     import io
 
-    from engine.tools.log_formats import LogRecord
-    from engine.tools.replay import replay_on_engine
-    from engine.tools.replay_stats import ReplayStats
+    from engine.replay.log_formats import LogRecord
+    from engine.replay.replay_stats import ReplayStats
+    from tools.replay import replay_on_engine
 
     bpt = tiny_runner.kv_bytes_per_token
     for tier_bytes in (0, 64 * 2**20):

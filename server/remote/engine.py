@@ -1,7 +1,7 @@
 """The dashboard in front of another server: the Engine facade over an OpenAI-compatible HTTP API.
 
 Owns: the facade's surface (submit/run, stats, recent, snapshot, info, text methods), one
-thread per request that streams it from the backend (``server.backend_client``: token ids
+thread per request that streams it from the backend (``server.remote.client``: token ids
 to ``/v1/completions``, time to first token measured here, cached tokens as the server
 reports them), the "without reuse" measurement (the same prompt again under a fresh random
 ``cache_salt`` and with ``cache_prompt: false``, which no server serves from its cache;
@@ -37,11 +37,13 @@ from dataclasses import dataclass
 from engine import validation
 from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
-from engine.radix_tree import PUBLIC, CacheKey, RadixTree
-from engine.scheduler.request import END_OF_STREAM, RequestHandle
+from engine.handle import END_OF_STREAM, RequestHandle
+from engine.kvcache.radix_tree import RadixTree
 from engine.snapshot_view import for_viewer, node_infos, stats_for_viewer, with_text
 from engine.text.codec import TextCodec
 from engine.types import (
+    PUBLIC,
+    CacheKey,
     EngineBusy,
     EngineError,
     EngineFault,
@@ -53,7 +55,7 @@ from engine.types import (
     StepRecord,
     TreeSnapshot,
 )
-from server.backend_client import BackendClient, StreamResult
+from server.remote.client import BackendClient, StreamResult
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.model import loader
-from engine.tools import bench
-from engine.tools.bench import bench_size, format_dtype_table, format_table
+from tools import bench
+from tools.bench import bench_size, format_dtype_table, format_table
 
 
 def test_bench_rows_on_tiny_model(tiny_runner):

@@ -25,10 +25,12 @@ Knows nothing about tokenizers, caches or the UI.
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -256,3 +258,11 @@ class LogOrder:
             self.late += 1
         self._last_out = max(self._last_out, key)
         return record
+
+
+def parse_ttl(text: str) -> float:
+    """``5m``, ``1h``, ``90s`` or plain seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time-to-live: write 5m, 1h, 90s or seconds")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
