@@ -15,13 +15,12 @@ Privacy rules in isolation mode (on by default on Spaces):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 import threading
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
 from engine.api import EngineAPI
+from engine.namespaces import secret_name
 from engine.types import PUBLIC
 
 _SALT = secrets.token_bytes(16)  # per server process, never sent to a client
@@ -35,7 +34,7 @@ def visitor_namespace(request, engine: EngineAPI | None = None) -> str:
     session = getattr(request, "session_hash", None) if request is not None else None
     if not session:  # nothing to tell this caller apart by: share nothing with anyone
         return "v-anon-" + secrets.token_hex(6)
-    return "v-" + hmac.new(_SALT, str(session).encode(), hashlib.sha256).hexdigest()[:12]
+    return secret_name("v-", _SALT, str(session), 12)
 
 
 def sub_namespace(request, engine: EngineAPI | None, name: str) -> str:

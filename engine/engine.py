@@ -434,8 +434,9 @@ class Engine(FacadeBase):
                 handle.events.put(END_OF_STREAM)
                 continue
             req, ids = handle.request, handle.ids
-            max_new = max(0, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap,
-                                 self.runner.max_context - len(ids), self.cache.pool.capacity - len(ids)))
+            max_new = validation.new_token_limit(req.sampling.max_new_tokens, self.max_new_tokens_cap,
+                                                 self.runner.max_context - len(ids),
+                                                 self.cache.pool.capacity - len(ids))
             self._seq += 1
             self.scheduler.add(Request(handle, self.cache_key(ids, req), max_new, self._seq))
 

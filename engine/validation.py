@@ -158,3 +158,10 @@ def valid_text(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def new_token_limit(requested: int, cap: int, *room: int) -> int:
+    """The one clamp of a request's new tokens: what it asked for, at most the server's ``cap``
+    and every ``room`` given (context left after the prompt, pool slots left), never below 0.
+    Input checks (``check_sampling``, the API's 400s, the page's slider) only reject or parse."""
+    return max(0, min(int(requested), int(cap), *(int(r) for r in room)))

@@ -16,10 +16,9 @@ client's namespace, only repeat its own salt. Knows nothing about HTTP or the mo
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 
+from engine.namespaces import secret_name
 from engine.types import PUBLIC
 
 MAX_SALT_CHARS = 256
@@ -35,8 +34,7 @@ class CacheScope:
 
     def namespace(self, cache_salt: str | None) -> str:
         if cache_salt is not None:
-            digest = hmac.new(self._secret, cache_salt.encode("utf-8", "surrogatepass"), hashlib.sha256)
-            return "salt-" + digest.hexdigest()[:16]
+            return secret_name("salt-", self._secret, cache_salt, 16)
         if not self.isolation:
             return PUBLIC
         return f"{ANON_OWNER}/{secrets.token_hex(8)}"

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.measure import percentile, rss_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -118,13 +120,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def _flat(content) -> str:
     if isinstance(content, str):
         return content
@@ -180,7 +175,6 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
 
 
 def _sampler(engine, stop: threading.Event, report: LoadReport) -> None:
-    from tools.serve_bench import rss_bytes
 
     last_check = 0.0
     while not stop.is_set():
@@ -273,7 +267,6 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
         log(f"app on {demo.local_url}; {visitors} visitors for {seconds:.0f} s, budget {budget_mb:g} MiB, "
             f"max {max_new_tokens} new tokens, isolation {'on' if isolate else 'off'}, "
             f"batches of up to {engine.scheduler.config.max_batch}")
-        from tools.serve_bench import rss_bytes
 
         report.rss_start = report.rss_peak = rss_bytes()
         sampler.start()

@@ -49,6 +49,7 @@ from engine.model.compute_thread import in_fresh_thread
 from engine.model.packed_linear import unpack_linears
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
+from tools.measure import percentile, rss_bytes
 
 SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
           "three friendly sentences. Returns: unused items within 30 days with a receipt; used tents and sleeping "
@@ -109,25 +110,6 @@ class Row:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (``VmRSS``), 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class RssPeak:

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.measure import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -78,13 +80,6 @@ class StallReport:
     @property
     def passed(self) -> bool:
         return not self.errors and all(r < GOAL_RATIO for r in self.ratios(MODES[1]))
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 # ------------------------------------------------------------------ the engine and its tree

@@ -25,8 +25,6 @@ Knows nothing about Gradio.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import logging
 import secrets
 import threading
@@ -39,6 +37,7 @@ from engine.api import REMOTE, Capabilities, EngineAPI
 from engine.engine import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.radix_tree import RadixTree
+from engine.namespaces import secret_name
 from engine.snapshot_view import for_viewer, node_infos, stats_for_viewer, with_text
 from engine.text.codec import TextCodec
 from engine.types import (
@@ -127,12 +126,13 @@ class RemoteEngine(FacadeBase):
             epoch = self._epochs.get(namespace, 0) + self._epochs.get(None, 0)
         if namespace == PUBLIC and epoch == 0:
             return None
-        msg = f"{namespace}#{epoch}".encode("utf-8", "surrogatepass")
-        return "radix-" + hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:24]
+        return secret_name("radix-", self._secret, f"{namespace}#{epoch}", 24)
 
     def _run(self, handle: RequestHandle) -> Iterator[GenerationEvent]:
         req, ids = handle.request, handle.ids
-        max_new = max(1, min(int(req.sampling.max_new_tokens), self.max_new_tokens_cap))
+        # At least one: the backend computes the prompt's last token either way (its answer counts it).
+        max_new = max(1, validation.new_token_limit(req.sampling.max_new_tokens, self.max_new_tokens_cap,
+                                                    self.max_context - len(ids)))
         result = yield from self.client.stream(ids, req.sampling, max_new, self._salt(req.namespace),
                                                handle.cancelled)
         baseline_ms = None
