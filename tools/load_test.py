@@ -35,11 +35,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.measure import percentile, rss_bytes
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tools.measure import add_engine_args, percentile, rss_bytes  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -337,9 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mb", type=float, default=64.0, help="KV cache budget in MiB (default 64: evictions happen)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per answer (default 16)")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation before a new chat (default 3)")
-    p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
-    p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
-    p.add_argument("--device", default="auto")
+    add_engine_args(p)
     p.add_argument("--max-batch", type=int, default=None,
                    help="requests decoded together (default: the engine's, 16; 1 = one at a time)")
     args = p.parse_args(argv)

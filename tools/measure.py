@@ -1,10 +1,13 @@
 """What the command lines measure with: percentiles of timings and the process's resident memory.
 
 Owns: ``percentile`` (nearest rank over the sorted values, the one definition every bench and
-the load test print) and ``rss_bytes`` (``VmRSS`` from /proc). Knows nothing about engines.
+the load test print) ``rss_bytes`` (``VmRSS`` from /proc) and
+``add_engine_args`` (the engine flags the load-shaped command lines share). Knows nothing about engines.
 """
 
 from __future__ import annotations
+
+import argparse
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -25,3 +28,10 @@ def rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags every load-shaped command line takes: isolation, model, device."""
+    p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
+    p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="auto")

@@ -40,11 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.measure import percentile
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tools.measure import add_engine_args, percentile  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -271,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=8, help="sessions with the tree tab open (default 8)")
     p.add_argument("--new-tokens", type=int, default=200, help="tokens the measured stream generates (default 200)")
     p.add_argument("--rounds", type=int, default=3, help="times each mode is run, alternating (default 3)")
-    p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny random Llama instead of the model")
-    p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
-    p.add_argument("--device", default="auto")
+    add_engine_args(p)
     args = p.parse_args(argv)
     print("loading", "the tiny random Llama" if args.tiny else args.model, "...", flush=True)
     runner = load_runner(args.tiny, args.model, args.device)
