@@ -169,6 +169,8 @@ class ModelRunner:
         """Run ``ids`` after the ``kv.length`` tokens already in ``kv``; append their KV.
 
         Returns fp32 logits for every position of ``ids``: shape ``[len(ids), vocab]``.
+        A reference path for tests (exactness checks against one plain forward); the engine's
+        requests run through ``forward_paged``.
         """
         if not ids:
             raise EngineError("nothing to compute: at least one token must be run")
@@ -191,7 +193,9 @@ class ModelRunner:
 
     def decode_batch(self, tokens: Sequence[int], kvs: Sequence[RequestKV]) -> torch.Tensor:
         """One new token per request: ``tokens[i]`` runs after the ``kvs[i].length`` tokens in
-        ``kvs[i]`` (lengths may differ). Returns fp32 logits ``[len(tokens), vocab]``."""
+        ``kvs[i]`` (lengths may differ). Returns fp32 logits ``[len(tokens), vocab]``. For tests
+        (batched decode compared with lone decodes); the scheduler's decode rows go through
+        ``forward_paged``."""
         if len(tokens) != len(kvs) or not tokens:
             raise EngineError("decode_batch needs one token per buffer")
         return self.forward_packed([([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
