@@ -54,6 +54,7 @@ class ChunkStore:
     room or found bad (the cache keeps its map of what the tier holds by it)."""
 
     kind = ""  # where the bytes are, for a person: "disk" or "host memory"
+    paths_file: Path | None = None  # disk only: the spilled paths, written at persist, read at start
 
     def __init__(self, budget_bytes: int) -> None:
         self.on_drop: Callable[[str], None] | None = None
@@ -152,6 +153,11 @@ class DiskStore(ChunkStore):
     """Chunks as files under ``folder`` (one per chunk), found again after a restart."""
 
     kind = "disk"
+
+    @property
+    def paths_file(self) -> Path:
+        """Where the cache keeps the token paths of what this tier holds, for the tree after a restart."""
+        return self.folder / "spilled-paths.json"
 
     def __init__(self, folder: Path, budget_bytes: int) -> None:
         super().__init__(budget_bytes)

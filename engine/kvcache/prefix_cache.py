@@ -25,6 +25,9 @@ across steps.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +43,8 @@ from engine.kvcache.request_kv import RequestKV
 from engine.kvcache.spilled_tree import SpilledTree
 from engine.snapshot_view import for_viewer, node_infos, with_text
 from engine.types import PUBLIC, CacheKey, EngineError, TreeSnapshot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -177,6 +182,7 @@ class RadixCache:
         self.spilled = SpilledTree()  # what the tier holds, for the tree view (``engine.kvcache.spilled_tree``)
         if tier is not None:
             tier.on_drop = self.spilled.dropped
+            self._restore_paths()
         self._lock = threading.RLock()
         self._live: set[RequestSlots] = set()  # acquired, not released
         self._running_tokens = 0  # own slots of the live ones
@@ -388,7 +394,49 @@ class RadixCache:
             before = self.tier.stored_chunks
             for node in self.tree.nodes():
                 self._spill(node)
+            self.spilled.apply_drops(self.tier.__contains__)
+            self._save_paths()
             return self.tier.stored_chunks - before
+
+    def _save_paths(self) -> None:
+        """Write the spilled paths next to the chunks (a temp name, then renamed), so the next
+        start draws what the tier holds. Only what the tier may hold is in them (in isolation
+        mode shipped content only, as for the chunks)."""
+        target = self.tier.paths_file if self.tier is not None else None
+        if target is None:
+            return
+        paths = [{"ids": list(p.ids), "namespace": p.namespace, "public_len": p.public_len}
+                 for p in self.spilled.leaf_paths()]
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"version": 1, "paths": paths}))
+            os.replace(tmp, target)
+        except OSError as exc:
+            log.warning("KV tier: could not write %s (%s); the tree will show the tier after the next load", target, exc)
+
+    def _restore_paths(self) -> None:
+        """At start: the paths a previous run saved, each marked as far as the tier still holds
+        its chunks (keys recomputed, so a stale or foreign path marks nothing). A file that does
+        not parse is skipped with one log line."""
+        source = self.tier.paths_file if self.tier is not None else None
+        if source is None or not source.exists():
+            return
+        try:
+            saved = json.loads(source.read_text())["paths"]
+            paths = [CacheKey(tuple(int(i) for i in p["ids"]), str(p["namespace"]), int(p["public_len"]))
+                     for p in saved]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("KV tier: skipping %s (%s)", source.name, exc)
+            return
+        for path in paths:
+            chunks = []
+            for stop in range(CHUNK_TOKENS, len(path.ids) + 1, CHUNK_TOKENS):
+                if not self._may_spill(path.namespace, path.public_len, stop):
+                    break
+                key = self._path_chunk_key(path, stop)
+                chunks.append((stop, key, key in self.tier))
+            if chunks:
+                self.spilled.record(path.prefix(chunks[-1][0]), chunks)
 
     # ------------------------------------------------------------- requests
     def acquire(self, key: CacheKey, max_len: int, total_tokens: int) -> RequestSlots | None:

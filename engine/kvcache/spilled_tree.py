@@ -100,6 +100,10 @@ class SpilledTree:
             if len(path.ids) >= entry[1]:  # else a cut took the chunk already
                 self.cut(path, entry[1] - CHUNK_TOKENS)
 
+    def leaf_paths(self) -> list[CacheKey]:
+        """Every spilled path, root to leaf (what a restart needs to draw the tier again)."""
+        return [self.path_of(n) for n in self.tree.nodes() if n.is_leaf and n is not self.tree.root]
+
     def path_of(self, node: Node) -> CacheKey:
         """The path from the root to the end of ``node``, or of its deepest ancestor still in the
         tree when a cut took ``node`` (a cut keeps the part above it, so that part still holds

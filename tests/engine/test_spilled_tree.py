@@ -95,3 +95,25 @@ def test_others_spilled_nodes_hide_like_resident_ones():
     assert all(n.text == "" and n.hits == 0 and n.token_ids == () for n in hidden.values())
     assert next(n for n in view.nodes if n.node_id == 5).spilled
     assert view.num_tokens == 64 + HIDDEN_BUCKET_TOKENS and view.tier_kind == "host memory"
+
+
+def test_after_a_restart_the_tree_shows_what_the_tier_kept(tiny_runner, tmp_path, caplog):
+    """The spilled paths persist beside the chunks: a new engine on the same folder draws them
+    (as far as the tier still holds their chunks), and a request is then served from them."""
+    vocab = len(tiny_runner.text.tokenizer)
+    first = rand_ids(21, 2 * C + 7, vocab)
+    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    engine.run(req(first, 1))
+    engine.close()  # persists the cache to the tier, with its paths
+    again = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    nodes = spilled(again)
+    assert [(n.parent_id, n.token_ids) for n in nodes] == [(0, tuple(first[:2 * C]))]
+    m = again.run(req(first + [3], 1))
+    assert m.tier_tokens == 2 * C and spilled(again) == []
+    again.close()
+    (tmp_path_file := next(tmp_path.rglob("spilled-paths.json"))).write_text("{not json")
+    for chunk in tmp_path.rglob("*.kv"):  # and a tier that lost its chunks marks nothing either
+        chunk.unlink()
+    third = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    assert spilled(third) == [] and "spilled-paths.json" in caplog.text and tmp_path_file.exists()
+    third.close()
