@@ -110,8 +110,9 @@ def _spilled_legend(traces: list[dict], fig_layout: dict, tier_kind: str, icicle
                    marker=dict(size=12, color="white", symbol="circle", line=dict(color=SPILLED_LINE, width=2))))
     traces.append(dict(sample, name=tier_words(tier_kind) + ": not in memory, loaded back when needed",
                        showlegend=True, hoverinfo="skip"))
-    fig_layout.update(showlegend=True, legend=dict(orientation="h", x=0, y=0, yanchor="bottom", bgcolor="rgba(0,0,0,0)",
-                                                   font=dict(size=11)))
+    # Above the plot, between the title and the toolbar: inside it, it covered the root's bar in the icicle.
+    fig_layout.update(showlegend=True, legend=dict(orientation="h", x=0.55, xanchor="center", y=1, yanchor="bottom",
+                                                   bgcolor="rgba(255,255,255,0.85)", font=dict(size=11)))
 
 
 def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> dict:
