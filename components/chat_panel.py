@@ -193,7 +193,8 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
         return
     time.sleep(SETTLE_S)  # the page draws the answer first
     try:
-        timing = timer.time_pairs(engine.cache_key(list(req.prompt_ids), req), final.cached_tokens)
+        timing = timer.time_request(final.request_id, engine.cache_key(list(req.prompt_ids), req),
+                                    final.cached_tokens)
     except EngineError as exc:
         warn(exc)
         yield history, "", gr.skip(), turn_markdown(final, None), final, None

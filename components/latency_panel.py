@@ -25,7 +25,8 @@ def latency_summary(history: list[RequestMetrics], mine: bool = False) -> str:
     requests that reused (almost) nothing, or measured slower, are counted apart."""
     timed = [m for m in history if m.baseline_prefill_ms is not None]
     if not timed:
-        return ("No request has measured prefill without reuse yet. Chat or run few-shot queries with "
+        return ("No request has measured prefill without reuse yet. Send a chat message (each answer's card times "
+                "prefill with and without reuse, back to back) or run few-shot queries with "
                 "**Measure prefill without reuse** ticked.")
     with_reuse = sum(m.prefill_ms for m in timed)
     without = sum(m.baseline_prefill_ms for m in timed)

@@ -178,6 +178,7 @@ class PrefillTimer:
         self._memo_lock = threading.Lock()
         self._curve = GrowthCurve()
         self.warmed: tuple[WarmPrefix, ...] = ()
+        self._by_request: OrderedDict[int, PrefillTiming] = OrderedDict()  # request id -> its paired timing
 
     # ---------------------------------------------------------- one prompt
     def _timed_prefill(self, key: CacheKey, cached: int) -> tuple[float, int]:
@@ -233,6 +234,24 @@ class PrefillTimer:
             self._memo[mk] = value
             while len(self._memo) > self.policy.memo_size:
                 self._memo.popitem(last=False)
+
+    MAX_REQUEST_TIMINGS = 1000  # paired timings kept by request id (the history panels read them back)
+
+    def time_request(self, request_id: int, key: CacheKey, cached_tokens: int) -> PrefillTiming:
+        """``time_pairs`` for a finished request, kept under its id (when both sides were measured)
+        so the history's panels can show the paired figures the request's card shows."""
+        timing = self.time_pairs(key, cached_tokens)
+        if timing.reuse_ms is not None and timing.full_ms is not None:
+            with self._memo_lock:
+                self._by_request[request_id] = timing
+                while len(self._by_request) > self.MAX_REQUEST_TIMINGS:
+                    self._by_request.popitem(last=False)
+        return timing
+
+    def timing_of(self, request_id: int) -> PrefillTiming | None:
+        """The paired timing ``time_request`` kept for ``request_id``, if any."""
+        with self._memo_lock:
+            return self._by_request.get(request_id)
 
     def time_pairs(self, key: CacheKey, cached_tokens: int, pairs: int | None = None) -> PrefillTiming:
         """Time ``key.ids`` with reuse of its first ``cached_tokens`` cached tokens (what the

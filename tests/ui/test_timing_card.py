@@ -99,3 +99,20 @@ def test_growth_panel_words():
     assert "On a CPU" in text and "On a GPU" in text and "1 pair per length" in text and "once for everyone" in text
     running = dataclasses.replace(done, state="running", points=points[:1])
     assert "1 of 2 lengths" in curve_markdown(running, False)
+
+
+def test_the_history_panels_count_the_chats_paired_timing(engine):
+    """The chat measures its no-reuse figure as a pair after the answer (not in the batch); the
+    latency tab and the memory tab's "prefill time saved" read that pair back, not a blank."""
+    from components.common import playground_history
+    from components.latency_panel import latency_summary
+    from components.memory_panel import memory_markdown
+
+    warm_start(engine)
+    first = chat_default(engine)
+    *_, metrics, (request_id, timing) = chat(engine, STARTERS_BY_PRESET[first][0], [], first)
+    assert metrics.baseline_prefill_ms is None
+    seen = {m.request_id: m for m in playground_history(engine)}[request_id]
+    assert (seen.prefill_ms, seen.baseline_prefill_ms) == (timing.reuse_ms, timing.full_ms)
+    assert "No request has measured" not in latency_summary(playground_history(engine))
+    assert "over 1 request that measured prefill" in memory_markdown(engine, playground_history(engine), None)
