@@ -110,24 +110,29 @@ def _spilled_legend(traces: list[dict], fig_layout: dict, tier_kind: str, icicle
                    marker=dict(size=12, color="white", symbol="circle", line=dict(color=SPILLED_LINE, width=2))))
     traces.append(dict(sample, name=tier_words(tier_kind) + ": not in memory, loaded back when needed",
                        showlegend=True, hoverinfo="skip"))
-    # Above the plot, between the title and the toolbar: inside it, it covered the root's bar in the icicle.
-    fig_layout.update(showlegend=True, legend=dict(orientation="h", x=0.55, xanchor="center", y=1, yanchor="bottom",
+    # On a line of its own between the title and the plot: inside the plot it covered the root's bar.
+    fig_layout.update(showlegend=True, legend=dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom",
                                                    bgcolor="rgba(255,255,255,0.85)", font=dict(size=11)))
 
 
 def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bool) -> dict:
     out = dict(
         # compact (beside the chat): room above for plotly's toolbar, so no label sits under it
-        height=height, margin=dict(l=8, r=8, t=28 if compact else 30, b=8), plot_bgcolor="white",
+        # (a second tier's legend gets a line of its own under the title)
+        height=height, margin=dict(l=8, r=8, t=28 if compact else 52 if any(n.spilled for n in snapshot.nodes) else 30,
+                                   b=8), plot_bgcolor="white",
         paper_bgcolor="white", hovermode="closest", showlegend=False, uirevision=revision, dragmode="zoom",
         hoverlabel=dict(align="left", font=dict(size=12)), font=dict(size=11),
         xaxis=dict(visible=False), yaxis=dict(visible=False, autorange="reversed"))
     if not compact:
+        spilled = [n for n in snapshot.nodes if n.spilled]
+        in_memory = f"{len(snapshot.nodes) - len(spilled):,} nodes" if spilled else f"{len(snapshot.nodes):,} nodes"
+        tier = f" · +{sum(n.num_tokens for n in spilled):,} tokens in the second tier" if spilled else ""
         out["title"] = dict(
-            text=f"{len(snapshot.nodes):,} nodes · {snapshot.num_tokens:,} tokens · "
+            text=f"{in_memory} · {snapshot.num_tokens:,} tokens · "
                  + (f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB"
-                    if snapshot.bytes_per_token else "shadow tree of what was sent (server memory unknown)"),
-            x=0.01, font=dict(size=13))
+                    if snapshot.bytes_per_token else "shadow tree of what was sent (server memory unknown)") + tier,
+            x=0.01, y=1, yref="container", yanchor="top", pad=dict(t=8), font=dict(size=13))
     return out
 
 
