@@ -29,6 +29,7 @@ from plotly.colors import sample_colorscale
 from components.chart_style import TOKEN_COLORS
 from components.format import fmt_ago, fmt_bytes
 from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
+from engine.prefill_timing import GROWTH_NAMESPACE
 from engine.snapshot_view import is_own
 from engine.types import TreeSnapshot
 
@@ -317,11 +318,19 @@ def _palette(scale: tuple) -> tuple[str, ...]:
     return tuple(sample_colorscale(_as_lists(scale), [i / 255 for i in range(256)]))
 
 
+# The Latency tab's growth curve times prefill on filler text in a namespace of its own, cleared
+# when done: while it runs, its nodes say so instead of showing the filler as if someone asked it.
+MEASURING = ("the app's own measurement of how the win grows (Latency tab): filler text, cleared when the "
+             "measurement ends")
+
+
 def _owner(m: VisualNode, viewer_owns: str | None) -> str:
     if m.hidden:
         return "another visitor's (text hidden)"
     if m.namespace == "":
         return "shared"
+    if m.namespace == GROWTH_NAMESPACE:
+        return MEASURING
     if viewer_owns and is_own(viewer_owns, m.namespace):
         sub = m.namespace[len(viewer_owns) + 1:]
         return f"yours ({html.escape(sub)})" if sub else "yours"
@@ -382,6 +391,8 @@ def _label(m: VisualNode, width: int = 22) -> str:
         return f"+{m.grouped_nodes:,} nodes · {_fmt_tokens(m.grouped_tokens)}"
     if m.hidden:
         return "(private)"
+    if m.namespace == GROWTH_NAMESPACE:  # filler text: say what it is for instead
+        return f"{m.num_tokens:,} tok · measuring (cleared soon)"
     text = _gist(m.text)
     return f"{m.num_tokens:,} tok · " + html.escape(text[:width] + ("…" if len(text) > width else ""))
 

@@ -153,3 +153,15 @@ def test_charts_from_real_history(engine):
     assert gauge.data[0].value == pytest.approx(engine.stats().cache_bytes / 2**20)
     stacked = reuse_bars([m.cached_tokens for m in history], [m.computed_tokens for m in history])
     assert list(stacked.data[0].y) == [0, 40, 40]
+
+
+def test_the_growth_curves_filler_says_what_it_is(engine):
+    """While the Latency tab's curve is measured, its filler is in the tree: labelled as the app's own
+    measurement, never shown as if a visitor had asked it."""
+    from engine.prefill_timing import GROWTH_NAMESPACE
+
+    run(engine, list(range(200, 260)), namespace=GROWTH_NAMESPACE)
+    fig = tree_figure(engine.snapshot())
+    text = " ".join(str(a.text) for a in fig.layout.annotations or ()) + " ".join(
+        str(t.text) for t in fig.data if t.text is not None) + " ".join(h for t in fig.data for h in (t.hovertext or ()))
+    assert "measuring (cleared soon)" in text and "how the win grows" in text
