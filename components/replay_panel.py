@@ -100,18 +100,21 @@ def build_replay_panel(engine: EngineAPI) -> None:
                                minimum=1, maximum=4096)
             run = gr.Button("Simulate my log", variant="primary")
             example = gr.Button("Fill in a generated example")
-    headline = gr.HTML()
-    plots = {key: gr.Plot(show_label=False) for key in FIGURES[:2]}
-    gr.Markdown("### Why tokens were computed")
-    plots["causes"] = gr.Plot(show_label=False)
-    causes = gr.HTML()
-    gr.Markdown("### Template suggestions")
-    templates = gr.HTML()
-    gr.Markdown("### The tree the log leaves behind, block granularity, hosted-API cost")
-    plots["tree"] = gr.Plot(show_label=False)
-    plots["granularity"] = gr.Plot(show_label=False)
-    extra = gr.HTML()
-    outputs = [headline, *plots.values(), causes, templates, extra]
+    waiting = gr.Markdown("*The report appears here after a simulation: paste a log, or fill in the generated "
+                          "example, then press **Simulate my log**.*")
+    with gr.Column(visible=False) as results:  # no empty frames before the first run
+        headline = gr.HTML()
+        plots = {key: gr.Plot(show_label=False) for key in FIGURES[:2]}
+        gr.Markdown("### Why tokens were computed")
+        plots["causes"] = gr.Plot(show_label=False)
+        causes = gr.HTML()
+        gr.Markdown("### Template suggestions")
+        templates = gr.HTML()
+        gr.Markdown("### The tree the log leaves behind, block granularity, hosted-API cost")
+        plots["tree"] = gr.Plot(show_label=False)
+        plots["granularity"] = gr.Plot(show_label=False)
+        extra = gr.HTML()
+    outputs = [headline, *plots.values(), causes, templates, extra, results, waiting]
 
     def on_run(text, ttl_value, budget_value):
         try:
@@ -122,7 +125,8 @@ def build_replay_panel(engine: EngineAPI) -> None:
         figs = report_figures(report)
         return (scoped(headline_html(report)), *(figs[k] for k in plots), scoped(causes_html(report)),
                 scoped(templates_html(report)),
-                scoped(granularity_html(report) + cost_html(report) + "<h3>Skipped lines</h3>" + skipped_html(report)))
+                scoped(granularity_html(report) + cost_html(report) + "<h3>Skipped lines</h3>" + skipped_html(report)),
+                gr.update(visible=True), gr.update(visible=False))
 
     run.click(on_run, [log, ttl, budget], outputs, api_visibility="private", show_progress="minimal",
               concurrency_limit=1)  # one simulation at a time: the tokenizer is shared with the engine
