@@ -1,6 +1,7 @@
 """The second tier across a restart, through the app as ``python app.py`` builds it (embedded model):
 a prompt answered before the restart gets its prefix back from disk after it, as ``/v1`` usage
-reports, with the same answer; ``--disk-cache-mb 0`` turns the tier off."""
+reports, with the same answer, and the tree shows it as spilled before; ``--disk-cache-mb 0`` turns
+the tier off."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def test_restart_round_trip_through_the_app(real_runner, tmp_path, monkeypatch):
     first.close()
     second = app.build_engine(args, runner=real_runner)  # a fresh process would find the same files
     assert second.stats().tier_chunks > 0
+    # The tree shows what the tier kept before any request touches it (the paths persist beside the chunks).
+    spilled = [n for n in second.snapshot().nodes if n.spilled]
+    assert sum(n.num_tokens for n in spilled) >= 300 and second.snapshot().tier_kind == "disk"
     with launched_app(second) as url:
         after = chat(url)
     cached = after["usage"]["prompt_tokens_details"]["cached_tokens"]
