@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import socket
 import sys
@@ -39,11 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.measure import add_engine_args, percentile, rss_bytes  # noqa: E402
+from tools.measure import add_engine_args, offline_env, percentile, rss_bytes  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+offline_env()
 
 from components.chat_presets import SYSTEM_PRESETS  # noqa: E402
 

@@ -8,6 +8,7 @@ the load test print) ``rss_bytes`` (``VmRSS`` from /proc) and
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -35,3 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action="store_true", help="per-visitor cache namespaces, as on Spaces")
     p.add_argument("--model", default="embedded", help="model id or path (default: the embedded SmolLM2)")
     p.add_argument("--device", default="auto")
+
+
+def offline_env() -> None:
+    """The environment the in-process app runs under in these tools (before gradio or the hub
+    are imported): no hub calls, no analytics, no tokenizer thread pools fighting the model's."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

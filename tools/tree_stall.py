@@ -30,7 +30,6 @@ inter-token time of each mode, the ratios (b)/(a) and (c)/(a), and PASS when bot
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -44,11 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.measure import add_engine_args, percentile  # noqa: E402
+from tools.measure import add_engine_args, offline_env, percentile  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+offline_env()
 
 GOAL_RATIO = 1.10
 MODES = ("alone", "tree tab", "tree_snapshot API")
