@@ -70,6 +70,7 @@ class Turn:
     ttft_s: float | None = None  # first streamed answer text, as the visitor saw it
     total_s: float = 0.0
     error: str | None = None
+    cancelled: bool = False  # the visitor cancelled it after its first text (not compared, not added to the chat)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class LoadReport:
     hit_rate: float = 0.0
     evicted_tokens: int = 0
     rss_start: int = 0  # process resident bytes when the visitors start
+    cancelled_in_engine: int = 0  # requests the engine ended as "cancelled"
     rss_peak: int = 0
 
     @property
@@ -129,7 +131,7 @@ def _flat(content) -> str:
 
 
 def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: threading.Lock,
-             max_new_tokens: int, turns_per_chat: int) -> None:
+             max_new_tokens: int, turns_per_chat: int, cancel_every: int = 0) -> None:
     from gradio_client import Client
 
     rng = random.Random(index)
@@ -137,6 +139,7 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
     # than the small budgets this test runs under to make evictions happen.
     systems = [name for name, text in SYSTEM_PRESETS.items() if len(text) <= SHORT_SYSTEM_CHARS]
     client = Client(url, verbose=False, download_files=False)
+    asked = 0
     while time.monotonic() < deadline:
         system = systems[rng.randrange(len(systems))]
         chatbot: list = []
@@ -145,6 +148,8 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
                 break
             history = tuple((m["role"], _flat(m["content"])) for m in chatbot)
             turn = Turn(system, history, QUESTIONS[rng.randrange(len(QUESTIONS))])
+            asked += 1
+            turn.cancelled = bool(cancel_every) and asked % cancel_every == 0
             t0 = time.perf_counter()
             try:
                 job = client.submit(turn.question, chatbot, system, "", max_new_tokens, False, api_name="/chat")
@@ -155,7 +160,15 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
                         if turn.ttft_s is None and out[0] and _flat(out[0][-1]["content"]):
                             turn.ttft_s = time.perf_counter() - t0
                     seen = len(outs)
+                    if turn.cancelled and turn.ttft_s is not None:
+                        job.cancel()  # mid-answer, as a visitor who closes the tab or presses Stop
+                        break
                     time.sleep(0.01)
+                if turn.cancelled:
+                    turn.total_s = time.perf_counter() - t0
+                    with lock:
+                        turns.append(turn)
+                    continue  # the chat goes on without that turn
                 result = job.result()
                 chatbot = result[0]
                 if len(chatbot) != len(history) + 2:
@@ -224,7 +237,7 @@ def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log
     alone = Engine(runner, enable_cache=False, max_new_tokens_cap=max_new_tokens)
     reference: dict[tuple, str] = {}
     for turn in report.turns:
-        if turn.error:
+        if turn.error or turn.cancelled:
             continue
         key = (turn.system_name, turn.history, turn.question)
         if key not in reference:
@@ -242,10 +255,11 @@ def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log
 
 def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: float = 64.0,
              max_new_tokens: int = 16, turns_per_chat: int = 3, isolate: bool = False, log=print,
-             max_batch: int | None = None) -> LoadReport:
+             max_batch: int | None = None, cancel_every: int = 0) -> LoadReport:
     """Launch the app on ``runner``, run the visitors, check everything; return the report.
 
-    ``max_batch`` overrides the engine's batch limit (1: the one-at-a-time engine, to compare)."""
+    ``max_batch`` overrides the engine's batch limit (1: the one-at-a-time engine, to compare);
+    ``cancel_every`` > 0: each visitor cancels every that-many-th turn after its first text."""
     import app
     from components.demo import launch_kwargs
 
@@ -271,7 +285,8 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
         lock = threading.Lock()
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=_visitor, args=(demo.local_url, i, deadline, report.turns, lock,
-                                                            max_new_tokens, turns_per_chat), daemon=True)
+                                                            max_new_tokens, turns_per_chat, cancel_every),
+                                    daemon=True)
                    for i in range(visitors)]
         for t in threads:
             t.start()
@@ -287,6 +302,7 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
     report.engine_ttft_ms = [m.ttft_ms for m in served if m.ttft_ms is not None]  # None: stopped before one
     report.queue_ms = [m.queue_ms for m in served]
     report.batch_sizes_max = [m.batch_size_max for m in served]
+    report.cancelled_in_engine = sum(m.finish_reason == "cancelled" for m in served)
     stats = engine.stats()
     report.hit_rate, report.evicted_tokens = stats.hit_rate, stats.evicted_tokens
     log(f"load done: {len(report.turns)} turns; re-running each distinct prompt alone to compare answers")
@@ -299,6 +315,9 @@ def format_report(r: LoadReport) -> str:
 
     def ms(v: float) -> str:
         return f"{v:,.0f} ms"
+
+    cancelled = sum(t.cancelled and not t.error for t in r.turns)
+    compared = len(r.turns) - len(r.errors) - cancelled
 
     lines = [
         f"visitors: {r.visitors}, duration: {r.seconds:.0f} s",
@@ -317,8 +336,9 @@ def format_report(r: LoadReport) -> str:
         f"process resident memory: grew {r.rss_growth / 2**20:,.0f} MiB during the run (peak "
         f"{r.rss_peak / 2**20:,.0f} MiB) against a {r.budget_bytes / 2**20:,.0f} MiB KV budget "
         f"(+{RSS_SLACK_MB} MiB allowed for the rest){': OVER' if r.rss_over else ''}",
-        f"answers identical to the prompt run alone: {r.distinct_prompts and len(r.turns) - len(r.errors) - len(r.mismatches)}"
-        f" of {len(r.turns) - len(r.errors)} ({r.distinct_prompts} distinct prompts); "
+        f"cancelled mid-answer by visitors: {cancelled}; ended as cancelled in the engine: {r.cancelled_in_engine}",
+        f"answers identical to the prompt run alone: {r.distinct_prompts and compared - len(r.mismatches)}"
+        f" of {compared} ({r.distinct_prompts} distinct prompts); "
         f"mismatches: {len(r.mismatches)}",
         f"invariants while running: {'ok' if not r.invariant_failures else r.invariant_failures[:3]}; "
         f"once idle: {'ok (no locks, pool slots == tree tokens)' if not r.idle_problems else r.idle_problems}",
@@ -336,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per answer (default 16)")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation before a new chat (default 3)")
     add_engine_args(p)
+    p.add_argument("--cancel-every", type=int, default=5,
+                   help="each visitor cancels every Nth turn after its first text (default 5; 0: never)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="requests decoded together (default: the engine's, 16; 1 = one at a time)")
     args = p.parse_args(argv)
@@ -351,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"model: {runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})", flush=True)
     report = run_load(runner, args.seconds, args.visitors, args.budget_mb, args.max_new_tokens, args.turns,
-                      args.isolate, log=lambda s: print(s, flush=True), max_batch=args.max_batch)
+                      args.isolate, log=lambda s: print(s, flush=True), max_batch=args.max_batch,
+                      cancel_every=args.cancel_every)
     print(format_report(report), flush=True)
     return 0 if report.ok else 1
 
