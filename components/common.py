@@ -47,17 +47,18 @@ def playground_history(engine, namespace: str | None = None, n: int | None = Non
     items = [m for m in engine.recent(namespace=namespace) if not is_lab_run(m)]
     items = items[-n:] if n else items
     timer = engine.prefill_timer()
-    return [with_paired_timing(m, timer) for m in items] if timer is not None else items
+    return with_paired_timings(items, timer) if timer is not None else items
 
 
-def with_paired_timing(m: RequestMetrics, timer) -> RequestMetrics:
-    """A chat request's figures with the paired timing its card showed (with and without reuse,
+def with_paired_timings(items: list[RequestMetrics], timer) -> list[RequestMetrics]:
+    """Chat requests' figures with the paired timing their card showed (with and without reuse,
     back to back: the chat measures that instead of the in-batch no-reuse run), so the history's
-    panels count it too; other requests as they are."""
-    timing = timer.timing_of(m.request_id) if m.baseline_prefill_ms is None else None
-    if timing is None:
-        return m
-    return dataclasses.replace(m, prefill_ms=timing.reuse_ms, baseline_prefill_ms=timing.full_ms)
+    panels count them too; other requests as they are."""
+    paired = timer.timings_of(m.request_id for m in items if m.baseline_prefill_ms is None)
+    if not paired:
+        return items
+    return [dataclasses.replace(m, prefill_ms=t.reuse_ms, baseline_prefill_ms=t.full_ms)
+            if (t := paired.get(m.request_id)) is not None else m for m in items]
 
 
 LONG_PROMPT_TOKENS = 1024

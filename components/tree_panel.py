@@ -50,15 +50,15 @@ def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: Requ
     owns = viewer if engine.isolation else None
     key = (owns, metrics.request_id if metrics is not None else None, color_by, view, collapse,
            tuple(sorted(kw.items())))
-    return engine.attachment("tree_panel.figures", FigureMemo).get(snap, key, lambda: tree_figure(
+    return engine.attachment("tree_panel.figures", SnapshotMemo).get(snap, key, lambda: tree_figure(
         snap, request_path(snap, metrics), color_by=color_by, view=view, viewer_owns=owns, collapse_chains=collapse,
         **kw))
 
 
-class FigureMemo:
-    """Tree figures drawn from a shared snapshot, reused by every session that asks for the
-    same picture of the same snapshot (same viewer rule, last request, colour, view), so N
-    open tabs cost one figure per change, not N. Figures are only read after they are made
+class SnapshotMemo:
+    """What is built from a shared snapshot (tree figures, endpoint summaries), reused by every
+    session that asks for the same picture of the same snapshot (same viewer rule, last request,
+    colour, view), so N open tabs cost one figure per change, not N. Figures are only read after they are made
     (Gradio serialises them), so sessions may share one. Bounded; oldest dropped first."""
 
     MAX_FIGURES = 32
@@ -122,5 +122,5 @@ def snapshot_summary_for(engine: EngineAPI, viewer: str) -> dict:
     object (``shared_snapshot`` hands every stranger one view, and each visitor the same one
     until the tree changes)."""
     snap = shared_snapshot(engine, viewer)
-    return engine.attachment("tree_panel.summaries", FigureMemo).get(snap, ("summary",),
+    return engine.attachment("tree_panel.summaries", SnapshotMemo).get(snap, ("summary",),
                                                                       lambda: snapshot_summary(snap))

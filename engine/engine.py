@@ -238,6 +238,7 @@ class Engine(FacadeBase):
         fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers, runner.num_kv_heads,
                                  runner.head_dim) if enable_cache and tier_bytes > 0 else ""
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
+        self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
                                    if enable_cache else NoPrefixCache(pool))
         self.isolation = isolation
@@ -350,7 +351,7 @@ class Engine(FacadeBase):
 
     @property
     def capabilities(self) -> Capabilities:
-        return dataclasses.replace(LOCAL, second_tier=self.tier is not None)
+        return self._capabilities
 
     def backend_metrics(self) -> dict[str, float]:
         """No server behind this engine: its own metrics are ``server.metrics``' (``/metrics``)."""
@@ -358,7 +359,8 @@ class Engine(FacadeBase):
 
     def version(self) -> int:
         """Changes whenever the tree, its locks, the budget or the request records change."""
-        return self.cache.version * 1_000_003 + self._totals["requests"]
+        # Both counters only grow, so their sum moves whenever either does.
+        return self.cache.version + self._totals["requests"]
 
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         """A small engine of its own on this one's model (the request-order demo's); steps of

@@ -34,7 +34,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.types import CacheKey, EngineError
@@ -248,10 +248,10 @@ class PrefillTimer:
                     self._by_request.popitem(last=False)
         return timing
 
-    def timing_of(self, request_id: int) -> PrefillTiming | None:
-        """The paired timing ``time_request`` kept for ``request_id``, if any."""
+    def timings_of(self, request_ids: Iterable[int]) -> dict[int, PrefillTiming]:
+        """The paired timings ``time_request`` kept for those of ``request_ids`` that have one."""
         with self._memo_lock:
-            return self._by_request.get(request_id)
+            return {rid: self._by_request[rid] for rid in request_ids if rid in self._by_request}
 
     def time_pairs(self, key: CacheKey, cached_tokens: int, pairs: int | None = None) -> PrefillTiming:
         """Time ``key.ids`` with reuse of its first ``cached_tokens`` cached tokens (what the

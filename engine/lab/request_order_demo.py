@@ -182,7 +182,5 @@ def _req(ids: Sequence[int], sampling: SamplingParams) -> GenerationRequest:
 def request_order_demo_for(engine: EngineAPI) -> RequestOrderDemo:
     """The engine's one ``RequestOrderDemo`` (and so one small engine), made on first use and
     kept by the engine (``EngineAPI.attachment``). Where the engine cannot spawn one (remote
-    mode) this raises ``EngineError`` saying so."""
-    if not engine.capabilities.private_engines:
-        engine.spawn(0)  # raises the engine's own message
+    mode), the comparison's first step raises the engine's own ``EngineError`` saying so."""
     return engine.attachment("lab.request_order_demo", lambda: RequestOrderDemo(engine))
