@@ -534,6 +534,8 @@ class RadixCache:
             m = self.tree.match(key, max_len=max_len, touch=touch)
             if not m.length:
                 return 0
+            if touch:  # hits and access times changed: what the tree view shows
+                self.version += 1
             k_dst, v_dst = kv.prefill_from(m.length)
             self.pool.read_into(m.values, k_dst, v_dst)
             return m.length
