@@ -1,0 +1,486 @@
+"""A model-based test of the whole prefix cache (issue #27 item 2): random sequences of every
+verb of ``RadixCache`` (insert, acquire, write, adopt, release, cancel, budget changes, clear,
+offload, load, persist, copy, restart over the same tier folder, files corrupted on disk),
+checked after every step against a plain reference (tiny random Llama, real tensors).
+
+The reference is the KV a no-cache prefill gives: the KV at position ``i`` depends only on
+``ids[:i + 1]``, so a small universe of token sequences with shared prefixes is run through
+the model once, each position's KV kept from the first sequence that reaches it (a prefix
+shared by several sequences has one canonical KV, so every copy compares exactly in fp32).
+A running request "computes" its KV by copying the reference into its own slots (what the
+model would write); a few writes go through the real paged forward too.
+
+Every construction of pools, tiers and caches is in ``_new_cache`` (one place to adapt when
+the constructors change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.kv_tier import CHUNK_TOKENS, DiskStore
+from engine.kvcache.prefix_cache import RadixCache, RequestSlots
+from engine.kvcache.request_kv import RequestKV
+from engine.model.paged_attention import PagedSegment
+from engine.types import PUBLIC, CacheKey, EngineError
+
+FINGERPRINT = "stateful-test"
+NAMESPACES = (PUBLIC, "v1", "v2")
+ALPHABET = (11, 12, 13)  # few letters: prefixes are shared by accident too
+MAX_BUDGET_TOKENS = 400
+MAX_TIER_TOKENS = 8 * CHUNK_TOKENS
+
+
+# ---------------------------------------------------------------- reference
+@cache
+def _runner():
+    from engine.model.loader import load_tokenizer
+    from tests.conftest import make_tiny_runner
+
+    return make_tiny_runner(load_tokenizer())
+
+
+def _universe() -> list[tuple[int, ...]]:
+    """Token sequences with deliberately shared prefixes (several 64-token chunks each)."""
+    rnd = random.Random(27)
+
+    def fresh(n: int) -> list[int]:
+        return [rnd.choice(ALPHABET) for _ in range(n)]
+
+    s0 = fresh(200)
+    s1 = s0[:130] + fresh(70)
+    s4 = fresh(180)
+    return [tuple(s) for s in (s0, s1, s0[:64] + fresh(100), s0[:20] + fresh(120), s4, s4[:70] + fresh(60),
+                               s1[:150] + fresh(40), fresh(90))]
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@cache
+def _reference() -> tuple[list[tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The universe and, per sequence, K and V ``[layer, head, position, dim]`` of a no-cache
+    prefill, positions shared with an earlier sequence taken from it (one KV per prefix)."""
+    runner = _runner()
+    seqs, kvs = _universe(), []
+    for s in seqs:
+        buf = runner.new_request_kv(len(s))
+        runner.forward(list(s), buf)
+        k, v = buf.k[:, :, :len(s)].clone(), buf.v[:, :, :len(s)].clone()
+        best = max(((_common(s, t), j) for j, t in enumerate(seqs[:len(kvs)])), default=(0, -1))
+        if best[0]:
+            k[:, :, :best[0]] = kvs[best[1]][0][:, :, :best[0]]
+            v[:, :, :best[0]] = kvs[best[1]][1][:, :, :best[0]]
+        kvs.append((k, v))
+    return seqs, kvs
+
+
+_seq_of: dict[tuple[int, ...], int] = {}
+
+
+def ref_kv(ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[layer, head, len(ids), dim]`` a no-cache prefill of ``ids`` gives."""
+    ids = tuple(ids)
+    seqs, kvs = _reference()
+    j = _seq_of.get(ids)
+    if j is None:
+        j = next(i for i, s in enumerate(seqs) if s[:len(ids)] == ids)
+        _seq_of[ids] = j
+    k, v = kvs[j]
+    return k[:, :, :len(ids)], v[:, :, :len(ids)]
+
+
+# ---------------------------------------------------------------- construction (one place)
+def _tier_folder(folder: Path) -> Path:
+    return Path(folder) / FINGERPRINT
+
+
+def _new_cache(folder: Path, budget_tokens: int, fair_share: bool, tier_tokens: int) -> RadixCache:
+    """The cache under test: a pool of ``budget_tokens`` slots, a disk tier of ``tier_tokens``
+    (none when 0) under ``folder``, isolation mode when ``fair_share``."""
+    r = _runner()
+    pool = KVPool(r.num_layers, r.num_kv_heads, r.head_dim, torch.float32, torch.device("cpu"),
+                  budget_tokens * r.kv_bytes_per_token)
+    tier = DiskStore(_tier_folder(folder), tier_tokens * r.kv_bytes_per_token) if tier_tokens > 0 else None
+    return RadixCache(pool, fair_share=fair_share, tier=tier, fingerprint=FINGERPRINT)
+
+
+def _scratch(n: int) -> RequestKV:
+    r = _runner()
+    return RequestKV(r.num_layers, r.num_kv_heads, r.head_dim, n, torch.float32, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- checks
+def _gather(pool: KVPool, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.tensor(slots, dtype=torch.long)
+    return (torch.stack([layer.index_select(1, idx) for layer in pool.k]),
+            torch.stack([layer.index_select(1, idx) for layer in pool.v]))
+
+
+def _assert_kv(pool: KVPool, slots: list[int], ids, start: int, what: str) -> None:
+    """The pool's KV at ``slots`` is the reference KV of ``ids`` at positions ``[start, start + len(slots))``."""
+    if not slots:
+        return
+    k, v = _gather(pool, slots)
+    rk, rv = ref_kv(ids)
+    end = start + len(slots)
+    assert torch.equal(k, rk[:, :, start:end]) and torch.equal(v, rv[:, :, start:end]), (
+        f"{what}: pool KV at positions [{start}, {end}) is not the reference KV of its tokens")
+
+
+def _digest(cache: RadixCache):
+    """What a no-op must leave as it found: the tree (shape, slots, locks, hits, times), the pool's
+    free slots and budget, the tier's chunks and the spilled tree."""
+    nodes = sorted((n.id, n.parent.id, n.key, tuple(n.value), n.namespace, n.lock_ref, n.hits, n.last_access)
+                   for n in cache.tree.nodes())
+    spilled = sorted((n.id, n.key, tuple(n.value)) for n in cache.spilled.tree.nodes())
+    tier = sorted(cache.tier._sizes) if cache.tier is not None else []
+    return (nodes, cache.pool.num_free, cache.pool.capacity, cache.pool.budget_bytes, cache.tree.evicted_tokens,
+            spilled, tier)
+
+
+class Live:
+    """A running request as the test sees it: its slots, the sequence it runs and its key."""
+
+    def __init__(self, rs: RequestSlots, seq: int, key: CacheKey, total: int) -> None:
+        self.rs, self.seq, self.key, self.total = rs, seq, key, total
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return _reference()[0][self.seq][:self.total]
+
+
+# ---------------------------------------------------------------- the machine
+class CacheMachine(RuleBasedStateMachine):
+    """Random operations on one ``RadixCache`` (restarted now and then over its tier folder)."""
+
+    corrupt_files = False  # subclasses turn on the rules that damage the tier's files
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = Path(tempfile.mkdtemp(prefix="radix-stateful-"))
+        self.live: list[Live] = []
+        self.cache: RadixCache | None = None
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @initialize(budget=st.integers(0, MAX_BUDGET_TOKENS), fair=st.booleans(),
+                tier=st.sampled_from([0, CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]))
+    def start(self, budget, fair, tier):
+        self.cache = _new_cache(self.folder, budget, fair, tier)
+
+    # ------------------------------------------------------------ helpers
+    def _key(self, seq: int, length: int, ns: int, public: int) -> CacheKey:
+        ids = _reference()[0][seq][:length]
+        namespace = NAMESPACES[ns]
+        return CacheKey(ids, namespace, 0 if namespace == PUBLIC else min(public, length))
+
+    def _pick(self, i: int) -> Live:
+        return self.live[i % len(self.live)]
+
+    @property
+    def bpt(self) -> int:
+        return self.cache.pool.bytes_per_token
+
+    # ------------------------------------------------------------ rules
+    keys = dict(seq=st.integers(0, 7), length=st.integers(1, 200), ns=st.integers(0, 2),
+                public=st.one_of(st.just(0), st.integers(1, 200)))
+
+    @rule(**keys, short=st.integers(0, 200))
+    def insert(self, seq, length, ns, public, short):
+        key = self._key(seq, length, ns, public)
+        n = max(0, len(key.ids) - short % (len(key.ids) + 1))  # a scratch buffer may hold less than the key
+        kv = _scratch(len(key.ids))
+        k, v = kv.prefill_from(n)
+        rk, rv = ref_kv(key.ids[:n])
+        k.copy_(rk)
+        v.copy_(rv)
+        before = self.cache.match_len(key.prefix(n))
+        stored = self.cache.insert(key, kv)
+        assert 0 <= stored <= n - before
+        if stored:
+            assert self.cache.match_len(key.prefix(n)) == before + stored
+
+    @rule(**keys, cut=st.integers(0, 200), extra=st.integers(0, 200))
+    def acquire(self, seq, length, ns, public, cut, extra):
+        key = self._key(seq, length, ns, public)
+        max_len = len(key.ids) - cut % (len(key.ids) + 1)
+        total = min(len(_reference()[0][seq]), len(key.ids) + extra)
+        before = _digest(self.cache)
+        matched = self.cache.match_len(key.prefix(max_len))
+        rs = self.cache.acquire(key, max_len, total)
+        if rs is None:
+            assert _digest(self.cache) == before, "an acquire without room changed the cache"
+            return
+        self.live.append(Live(rs, seq, key, total))
+        assert matched <= rs.cached_tokens <= max_len
+        assert rs.tree_len == rs.length == rs.cached_tokens
+        assert len(rs.slots) == max(total, rs.cached_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50), n=st.integers(1, 200), real=st.integers(0, 9))
+    def write(self, i, n, real):
+        """Compute the next ``n`` positions of a running request (the reference KV; one write in
+        ten through the real paged forward, compared with the reference, then set to it)."""
+        r = self._pick(i)
+        rs = r.rs
+        n = min(n, len(rs.slots) - rs.length)
+        if n <= 0:
+            return
+        start, stop = rs.length, rs.length + n
+        if real == 0:
+            seg = PagedSegment(list(r.ids[start:stop]), start, rs.slots, rs.runs())
+            _runner().forward_paged(self.cache.pool, [seg])
+            k, v = _gather(self.cache.pool, rs.slots[start:stop])
+            rk, rv = ref_kv(r.ids[:stop])
+            assert torch.allclose(k, rk[:, :, start:stop], atol=1e-4), "paged forward over the cached prefix"
+            assert torch.allclose(v, rv[:, :, start:stop], atol=1e-4), "paged forward over the cached prefix"
+        rk, rv = ref_kv(r.ids[:stop])
+        self.cache.pool.write_from(rs.slots[start:stop], rk[:, :, start:stop], rv[:, :, start:stop])
+        rs.length = stop
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50), length=st.integers(1, 200))
+    def adopt(self, i, length):
+        r = self._pick(i)
+        rs = r.rs
+        key = CacheKey(r.ids[:length], r.key.namespace, r.key.public_len)
+        n = min(len(key.ids), rs.length)
+        before = self.cache.match_len(key.prefix(n))
+        tree_len = rs.tree_len
+        stored = self.cache.adopt(rs, key)
+        if n > tree_len:
+            assert stored == n - max(before, tree_len)
+            assert rs.tree_len == n and self.cache.match_len(key.prefix(n)) == n
+        else:
+            assert stored == 0
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50))
+    def release(self, i):
+        r = self._pick(i)
+        free = self.cache.pool.num_free
+        own = r.rs.own_tokens
+        self.cache.release(r.rs)
+        self.live.remove(r)
+        assert self.cache.pool.num_free == free + own
+        self.cache.release(r.rs)  # a second release is a no-op
+        assert self.cache.pool.num_free == free + own
+
+    @rule(**keys, written=st.integers(0, 200))
+    def cancel(self, seq, length, ns, public, written):
+        """A request cancelled mid-prefill: acquired, part written, released without adopting."""
+        key = self._key(seq, length, ns, public)
+        rs = self.cache.acquire(key, len(key.ids) - 1, len(key.ids))
+        if rs is None:
+            return
+        stop = min(len(rs.slots), rs.length + written)
+        rk, rv = ref_kv(key.ids[:stop])
+        self.cache.pool.write_from(rs.slots[rs.length:stop], rk[:, :, rs.length:stop], rv[:, :, rs.length:stop])
+        rs.length = stop
+        self.cache.release(rs)  # what it loaded from the tier stays cached; its own slots are free (invariant)
+
+    @rule(tokens=st.integers(0, MAX_BUDGET_TOKENS), extra_bytes=st.integers(0, 600))
+    def set_budget(self, tokens, extra_bytes):
+        before = _digest(self.cache)
+        held = self.cache.tree.locked_tokens + sum(r.rs.own_tokens for r in self.live)
+        try:
+            self.cache.set_budget(tokens * self.bpt + extra_bytes)
+        except EngineError:
+            assert held > tokens + extra_bytes // self.bpt, "refused a budget that holds what is running"
+            assert _digest(self.cache) == before, "a refused budget change changed the cache"
+            return
+        assert self.cache.pool.capacity == tokens + extra_bytes // self.bpt
+
+    @rule(ns=st.integers(-1, 2))
+    def clear(self, ns):
+        self.cache.clear(None if ns < 0 else NAMESPACES[ns])
+        if ns < 0:
+            assert self.cache.num_tokens == self.cache.locked_tokens()
+
+    @rule()
+    def offload(self):
+        self.cache.offload()
+        assert self.cache.num_tokens == self.cache.locked_tokens()
+
+    @rule(**keys, cut=st.integers(0, 200))
+    def load_prefix(self, seq, length, ns, public, cut):
+        key = self._key(seq, length, ns, public)
+        max_len = len(key.ids) - cut % (len(key.ids) + 1)
+        before = self.cache.match_len(key.prefix(max_len))
+        loaded = self.cache.load_prefix(key, max_len)
+        if loaded:
+            assert self.cache.match_len(key.prefix(max_len)) >= before + loaded
+
+    @rule()
+    def persist(self):
+        self.cache.persist()
+
+    @rule(**keys, cut=st.integers(0, 200), touch=st.booleans())
+    def copy_prefix(self, seq, length, ns, public, cut, touch):
+        key = self._key(seq, length, ns, public)
+        max_len = len(key.ids) - cut % (len(key.ids) + 1)
+        expect = self.cache.match_len(key.prefix(max_len))
+        kv = _scratch(max_len)
+        n = self.cache.copy_prefix(key, max_len, kv, touch=touch)
+        assert n == expect
+        if n:
+            rk, rv = ref_kv(key.ids[:n])
+            assert torch.equal(kv.k[:, :, :n], rk) and torch.equal(kv.v[:, :, :n], rv), "copy_prefix KV"
+
+    @rule(budget=st.integers(0, MAX_BUDGET_TOKENS), fair=st.booleans(),
+          tier=st.sampled_from([CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]), adopt=st.booleans())
+    def restart(self, budget, fair, tier, adopt):
+        """Persist, then a new process: a new cache over the same tier folder (running requests
+        end first, adopted or not)."""
+        for r in list(self.live):
+            if adopt:
+                self.cache.adopt(r.rs, CacheKey(r.ids, r.key.namespace, r.key.public_len))
+            self.cache.release(r.rs)
+        self.live.clear()
+        self.cache.persist()
+        self.cache = _new_cache(self.folder, budget, fair, tier)
+
+    # ------------------------------------------------------------ corruption (subclass only)
+    def _chunk_files(self) -> list[Path]:
+        return sorted(_tier_folder(self.folder).glob("*.kv"))
+
+    @precondition(lambda self: self.corrupt_files)
+    @rule(i=st.integers(0, 50), how=st.sampled_from(
+        ["flip", "truncate", "empty", "delete", "key", "dtype-float64", "dtype-bfloat16", "dtype-int32",
+         "dtype-Tensor", "layers", "tokens", "heads-dim"]))
+    def corrupt_chunk(self, i, how):
+        files = self._chunk_files()
+        if not files:
+            return
+        path = files[i % len(files)]
+        _damage(path, how)
+
+    @precondition(lambda self: self.corrupt_files)
+    @rule(how=st.sampled_from(["huge-id", "negative-id", "not-json", "no-paths", "ids-string", "ns-list",
+                               "public-str", "stale"]))
+    def corrupt_paths(self, how):
+        folder = _tier_folder(self.folder)
+        if not folder.exists():
+            return
+        _bad_paths(folder / "spilled-paths.json", how)
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def consistent(self):
+        if self.cache is None:
+            return
+        cache, pool = self.cache, self.cache.pool
+        values = cache.tree.all_values()
+        own = [s for r in self.live for s in r.rs.slots[r.rs.tree_len:]]
+        assert all(isinstance(s, int) and 0 <= s < pool.capacity for s in values), "a tree slot out of range"
+        assert all(0 <= s < pool.capacity for s in own), "a running request's slot out of range"
+        assert len(set(values)) == len(values), "a slot held twice by the tree"
+        assert len(set(own)) == len(own) and not set(own) & set(values), "a slot held twice"
+        assert pool.num_free + len(values) + len(own) == pool.capacity, (
+            f"free {pool.num_free} + tree {len(values)} + running {len(own)} != capacity {pool.capacity}")
+        assert pool.bytes_in_use <= pool.budget_bytes
+        cache.check_invariants()
+        # every tree slot holds the KV of its token at its position
+        stack = [(child, ()) for child in cache.tree.root.children.values()]
+        while stack:
+            node, above = stack.pop()
+            ids = above + tuple(node.key)
+            _assert_kv(pool, list(node.value), ids, len(above), f"tree node {node.id}")
+            stack.extend((c, ids) for c in node.children.values())
+        # every running request's written positions hold the reference KV of its ids
+        for r in self.live:
+            rs = r.rs
+            assert set(rs.slots[:rs.tree_len]) <= set(values), "a running request reads slots the tree lost"
+            _assert_kv(pool, rs.slots[:rs.length], r.ids[:rs.length], 0, "running request")
+
+
+def _damage(path: Path, how: str) -> None:
+    """Corrupt one chunk file as a crash, a bad disk or another program might."""
+    data = bytearray(path.read_bytes())
+    head = struct.Struct("<6s40s16sIIIIQI")
+    if len(data) < head.size:
+        return
+    magic, key, dtype, layers, heads, tokens, dim, size, crc = head.unpack_from(data)
+    if how == "flip":
+        data[head.size + (len(data) - head.size) // 2] ^= 0x40
+    elif how == "truncate":
+        data = data[:len(data) - 7]
+    elif how == "empty":
+        data = bytearray()
+    elif how == "delete":
+        path.unlink()
+        return
+    elif how == "key":
+        key = b"0" * 40
+    elif how.startswith("dtype-"):
+        dtype = how.removeprefix("dtype-").encode()
+    elif how == "layers":
+        layers, heads = layers * 2, max(1, heads // 2)  # same element count, another shape
+    elif how == "tokens":
+        tokens, dim = tokens * 2, max(1, dim // 2)
+    elif how == "heads-dim":
+        heads, dim = heads * 2, max(1, dim // 2)
+    if how in ("key", "layers", "tokens", "heads-dim") or how.startswith("dtype-"):
+        data[:head.size] = head.pack(magic, key, dtype, layers, heads, tokens, dim, size, crc)
+    path.write_bytes(bytes(data))
+
+
+def _bad_paths(path: Path, how: str) -> None:
+    """A spilled-paths file that does not describe the tier (or does not parse)."""
+    good = [{"ids": list(_reference()[0][0][:128]), "namespace": PUBLIC, "public_len": 0}]
+    if how == "huge-id":
+        doc = {"version": 1, "paths": [{"ids": [2**63] * 64, "namespace": PUBLIC, "public_len": 0}] + good}
+    elif how == "negative-id":
+        doc = {"version": 1, "paths": [{"ids": [-5] * 64, "namespace": "v1", "public_len": 3}]}
+    elif how == "not-json":
+        path.write_text("{not json")
+        return
+    elif how == "no-paths":
+        doc = {"version": 1}
+    elif how == "ids-string":
+        doc = {"version": 1, "paths": [{"ids": "abc", "namespace": PUBLIC, "public_len": 0}]}
+    elif how == "ns-list":
+        doc = {"version": 1, "paths": [{"ids": list(range(64)), "namespace": ["x"], "public_len": 0}]}
+    elif how == "public-str":
+        doc = {"version": 1, "paths": [{"ids": list(range(64)), "namespace": "v1", "public_len": "Tensor"}]}
+    else:  # stale: paths of chunks the tier does not hold
+        doc = {"version": 1, "paths": good + [{"ids": list(_reference()[0][4][:192]), "namespace": "v2",
+                                               "public_len": 70}]}
+    path.write_text(json.dumps(doc))
+
+
+class CorruptingCacheMachine(CacheMachine):
+    """The same, with the tier's files damaged on disk now and then."""
+
+    corrupt_files = True
+
+
+_FAST = settings(max_examples=int(os.environ.get("RADIX_STATEFUL_EXAMPLES", "25")),
+                 stateful_step_count=int(os.environ.get("RADIX_STATEFUL_STEPS", "30")), deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+TestCache = CacheMachine.TestCase
+TestCache.settings = _FAST
+TestCacheWithCorruptFiles = CorruptingCacheMachine.TestCase
+TestCacheWithCorruptFiles.settings = _FAST
