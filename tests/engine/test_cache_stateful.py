@@ -42,6 +42,10 @@ NAMESPACES = (PUBLIC, "v1", "v2")
 ALPHABET = (11, 12, 13)  # few letters: prefixes are shared by accident too
 MAX_BUDGET_TOKENS = 400
 MAX_TIER_TOKENS = 8 * CHUNK_TOKENS
+SPECS = [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 1, 0), (0, 1, 64), (4, 0, 0), (5, 2, 30), (0, 2, 150),
+         (6, 0, 0), (7, 1, 0)]  # (sequence, namespace, public length)
+# budgets mostly under two sequences' worth, so eviction (and spilling to the tier) is common
+BUDGETS = st.one_of(st.sampled_from([64, 100, 128, 140, 160, 200]), st.integers(0, MAX_BUDGET_TOKENS))
 
 
 # ---------------------------------------------------------------- reference
@@ -184,13 +188,14 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    @initialize(budget=st.integers(0, MAX_BUDGET_TOKENS), fair=st.booleans(),
-                tier=st.sampled_from([0, CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]))
+    @initialize(budget=BUDGETS, fair=st.booleans(),
+                tier=st.sampled_from([MAX_TIER_TOKENS, 0, CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]))
     def start(self, budget, fair, tier):
         self.cache = _new_cache(self.folder, budget, fair, tier)
 
     # ------------------------------------------------------------ helpers
-    def _key(self, seq: int, length: int, ns: int, public: int) -> CacheKey:
+    def _key(self, spec: tuple[int, int, int], length: int) -> CacheKey:
+        seq, ns, public = spec
         ids = _reference()[0][seq][:length]
         namespace = NAMESPACES[ns]
         return CacheKey(ids, namespace, 0 if namespace == PUBLIC else min(public, length))
@@ -203,12 +208,15 @@ class CacheMachine(RuleBasedStateMachine):
         return self.cache.pool.bytes_per_token
 
     # ------------------------------------------------------------ rules
-    keys = dict(seq=st.integers(0, 7), length=st.integers(1, 200), ns=st.integers(0, 2),
-                public=st.one_of(st.just(0), st.integers(1, 200)))
+    # lengths and budgets near chunk boundaries come up often: that is where the tier's edges are
+    lengths = st.one_of(st.sampled_from([10, 30, 63, 64, 65, 100, 128, 129, 130, 150, 192, 200]), st.integers(1, 200))
+    # Keys come from a few specs (sequence, namespace, public length), cut to a length: the same
+    # prefixes come back (as a conversation's turns do) and the tier's chunks get hit.
+    keys = dict(spec=st.sampled_from(SPECS), length=lengths)
 
     @rule(**keys, short=st.integers(0, 200))
-    def insert(self, seq, length, ns, public, short):
-        key = self._key(seq, length, ns, public)
+    def insert(self, spec, length, short):
+        key = self._key(spec, length)
         n = max(0, len(key.ids) - short % (len(key.ids) + 1))  # a scratch buffer may hold less than the key
         kv = _scratch(len(key.ids))
         k, v = kv.prefill_from(n)
@@ -221,18 +229,35 @@ class CacheMachine(RuleBasedStateMachine):
         if stored:
             assert self.cache.match_len(key.prefix(n)) == before + stored
 
+    @rule(**keys)
+    def prefill(self, spec, length):
+        """The engine's scratch-buffer prefill (warm start, timings): what the tier holds comes
+        back, the cached prefix is copied out, the rest computed, the prompt cached."""
+        key = self._key(spec, length)
+        n = len(key.ids)
+        self.cache.load_prefix(key, n - 1)
+        kv = _scratch(n)
+        cached = self.cache.copy_prefix(key, n - 1, kv, touch=True)
+        rk, rv = ref_kv(key.ids)
+        assert torch.equal(kv.k[:, :, :cached], rk[:, :, :cached]), "copied prefix KV"
+        assert torch.equal(kv.v[:, :, :cached], rv[:, :, :cached]), "copied prefix KV"
+        k, v = kv.prefill_from(n)
+        k[:, :, cached:] = rk[:, :, cached:]
+        v[:, :, cached:] = rv[:, :, cached:]
+        self.cache.insert(key, kv)
+
     @rule(**keys, cut=st.integers(0, 200), extra=st.integers(0, 200))
-    def acquire(self, seq, length, ns, public, cut, extra):
-        key = self._key(seq, length, ns, public)
+    def acquire(self, spec, length, cut, extra):
+        key = self._key(spec, length)
         max_len = len(key.ids) - cut % (len(key.ids) + 1)
-        total = min(len(_reference()[0][seq]), len(key.ids) + extra)
+        total = min(len(_reference()[0][spec[0]]), len(key.ids) + extra)
         before = _digest(self.cache)
         matched = self.cache.match_len(key.prefix(max_len))
         rs = self.cache.acquire(key, max_len, total)
         if rs is None:
             assert _digest(self.cache) == before, "an acquire without room changed the cache"
             return
-        self.live.append(Live(rs, seq, key, total))
+        self.live.append(Live(rs, spec[0], key, total))
         assert matched <= rs.cached_tokens <= max_len
         assert rs.tree_len == rs.length == rs.cached_tokens
         assert len(rs.slots) == max(total, rs.cached_tokens)
@@ -288,9 +313,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.pool.num_free == free + own
 
     @rule(**keys, written=st.integers(0, 200))
-    def cancel(self, seq, length, ns, public, written):
+    def cancel(self, spec, length, written):
         """A request cancelled mid-prefill: acquired, part written, released without adopting."""
-        key = self._key(seq, length, ns, public)
+        key = self._key(spec, length)
         rs = self.cache.acquire(key, len(key.ids) - 1, len(key.ids))
         if rs is None:
             return
@@ -300,7 +325,7 @@ class CacheMachine(RuleBasedStateMachine):
         rs.length = stop
         self.cache.release(rs)  # what it loaded from the tier stays cached; its own slots are free (invariant)
 
-    @rule(tokens=st.integers(0, MAX_BUDGET_TOKENS), extra_bytes=st.integers(0, 600))
+    @rule(tokens=BUDGETS, extra_bytes=st.integers(0, 600))
     def set_budget(self, tokens, extra_bytes):
         before = _digest(self.cache)
         held = self.cache.tree.locked_tokens + sum(r.rs.own_tokens for r in self.live)
@@ -324,8 +349,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.num_tokens == self.cache.locked_tokens()
 
     @rule(**keys, cut=st.integers(0, 200))
-    def load_prefix(self, seq, length, ns, public, cut):
-        key = self._key(seq, length, ns, public)
+    def load_prefix(self, spec, length, cut):
+        key = self._key(spec, length)
         max_len = len(key.ids) - cut % (len(key.ids) + 1)
         before = self.cache.match_len(key.prefix(max_len))
         loaded = self.cache.load_prefix(key, max_len)
@@ -337,8 +362,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.persist()
 
     @rule(**keys, cut=st.integers(0, 200), touch=st.booleans())
-    def copy_prefix(self, seq, length, ns, public, cut, touch):
-        key = self._key(seq, length, ns, public)
+    def copy_prefix(self, spec, length, cut, touch):
+        key = self._key(spec, length)
         max_len = len(key.ids) - cut % (len(key.ids) + 1)
         expect = self.cache.match_len(key.prefix(max_len))
         kv = _scratch(max_len)
@@ -348,7 +373,7 @@ class CacheMachine(RuleBasedStateMachine):
             rk, rv = ref_kv(key.ids[:n])
             assert torch.equal(kv.k[:, :, :n], rk) and torch.equal(kv.v[:, :, :n], rv), "copy_prefix KV"
 
-    @rule(budget=st.integers(0, MAX_BUDGET_TOKENS), fair=st.booleans(),
+    @rule(budget=BUDGETS, fair=st.booleans(),
           tier=st.sampled_from([CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]), adopt=st.booleans())
     def restart(self, budget, fair, tier, adopt):
         """Persist, then a new process: a new cache over the same tier folder (running requests
