@@ -374,16 +374,18 @@ class CacheMachine(RuleBasedStateMachine):
             assert torch.equal(kv.k[:, :, :n], rk) and torch.equal(kv.v[:, :, :n], rv), "copy_prefix KV"
 
     @rule(budget=BUDGETS, fair=st.booleans(),
-          tier=st.sampled_from([CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]), adopt=st.booleans())
-    def restart(self, budget, fair, tier, adopt):
-        """Persist, then a new process: a new cache over the same tier folder (running requests
-        end first, adopted or not)."""
+          tier=st.sampled_from([CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]), adopt=st.booleans(),
+          clean=st.booleans())
+    def restart(self, budget, fair, tier, adopt, clean):
+        """A new process: a new cache over the same tier folder. Running requests end first
+        (adopted or not); a clean stop persists, a crash leaves the folder as it was."""
         for r in list(self.live):
             if adopt:
                 self.cache.adopt(r.rs, CacheKey(r.ids, r.key.namespace, r.key.public_len))
             self.cache.release(r.rs)
         self.live.clear()
-        self.cache.persist()
+        if clean:
+            self.cache.persist()
         self.cache = _new_cache(self.folder, budget, fair, tier)
 
     # ------------------------------------------------------------ corruption (subclass only)
