@@ -38,12 +38,12 @@ from engine.model.paged_attention import PagedSegment
 from engine.types import PUBLIC, CacheKey, EngineError
 
 FINGERPRINT = "stateful-test"
-NAMESPACES = (PUBLIC, "v1", "v2")
+NAMESPACES = (PUBLIC, "v1", "v2", "v1/chat")  # a sub-namespace counts as its owner's (fair share)
 ALPHABET = (11, 12, 13)  # few letters: prefixes are shared by accident too
 MAX_BUDGET_TOKENS = 400
 MAX_TIER_TOKENS = 8 * CHUNK_TOKENS
 SPECS = [(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 1, 0), (0, 1, 64), (4, 0, 0), (5, 2, 30), (0, 2, 150),
-         (6, 0, 0), (7, 1, 0)]  # (sequence, namespace, public length)
+         (6, 0, 0), (7, 1, 0), (1, 3, 64), (2, 3, 0)]  # (sequence, namespace, public length)
 # budgets mostly under two sequences' worth, so eviction (and spilling to the tier) is common
 BUDGETS = st.one_of(st.sampled_from([64, 100, 128, 140, 160, 200]), st.integers(0, MAX_BUDGET_TOKENS))
 
@@ -337,7 +337,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert self.cache.pool.capacity == tokens + extra_bytes // self.bpt
 
-    @rule(ns=st.integers(-1, 2))
+    @rule(ns=st.integers(-1, len(NAMESPACES) - 1))
     def clear(self, ns):
         self.cache.clear(None if ns < 0 else NAMESPACES[ns])
         if ns < 0:
@@ -386,7 +386,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.live.clear()
         if clean:
             self.cache.persist()
+        on_disk = {p.stem for p in self._chunk_files()}
+        old_bytes = self.cache.tier.bytes_in_use if self.cache.tier is not None else 0
         self.cache = _new_cache(self.folder, budget, fair, tier)
+        if clean and old_bytes <= tier * self.bpt and not self.corrupt_files:
+            # a clean stop and room for all of it: every chunk is found again
+            assert {p.stem for p in self._chunk_files()} == on_disk, "a restart lost chunk files"
+            assert all(k in self.cache.tier for k in on_disk), "a restart did not index its chunk files"
 
     # ------------------------------------------------------------ corruption (subclass only)
     def _chunk_files(self) -> list[Path]:
@@ -428,6 +434,13 @@ class CacheMachine(RuleBasedStateMachine):
             f"free {pool.num_free} + tree {len(values)} + running {len(own)} != capacity {pool.capacity}")
         assert pool.bytes_in_use <= pool.budget_bytes
         cache.check_invariants()
+        snap = cache.snapshot()
+        resident = [n for n in snap.nodes if not n.spilled]
+        assert sum(n.num_tokens for n in resident) == cache.num_tokens == snap.num_tokens
+        depth = {0: 0} | {n.node_id: n.depth_tokens for n in resident}
+        assert all(depth[n.parent_id] + n.num_tokens == n.depth_tokens for n in resident), "snapshot depths"
+        assert all(n.parent_id in depth or n.parent_id in {m.node_id for m in snap.nodes} for n in snap.nodes)
+        cache.snapshot(viewer="v1")
         # every tree slot holds the KV of its token at its position
         stack = [(child, ()) for child in cache.tree.root.children.values()]
         while stack:
