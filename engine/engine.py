@@ -34,6 +34,7 @@ from engine.handle import END_OF_STREAM, RequestHandle, request_key
 from engine.kvcache import kv_tier
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
+from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -239,7 +240,8 @@ class Engine(FacadeBase):
                                  runner.head_dim) if enable_cache and tier_bytes > 0 else ""
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
         self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
-        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
+        second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
+        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
                                    if enable_cache else NoPrefixCache(pool))
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
@@ -308,16 +310,7 @@ class Engine(FacadeBase):
                            tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
                            running_bytes=self.cache.running_tokens * self.cache.bytes_per_token,
                            tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens,
-                           **self._tier_stats())
-
-    def _tier_stats(self) -> dict:
-        tier = self.tier
-        if tier is None:
-            return {}
-        return dict(tier_bytes=tier.bytes_in_use, tier_budget_bytes=tier.budget_bytes, tier_chunks=tier.num_chunks,
-                    tier_loaded_tokens=self.cache.tier_loaded_tokens, tier_spilled_tokens=self.cache.tier_spilled_tokens,
-                    tier_bytes_read=tier.bytes_read, tier_bytes_written=tier.bytes_written,
-                    tier_kind=tier.kind)
+                           **self.cache.tier_stats())
 
     def offload_cache(self) -> int:
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""

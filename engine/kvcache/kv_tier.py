@@ -23,6 +23,7 @@ tensors, lost at exit.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -114,6 +115,33 @@ class ChunkStore:
             self.loaded_chunks += 1
             self.bytes_read += kv.numel() * kv.element_size()
             return kv
+
+    def write_paths(self, paths: list) -> None:
+        """Keep the spilled paths (``CacheKey``s) for the next start (disk only)."""
+        target = self.paths_file
+        if target is None:
+            return
+        data = [{"ids": list(p.ids), "namespace": p.namespace, "public_len": p.public_len} for p in paths]
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"version": 1, "paths": data}))
+            os.replace(tmp, target)
+        except OSError as exc:
+            log.warning("KV tier: could not write %s (%s)", target, exc)
+
+    def read_paths(self) -> list:
+        """The spilled paths a previous run kept ([] without, or when the file does not parse)."""
+        source = self.paths_file
+        if source is None or not source.exists():
+            return []
+        from engine.types import CacheKey
+        try:
+            saved = json.loads(source.read_text())["paths"]
+            return [CacheKey(tuple(int(i) for i in p["ids"]), str(p["namespace"]), int(p["public_len"]))
+                    for p in saved]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("KV tier: skipping %s (%s)", source.name, exc)
+            return []
 
     def _forget(self, key: str) -> None:
         self._drop(key)

@@ -151,7 +151,7 @@ def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
     engine.run(req(rand_ids(7, 2 * C, vocab), 2, namespace="salt-abc"))
     written = engine.persist_cache()
     assert written == 2 and engine.stats().tier_chunks == 2  # the shipped prefix's two chunks, nothing else
-    private_key = kv_tier.chunk_key(engine.cache.fingerprint, "v-alice", len(shipped), shipped + private[:C])
+    private_key = kv_tier.chunk_key(engine.cache.tier.fingerprint, "v-alice", len(shipped), shipped + private[:C])
     assert private_key not in engine.tier
 
 
