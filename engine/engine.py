@@ -78,14 +78,15 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
         getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
     return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
                                runner.num_kv_heads, runner.head_dim, weights=weights,
-                               packed_linear=runner.packed_linears > 0)
+                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
 
 
 def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,
               isolation: bool = False) -> kv_tier.ChunkStore | None:
     """The second tier: a disk folder per model fingerprint and mode (another model, weights or
     dtype never reads it, and an isolated run never reads what a shared run wrote as public) or,
-    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder."""
+    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder
+    or it cannot be made."""
     if tier_bytes <= 0:
         return None
     geometry = kv_tier.ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
@@ -94,7 +95,7 @@ def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, finger
     folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
     try:
         return kv_tier.DiskStore(folder, tier_bytes, geometry)
-    except kv_tier.TierBusy as exc:
+    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
         log.warning("KV tier: running without a second tier: %s", exc)
         return None
 

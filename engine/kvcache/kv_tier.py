@@ -306,9 +306,10 @@ class DiskStore(ChunkStore):
     kind = "disk"
 
     @property
-    def paths_file(self) -> Path:
-        """Where the token paths of what this tier holds are kept, for the tree after a restart."""
-        return self.folder / "spilled-paths.json"
+    def paths_file(self) -> Path | None:
+        """Where the token paths of what this tier holds are kept, for the tree after a restart;
+        None once closed (the folder may be another engine's by then)."""
+        return None if self._closed else self.folder / "spilled-paths.json"
 
     def __init__(self, folder: Path, budget_bytes: int, geometry: ChunkGeometry) -> None:
         super().__init__(budget_bytes, geometry)
@@ -338,11 +339,13 @@ class DiskStore(ChunkStore):
         f.truncate(0)
         f.write(str(os.getpid()))
         f.flush()
+        self._lock_pid = os.getpid()
         return f
 
     def _release(self) -> None:
         if self._lock_file is not None:
-            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+            if os.getpid() == self._lock_pid:  # a forked child shares the description: unlocking would free the parent's
+                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
 
@@ -448,7 +451,7 @@ class DiskStore(ChunkStore):
         tier's chunks as they are loaded)."""
         data = {"version": 1, "paths": [{"ids": [int(i) for i in p.ids], "namespace": p.namespace,
                                          "public_len": int(p.public_len)} for p in paths]}
-        target = self.paths_file
+        target = self.folder / "spilled-paths.json"
         tmp = target.with_suffix(f".tmp{os.getpid()}")
         with self._lock:
             if self._closed:
@@ -465,9 +468,9 @@ class DiskStore(ChunkStore):
         """The saved paths; an entry that is not exactly what ``write_paths`` writes (ids ints in
         [0, 2**31), a namespace string of at most 256 characters, 0 <= public_len <= len(ids)) is
         skipped; a file that does not parse gives []. One log line either way; never raises."""
-        source = self.paths_file
+        source = self.folder / "spilled-paths.json"
         try:
-            if not source.exists():
+            if self._closed or not source.exists():
                 return []
             if source.stat().st_size > _MAX_PATHS_FILE_BYTES:
                 raise ValueError(f"larger than {_MAX_PATHS_FILE_BYTES} bytes")

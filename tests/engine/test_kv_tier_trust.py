@@ -233,6 +233,7 @@ def test_a_second_store_on_the_folder_is_refused_until_the_first_closes(tmp_path
         DiskStore(tmp_path, 2**20, geometry())
     first.close()
     assert first.get(A) is None and first.put(B, chunk(1)) is False  # a closed store keeps nothing more
+    assert first.paths_file is None  # nor writes the paths into a folder another engine may hold now
     second = DiskStore(tmp_path, 2**20, geometry())
     assert A in second and torch.equal(second.get(A), chunk(0))
     second.close()
@@ -270,6 +271,16 @@ def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tm
                    tier_dir=str(tmp_path))  # the first released the folder at close
     assert third.tier is not None
     third.close()
+
+
+def test_an_engine_whose_tier_folder_cannot_be_made_runs_without_a_tier(tiny_runner, tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the tier's folder would go")
+    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+        engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                        tier_dir=str(blocker))
+    assert engine.tier is None and "without a second tier" in caplog.text
+    engine.close()
 
 
 # ------------------------------------------------------------------- 5. a full disk
