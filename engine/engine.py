@@ -71,15 +71,34 @@ def default_budget_bytes(device: torch.device) -> int:
     return 2**30
 
 
-def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None,
-              fingerprint: str) -> kv_tier.ChunkStore | None:
-    """The second tier: a disk folder per model fingerprint (another model or dtype never reads
-    it) or, on a GPU without a folder, host memory."""
+def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
+    """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
+    of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
+    host memory ends with the process, so there the weights need no digest."""
+    weights = "" if tier_dir is None else kv_tier.weights_digest(
+        getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
+    return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
+                               runner.num_kv_heads, runner.head_dim, weights=weights,
+                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
+
+
+def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,
+              isolation: bool = False) -> kv_tier.ChunkStore | None:
+    """The second tier: a disk folder per model fingerprint and mode (another model, weights or
+    dtype never reads it, and an isolated run never reads what a shared run wrote as public) or,
+    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder
+    or it cannot be made."""
     if tier_bytes <= 0:
         return None
+    geometry = kv_tier.ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
     if tier_dir is None:
-        return kv_tier.HostStore(tier_bytes) if runner.device.type != "cpu" else None
-    return kv_tier.DiskStore(Path(tier_dir) / fingerprint, tier_bytes)
+        return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
+    folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
+    try:
+        return kv_tier.DiskStore(folder, tier_bytes, geometry)
+    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
+        log.warning("KV tier: running without a second tier: %s", exc)
+        return None
 
 
 def default_chunk_tokens(device: torch.device) -> int:
@@ -236,9 +255,8 @@ class Engine(FacadeBase):
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers, runner.num_kv_heads,
-                                 runner.head_dim) if enable_cache and tier_bytes > 0 else ""
-        self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
+        fp = tier_fingerprint(runner, tier_dir) if enable_cache and tier_bytes > 0 else ""
+        self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
         self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
@@ -387,6 +405,7 @@ class Engine(FacadeBase):
         self._worker.join(timeout_s)
         if self.tier is not None:
             self.persist_cache()
+            self.tier.close()  # releases the folder's lock: the next engine on it may open it
 
     def _work(self) -> None:
         while True:
