@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.kvcache.kv_pool import KVPool
-from engine.kvcache.kv_tier import CHUNK_TOKENS, DiskStore
+from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore
 from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.second_tier import SecondTier
 from engine.types import CacheKey
@@ -48,7 +48,8 @@ def _setup(runner, tmp_path, capacity=2 * CHUNK_TOKENS + 12):
     vocab = len(runner.text.tokenizer)
     prompt = torch.randint(10, vocab, (2 * CHUNK_TOKENS + 2,), generator=gen).tolist()
     other = torch.randint(10, vocab, (capacity - 12,), generator=gen).tolist()
-    store = DiskStore(tmp_path / "tier", 64 * CHUNK_TOKENS * runner.kv_bytes_per_token)
+    geometry = ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
+    store = DiskStore(tmp_path / "tier", 64 * CHUNK_TOKENS * runner.kv_bytes_per_token, geometry)
     cache = RadixCache(_pool(runner, capacity), tier=SecondTier(store, "fp", public_only=False))
     key = CacheKey(tuple(prompt))
     cache.insert(key, _kv(runner, prompt))
