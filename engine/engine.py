@@ -95,10 +95,12 @@ def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, finger
         return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
     folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
     try:
-        return kv_tier.DiskStore(folder, tier_bytes, geometry)
+        store = kv_tier.DiskStore(folder, tier_bytes, geometry)
     except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
         log.warning("KV tier: running without a second tier: %s", exc)
         return None
+    kv_tier.prune_other_tiers(folder.parent, keep=folder)
+    return store
 
 
 def default_chunk_tokens(device: torch.device) -> int:

@@ -43,6 +43,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import struct
 import threading
 import time
@@ -485,6 +487,34 @@ class DiskStore(ChunkStore):
         if len(good) < len(paths):
             log.warning("KV tier: skipped %d bad entries of %s", len(paths) - len(good), source.name)
         return good
+
+
+_TIER_FOLDER = re.compile(r"^[0-9a-f]{16}(-shared|-isolated)?$")  # a fingerprint, and the mode since #27
+
+
+def prune_other_tiers(parent: Path, keep: Path) -> int:
+    """Remove the tier folders under ``parent`` other than ``keep`` that no engine holds now (their
+    lock is free): tiers of another model, weights, dtype or mode, which this run can never read.
+    So the disk holds the tier of the configuration that runs, plus those of engines running
+    beside it, and ``--disk-cache-mb`` bounds each. Returns the bytes removed."""
+    removed = 0
+    for folder in sorted(parent.iterdir()):
+        if folder == keep or not folder.is_dir() or folder.is_symlink() or not _TIER_FOLDER.match(folder.name):
+            continue
+        try:
+            with open(folder / _LOCK_NAME, "a+") as f:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # another engine's, running now
+                size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+                shutil.rmtree(folder)
+                removed += size
+        except OSError as exc:
+            log.warning("KV tier: could not remove the old tier %s (%s)", folder.name, exc)
+    if removed:
+        log.info("KV tier: removed %.0f MiB of tiers this configuration cannot read", removed / 2**20)
+    return removed
 
 
 def _path_entry(entry: object) -> CacheKey | None:

@@ -389,3 +389,24 @@ def test_an_isolated_run_never_reads_what_a_shared_run_wrote(tiny_runner, tmp_pa
     assert shared.tier.folder.name.endswith("-shared") and isolated.tier.folder.name.endswith("-isolated")
     assert shared.tier.folder.name.removesuffix("-shared") == isolated.tier.folder.name.removesuffix("-isolated")
     isolated.close()
+
+
+def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(tiny_runner, tmp_path):
+    """--disk-cache-mb bounds the disk: another configuration's folder (model, weights, dtype, mode)
+    goes at the next start, unless an engine holds it now; other files beside them stay."""
+    vocab = len(tiny_runner.text.tokenizer)
+    shared = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                    tier_dir=str(tmp_path))
+    shared.run(req(rand_ids(13, 2 * C + 1, vocab), 2))
+    shared.close()
+    legacy = tmp_path / "0123456789abcdef"  # a folder named by a fingerprint alone (before the mode was in it)
+    legacy.mkdir()
+    (legacy / "x.kv").write_bytes(b"old")
+    (tmp_path / "notes").mkdir()  # not a tier's folder: never touched
+    held = DiskStore(tmp_path / "fedcba9876543210-shared", 2**20, geometry())
+    isolated = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                      tier_dir=str(tmp_path), isolation=True)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == sorted([isolated.tier.folder.name, held.folder.name, "notes"])
+    isolated.close()
+    held.close()
