@@ -60,7 +60,9 @@ class App:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the app exited ({self.proc.returncode}) before serving:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
+                r = httpx.get(self.url + "/v1/models", timeout=5)
+                if r.status_code == 200:
+                    self.model = r.json()["data"][0]["id"]
                     return time.monotonic() - self.started
             except httpx.HTTPError:
                 pass
@@ -73,7 +75,7 @@ class App:
         return self.log.read_text(errors="replace")
 
     def chat(self, messages: list[dict], max_tokens: int = 12) -> tuple[str, dict]:
-        body = {"model": "any", "max_tokens": max_tokens, "temperature": 0, "messages": messages}
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "messages": messages}
         r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
         assert r.status_code == 200, r.text
         data = r.json()
