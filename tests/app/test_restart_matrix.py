@@ -34,7 +34,7 @@ QUESTIONS = [
     ([{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Which district keeps 70 pallets?"}]),
     ([{"role": "user", "content": f"Remember this: {SECRET}. Say OK."}]),
 ]
-START_LIMIT_S = 240  # a usual start is 15-40 s here (model load, warm start); a hang or a crash is not
+START_LIMIT_S = 600  # a usual start is 15-40 s on a quiet machine (model load, warm start); a hang or a crash is not
 
 
 class App:
