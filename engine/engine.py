@@ -34,6 +34,7 @@ from engine.handle import END_OF_STREAM, RequestHandle, request_key
 from engine.kvcache import kv_tier
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
+from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -70,15 +71,36 @@ def default_budget_bytes(device: torch.device) -> int:
     return 2**30
 
 
-def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None,
-              fingerprint: str) -> kv_tier.ChunkStore | None:
-    """The second tier: a disk folder per model fingerprint (another model or dtype never reads
-    it) or, on a GPU without a folder, host memory."""
+def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
+    """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
+    of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
+    host memory ends with the process, so there the weights need no digest."""
+    weights = "" if tier_dir is None else kv_tier.weights_digest(
+        getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
+    return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
+                               runner.num_kv_heads, runner.head_dim, weights=weights,
+                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
+
+
+def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,
+              isolation: bool = False) -> kv_tier.ChunkStore | None:
+    """The second tier: a disk folder per model fingerprint and mode (another model, weights or
+    dtype never reads it, and an isolated run never reads what a shared run wrote as public) or,
+    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder
+    or it cannot be made."""
     if tier_bytes <= 0:
         return None
+    geometry = kv_tier.ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
     if tier_dir is None:
-        return kv_tier.HostStore(tier_bytes) if runner.device.type != "cpu" else None
-    return kv_tier.DiskStore(Path(tier_dir) / fingerprint, tier_bytes)
+        return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
+    folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
+    try:
+        store = kv_tier.DiskStore(folder, tier_bytes, geometry)
+    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
+        log.warning("KV tier: running without a second tier: %s", exc)
+        return None
+    kv_tier.prune_other_tiers(folder.parent, keep=folder)
+    return store
 
 
 def default_chunk_tokens(device: torch.device) -> int:
@@ -235,11 +257,11 @@ class Engine(FacadeBase):
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        fp = kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers, runner.num_kv_heads,
-                                 runner.head_dim) if enable_cache and tier_bytes > 0 else ""
-        self.tier = make_tier(runner, tier_bytes, tier_dir, fp) if fp else None
+        fp = tier_fingerprint(runner, tier_dir) if enable_cache and tier_bytes > 0 else ""
+        self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
         self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
-        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=self.tier, fingerprint=fp)
+        second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
+        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
                                    if enable_cache else NoPrefixCache(pool))
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
@@ -308,16 +330,7 @@ class Engine(FacadeBase):
                            tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
                            running_bytes=self.cache.running_tokens * self.cache.bytes_per_token,
                            tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens,
-                           **self._tier_stats())
-
-    def _tier_stats(self) -> dict:
-        tier = self.tier
-        if tier is None:
-            return {}
-        return dict(tier_bytes=tier.bytes_in_use, tier_budget_bytes=tier.budget_bytes, tier_chunks=tier.num_chunks,
-                    tier_loaded_tokens=self.cache.tier_loaded_tokens, tier_spilled_tokens=self.cache.tier_spilled_tokens,
-                    tier_bytes_read=tier.bytes_read, tier_bytes_written=tier.bytes_written,
-                    tier_kind=tier.kind)
+                           **self.cache.tier_stats())
 
     def offload_cache(self) -> int:
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
@@ -394,6 +407,7 @@ class Engine(FacadeBase):
         self._worker.join(timeout_s)
         if self.tier is not None:
             self.persist_cache()
+            self.tier.close()  # releases the folder's lock: the next engine on it may open it
 
     def _work(self) -> None:
         while True:

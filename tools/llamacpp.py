@@ -4,7 +4,7 @@
 127.0.0.1 with the embedded model's own GGUF file and 8 slots, sends one real exchange (the
 requests remote mode and an API client send) and writes what came back to
 ``tests/app/fixtures/llamacpp_*``, which the remote tests read; then it stops the server.
-``python tools/llamacpp.py serve`` starts it in the foreground, as the README shows.
+``python tools/llamacpp.py serve`` starts it in the foreground, as docs/REMOTE.md shows.
 
 Build the binary once (12 to 18 minutes on two cores; the native build crashes on CPUs that
 advertise AMX without enabling it, so the CPU features are named)::

