@@ -31,8 +31,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.kvcache.kv_pool import KVPool
-from engine.kvcache.kv_tier import CHUNK_TOKENS, DiskStore
-from engine.kvcache.prefix_cache import RadixCache, RequestSlots
+from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore
+from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.request_slots import RequestSlots
+from engine.kvcache.second_tier import SecondTier
 from engine.kvcache.request_kv import RequestKV
 from engine.model.paged_attention import PagedSegment
 from engine.types import PUBLIC, CacheKey, EngineError
@@ -114,8 +116,9 @@ def ref_kv(ids) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- construction (one place)
-def _tier_folder(folder: Path) -> Path:
-    return Path(folder) / FINGERPRINT
+def _tier_folder(folder: Path, fair_share: bool) -> Path:
+    """As ``engine.engine.make_tier`` names it: one folder per fingerprint and mode."""
+    return Path(folder) / f"{FINGERPRINT}-{'isolated' if fair_share else 'shared'}"
 
 
 def _new_cache(folder: Path, budget_tokens: int, fair_share: bool, tier_tokens: int) -> RadixCache:
@@ -124,8 +127,18 @@ def _new_cache(folder: Path, budget_tokens: int, fair_share: bool, tier_tokens: 
     r = _runner()
     pool = KVPool(r.num_layers, r.num_kv_heads, r.head_dim, torch.float32, torch.device("cpu"),
                   budget_tokens * r.kv_bytes_per_token)
-    tier = DiskStore(_tier_folder(folder), tier_tokens * r.kv_bytes_per_token) if tier_tokens > 0 else None
-    return RadixCache(pool, fair_share=fair_share, tier=tier, fingerprint=FINGERPRINT)
+    tier = None
+    if tier_tokens > 0:
+        geometry = ChunkGeometry(r.num_layers, r.num_kv_heads, r.head_dim, torch.float32)
+        store = DiskStore(_tier_folder(folder, fair_share), tier_tokens * r.kv_bytes_per_token, geometry)
+        tier = SecondTier(store, FINGERPRINT, public_only=fair_share)
+    return RadixCache(pool, fair_share=fair_share, tier=tier)
+
+
+def _close_cache(cache: RadixCache) -> None:
+    """What a process's exit does: the tier's folder lock goes (the files stay)."""
+    if cache.tier is not None:
+        cache.tier.store.close()
 
 
 def _scratch(n: int) -> RequestKV:
@@ -156,10 +169,11 @@ def _digest(cache: RadixCache):
     free slots and budget, the tier's chunks and the spilled tree."""
     nodes = sorted((n.id, n.parent.id, n.key, tuple(n.value), n.namespace, n.lock_ref, n.hits, n.last_access)
                    for n in cache.tree.nodes())
-    spilled = sorted((n.id, n.key, tuple(n.value)) for n in cache.spilled.tree.nodes())
-    tier = sorted(cache.tier._sizes) if cache.tier is not None else []
+    tier = cache.tier
+    spilled = sorted((n.id, n.key, tuple(n.value)) for n in tier.spilled.tree.nodes()) if tier is not None else []
+    files = sorted(p.name for p in tier.store.folder.iterdir()) if tier is not None else []
     return (nodes, cache.pool.num_free, cache.pool.capacity, cache.pool.budget_bytes, cache.tree.evicted_tokens,
-            spilled, tier)
+            spilled, files, tier.store.num_chunks if tier is not None else 0)
 
 
 class Live:
@@ -186,12 +200,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache: RadixCache | None = None
 
     def teardown(self) -> None:
+        if self.cache is not None:
+            _close_cache(self.cache)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     @initialize(budget=BUDGETS, fair=st.booleans(),
                 tier=st.sampled_from([MAX_TIER_TOKENS, 0, CHUNK_TOKENS, 3 * CHUNK_TOKENS, MAX_TIER_TOKENS]))
     def start(self, budget, fair, tier):
         self.cache = _new_cache(self.folder, budget, fair, tier)
+        self.fair = fair
 
     # ------------------------------------------------------------ helpers
     def _key(self, spec: tuple[int, int, int], length: int) -> CacheKey:
@@ -386,17 +403,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.live.clear()
         if clean:
             self.cache.persist()
+        same_folder = fair == self.fair and self.cache.tier is not None
         on_disk = {p.stem for p in self._chunk_files()}
-        old_bytes = self.cache.tier.bytes_in_use if self.cache.tier is not None else 0
+        old_bytes = self.cache.tier.store.bytes_in_use if self.cache.tier is not None else 0
+        _close_cache(self.cache)
         self.cache = _new_cache(self.folder, budget, fair, tier)
-        if clean and old_bytes <= tier * self.bpt and not self.corrupt_files:
+        self.fair = fair
+        if clean and same_folder and old_bytes <= tier * self.bpt and not self.corrupt_files:
             # a clean stop and room for all of it: every chunk is found again
             assert {p.stem for p in self._chunk_files()} == on_disk, "a restart lost chunk files"
-            assert all(k in self.cache.tier for k in on_disk), "a restart did not index its chunk files"
+            assert all(k in self.cache.tier.store for k in on_disk), "a restart did not index its chunk files"
 
     # ------------------------------------------------------------ corruption (subclass only)
     def _chunk_files(self) -> list[Path]:
-        return sorted(_tier_folder(self.folder).glob("*.kv"))
+        return sorted(_tier_folder(self.folder, self.fair).glob("*.kv"))
 
     @precondition(lambda self: self.corrupt_files)
     @rule(i=st.integers(0, 50), how=st.sampled_from(
@@ -413,7 +433,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(how=st.sampled_from(["huge-id", "negative-id", "not-json", "no-paths", "ids-string", "ns-list",
                                "public-str", "stale"]))
     def corrupt_paths(self, how):
-        folder = _tier_folder(self.folder)
+        folder = _tier_folder(self.folder, self.fair)
         if not folder.exists():
             return
         _bad_paths(folder / "spilled-paths.json", how)
