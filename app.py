@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
     p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
                    help="the model name the backend serves (default: the first one its /v1/models lists)")
+    p.add_argument("--backend-kv-events", default=env("RADIX_BACKEND_KV_EVENTS", ""), metavar="ENDPOINT",
+                   help="remote mode: follow the backend's KV events from this ZMQ endpoint "
+                        "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
+                        "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
@@ -143,17 +147,18 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens_cap=args.max_new_tokens)
     engine.check_backend()
+    engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
     return engine
 
 
 def server_routes(engine, api_key: str | None = None) -> list:
     """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
-    (none in remote mode: the backend serves its own)."""
+    (remote mode: ``/metrics`` only, the backend serves its own API)."""
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    if engine.capabilities.remote:
-        return []
+    if engine.capabilities.remote:  # the backend serves its own API; /metrics adds what its events say
+        return metrics_routes(EngineMetrics(lambda: engine))
     return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
             + metrics_routes(EngineMetrics(lambda: engine)))
 
