@@ -175,9 +175,11 @@ class RemoteEngine(FacadeBase):
     def _blocks_cached(self, ids: list[int], salt: str | None) -> int | None:
         """The prompt's prefix the server holds now, by its events (None: no events). Like vLLM,
         whole blocks only, and never the prompt's last token (it is always computed)."""
-        if not self.events_active:
+        if self.events is None or not self.events.synced:
             return None
         bs = self.blocks.block_size
+        if not bs:  # nothing stored since the server started: nothing cached
+            return 0
         return min(len(self.blocks.match(ids, salt)) * bs, (len(ids) - 1) // bs * bs)
 
     def _record(self, req: GenerationRequest, ids: list[int], res: StreamResult, baseline_ms: float | None,

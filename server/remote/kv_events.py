@@ -225,6 +225,7 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.on_batch = on_batch
         self.drop_next = 0  # tests: drop this many live batches, as a slow network would
+        self.synced = False  # the history the replay endpoint kept has been applied
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -266,6 +267,7 @@ class KVEventSubscriber:
             (sub.bind if self.source.bind else sub.connect)(self.source.endpoint)
             time.sleep(0.2)  # let the subscription reach the publisher before asking for history
             self._replay_from(0)
+            self.synced = True
             self._ready.set()
             poller = zmq.Poller()
             poller.register(sub, zmq.POLLIN)
