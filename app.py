@@ -95,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="remote mode: follow the backend's KV events from this ZMQ endpoint "
                         "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
                         "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
+    p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
+                   help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
+                        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+                        "\"topic\": \"kv-events\"}'; ours: \"block_size\", default 32)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
@@ -116,10 +120,16 @@ def build_engine(args: argparse.Namespace, runner=None):
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
     tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None
-    return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
-                  max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                  tier_bytes=tier_bytes, tier_dir=tier_dir)
+    engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
+                    max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                    max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
+                    tier_bytes=tier_bytes, tier_dir=tier_dir)
+    config = getattr(args, "kv_events_config", "")
+    if config and getattr(engine.cache, "tree", None) is not None:  # the pool's tree; the second tier is not published
+        from engine.kvcache.kv_events import KVEventPublisher
+
+        engine.cache.tree.listener = KVEventPublisher.from_config(config, private_tokens=not args.isolate)
+    return engine
 
 
 def build_app(engine, max_queue: int = 32):

@@ -172,3 +172,30 @@ print(json.dumps(out))
         while (parent, tuple(p[n:n + BS])) in children and n + BS <= len(p):
             parent, n = children[(parent, tuple(p[n:n + BS]))], n + BS
         assert n == held // BS * BS
+
+
+def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
+    import app
+    from engine.types import GenerationRequest, SamplingParams
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+    args = app.parse_args(["--kv-events-config", config, "--max-new-tokens", "4"])
+    engine = app.build_engine(args, runner=tiny_runner)
+    pub = engine.cache.tree.listener
+    sub = KVEventSubscriber(EventSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", "kv-events"),
+                            BlockTree()).start()
+    try:
+        ids = prompts(1, seed=2)[0]
+        m = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=4)))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published) > 0)
+        cached = ids + list(m.output_ids)
+        assert len(sub.tree.match(cached)) == engine.cache.match_len(
+            engine.cache_key(cached, GenerationRequest(prompt_ids=tuple(ids)))) // BS
+    finally:
+        sub.close()
+        engine.close()
+        pub.close()
