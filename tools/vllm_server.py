@@ -93,16 +93,20 @@ class VLLMServer:
             self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; log: {self.log_path}\n"
-                                   + self.log_tail())
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        try:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                       + self.log_tail())
+                try:
+                    if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        except BaseException:  # Ctrl+C or a failure while it starts: it must not outlive us
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(f"vLLM was not ready within {timeout_s:.0f} s; log: {self.log_path}\n" + self.log_tail())
 
