@@ -111,6 +111,9 @@ class BlockTree:
         self.held: Counter[str] = Counter()  # (hash, medium) copies held now, per medium
         self.cleared = 0
         self.unknown_removed = 0  # removals of blocks never seen stored (joined late, lost history)
+        # vLLM publishes extra_keys (the salt among them); SGLang's array form has none, and its
+        # hashes ignore salts: only then may a salted prompt match an unsalted first block
+        self.extra_keys_seen = False
         self.version = 0  # bumped by every change (panels compare it)
         self._serial = 0
 
@@ -144,6 +147,7 @@ class BlockTree:
         medium = e.medium or DEFAULT_MEDIUM
         parent = e.parent_block_hash
         tokens = tuple(e.token_ids)
+        self.extra_keys_seen = self.extra_keys_seen or e.extra_keys is not None
         for i, h in enumerate(e.block_hashes):
             block = self.blocks.get(h)
             if block is None:
@@ -211,10 +215,10 @@ class BlockTree:
                 return medium is None or b.media.get(medium, 0) > 0
             first = tuple(token_ids[:size])
             roots = [b for b in map(self.blocks.__getitem__, self.kids.get(None, ())) if b.token_ids == first and ok(b)]
-            # Unsalted prompts reach unsalted first blocks only; a salted one its salt's, or any
-            # unsalted one where the server publishes no salts (SGLang's hashes ignore them).
-            salted = [b for b in roots if b.salt == salt]
-            roots = salted if salted or salt is None or any(b.salt for b in roots) else roots
+            # Unsalted prompts reach unsalted first blocks only, a salted one its salt's; where the
+            # server publishes no extra keys (SGLang, whose hashes ignore salts), any of them.
+            if self.extra_keys_seen:
+                roots = [b for b in roots if b.salt == salt]
             best: list[Block] = []
             for root in roots:  # a few at most (same text under other salts or LoRAs)
                 path, block = [root], root

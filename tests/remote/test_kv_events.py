@@ -63,6 +63,7 @@ def test_vllm_stream_rebuilds_the_prompts_it_served():
     unsalted = tree.match(data["prompts"][3])  # the same system prompt, unsalted: another chain
     assert unsalted and unsalted[0].hash != salted[0].hash and unsalted[0].salt is None
     assert tree.match(data["prompts"][0], "a salt nobody used") == []
+    assert tree.match(data["prompts"][3], "another salt") == []  # vLLM mixes the salt in: no unsalted fallback
     assert tree.counts() == {"GPU": {"held": 12, "stored": 12, "evicted": 0}}
 
 
@@ -118,6 +119,7 @@ def test_sglang_array_form_without_medium():
     assert tree.counts() == {"CPU": {"held": 1, "stored": 1, "evicted": 0}, "GPU": {"held": 1, "stored": 2,
                                                                                      "evicted": 1}}
     assert [b.hash for b in tree.match(tokens + [200, 201, 202, 203], medium="GPU")] == [11]
+    assert tree.match(tokens, salt="any") == tree.match(tokens) != []  # no extra keys: salts not in its hashes
     tree.apply(events[3])
     assert tree.num_blocks == 0 and tree.counts()["GPU"]["evicted"] == 2
     tree.check_invariants()
