@@ -95,6 +95,14 @@ def _salt_of(extra_keys: Sequence[Any] | None) -> str | None:
     return None
 
 
+def _discard(index: dict, key: Any, h: BlockHash) -> None:
+    same = index.get(key)
+    if same is not None:
+        same.discard(h)
+        if not same:
+            del index[key]
+
+
 class BlockTree:
     """The blocks a remote engine holds, as its events said (see the module docstring)."""
 
@@ -105,6 +113,7 @@ class BlockTree:
         # parent hash (None: first blocks) -> held children, kept whether or not the parent is
         # held: a parent stored again after its eviction finds its children again
         self.kids: dict[BlockHash | None, set[BlockHash]] = {}
+        self.firsts: dict[tuple[int, ...], set[BlockHash]] = {}  # a first block's tokens -> its hashes (salts, LoRAs)
         self.block_size = 0  # the server's, from the first BlockStored
         self.stored: Counter[str] = Counter()  # running totals, per medium
         self.evicted: Counter[str] = Counter()
@@ -138,6 +147,7 @@ class BlockTree:
         with self.lock:
             self.blocks.clear()
             self.kids.clear()
+            self.firsts.clear()
             self.held.clear()
             self.version += 1
 
@@ -156,6 +166,8 @@ class BlockTree:
                 block = Block(h, parent, tokens[i * size:(i + 1) * size], self._serial, ts, _salt_of(extra))
                 self.blocks[h] = block
                 self.kids.setdefault(parent, set()).add(h)  # None: a first block
+                if parent is None:
+                    self.firsts.setdefault(block.token_ids, set()).add(h)
             block.media[medium] += 1
             self.held[medium] += 1
             self.stored[medium] += 1
@@ -175,17 +187,16 @@ class BlockTree:
             self.evicted[medium] += 1
             if not block.media:
                 del self.blocks[h]
-                siblings = self.kids.get(block.parent)
-                if siblings is not None:
-                    siblings.discard(h)
-                    if not siblings:
-                        del self.kids[block.parent]
+                _discard(self.kids, block.parent, h)
+                if block.parent is None:
+                    _discard(self.firsts, block.token_ids, h)
 
     def _clear(self) -> None:
         for medium, n in self.held.items():
             self.evicted[medium] += n
         self.blocks.clear()
         self.kids.clear()
+        self.firsts.clear()
         self.held.clear()
         self.cleared += 1
 
@@ -213,8 +224,7 @@ class BlockTree:
                 return []
             def ok(b: Block) -> bool:
                 return medium is None or b.media.get(medium, 0) > 0
-            first = tuple(token_ids[:size])
-            roots = [b for b in map(self.blocks.__getitem__, self.kids.get(None, ())) if b.token_ids == first and ok(b)]
+            roots = [b for b in map(self.blocks.__getitem__, self.firsts.get(tuple(token_ids[:size]), ())) if ok(b)]
             # Unsalted prompts reach unsalted first blocks only, a salted one its salt's; where the
             # server publishes no extra keys (SGLang, whose hashes ignore salts), any of them.
             if self.extra_keys_seen:
@@ -275,6 +285,7 @@ class BlockTree:
                 assert b.hash == h and b.media and all(n > 0 for n in b.media.values())
                 held.update(b.media)
                 assert h in self.kids.get(b.parent, ())
+            assert {h for hs in self.firsts.values() for h in hs} == self.kids.get(None, set())
             for parent, kids in self.kids.items():
                 assert kids and all(c in self.blocks and self.blocks[c].parent == parent for c in kids)
             assert +held == +self.held, (held, self.held)
