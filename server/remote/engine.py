@@ -262,7 +262,10 @@ class RemoteEngine(FacadeBase):
         """Follow the server's KV events: ``setting`` "" asks ``GET /kv_event_sources``, "off"
         turns them off, an endpoint (``tcp://host:port[,tcp://host:replay_port][,topic=NAME]``)
         overrides. Returns the source followed (None: the shadow tree is drawn)."""
-        choice = parse_override(setting)
+        try:
+            choice = parse_override(setting)
+        except ValueError as exc:
+            raise EngineError(f"--backend-kv-events: {exc}") from None
         if choice is None:
             return None
         source = discover(self.client._get_json, self.base_url) if choice is True else choice
