@@ -253,7 +253,7 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             walks = [(m.namespace, list(m.prompt_ids) + list(m.output_ids), self._salts.get(m.request_id))
                      for m in self.recent()]
-        owner, hits = owners(self.blocks, reversed(walks))  # recent() is newest first
+        owner, hits = owners(self.blocks, walks)  # oldest first: a later walk wins a shared block
         self._owners_memo = (key, owner, hits)
         return owner, hits
 
