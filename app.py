@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
     p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
                    help="the model name the backend serves (default: the first one its /v1/models lists)")
+    p.add_argument("--backend-kv-events", default=env("RADIX_BACKEND_KV_EVENTS", ""), metavar="ENDPOINT",
+                   help="remote mode: follow the backend's KV events from this ZMQ endpoint "
+                        "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
+                        "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
+    p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
+                   help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
+                        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+                        "\"topic\": \"kv-events\"}'; ours: \"block_size\", default 32)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
@@ -112,10 +120,16 @@ def build_engine(args: argparse.Namespace, runner=None):
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
     tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None
-    return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
-                  max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                  tier_bytes=tier_bytes, tier_dir=tier_dir)
+    engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
+                    max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                    max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
+                    tier_bytes=tier_bytes, tier_dir=tier_dir)
+    config = getattr(args, "kv_events_config", "")
+    if config and getattr(engine.cache, "tree", None) is not None:  # the pool's tree; the second tier is not published
+        from engine.kvcache.kv_events import KVEventPublisher
+
+        engine.cache.tree.listener = KVEventPublisher.from_config(config, private_tokens=not args.isolate)
+    return engine
 
 
 def build_app(engine, max_queue: int = 32):
@@ -143,17 +157,18 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens_cap=args.max_new_tokens)
     engine.check_backend()
+    engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
     return engine
 
 
 def server_routes(engine, api_key: str | None = None) -> list:
     """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
-    (none in remote mode: the backend serves its own)."""
+    (remote mode: ``/metrics`` only, the backend serves its own API)."""
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    if engine.capabilities.remote:
-        return []
+    if engine.capabilities.remote:  # the backend serves its own API; /metrics adds what its events say
+        return metrics_routes(EngineMetrics(lambda: engine))
     return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
             + metrics_routes(EngineMetrics(lambda: engine)))
 
