@@ -120,16 +120,10 @@ def build_engine(args: argparse.Namespace, runner=None):
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
     tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None
-    engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
-                    max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                    max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                    tier_bytes=tier_bytes, tier_dir=tier_dir)
-    config = getattr(args, "kv_events_config", "")
-    if config and getattr(engine.cache, "tree", None) is not None:  # the pool's tree; the second tier is not published
-        from engine.kvcache.kv_events import KVEventPublisher
-
-        engine.cache.tree.listener = KVEventPublisher.from_config(config, private_tokens=not args.isolate)
-    return engine
+    return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
+                  max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
+                  tier_bytes=tier_bytes, tier_dir=tier_dir, kv_events_config=args.kv_events_config)
 
 
 def build_app(engine, max_queue: int = 32):

@@ -248,10 +248,13 @@ class Engine(FacadeBase):
     def __init__(self, runner: ModelRunner, budget_bytes: int | None = None, enable_cache: bool = True,
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
-                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None) -> None:
+                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None,
+                 kv_events_config: str = "") -> None:
         """``tier_bytes`` > 0 turns on the second tier (``engine.kvcache.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
-        ``tier_dir`` is None and the model runs on a GPU."""
+        ``tier_dir`` is None and the model runs on a GPU. ``kv_events_config`` (vLLM's
+        ``--kv-events-config`` JSON) publishes what the tree caches as vLLM-format KV events
+        (``engine.kvcache.kv_events``)."""
         self.runner = runner
         self.text = runner.text
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
@@ -263,6 +266,12 @@ class Engine(FacadeBase):
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
                                    if enable_cache else NoPrefixCache(pool))
+        self.kv_events = None
+        if kv_events_config and enable_cache:
+            from engine.kvcache.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher.from_config(kv_events_config, private_tokens=not isolation)
+            self.cache.publish_to(self.kv_events)
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
         self.max_new_tokens_cap = max_new_tokens_cap
@@ -408,6 +417,8 @@ class Engine(FacadeBase):
         if self.tier is not None:
             self.persist_cache()
             self.tier.close()  # releases the folder's lock: the next engine on it may open it
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _work(self) -> None:
         while True:

@@ -195,6 +195,9 @@ def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
         cached = ids + list(m.output_ids)
         assert len(sub.tree.match(cached)) == engine.cache.match_len(
             engine.cache_key(cached, GenerationRequest(prompt_ids=tuple(ids)))) // BS
+        engine.clear_cache()  # the whole cache, as vLLM's reset: one AllBlocksCleared, not a removal per block
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == len(pub.published))
     finally:
         sub.close()
         engine.close()
