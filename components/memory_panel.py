@@ -27,7 +27,7 @@ HISTORY = 200
 def kv_event_rows(engine: EngineAPI) -> list[str]:
     """Remote mode with the server's KV events followed: its blocks held and evicted per medium,
     and how the events came (``RemoteEngine.kv_event_figures``); [] without events."""
-    f = getattr(engine, "kv_event_figures", lambda: {})()
+    f = engine.kv_event_figures()
     if not f or not f["block_size"]:
         return ["| KV events | followed at " + f["endpoint"] + ", none received yet (the shadow tree is drawn) |"] \
             if f else []

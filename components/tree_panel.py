@@ -52,7 +52,7 @@ def remote_note(engine: EngineAPI) -> str:
     """What the tree is, in remote mode: the server's own blocks (KV events) or the shadow tree."""
     if not engine.capabilities.remote:
         return ""
-    return REMOTE_EVENTS_NOTE if getattr(engine, "events", None) is not None else REMOTE_NOTE
+    return REMOTE_EVENTS_NOTE if engine.kv_event_figures() else REMOTE_NOTE
 
 
 def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: RequestMetrics | None,

@@ -129,6 +129,10 @@ class FacadeBase:
     text: TextCodec
     max_prompt_tokens: int
 
+    def kv_event_figures(self) -> dict:
+        """``{}``: this engine follows no server's KV events (a remote engine overrides it)."""
+        return {}
+
     def _start_records(self, history_size: int, lock) -> None:
         self._records_lock = lock
         self._attachments: dict[str, object] = {}

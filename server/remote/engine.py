@@ -290,7 +290,8 @@ class RemoteEngine(FacadeBase):
         return {"endpoint": self.events.source.endpoint, "block_size": self.blocks.block_size,
                 "media": self.blocks.counts(), "batches": st.batches, "events": st.events, "replayed": st.replayed,
                 "gaps": st.gaps, "lost": st.lost, "restarts": st.restarts, "decode_errors": st.decode_errors,
-                "last_event_at": st.last_event_at, "checks": dict(self.block_checks), "alive": self.events.alive}
+                "last_event_at": st.last_event_at, "checks": dict(self.block_checks), "alive": self.events.alive,
+                "active": self.events_active}
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """This dashboard's totals over what it sent. In isolation mode, with ``viewer``, only what
