@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+import time
 
 
 def _positive_int(text: str) -> int:
@@ -164,8 +166,51 @@ def app_kwargs(engine, api_key: str | None = None) -> dict:
     return {"routes": server_routes(engine, api_key)}
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (in use, not allowed, no such address), or None.
+    Binds a socket the way the server will (``SO_REUSEADDR``, as uvicorn and Gradio do, so a
+    port left in TIME_WAIT by the last run is free) and closes it at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def _stop_on_sigterm() -> None:
+    """A container's stop (SIGTERM) ends like Ctrl+C: the cache is written first. Once: a second
+    signal while the server closes or the cache is written is ignored, never a traceback."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Before anything is loaded: a port that cannot be served ends here, in one line.
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"error: cannot listen on {args.host}:{args.port} ({problem}); pick another with --port or "
+              "GRADIO_SERVER_PORT", file=sys.stderr)
+        return 1
+    _stop_on_sigterm()
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:  # stopped (Ctrl+C, SIGTERM) while loading or warming: nothing to write yet
+        print("Stopped.", flush=True)
+        return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -200,16 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_app(engine, args.max_queue)
     if not args.backend and not args.no_cache:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
-    def stop(signum, frame):  # a container's stop (SIGTERM) ends like Ctrl+C: the cache is written first
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
-        demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
+        demo.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True,
+                    **launch_kwargs(app_kwargs(engine, args.api_key)))
+        while demo.is_running:  # until Ctrl+C or SIGTERM, which may also come while launch() runs
+            time.sleep(0.5)
+    except OSError as exc:  # the port was taken between the check and now
+        print(f"error: cannot listen on {args.host}:{args.port}: {str(exc).splitlines()[0][:200]}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     finally:
+        demo.close(verbose=False)
         if engine.capabilities.second_tier:  # the local engine's cache, written for the next start
             print(f"Cache written to the second tier for the next start ({engine.persist_cache()} new chunks).",
                   flush=True)
+    print("Stopped.", flush=True)
     return 0
 
 

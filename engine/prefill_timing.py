@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.types import CacheKey, EngineError
+from engine.types import CacheKey, EngineError, EngineFault
 
 __all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
            "WarmPrefix", "default_policy", "timer_for"]
@@ -382,7 +382,10 @@ class PrefillTimer:
                                   finished_at=time.time())
         finally:
             self._busy.release()
-            self.engine.clear_cache(GROWTH_NAMESPACE)
+            try:
+                self.engine.clear_cache(GROWTH_NAMESPACE)
+            except EngineFault:  # the process is shutting down: the cache goes with it
+                pass
         return self._curve
 
     def _cache_filler(self, ids: tuple[int, ...]) -> None:

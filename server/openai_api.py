@@ -22,6 +22,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 
 from engine.engine import Engine, RequestHandle
@@ -29,10 +30,10 @@ from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, 
 from server import openai_protocol as proto
 from server.cache_scope import CacheScope
 from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
+from server.request_guard import MAX_BODY_BYTES, BodyTooLarge
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 2**20
 API_TAG = "api"
 
 
@@ -106,12 +107,24 @@ def completion_tokens(out: Outcome) -> int:
     return min(len(out.token_ids), out.metrics.output_tokens) if out.stopped else out.metrics.output_tokens
 
 
+def body_too_large(limit: int = MAX_BODY_BYTES) -> ApiError:
+    return ApiError(413, f"The request body is over the server's limit of {limit:,} bytes.",
+                    "invalid_request_error", None, "request_too_large")
+
+
 async def read_json(request: Request) -> object:
+    """The body as JSON, within the server's one body limit (``request_guard.MAX_BODY_BYTES``,
+    enforced by the guard around every route; counted here too, for an app without it)."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB.")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise body_too_large()
+    except BodyTooLarge as exc:
+        raise body_too_large(exc.limit) from None
+    except ClientDisconnect:  # gone before the body ended: nobody reads the answer, no traceback logged
+        raise proto.bad_request("The client closed the connection before the body ended.") from None
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
