@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{PUBLIC_MAX_NEW_TOKENS} with --isolate)")
     p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
+    p.add_argument("--max-per-client", type=int, default=env("RADIX_MAX_PER_CLIENT", "-1"),
+                   help="API requests one client (API key, else address) may have queued or running; 0: no cap "
+                        "(default: a quarter of --max-queue, at most 4, with --isolate; no cap without)")
     p.add_argument("--max-batch", type=_positive_int, default=env("RADIX_MAX_BATCH", "16"),
                    help="requests decoded together in one forward (continuous batching); 1 runs one at a time")
     p.add_argument("--chunk-tokens", type=_limit, default=env("RADIX_CHUNK_TOKENS", "0"),
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
+    if args.max_per_client < 0:
+        args.max_per_client = None  # the deployment's default (server.client_limits)
     if args.max_prompt_tokens is None and args.isolate:
         args.max_prompt_tokens = PUBLIC_MAX_PROMPT_TOKENS
     return args
@@ -148,22 +153,23 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     return engine
 
 
-def server_routes(engine, api_key: str | None = None) -> list:
+def server_routes(engine, api_key: str | None = None, max_per_client: int | None = None) -> list:
     """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
-    (none in remote mode: the backend serves its own)."""
+    (none in remote mode: the backend serves its own). ``max_per_client``: None for the
+    deployment's default, 0 for no cap."""
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
     if engine.capabilities.remote:
         return []
-    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
+    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None, max_per_client=max_per_client))
             + metrics_routes(EngineMetrics(lambda: engine)))
 
 
-def app_kwargs(engine, api_key: str | None = None) -> dict:
+def app_kwargs(engine, api_key: str | None = None, max_per_client: int | None = None) -> dict:
     """For ``demo.launch(app_kwargs=...)``: Gradio builds its FastAPI app with these routes
     first, so the page's catch-all routes cannot shadow them (same port as the page)."""
-    return {"routes": server_routes(engine, api_key)}
+    return {"routes": server_routes(engine, api_key, max_per_client)}
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -247,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
     try:
         demo.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True,
-                    **launch_kwargs(app_kwargs(engine, args.api_key)))
+                    **launch_kwargs(app_kwargs(engine, args.api_key, args.max_per_client)))
         while demo.is_running:  # until Ctrl+C or SIGTERM, which may also come while launch() runs
             time.sleep(0.5)
     except OSError as exc:  # the port was taken between the check and now
