@@ -370,6 +370,11 @@ class Engine(FacadeBase):
     def _stats_for(self, viewer: str) -> EngineStats:
         return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._waiting())
 
+    def busy(self) -> bool:
+        """A request waits or runs, or a step is under way: background measurements wait for
+        this to be False (``engine.prefill_timing``), so visitors never queue behind them."""
+        return bool(self._waiting() or self.scheduler.has_work() or self.runner.lock.locked())
+
     def _waiting(self) -> int:
         """Requests submitted and not admitted yet (the inbox and the scheduler's waiting list):
         what ``queue_depth`` means everywhere."""
