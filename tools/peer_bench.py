@@ -51,6 +51,7 @@ from tools.serve_bench import SYSTEM, chat_requests, policy_manual
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_MODEL_NAME = "SmolLM2-135M-Instruct"
+GRADIO_CHECK = "When localhost is not accessible"  # gradio's launch() gave up on its own page
 
 
 # ------------------------------------------------------------------ results
@@ -216,14 +217,23 @@ def started(name: str, cmd: list[str], env: dict[str, str], port: int, ready_lin
     """Run ``cmd`` in a process group of its own until the block ends; yields its URL once
     ``/v1/models`` answers (and ``ready_line`` appeared in its output, if given)."""
     url = f"http://127.0.0.1:{port}"
-    log_file = tempfile.NamedTemporaryFile("w+", prefix=f"peer-bench-{name}-", suffix=".log", delete=False)
+    log_file = tempfile.NamedTemporaryFile("a+", prefix=f"peer-bench-{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                             start_new_session=True)
     t0 = time.perf_counter()
+    retries = 2
     try:
         up = False
         while time.perf_counter() - t0 < timeout_s:
             if proc.poll() is not None:
+                if retries > 0 and GRADIO_CHECK in Path(log_file.name).read_text():
+                    # Gradio's start-up check of its own page timed out (3 s) on a loaded machine: again.
+                    retries -= 1
+                    print(f"{name}: Gradio's start-up check timed out; starting it again", flush=True)
+                    log_file.truncate(0)
+                    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                    continue
                 raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log_file.name}\n"
                                    + Path(log_file.name).read_text()[-3000:])
             if not up:
