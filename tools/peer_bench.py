@@ -72,6 +72,7 @@ class Row:
     streams: int
     results: tuple[Result, ...]
     wall_s: float
+    system_tokens: int = 0  # the workload's system prompt length (its label in the table)
 
     @property
     def output_tokens(self) -> int:
@@ -132,7 +133,7 @@ def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dic
 
 
 def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], streams: int, max_tokens: int,
-                server: str = "") -> Row:
+                server: str = "", system_tokens: int = 0) -> Row:
     """``streams`` closed-loop clients over ``conversations``; one ``Row``."""
     results: list[Result | None] = [None] * len(conversations)
     errors: list[BaseException] = []
@@ -161,7 +162,7 @@ def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], s
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return Row(server, streams, tuple(r for r in results if r is not None), wall)
+    return Row(server, streams, tuple(r for r in results if r is not None), wall, system_tokens)
 
 
 def served_model(url: str) -> str:
@@ -171,7 +172,7 @@ def served_model(url: str) -> str:
 
 
 def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]], streams: Sequence[int],
-                 max_tokens: int, log=print) -> list[Row]:
+                 max_tokens: int, log=print, system_tokens: int = 0) -> list[Row]:
     """The warm-up request (off the clock), then one row per stream count."""
     model = served_model(url)
     with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
@@ -179,9 +180,18 @@ def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]],
         chat_once(http, url, model, warm, 1)
     rows = []
     for c in streams:
-        row = run_streams(url, model, conversations, c, max_tokens, server)
+        row = run_streams(url, model, conversations, c, max_tokens, server, system_tokens)
         rows.append(row)
         log(format_row(row))
+    return rows
+
+
+def bench_workloads(url: str, server: str, workloads: Sequence[tuple[int, Sequence[int], Sequence]], max_tokens: int,
+                    log=print) -> list[Row]:
+    """``bench_server`` for each (system tokens, streams, conversations) workload, on one server start."""
+    rows = []
+    for system_tokens, streams, conversations in workloads:
+        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens)
     return rows
 
 
@@ -272,22 +282,22 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 # ------------------------------------------------------------------ report
 def format_row(r: Row) -> str:
-    return (f"| {r.server} | {r.streams} | {r.tokens_per_s:.1f} | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
+    return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
             f"{r.cached_per_request:,.0f} / {r.prompt_per_request:,.0f} |")
 
 
 def format_table(rows: list[Row], title: str) -> str:
-    lines = [title, "", "| server | streams | output tokens/s | TTFT p50 ms | TTFT p95 ms | cached / prompt tokens |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [title, "", "| server | system tokens | streams | output tokens/s | TTFT p50 ms | TTFT p95 ms "
+                        "| cached / prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     servers = list(dict.fromkeys(r.server for r in rows))
     if len(servers) == 2:
         a, b = servers
-        by = {(r.server, r.streams): r for r in rows}
-        lines += ["", f"| streams | {a} / {b} (tokens/s) |", "|---:|---:|"]
-        for c in dict.fromkeys(r.streams for r in rows):
-            if (a, c) in by and (b, c) in by and by[(b, c)].tokens_per_s > 0:
-                lines.append(f"| {c} | {by[(a, c)].tokens_per_s / by[(b, c)].tokens_per_s:.2f}x |")
+        by = {(r.server, r.system_tokens, r.streams): r for r in rows}
+        lines += ["", f"| system tokens | streams | {a} / {b} (tokens/s) |", "|---:|---:|---:|"]
+        for t, c in dict.fromkeys((r.system_tokens, r.streams) for r in rows):
+            if (a, t, c) in by and (b, t, c) in by and by[(b, t, c)].tokens_per_s > 0:
+                lines.append(f"| {t:,} | {c} | {by[(a, t, c)].tokens_per_s / by[(b, t, c)].tokens_per_s:.2f}x |")
     return "\n".join(lines)
 
 
@@ -312,12 +322,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16, help="chat requests per stream count (default 16)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=2300, help="system prompt length (0: the short one)")
+    p.add_argument("--also", action="append", default=[], metavar="TOKENS:STREAMS",
+                   help="another workload on the same server start, e.g. 6000:16 (repeatable)")
     p.add_argument("--vllm-venv", default=os.environ.get("RADIX_VLLM_VENV", str(REPO / ".venv-vllm")))
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a started server may take")
     args = p.parse_args(argv)
-    args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
-    if not args.streams or min(args.streams) < 1:
-        p.error("--streams needs whole numbers >= 1")
+    def stream_list(text: str) -> list[int]:
+        try:
+            streams = [int(s) for s in text.split(",") if s.strip()]
+        except ValueError:
+            streams = []
+        if not streams or min(streams) < 1:
+            p.error(f"streams must be whole numbers >= 1, got {text!r}")
+        return streams
+
+    args.streams = stream_list(args.streams)
+    also = []
+    for spec in args.also:
+        tokens, _, streams = spec.partition(":")
+        if not tokens.strip().isdigit():
+            p.error(f"--also takes TOKENS:STREAMS, e.g. 6000:16; got {spec!r}")
+        also.append((int(tokens), stream_list(streams or ",".join(map(str, args.streams)))))
+    args.also = also
     if args.requests < 1 or args.max_tokens < 1:
         p.error("--requests and --max-tokens must be at least 1")
     if not (args.url or args.ours or args.vllm):
@@ -329,25 +355,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    conversations = conversations_for(args.system_tokens, args.requests, args.max_tokens)
-    title = (f"Peer benchmark: {args.requests} chat requests, a {args.system_tokens:,}-token shared system prompt, "
-             f"{args.max_tokens} new tokens, streamed, streams {args.streams}")
+    workloads = [(t, st, conversations_for(t, args.requests, args.max_tokens))
+                 for t, st in [(args.system_tokens, args.streams), *args.also]]
+    title = (f"Peer benchmark: {args.requests} chat requests behind a shared system prompt, {args.max_tokens} new "
+             f"tokens, streamed; workloads (system tokens: streams) "
+             + ", ".join(f"{t:,}: {','.join(map(str, st))}" for t, st, _ in workloads))
     print(title, flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows: list[Row] = []
     for url in args.url:
-        rows += bench_server(url, url, conversations, args.streams, args.max_tokens, log)
+        rows += bench_workloads(url, url, workloads, args.max_tokens, log)
     if args.ours:
         port = free_port()
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
         with started("ours", ours_command(port, args.dtype), env, port, "Growth curve", args.start_timeout) as url:
-            rows += bench_server(url, f"ours {args.dtype}", conversations, args.streams, args.max_tokens, log)
+            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log)
     if args.vllm:
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="peer-bench-vllm-") as cache, \
                 started("vllm", vllm_command(Path(args.vllm_venv), port, args.dtype), vllm_env(cache), port, None,
                         args.start_timeout) as url:
-            rows += bench_server(url, f"vLLM {args.dtype}", conversations, args.streams, args.max_tokens, log)
+            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log)
     print()
     print(format_table(rows, title))
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.engine import Engine
@@ -10,11 +12,12 @@ from tools.peer_bench import bench_server, conversations_for, format_table, pars
 
 
 def test_arguments():
-    args = parse_args(["--url", "http://x", "--streams", "1, 8,16", "--dtype", "float32"])
+    args = parse_args(["--url", "http://x", "--streams", "1, 8,16", "--dtype", "float32", "--also", "6000:16"])
     assert args.url == ["http://x"] and args.streams == [1, 8, 16] and args.dtype == "float32"
+    assert args.also == [(6000, [16])]
     assert args.max_tokens == 32 and args.requests == 16 and args.system_tokens == 2300
     for bad in ([], ["--url", "u", "--streams", "0"], ["--url", "u", "--max-tokens", "0"],
-                ["--vllm", "--vllm-venv", "/nonexistent"]):
+                ["--vllm", "--vllm-venv", "/nonexistent"], ["--url", "u", "--also", "x:1"], ["--url", "u", "--also", "6:a"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -40,5 +43,5 @@ def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
     # What the client counted is what the engine recorded (warm-up + 2 x 4 requests).
     assert len(metrics) == 9
     assert sum(r.output_tokens for row in rows for r in row.results) == sum(m.output_tokens for m in metrics[1:])
-    table = format_table(rows + [r.__class__("other", r.streams, r.results, r.wall_s * 2) for r in rows], "t")
-    assert "| 1 | 2.00x |" in table and "| 3 | 2.00x |" in table
+    table = format_table(rows + [dataclasses.replace(r, server="other", wall_s=r.wall_s * 2) for r in rows], "t")
+    assert "| 0 | 1 | 2.00x |" in table and "| 0 | 3 | 2.00x |" in table
