@@ -18,7 +18,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -164,14 +163,11 @@ async def read_json(request: Request) -> object:
 
 
 async def events_of(handle: RequestHandle) -> AsyncIterator[GenerationEvent]:
-    """The handle's events without blocking the event loop; cancelling the consumer
-    (a client gone) cancels the request at its next token."""
-    it = iter(handle)
+    """The handle's events on the event loop, with no thread per stream and no hop per token
+    (``RequestHandle.__aiter__``); cancelling the consumer (a client gone) cancels the request
+    at its next step."""
     try:
-        while True:
-            event = await anyio.to_thread.run_sync(next, it, None, abandon_on_cancel=True)
-            if event is None:
-                return
+        async for event in handle:
             yield event
     finally:
         handle.cancel()
