@@ -290,9 +290,9 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     finally:
         demo.close(verbose=False)
-        if engine.capabilities.second_tier:  # the local engine's cache, written for the next start
-            print(f"Cache written to the second tier for the next start ({engine.persist_cache()} new chunks).",
-                  flush=True)
+        written = engine.persist_cache()  # the local engine's cache on disk, for the next start
+        if written is not None:
+            print(f"Cache written to the second tier for the next start ({written} new chunks).", flush=True)
     print("Stopped.", flush=True)
     return 0
 

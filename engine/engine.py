@@ -349,9 +349,12 @@ class Engine(FacadeBase):
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
         return self.runner.compute.call(self.cache.offload)
 
-    def persist_cache(self) -> int:
-        """Write what the cache holds to the second tier (a restart then finds it); chunks written."""
-        return self.runner.compute.call(self.cache.persist) if self.tier is not None else 0
+    def persist_cache(self) -> int | None:
+        """Write what the cache holds to the second tier, so a restart finds it; chunks written.
+        None when nothing outlives this process: no tier, or one in host memory (a GPU's)."""
+        if self.tier is None or not self.tier.persistent:
+            return None
+        return self.runner.compute.call(self.cache.persist)
 
     def configure_scheduler(self, **changes) -> None:
         """Change the scheduler's policy knobs (fields of ``SchedulerConfig``: ``max_batch``,

@@ -197,6 +197,10 @@ class PrefillTimer:
         self._by_request: OrderedDict[int, PrefillTiming] = OrderedDict()  # request id -> its paired timing
 
     # ------------------------------------------------------- yielding
+    def stopping(self) -> bool:
+        """The app is shutting down (the compute thread stopped): background work ends quietly."""
+        return self.runner.compute.stopped
+
     def _visitors_busy(self) -> bool:
         busy = getattr(self.engine, "busy", None)
         return self._foreground > 0 or bool(busy is not None and busy())
@@ -206,7 +210,7 @@ class PrefillTimer:
         ``EngineFault`` if the process shuts down meanwhile."""
         quiet_since = None
         while True:
-            if self.runner.compute.stopped:
+            if self.stopping():
                 raise EngineFault("the app is shutting down")
             now = time.monotonic()
             if self._visitors_busy():

@@ -359,9 +359,9 @@ class RemoteEngine(FacadeBase):
     def configure_scheduler(self, **changes) -> None:
         raise EngineError("The backend schedules its own requests: its scheduler cannot be set from here.")
 
-    def persist_cache(self) -> int:
+    def persist_cache(self) -> int | None:
         """The backend keeps its own cache: nothing is written here."""
-        return 0
+        return None
 
     def backend_metrics(self) -> dict[str, float]:
         return self.client.metrics()
