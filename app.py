@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+import time
 
 
 def _positive_int(text: str) -> int:
@@ -76,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{PUBLIC_MAX_NEW_TOKENS} with --isolate)")
     p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
                    help="requests that may wait for the model before visitors get a 'busy' message")
+    p.add_argument("--max-per-client", type=int, default=env("RADIX_MAX_PER_CLIENT", "-1"),
+                   help="API requests one client (API key, else address) may have queued or running; 0: no cap "
+                        "(default: a quarter of --max-queue, at most 4, with --isolate; no cap without)")
     p.add_argument("--max-batch", type=_positive_int, default=env("RADIX_MAX_BATCH", "16"),
                    help="requests decoded together in one forward (continuous batching); 1 runs one at a time")
     p.add_argument("--chunk-tokens", type=_limit, default=env("RADIX_CHUNK_TOKENS", "0"),
@@ -91,9 +96,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
     p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
                    help="the model name the backend serves (default: the first one its /v1/models lists)")
+    p.add_argument("--backend-kv-events", default=env("RADIX_BACKEND_KV_EVENTS", ""), metavar="ENDPOINT",
+                   help="remote mode: follow the backend's KV events from this ZMQ endpoint "
+                        "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
+                        "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
+    p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
+                   help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
+                        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+                        "\"topic\": \"kv-events\"}'; ours: \"block_size\", default 32)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
+    if args.max_per_client < 0:
+        args.max_per_client = None  # the deployment's default (server.client_limits)
     if args.max_prompt_tokens is None and args.isolate:
         args.max_prompt_tokens = PUBLIC_MAX_PROMPT_TOKENS
     return args
@@ -115,7 +130,7 @@ def build_engine(args: argparse.Namespace, runner=None):
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                   max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                  tier_bytes=tier_bytes, tier_dir=tier_dir)
+                  tier_bytes=tier_bytes, tier_dir=tier_dir, kv_events_config=args.kv_events_config)
 
 
 def build_app(engine, max_queue: int = 32):
@@ -127,7 +142,25 @@ def build_app(engine, max_queue: int = 32):
 
     demo = harden(build_demo(engine))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)
+    calm_queue(demo)
     return demo
+
+
+# Gradio's queue polls: its dispatch loop sleeps 1 ms when it has nothing to start (50 ms on
+# Windows) and its progress loop 10 ms. In the engine's process that is over a thousand
+# wake-ups a second of the event loop, each taking the GIL from the model's thread and a core
+# from its OpenMP threads: measured with py-spy, the loop's thread alone used 4% of a core
+# while idle. Gradio's Windows values instead: a page event starts at most 50 ms later.
+QUEUE_POLL_S, PROGRESS_POLL_S = 0.05, 0.1
+
+
+def calm_queue(demo) -> None:
+    """Slow Gradio's queue polling (see ``QUEUE_POLL_S``) after ``demo.queue()``."""
+    queue = getattr(demo, "_queue", None)
+    if queue is not None and hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+        queue.progress_update_sleep_when_free = max(getattr(queue, "progress_update_sleep_when_free", 0.0),
+                                                    PROGRESS_POLL_S)
 
 
 def build_remote_engine(args: argparse.Namespace, tokenizer=None):
@@ -143,29 +176,74 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens_cap=args.max_new_tokens)
     engine.check_backend()
+    engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
     return engine
 
 
-def server_routes(engine, api_key: str | None = None) -> list:
+def server_routes(engine, api_key: str | None = None, max_per_client: int | None = None) -> list:
     """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
-    (none in remote mode: the backend serves its own)."""
+    (remote mode: ``/metrics`` only, the backend serves its own API). ``max_per_client``: None for
+    the deployment's default, 0 for no cap."""
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
 
-    if engine.capabilities.remote:
-        return []
-    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None))
+    if engine.capabilities.remote:  # the backend serves its own API; /metrics adds what its events say
+        return metrics_routes(EngineMetrics(lambda: engine))
+    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None, max_per_client=max_per_client))
             + metrics_routes(EngineMetrics(lambda: engine)))
 
 
-def app_kwargs(engine, api_key: str | None = None) -> dict:
+def app_kwargs(engine, api_key: str | None = None, max_per_client: int | None = None) -> dict:
     """For ``demo.launch(app_kwargs=...)``: Gradio builds its FastAPI app with these routes
     first, so the page's catch-all routes cannot shadow them (same port as the page)."""
-    return {"routes": server_routes(engine, api_key)}
+    return {"routes": server_routes(engine, api_key, max_per_client)}
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (in use, not allowed, no such address), or None.
+    Binds a socket the way the server will (``SO_REUSEADDR``, as uvicorn and Gradio do, so a
+    port left in TIME_WAIT by the last run is free) and closes it at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def _stop_on_sigterm() -> None:
+    """A container's stop (SIGTERM) ends like Ctrl+C: the cache is written first. Once: a second
+    signal while the server closes or the cache is written is ignored, never a traceback."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Before anything is loaded: a port that cannot be served ends here, in one line.
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"error: cannot listen on {args.host}:{args.port} ({problem}); pick another with --port or "
+              "GRADIO_SERVER_PORT", file=sys.stderr)
+        return 1
+    _stop_on_sigterm()
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:  # stopped (Ctrl+C, SIGTERM) while loading or warming: nothing to write yet
+        print("Stopped.", flush=True)
+        return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -200,16 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     demo = build_app(engine, args.max_queue)
     if not args.backend and not args.no_cache:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
-    def stop(signum, frame):  # a container's stop (SIGTERM) ends like Ctrl+C: the cache is written first
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
-        demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs(app_kwargs(engine, args.api_key)))
+        demo.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True,
+                    **launch_kwargs(app_kwargs(engine, args.api_key, args.max_per_client)))
+        while demo.is_running:  # until Ctrl+C or SIGTERM, which may also come while launch() runs
+            time.sleep(0.5)
+    except OSError as exc:  # the port was taken between the check and now
+        print(f"error: cannot listen on {args.host}:{args.port}: {str(exc).splitlines()[0][:200]}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     finally:
-        if engine.capabilities.second_tier:  # the local engine's cache, written for the next start
-            print(f"Cache written to the second tier for the next start ({engine.persist_cache()} new chunks).",
-                  flush=True)
+        demo.close(verbose=False)
+        written = engine.persist_cache()  # the local engine's cache on disk, for the next start
+        if written is not None:
+            print(f"Cache written to the second tier for the next start ({written} new chunks).", flush=True)
+    print("Stopped.", flush=True)
     return 0
 
 

@@ -141,6 +141,10 @@ def speedup_scatter(history: Sequence[RequestMetrics], height: int = 340) -> go.
     return fig
 
 
+def _speedup_label(speedup: float) -> str:
+    return f"{speedup:.0f}×" if speedup >= 10 else f"{speedup:.1f}×"
+
+
 def growth_figure(points: Sequence, device: str = "", height: int = 340, note: str = "") -> go.Figure:
     """Prefill time with and without reuse against the cached length (``GrowthPoint``s of
     ``engine.prefill_timing``), on a log-log scale so 256 and 4,096 tokens both read."""
@@ -149,16 +153,18 @@ def growth_figure(points: Sequence, device: str = "", height: int = 340, note: s
         return _empty(note or "Not measured yet", height, title)
     fig = _figure(height, title)
     x = [p.cached_tokens for p in points]
-    info = [[p.suffix_tokens, p.speedup, p.pairs] for p in points]
-    tmpl = ("%{x:,} cached + %{customdata[0]} new tokens: %{y:,.0f} ms<br>reuse %{customdata[1]:.1f}× faster "
-            "(%{customdata[2]} pair(s))<extra>%{fullData.name}</extra>")
+    reused = [p.cached_tokens if getattr(p, "reused_tokens", None) is None else p.reused_tokens for p in points]
+    info = [[p.suffix_tokens, p.speedup, p.pairs, r] for p, r in zip(points, reused, strict=True)]
+    tmpl = ("%{x:,} cached (%{customdata[3]:,} reused) + %{customdata[0]} new tokens: %{y:,.0f} ms<br>"
+            "reuse %{customdata[1]:.1f}× faster (%{customdata[2]} pair(s))<extra>%{fullData.name}</extra>")
     fig.add_trace(go.Scatter(x=x, y=[p.full_ms for p in points], name="without reuse (every token computed)",
                              mode="lines+markers", line=dict(color=BASELINE_COLOR, width=3), customdata=info,
                              hovertemplate=tmpl))
     fig.add_trace(go.Scatter(x=x, y=[p.reuse_ms for p in points], name="with reuse (cached part copied)",
                              mode="lines+markers+text", line=dict(color=CACHED_COLOR, width=3), customdata=info,
-                             hovertemplate=tmpl, text=[f"{p.speedup:.0f}×" if p.speedup >= 10 else f"{p.speedup:.1f}×"
-                                                       for p in points],
+                             hovertemplate=tmpl, text=[_speedup_label(p.speedup)
+                                                       + (f" ({r:,} reused)" if r < p.cached_tokens else "")
+                                                       for p, r in zip(points, reused, strict=True)],
                              textposition="bottom center", textfont=dict(size=11, color="#15803d")))
     fig.update_xaxes(title_text="tokens served from the cache", type="log", tickvals=x,
                      ticktext=[f"{v:,}" for v in x])

@@ -114,7 +114,15 @@ def baseline_skipped(asked, req: GenerationRequest) -> str | None:
 
 
 def system_text(preset_name, custom_text) -> str:
-    return (custom_text or "") if preset_name == CUSTOM_SYSTEM else SYSTEM_PRESETS.get(str(preset_name), "")
+    """The system prompt of ``preset_name``; an unknown name (the ``/chat`` API takes any value)
+    is a ``gr.Error`` naming the choices, never a silent empty system prompt."""
+    if preset_name == CUSTOM_SYSTEM:
+        return custom_text or ""
+    if not isinstance(preset_name, str) or preset_name not in SYSTEM_PRESETS:
+        choices = ", ".join(repr(n) for n in [*SYSTEM_PRESETS, CUSTOM_SYSTEM])
+        raise gr.Error(f"Unknown system prompt preset {str(preset_name)[:80]!r}: choose one of {choices}.",
+                       print_exception=False)
+    return SYSTEM_PRESETS[preset_name]
 
 
 def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[tuple[str, str, RequestMetrics | None]]:

@@ -40,6 +40,10 @@ def curve_markdown(curve, isolation: bool) -> str:
     if curve.state == "running":
         return (f"*Measuring on this machine ({len(curve.points)} of {len(curve.lengths)} lengths done)…* "
                 f"{how}.\n\n{why}")
+    short = [p for p in curve.points if getattr(p, "reused_less", False)]
+    if short:
+        how += (". Reused less than its length (part of the filler was evicted meanwhile): "
+                + ", ".join(f"{p.cached_tokens:,} cached, {p.reused_tokens:,} reused" for p in short))
     when = time.strftime("%H:%M UTC", time.gmtime(curve.finished_at))
     again = " Measured once for everyone on this public page." if isolation else ""
     return (f"Measured at {when} on **{curve.device}** ({curve.dtype}), not on a quiet machine if others were "

@@ -16,11 +16,33 @@ from components.format import fmt_bytes, fmt_ms, plural
 from components.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from engine.api import EngineAPI
+from engine.snapshot_view import coarse_tokens
 from engine.types import EngineError, RequestMetrics
 
 MiB = 2**20
 HISTORY = 200
 
+
+
+def kv_event_rows(engine: EngineAPI) -> list[str]:
+    """Remote mode with the server's KV events followed: its blocks held and evicted per medium,
+    and how the events came (``RemoteEngine.kv_event_figures``); [] without events."""
+    f = engine.kv_event_figures()
+    if not f or not f["block_size"]:
+        return ["| KV events | followed at " + f["endpoint"] + ", none received yet (the shadow tree is drawn) |"] \
+            if f else []
+    bs = f["block_size"]
+
+    def n(blocks: int) -> str:  # under isolation, everyone's counts only in whole buckets (as others' tokens)
+        return f"{blocks:,}" if not engine.isolation else f"about {coarse_tokens(blocks * bs) // bs:,}"
+    rows = [f"| blocks in {medium} | **{n(c['held'])}** held now, {n(c['stored'])} stored, {n(c['evicted'])} "
+            f"evicted since this dashboard started ({bs} tokens each; everyone's) |" for medium, c in f["media"].items()]
+    checks = f["checks"]
+    return rows + [
+        f"| KV events | {f['events']:,} events in {f['batches']:,} batches from {f['endpoint']}, block size {bs}; "
+        f"{f['replayed']:,} batches replayed, {f['gaps']} gaps, {f['restarts']} server restarts |",
+        f"| cached tokens, events vs the server's count | {checks['agree']:,} requests agree, {checks['differ']:,} "
+        "differ (the blocks a prompt walked when sent, against what the server reported) |"]
 
 def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
     """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
@@ -40,11 +62,13 @@ def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None,
                 "not counted) |")
     backend = engine.info().backend
     if not engine.capabilities.local_cache:  # remote mode: the server's memory is its own
+        events = kv_event_rows(engine)
         return "\n".join([
             "| cache (remote server) | |", "|---|---|",
             f"| server | {backend} |",
-            "| KV in use · budget · evictions | **unknown** from here (the server's; see its /metrics) |",
-            f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |",
+            *(events or [
+                "| KV in use · budget · evictions | **unknown** from here (the server's; see its /metrics) |",
+                f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |"]),
             rate_row.replace("from the cache;", "reported cached by the server;"),
         ])
     full = engine.stats()  # the tier's figures are everyone's (in isolation mode it holds shipped content only)

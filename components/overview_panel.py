@@ -64,6 +64,9 @@ def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: 
     cache_label = "everyone's KV cache" if engine.isolation else "KV cache"
     engine_cards = [
         _card(fmt_pct(rate), f"token hit rate over {whose} {plural(len(mine), 'request')} (lab runs not counted)"),
+        _card(f"{stats.cached_tokens_now:,} tokens", f"held by the remote server, in {stats.num_nodes:,} nodes of its "
+                                                     "own blocks (its KV events; bytes unknown)")
+        if engine.kv_event_figures().get("active") else
         _card("unknown", f"the remote server's KV memory; {stats.cached_tokens_now:,} tokens sent, in "
                          f"{stats.num_nodes:,} nodes of the shadow tree")
         if not engine.capabilities.local_cache else

@@ -132,9 +132,16 @@ def _base_layout(snapshot: TreeSnapshot, height: int, revision: str, compact: bo
         out["title"] = dict(
             text=f"{in_memory} · {snapshot.num_tokens:,} tokens · "
                  + (f"{snapshot.num_bytes / 2**20:,.1f} MiB of {snapshot.budget_bytes / 2**20:,.0f} MiB"
-                    if snapshot.bytes_per_token else "shadow tree of what was sent (server memory unknown)") + tier,
+                    if snapshot.bytes_per_token else REMOTE_TITLES.get(snapshot.origin, REMOTE_TITLES["shadow"]))
+                 + tier,
             x=0.01, y=1, yref="container", yanchor="top", pad=dict(t=8), font=dict(size=13))
     return out
+
+
+REMOTE_TITLES = {  # remote mode: where the tree comes from (``TreeSnapshot.origin``)
+    "events": "the server's own blocks, from its KV events",
+    "shadow": "shadow tree of what was sent (server memory unknown)",
+}
 
 
 def _outline(m: VisualNode) -> tuple[str, float]:

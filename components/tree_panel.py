@@ -34,9 +34,25 @@ LEGEND = (
 
 REMOTE_NOTE = (
     "  \n**Remote server:** this is a *shadow* tree of the token ids this dashboard sent, coloured by the cached "
-    "tokens the server reported. The server's own cache may keep whole blocks only (vLLM: 16 tokens) and evicts on "
-    "its own: this tree cannot see either."
+    "tokens the server reported (the fallback for servers that publish no KV events, such as llama.cpp). The "
+    "server's own cache may keep whole blocks only (vLLM: 16 or 32 tokens) and evicts on its own: this tree cannot "
+    "see either."
 )
+REMOTE_EVENTS_NOTE = (
+    "  \n**Remote server, its real cache:** drawn from the KV events the server publishes (vLLM or SGLang "
+    "`--kv-events-config`): its own blocks, merged into radix nodes, evictions as they happen; hatched = held in "
+    "another medium (host memory, storage). Your last request is coloured by walking its tokens down those blocks "
+    "(green = the blocks the server reported as cached). Blocks that no request of yours reaches are another "
+    "client's (grey, no text, under isolation). Until the first event arrives, the shadow tree of what was sent is "
+    "drawn instead."
+)
+
+
+def remote_note(engine: EngineAPI) -> str:
+    """What the tree is, in remote mode: the server's own blocks (KV events) or the shadow tree."""
+    if not engine.capabilities.remote:
+        return ""
+    return REMOTE_EVENTS_NOTE if engine.kv_event_figures() else REMOTE_NOTE
 
 
 def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: RequestMetrics | None,
@@ -90,7 +106,7 @@ def build_tree_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = F
                                scale=1)
     plot = gr.Plot(show_label=False, elem_id="tree-plot", elem_classes=[KEEP_ZOOM])
     status = status_line(elem_id="tree-status")
-    gr.Markdown(LEGEND + (REMOTE_NOTE if engine.capabilities.remote else ""), elem_classes=["legend"])
+    gr.Markdown(LEGEND + remote_note(engine), elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, color, mode, chains, seen_before, request: gr.Request):

@@ -116,6 +116,8 @@ def start_growth_curve(engine) -> threading.Thread | None:
 
     def measure():
         curve = timer.growth_curve(filler, pairs=GROWTH_PAIRS.get(device, 3))
+        if curve.state != "done" and timer.stopping():
+            return  # the app is shutting down: nothing to report
         log.info("Growth curve: %s", "; ".join(f"{p.cached_tokens:,} cached: {p.reuse_ms:.0f} vs {p.full_ms:.0f} ms"
                                                 for p in curve.points) or curve.error)
 

@@ -129,6 +129,10 @@ class FacadeBase:
     text: TextCodec
     max_prompt_tokens: int
 
+    def kv_event_figures(self) -> dict:
+        """``{}``: this engine follows no server's KV events (a remote engine overrides it)."""
+        return {}
+
     def _start_records(self, history_size: int, lock) -> None:
         self._records_lock = lock
         self._attachments: dict[str, object] = {}
@@ -248,10 +252,13 @@ class Engine(FacadeBase):
     def __init__(self, runner: ModelRunner, budget_bytes: int | None = None, enable_cache: bool = True,
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
-                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None) -> None:
+                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None,
+                 kv_events_config: str = "") -> None:
         """``tier_bytes`` > 0 turns on the second tier (``engine.kvcache.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
-        ``tier_dir`` is None and the model runs on a GPU."""
+        ``tier_dir`` is None and the model runs on a GPU. ``kv_events_config`` (vLLM's
+        ``--kv-events-config`` JSON) publishes what the tree caches as vLLM-format KV events
+        (``engine.kvcache.kv_events``)."""
         self.runner = runner
         self.text = runner.text
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
@@ -263,6 +270,12 @@ class Engine(FacadeBase):
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
                                    if enable_cache else NoPrefixCache(pool))
+        self.kv_events = None
+        if kv_events_config and enable_cache:
+            from engine.kvcache.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher.from_config(kv_events_config, private_tokens=not isolation)
+            self.cache.publish_to(self.kv_events)
         self.isolation = isolation
         self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
         self.max_new_tokens_cap = max_new_tokens_cap
@@ -336,9 +349,12 @@ class Engine(FacadeBase):
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
         return self.runner.compute.call(self.cache.offload)
 
-    def persist_cache(self) -> int:
-        """Write what the cache holds to the second tier (a restart then finds it); chunks written."""
-        return self.runner.compute.call(self.cache.persist) if self.tier is not None else 0
+    def persist_cache(self) -> int | None:
+        """Write what the cache holds to the second tier, so a restart finds it; chunks written.
+        None when nothing outlives this process: no tier, or one in host memory (a GPU's)."""
+        if self.tier is None or not self.tier.persistent:
+            return None
+        return self.runner.compute.call(self.cache.persist)
 
     def configure_scheduler(self, **changes) -> None:
         """Change the scheduler's policy knobs (fields of ``SchedulerConfig``: ``max_batch``,
@@ -356,6 +372,11 @@ class Engine(FacadeBase):
 
     def _stats_for(self, viewer: str) -> EngineStats:
         return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._waiting())
+
+    def busy(self) -> bool:
+        """A request waits or runs, or a step is under way: background measurements wait for
+        this to be False (``engine.prefill_timing``), so visitors never queue behind them."""
+        return bool(self._waiting() or self.scheduler.has_work() or self.runner.lock.locked())
 
     def _waiting(self) -> int:
         """Requests submitted and not admitted yet (the inbox and the scheduler's waiting list):
@@ -408,6 +429,8 @@ class Engine(FacadeBase):
         if self.tier is not None:
             self.persist_cache()
             self.tier.close()  # releases the folder's lock: the next engine on it may open it
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _work(self) -> None:
         while True:

@@ -1,18 +1,26 @@
 """The caller's side of one request: the handle ``EngineAPI.submit`` returns.
 
-Owns: ``RequestHandle`` (iterate it for ``GenerationEvent``s; ``cancel()`` stops the work at
-the next step; a consumer that stops iterating cancels), the ``END_OF_STREAM`` marker that
-closes its event queue, and ``request_key``: the request's ``CacheKey`` (namespace and
-shareable length, set by server code). Both engines, local and remote, hand these out.
-Knows nothing about the scheduler, the cache or HTTP.
+Owns: ``RequestHandle`` (iterate it for ``GenerationEvent``s, in a thread with ``for`` or on
+an event loop with ``async for``; ``cancel()`` stops the work at the next step; a consumer
+that stops iterating cancels), its ``EventQueue``, the ``END_OF_STREAM`` marker that closes
+it, and ``request_key``: the request's ``CacheKey`` (namespace and shareable length, set by
+server code). Both engines, local and remote, hand these out. Knows nothing about the
+scheduler, the cache or HTTP.
+
+Why ``async for`` matters: an HTTP server on asyncio that reads a thread-blocking queue
+needs a worker thread per stream and a hop into it per token (``to_thread.run_sync(next)``),
+all under the one GIL the engine's step needs too. Awaiting instead, the engine's thread
+wakes the loop with ``call_soon_threadsafe`` at most once per batch of events (one per step
+per stream) and the consumer takes everything queued by then.
 """
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from engine.types import CacheKey, GenerationEvent, GenerationRequest
 
@@ -26,6 +34,62 @@ def request_key(ids: Sequence[int], request: GenerationRequest) -> CacheKey:
     return CacheKey(tuple(ids), request.namespace, max(0, min(request.public_len, len(ids))))
 
 
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class EventQueue:
+    """One request's events: engine threads ``put``; ONE consumer takes them, either a thread
+    (``get`` blocks) or a coroutine (``get_batch`` awaits, no thread)."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # an awaiting consumer
+
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None  # one wake per batch: later puts find it gone
+            self._cond.notify()
+        if waiter is not None:
+            loop, fut = waiter
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+    def get(self) -> object:
+        """The next item; blocks the calling thread until there is one."""
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    async def get_batch(self) -> list:
+        """Every item queued now (at least one), awaiting on the running loop while there is none."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+                fut = loop.create_future()
+                self._waiter = (loop, fut)
+            try:
+                await fut
+            finally:
+                with self._cond:
+                    if self._waiter is not None and self._waiter[1] is fut:
+                        self._waiter = None
+
+
 class RequestHandle:
     """A submitted request: iterate it for events; ``cancel()`` stops it at the next step."""
 
@@ -33,7 +97,7 @@ class RequestHandle:
         self.request = request
         self.ids = ids
         self.request_id = request_id
-        self.events: queue.Queue = queue.Queue()
+        self.events = EventQueue()
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
 
@@ -51,3 +115,16 @@ class RequestHandle:
                 yield item
         finally:
             self.cancel()  # a consumer that stops listening stops the work
+
+    async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        """The same events on an event loop, without a thread (see the module docstring)."""
+        try:
+            while True:
+                for item in await self.events.get_batch():
+                    if item is END_OF_STREAM:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            self.cancel()

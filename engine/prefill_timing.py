@@ -26,6 +26,12 @@ is the median of ``reuse_runs`` runs in a row. The pair shown is the median pair
 by ratio. Nothing here changes the
 cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the
 scratch buffers are dropped.
+
+The growth curve is background work: it starts with the app, for nobody in particular, so
+it yields to visitors. Before each of its compute calls (blocks of at most
+``BACKGROUND_BLOCK_TOKENS``) it waits until no request waits or runs (``engine.busy()``) and
+no visitor's paired timing is under way or waiting, for ``QUIET_S`` in a row. A visitor's
+first request after a start then waits at most for one such block.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.types import CacheKey, EngineError
+from engine.types import CacheKey, EngineError, EngineFault
 
 __all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
            "WarmPrefix", "default_policy", "timer_for"]
@@ -45,6 +51,8 @@ __all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "Prefill
 GROWTH_NAMESPACE = "growth-curve"  # the curve's filler lives here while it is measured, then is cleared
 GROWTH_LENGTHS = (256, 512, 1024, 2048, 4096)
 GROWTH_SUFFIX_TOKENS = 32  # the "question" after the cached part, as in a chat turn
+BACKGROUND_BLOCK_TOKENS = 256  # the longest compute call of background work (the growth curve)
+QUIET_S = 0.1  # background work starts a call only after visitors left the engine idle this long
 
 
 @dataclass(frozen=True)
@@ -125,11 +133,16 @@ class WarmPrefix:
 
 @dataclass(frozen=True)
 class GrowthPoint:
-    cached_tokens: int
+    cached_tokens: int  # the length measured: this much of the filler was meant to be reused
     suffix_tokens: int
     reuse_ms: float
     full_ms: float
     pairs: int
+    reused_tokens: int | None = None  # what the reuse side really copied (fewer if some was evicted)
+
+    @property
+    def reused_less(self) -> bool:
+        return self.reused_tokens is not None and self.reused_tokens < self.cached_tokens
 
     @property
     def speedup(self) -> float:
@@ -173,20 +186,56 @@ class PrefillTimer:
         self.engine = engine
         self.runner, self.cache = engine.runner, engine.cache
         self.policy = policy or default_policy(self.runner.device.type, bool(getattr(engine, "isolation", False)))
-        self._busy = threading.Lock()  # one timing (or curve) at a time: their buffers and their fairness
+        self._busy = threading.Lock()  # one visitor's timing at a time: their buffers and their fairness
+        self._curve_lock = threading.Lock()  # one growth curve at a time
+        self._foreground = 0  # visitors' timings under way or waiting: background work waits for them
+        self._foreground_lock = threading.Lock()
         self._memo: OrderedDict[tuple, tuple[float, float, int]] = OrderedDict()  # -> (full ms, when, runs)
         self._memo_lock = threading.Lock()
         self._curve = GrowthCurve()
         self.warmed: tuple[WarmPrefix, ...] = ()
         self._by_request: OrderedDict[int, PrefillTiming] = OrderedDict()  # request id -> its paired timing
 
+    # ------------------------------------------------------- yielding
+    def stopping(self) -> bool:
+        """The app is shutting down (the compute thread stopped): background work ends quietly."""
+        return self.runner.compute.stopped
+
+    def _visitors_busy(self) -> bool:
+        busy = getattr(self.engine, "busy", None)
+        return self._foreground > 0 or bool(busy is not None and busy())
+
+    def _wait_for_quiet(self) -> None:
+        """Background work: return once visitors have left the engine idle for ``QUIET_S``; an
+        ``EngineFault`` if the process shuts down meanwhile."""
+        quiet_since = None
+        while True:
+            if self.stopping():
+                raise EngineFault("the app is shutting down")
+            now = time.monotonic()
+            if self._visitors_busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                return
+            time.sleep(0.02)
+
+    def _foreground_add(self, n: int) -> None:
+        with self._foreground_lock:
+            self._foreground += n
+
     # ---------------------------------------------------------- one prompt
-    def _timed_prefill(self, key: CacheKey, cached: int) -> tuple[float, int]:
+    def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int]:
         """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
-        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused)."""
+        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused).
+        ``background``: blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when
+        visitors leave the engine idle."""
         runner, ids, n = self.runner, key.ids, len(key.ids)
         kv = runner.new_request_kv(n)  # allocated outside the timed part, on both sides alike
         block = max(1, self.policy.block_tokens)
+        if background:
+            block = min(block, BACKGROUND_BLOCK_TOKENS)
 
         def first() -> tuple[float, int, int]:
             runner.synchronize()
@@ -204,9 +253,13 @@ class PrefillTimer:
             runner.synchronize()
             return (time.perf_counter() - t0) * 1000
 
+        if background:
+            self._wait_for_quiet()
         ms, reused, pos = runner.compute.call(first)
         while pos < n:
             stop = min(n, pos + block)
+            if background:
+                self._wait_for_quiet()
             ms += runner.compute.call(more, pos, stop)
             pos = stop
         return ms, reused
@@ -274,6 +327,14 @@ class PrefillTimer:
         if runs < 1:
             return replace(base, skipped=f"one pair would run {per_pair:,} tokens through the model, over the "
                                          f"{self.policy.max_tokens:,} a timing may cost here")
+        self._foreground_add(1)  # the growth curve pauses from now on
+        try:
+            return self._time_pairs(key, base, cached, runs, reps, memo, mk)
+        finally:
+            self._foreground_add(-1)
+
+    def _time_pairs(self, key: CacheKey, base: PrefillTiming, cached: int, runs: int, reps: int,
+                    memo: tuple[float, float, int] | None, mk: tuple | None) -> PrefillTiming:
         if not self._busy.acquire(timeout=self.policy.wait_s):
             return replace(base, skipped="other timings were running; try again in a moment")
         copied = cached
@@ -357,8 +418,8 @@ class PrefillTimer:
         if not lengths:
             self._curve = replace(curve, state="failed", error="no length fits this model's context")
             return self._curve
-        if not self._busy.acquire(timeout=self.policy.wait_s):
-            return self._curve
+        if not self._curve_lock.acquire(blocking=False):
+            return self._curve  # one is being measured
         self._curve = curve
         ids = tuple(int(t) for t in filler_ids[: lengths[-1] + suffix_tokens])
         try:
@@ -366,13 +427,14 @@ class PrefillTimer:
             points = []
             for n in lengths:
                 key = CacheKey(ids[: n + suffix_tokens], GROWTH_NAMESPACE, 0)
-                runs = []
+                runs, reused = [], n
                 for i in range(max(1, pairs)):
                     order = (n, 0) if i % 2 == 0 else (0, n)
-                    times = {c: self._timed_prefill(key, c)[0] for c in order}
-                    runs.append(PrefillPair(times[n], times[0]))
+                    sides = {c: self._timed_prefill(key, c, background=True) for c in order}
+                    runs.append(PrefillPair(sides[n][0], sides[0][0]))
+                    reused = min(reused, sides[n][1])
                 best = _median_pair(runs)
-                points.append(GrowthPoint(n, suffix_tokens, best.reuse_ms, best.full_ms, len(runs)))
+                points.append(GrowthPoint(n, suffix_tokens, best.reuse_ms, best.full_ms, len(runs), reused))
                 self._curve = replace(curve, points=tuple(points))
                 if on_point is not None:
                     on_point(self._curve)
@@ -381,16 +443,20 @@ class PrefillTimer:
             self._curve = replace(curve, state="failed", error=f"{type(exc).__name__}: {exc}"[:200],
                                   finished_at=time.time())
         finally:
-            self._busy.release()
-            self.engine.clear_cache(GROWTH_NAMESPACE)
+            self._curve_lock.release()
+            try:
+                self.engine.clear_cache(GROWTH_NAMESPACE)
+            except EngineFault:  # the process is shutting down: the cache goes with it
+                pass
         return self._curve
 
     def _cache_filler(self, ids: tuple[int, ...]) -> None:
         """Cache ``ids`` in ``GROWTH_NAMESPACE`` one block at a time (each ``engine.prefill`` computes
         only what the previous one left), so no call holds the model for long."""
-        block = max(1, self.policy.block_tokens)
+        block = max(1, min(self.policy.block_tokens, BACKGROUND_BLOCK_TOKENS))
         for stop in (*range(block, len(ids), block), len(ids)):
             key = CacheKey(ids[:stop], GROWTH_NAMESPACE, 0)
+            self._wait_for_quiet()
             self.engine.prefill(key, self.runner.new_request_kv(stop))
         if self.cache.match_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
             raise EngineError("the cache had no room for the curve's filler")

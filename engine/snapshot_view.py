@@ -137,7 +137,7 @@ def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
             namespace="other", hidden=True, token_ids=(), text="", spilled=spilled))
     num_tokens = pool_tokens(infos)
     return TreeSnapshot(tuple(infos), num_tokens, num_tokens * bpt, full.budget_bytes, full.capacity_tokens,
-                        coarse_tokens(full.evicted_tokens), bpt, full.tier_kind)
+                        coarse_tokens(full.evicted_tokens), bpt, full.tier_kind, full.origin)
 
 
 def stats_for_viewer(records: Sequence[RequestMetrics], view: TreeSnapshot, viewer: str,

@@ -197,6 +197,9 @@ class TreeSnapshot:
     evicted_tokens: int
     bytes_per_token: int
     tier_kind: str = ""  # where ``spilled`` nodes' KV is: "disk", "host memory" or "" (no second tier)
+    # remote mode: "events" (the server's own blocks, from its KV events), "shadow" (the ids this
+    # dashboard sent; servers without events); "" for this process's own cache
+    origin: str = ""
 
 
 @dataclass(frozen=True)

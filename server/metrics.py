@@ -14,7 +14,9 @@ metric names, and reading the engine at scrape time:
   requests and the API's count alike; a scrape that comes after more than the history's
   length of requests misses the oldest of them).
 
-A value the engine cannot know (a remote backend's memory) is left out, not guessed.
+A value the engine cannot know (a remote backend's memory) is left out, not guessed. In remote
+mode, with the backend's KV events followed, its blocks per medium (``radix_backend_kv_blocks``)
+and the events applied (``radix_backend_kv_events_total``) are what its events said.
 Knows nothing about the UI or the API's requests.
 """
 
@@ -91,6 +93,30 @@ class _StatsCollector(Collector):
             value = _first(stats, fields)
             if value is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield from _backend_kv(engine)
+
+
+def _backend_kv(engine: object) -> Iterator[Metric]:
+    """Remote mode, while the backend's KV events are followed (``RemoteEngine.kv_event_figures``):
+    the blocks it holds per medium, and the events and blocks counted since this app started."""
+    figures = getattr(engine, "kv_event_figures", lambda: {})()
+    if not figures:
+        return
+    blocks = GaugeMetricFamily(f"{PREFIX}_backend_kv_blocks", "Blocks the backend holds now, by its KV events.",
+                               labels=["medium"])
+    stored = CounterMetricFamily(f"{PREFIX}_backend_kv_blocks_stored", "Blocks the backend stored (KV events).",
+                                 labels=["medium"])
+    evicted = CounterMetricFamily(f"{PREFIX}_backend_kv_blocks_evicted",
+                                  "Blocks the backend removed or cleared (KV events).", labels=["medium"])
+    for medium, c in figures["media"].items():
+        blocks.add_metric([medium], c["held"])
+        stored.add_metric([medium], c["stored"])
+        evicted.add_metric([medium], c["evicted"])
+    yield from (blocks, stored, evicted)
+    yield CounterMetricFamily(f"{PREFIX}_backend_kv_events", "KV events applied from the backend (live or replayed).",
+                              value=figures["events"])
+    yield CounterMetricFamily(f"{PREFIX}_backend_kv_event_gaps", "Times the backend's event sequence skipped ahead "
+                              "(filled from its replay endpoint).", value=figures["gaps"])
 
 
 class EngineMetrics:

@@ -18,21 +18,22 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 
 from engine.engine import Engine, RequestHandle
 from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, GenerationRequest, RequestMetrics
 from server import openai_protocol as proto
 from server.cache_scope import CacheScope
+from server.client_limits import ClientLimits, Lease, client_identity, default_max_per_client
 from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
+from server.request_guard import MAX_BODY_BYTES, BodyTooLarge
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 2**20
 API_TAG = "api"
 
 
@@ -44,12 +45,21 @@ class ApiState:
     scope: CacheScope | None = None
     model_name: str | None = None
     api_key: str | None = None  # when set, every request must carry "Authorization: Bearer <key>"
+    # Requests one client may have queued or running (None: the default for the engine's
+    # deployment, ``client_limits.default_max_per_client``; 0: no cap).
+    max_per_client: int | None = None
+    limits: ClientLimits | None = None
+
+    def keys(self) -> list[str]:
+        """The accepted keys: ``api_key`` may list several, comma-separated (one per client)."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     def check_key(self, request: Request) -> None:
-        if not self.api_key:
+        keys = self.keys()
+        if not keys:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        given = request.headers.get("authorization", "").encode()
+        if not any([hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys]):
             raise ApiError(401, "Incorrect API key: send 'Authorization: Bearer <key>' with the key this server "
                            "was started with.", "authentication_error", None, "invalid_api_key")
 
@@ -60,6 +70,10 @@ class ApiState:
                            "model_loading")
         if self.scope is None:
             self.scope = CacheScope(isolation=bool(engine.isolation))
+        if self.limits is None:
+            cap = (default_max_per_client(bool(engine.isolation), engine.max_queue) if self.max_per_client is None
+                   else self.max_per_client or None)
+            self.limits = ClientLimits(cap)
         if not self.model_name:
             self.model_name = engine.info().model_name
         return engine
@@ -69,6 +83,24 @@ class ApiState:
             raise ApiError(404, f"The model '{model[:100]}' does not exist here; this server serves "
                            f"'{self.model_name}' (GET /v1/models).", "invalid_request_error", "model",
                            "model_not_found")
+
+    def client_of(self, request: Request) -> str:
+        """Who sent ``request``, as limits and cache shares count clients (``client_limits``)."""
+        return client_identity(request.headers, request.client.host if request.client else None, bool(self.keys()))
+
+    def take_place(self, client: str) -> Lease:
+        """One more request of ``client`` in flight, or ``ApiError`` 429 at its cap."""
+        assert self.limits is not None
+        return self.limits.take(client)
+
+
+async def released(stream: AsyncIterator[bytes], lease: Lease) -> AsyncIterator[bytes]:
+    """``stream``, with ``lease`` given back when it ends, fails or is closed (a client gone)."""
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        lease.release()
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -106,12 +138,24 @@ def completion_tokens(out: Outcome) -> int:
     return min(len(out.token_ids), out.metrics.output_tokens) if out.stopped else out.metrics.output_tokens
 
 
+def body_too_large(limit: int = MAX_BODY_BYTES) -> ApiError:
+    return ApiError(413, f"The request body is over the server's limit of {limit:,} bytes.",
+                    "invalid_request_error", None, "request_too_large")
+
+
 async def read_json(request: Request) -> object:
+    """The body as JSON, within the server's one body limit (``request_guard.MAX_BODY_BYTES``,
+    enforced by the guard around every route; counted here too, for an app without it)."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB.")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise body_too_large()
+    except BodyTooLarge as exc:
+        raise body_too_large(exc.limit) from None
+    except ClientDisconnect:  # gone before the body ended: nobody reads the answer, no traceback logged
+        raise proto.bad_request("The client closed the connection before the body ended.") from None
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -119,14 +163,11 @@ async def read_json(request: Request) -> object:
 
 
 async def events_of(handle: RequestHandle) -> AsyncIterator[GenerationEvent]:
-    """The handle's events without blocking the event loop; cancelling the consumer
-    (a client gone) cancels the request at its next token."""
-    it = iter(handle)
+    """The handle's events on the event loop, with no thread per stream and no hop per token
+    (``RequestHandle.__aiter__``); cancelling the consumer (a client gone) cancels the request
+    at its next step."""
     try:
-        while True:
-            event = await anyio.to_thread.run_sync(next, it, None, abandon_on_cancel=True)
-            if event is None:
-                return
+        async for event in handle:
             yield event
     finally:
         handle.cancel()
@@ -205,18 +246,23 @@ class OpenAIApi:
             parsed = parse(await read_json(request), engine.max_new_tokens_cap)
             self.state.check_model(parsed.model)
             assert self.state.scope is not None
+            client = self.state.client_of(request)
             gen = GenerationRequest(messages=parsed.messages, prompt=parsed.prompt, prompt_ids=parsed.prompt_ids,
-                                    sampling=parsed.sampling, namespace=self.state.scope.namespace(parsed.cache_salt),
+                                    sampling=parsed.sampling,
+                                    namespace=self.state.scope.namespace(parsed.cache_salt, client),
                                     store=self.state.scope.store(parsed.cache_salt), tag=API_TAG)
+            lease = self.state.take_place(client)  # 429 at the client's cap, before any work
         except Exception as exc:
             return error_response(api_error(exc))
         try:
             handle = await run_in_threadpool(engine.submit, gen)  # tokenizing a long prompt takes a while
         except Exception as exc:  # bad input here is about the prompt: name it
+            lease.release()
             return error_response(api_error(exc, "messages" if chat else "prompt"))
         model = self.state.model_name or ""
         if parsed.stream:
-            return StreamingResponse(self._stream(handle, parsed, model, chat), media_type="text/event-stream",
+            return StreamingResponse(released(self._stream(handle, parsed, model, chat), lease),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(watch_disconnect(request, handle))
         out = Outcome()
@@ -227,6 +273,7 @@ class OpenAIApi:
             return error_response(api_error(exc))
         finally:
             watcher.cancel()
+            lease.release()
         if out.metrics is None:
             return error_response(ApiError(500, "The request ended without a result.", "server_error"))
         finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics, completion_tokens(out))

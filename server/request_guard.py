@@ -4,7 +4,8 @@ Owns: ``RequestGuard``, an ASGI middleware for the whole server (Gradio's routes
 API's beside them), by path only: Gradio's file upload, deep-link (which writes a session's
 whole state to a file that is then served), upload-progress, recording and run-history
 routes answer 404 before Gradio sees them, and every request body is capped at
-``MAX_BODY_BYTES`` (413), with or without a Content-Length. ``guard_middleware`` is what
+``MAX_BODY_BYTES`` (413), with or without a Content-Length: the one body limit of the server
+(the API reads it from here). ``guard_middleware`` is what
 ``launch(app_kwargs={"middleware": ...})`` takes. Knows nothing about Gradio's Blocks or the engine.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 # The largest legitimate body: the chat box's 200,000 characters (at most 3 UTF-8 bytes per
@@ -23,12 +26,23 @@ REFUSED_PATH = re.compile(r"(^|/)gradio_api/(upload|upload_progress|deep_link|pr
                           r"|(^|/)(gradio_api/)?(run-history|vibe-|undo-vibe-|proxy=)")
 
 
+class BodyTooLarge(ClientDisconnect):
+    """Raised by the guarded ``receive`` once a body without a Content-Length passes the cap.
+    A ``ClientDisconnect``, so code that stops reading on a disconnect stops here too; the
+    API answers 413 for it, and whatever else a route answers the guard replaces with 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"Request body too large: the limit is {limit:,} bytes.")
+        self.limit = limit
+
+
 class RequestGuard:
     """ASGI middleware: refuse file routes (404) and bodies over ``max_body_bytes`` (413).
 
     Path-based and generic: JSON bodies up to the cap pass on any route. A body with no
-    Content-Length is counted as it streams; past the cap the app reads a disconnect,
-    and the client gets 413 if no response has started."""
+    Content-Length is counted as it streams; past the cap reading it raises ``BodyTooLarge``,
+    and the client gets 413 unless a response had started before: a route's own answer to
+    the cut body (a 500 for the disconnect, say) is dropped, unless it is a 413 itself."""
 
     def __init__(self, app, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.app = app
@@ -48,25 +62,29 @@ class RequestGuard:
             log.info("refused a request to %s: body of %s bytes", path[:80], declared[:20].decode("latin-1"))
             await _plain(send, 413, f"Request body too large: the limit is {self.max_body_bytes:,} bytes.")
             return
-        seen, over, started = 0, False, False
+        seen, over, started, dropped = 0, False, False, False
 
         async def counted_receive():
             nonlocal seen, over
             if over:
-                return {"type": "http.disconnect"}
+                raise BodyTooLarge(self.max_body_bytes)
             message = await receive()
             if message.get("type") == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
                     over = True
-                    return {"type": "http.disconnect"}
+                    raise BodyTooLarge(self.max_body_bytes)
             return message
 
         async def tracked_send(message):
-            nonlocal started
+            nonlocal started, dropped
             if message.get("type") == "http.response.start":
-                started = True
-            await send(message)
+                if over and message.get("status") != 413:
+                    dropped = True  # the route's answer to a body it could not read: 413 instead
+                else:
+                    started = True
+            if not dropped:
+                await send(message)
 
         try:
             await self.app(scope, counted_receive, tracked_send)

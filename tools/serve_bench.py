@@ -40,7 +40,7 @@ import multiprocessing
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -69,12 +69,13 @@ _MANUAL_TOPICS = ["returns", "exchanges", "shipping", "warranty claims", "repair
                   "price matching", "store pickup", "membership", "trade-ins", "safety recalls"]
 
 
-def policy_manual(runner: ModelRunner, num_tokens: int) -> str:
+def policy_manual(encode: Callable[[str], Sequence[int]], num_tokens: int) -> str:
     """A deterministic help-desk policy manual of about ``num_tokens`` tokens (the system
-    prompt of the long-prefix workload), cut at a sentence near the target."""
+    prompt of the long-prefix workload; ``encode`` counts them), cut at a sentence near the
+    target. ``tools.peer_bench`` sends the same one over HTTP."""
     parts = [SYSTEM, "\n\nPolicy manual (staff edition). Quote the clause that applies."]
     i = 0
-    while len(runner.text.encode(" ".join(parts))) < num_tokens:
+    while len(encode(" ".join(parts))) < num_tokens:
         topic = _MANUAL_TOPICS[i % len(_MANUAL_TOPICS)]
         n = i + 1
         parts.append(
@@ -259,7 +260,7 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
               budget_bytes: int | None = None) -> list[Row]:
     """``peer_model`` names the model for a peer in a child process; None runs the peer here.
     ``system_tokens`` > 0: the long-prefix workload (see the module docstring)."""
-    system = policy_manual(runner, system_tokens) if system_tokens else SYSTEM
+    system = policy_manual(runner.text.encode, system_tokens) if system_tokens else SYSTEM
     requests = chat_requests(n_requests, max_new_tokens, system)
     budget = default_budget(runner) if budget_bytes is None else budget_bytes
     warm_up = None

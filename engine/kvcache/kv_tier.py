@@ -140,6 +140,7 @@ class ChunkStore:
     After ``close`` it keeps nothing more and returns nothing."""
 
     kind = ""  # where the bytes are, for a person: "disk" or "host memory"
+    persistent = False  # whether what it keeps outlives the process (a restart finds it)
     paths_file: Path | None = None  # disk only: the spilled paths, written at persist, read at start
 
     def __init__(self, budget_bytes: int, geometry: ChunkGeometry) -> None:
@@ -306,6 +307,7 @@ class DiskStore(ChunkStore):
     exclusive lock on the folder while open (``TierBusy`` if another store has it)."""
 
     kind = "disk"
+    persistent = True
 
     @property
     def paths_file(self) -> Path | None:

@@ -67,6 +67,9 @@ class NoPrefixCache(SlotLedger):
     def clear(self, namespace: str | None = None) -> int:
         return 0
 
+    def publish_to(self, listener) -> None:
+        pass  # nothing is ever cached: nothing to publish
+
     def set_budget(self, budget_bytes: int) -> int:
         with self._lock:
             self._check_shrink(int(budget_bytes), 0)

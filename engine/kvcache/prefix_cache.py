@@ -149,3 +149,6 @@ class PrefixCache(Protocol):
 
     def tier_stats(self) -> dict:
         """The second tier's figures for ``EngineStats`` (empty without one)."""
+
+    def publish_to(self, listener) -> None:
+        """Report what the tree caches and evicts to ``listener`` (KV events); a no-op without reuse."""

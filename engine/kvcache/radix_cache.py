@@ -324,11 +324,27 @@ class RadixCache(SlotLedger):
             return take
 
     # ------------------------------------------------------------- controls
+    def publish_to(self, listener) -> None:
+        """Tell ``listener`` (``engine.kvcache.kv_events.KVEventPublisher``) what the tree caches and
+        what leaves it, from now on, under the cache's lock."""
+        with self._lock:
+            self.tree.listener = listener
+
     def clear(self, namespace: str | None = None) -> int:
         """Evict everything not in use by a running request (only ``namespace``'s
-        nodes, if given); returns tokens freed."""
+        nodes, if given); returns tokens freed. A clear that empties the whole tree is one
+        ``cleared`` for the listener, as vLLM's reset is one ``AllBlocksCleared``."""
         with self._lock:
-            freed = self.tree.clear(namespace)
+            listener = self.tree.listener
+            whole = namespace is None and not self.tree.locked_tokens and listener is not None
+            if whole:
+                self.tree.listener = None
+            try:
+                freed = self.tree.clear(namespace)
+            finally:
+                self.tree.listener = listener
+            if whole:
+                listener.cleared()
             self.pool.free(freed)
             self.version += 1
             return len(freed)

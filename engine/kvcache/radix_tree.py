@@ -102,6 +102,10 @@ class RadixTree:
         self.locked_tokens = 0  # tokens of nodes with lock_ref > 0
         self.shared_tokens = 0  # tokens of nodes with lock_ref > 1
         self.evicted_tokens = 0
+        # Optional observer of what is cached (``engine.kvcache.kv_events.KVEventPublisher``):
+        # ``cached(node)`` after tokens become cached along root..node, ``removed(node)`` when a
+        # node's tokens leave (its parent link still set). Called under the owner's lock.
+        self.listener: Any = None
 
     # ------------------------------------------------------------------ match
     def match(self, key: CacheKey, max_len: int | None = None, touch: bool = True) -> MatchResult:
@@ -157,6 +161,8 @@ class RadixTree:
                 child = self._split(child, n)
             child.last_access = now
             node, pos, existing = child, pos + n, existing + n
+        if self.listener is not None and existing < len(ids):
+            self.listener.cached(node)
         return InsertResult(existing, node)
 
     def _split(self, node: Node, n: int) -> Node:
@@ -291,6 +297,8 @@ class RadixTree:
         self.num_tokens -= len(node.key)
         self.num_nodes -= 1
         self.evicted_tokens += len(node.key)
+        if self.listener is not None:
+            self.listener.removed(node)
 
     def restore(self, removed: Sequence[Node]) -> None:
         """Undo an ``evict`` that returned ``removed`` (nothing else changed the tree since):
@@ -300,6 +308,8 @@ class RadixTree:
             self.num_tokens += len(node.key)
             self.num_nodes += 1
             self.evicted_tokens -= len(node.key)
+            if self.listener is not None:
+                self.listener.cached(node)
 
     def remove_subtree(self, node: Node) -> list[Any]:
         """Take ``node`` and everything below it (all unlocked) out of the tree; returns their
@@ -308,6 +318,8 @@ class RadixTree:
         parent = node.parent
         assert parent is not None and parent.children.get((node.namespace, node.key[0])) is node
         del parent.children[(node.namespace, node.key[0])]
+        if self.listener is not None:
+            self.listener.removed(node)
         freed: list[Any] = []
         stack = [node]
         while stack:

@@ -70,6 +70,11 @@ class ComputeThread:
         atexit.register(self.stop, join_timeout_s=30.0)
 
     @property
+    def stopped(self) -> bool:
+        """``stop()`` was called: the process is shutting down and no more calls will run."""
+        return self._stopped
+
+    @property
     def is_current(self) -> bool:
         return threading.current_thread() is self._thread
 

@@ -30,7 +30,9 @@ def wanted(r: Request, config: SchedulerConfig) -> bool:
 def start(r: Request, cache: PrefixCache) -> bool:
     """Take slots for the from-scratch prefill (its slots of its own, no cached prefix) and
     enter ``State.BASELINE``; False (skipped) when the pool has no room for it."""
-    r.baseline_slots = cache.acquire(CacheKey(()), 0, len(r.ids))
+    # Charged to the visitor who asked: in isolation mode, room comes from their own share
+    # (fair eviction), never from shipped content or another visitor within theirs.
+    r.baseline_slots = cache.acquire(CacheKey((), r.namespace), 0, len(r.ids))
     if r.baseline_slots is None:
         return False
     r.state = State.BASELINE

@@ -3,7 +3,8 @@
 Owns: ``Batch`` (prefill chunks, then one decode token per decoding request, or one
 no-reuse baseline chunk), the packing of a step's model work (chunked prefill: at most
 ``chunk_tokens`` prompt tokens per step, prompts with fewer chunks done first so a
-short newcomer is not stuck behind a long prompt, packed with every request in
+short newcomer is not stuck behind a long prompt, after a minimum share for the oldest
+prompt so steady arrivals cannot starve it, packed with every request in
 decode; a request measuring the no-reuse baseline prefills in forwards of its own, so
 its with-reuse figure is its own work only) and ``forward``: the rows as paged segments
 through the ``ModelRunner``, timed. Knows nothing about what the logits become
@@ -70,17 +71,33 @@ class Output:
     error: BaseException | None = None
 
 
-def pack(running: list[Request], budget: int) -> tuple[list[Batch], int]:
+def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tuple[list[Batch], int]:
     """This step's prefill and decode forwards (the lone prefills of requests that measure the
-    no-reuse baseline first, then the packed one) and what is left of the token ``budget``."""
-    own, packed = [], []
-    for r in sorted((r for r in running if r.state is State.PREFILL), key=lambda r: (r.prefill_chunks, r.seq)):
+    no-reuse baseline first, then the packed one) and what is left of the token ``budget``.
+
+    Prompts with fewer chunks done go first (a short newcomer is not stuck behind a long
+    prompt), but the oldest prompt in prefill takes ``oldest_min_tokens`` of the budget before
+    anyone: under steady arrivals, each with no chunk done, it would otherwise never get a
+    token while holding its reserved slots."""
+    prefills = [r for r in running if r.state is State.PREFILL]
+    take: dict[int, int] = {}  # request seq -> tokens this step
+    if prefills and oldest_min_tokens > 0 and budget > 0:
+        oldest = min(prefills, key=lambda r: r.seq)
+        n = min(len(oldest.ids) - oldest.prefilled, oldest_min_tokens, budget)
+        take[oldest.seq] = n
+        budget -= n
+    order = sorted(prefills, key=lambda r: (r.prefill_chunks, r.seq))
+    for r in order:
         if budget <= 0:
             break
-        start = r.prefilled
-        n = min(len(r.ids) - start, budget)
+        n = min(len(r.ids) - r.prefilled - take.get(r.seq, 0), budget)
+        take[r.seq] = take.get(r.seq, 0) + n
         budget -= n
-        (own if r.req.measure_baseline else packed).append(Chunk(r, start, n))
+    own, packed = [], []
+    for r in order:
+        n = take.get(r.seq, 0)
+        if n > 0:
+            (own if r.req.measure_baseline else packed).append(Chunk(r, r.prefilled, n))
     decoding = tuple(r for r in running if r.state is State.DECODE)
     batches = [Batch("prefill", (c,)) for c in own]
     if packed or decoding:

@@ -24,7 +24,14 @@ class SchedulerConfig:
     share_min_tokens: int = 16  # hold a request back while another prefills this many of its uncached tokens
     # with isolation, no no-reuse baseline above this prompt length
     baseline_max_tokens_isolated: int = BASELINE_MAX_TOKENS
+    # the oldest prompt in prefill takes this share of each step's chunk budget first (at least
+    # one token), so that steady arrivals (each with no chunk done, so ahead of it) cannot starve it
+    oldest_prefill_share: float = 0.25
     baseline_min_tokens: int = 64  # no-reuse baseline tokens computed per step even when prefills use the budget
     match_refresh_s: float = 0.25  # a waiting request's cached-prefix length is re-matched this often
     step_log_size: int = 600
+
+    @property
+    def oldest_prefill_tokens(self) -> int:
+        return max(1, int(self.chunk_tokens * self.oldest_prefill_share)) if self.oldest_prefill_share > 0 else 0
     rate_window_s: float = 10.0  # tokens/s is measured over this window

@@ -18,6 +18,15 @@ turned into a ``cache_salt`` with a secret of this process, so visitors stay apa
 backend too and a cleared namespace starts cold. ``PUBLIC`` sends no salt until cleared.
 llama.cpp ignores ``cache_salt``: in front of it visitors share the server's slots.
 
+Where the server publishes its KV events (vLLM, SGLang: ``--kv-events-config``), the tree
+drawn is the server's own instead: ``follow_kv_events`` finds the endpoint (``GET
+/kv_event_sources``) and a ``server.remote.kv_events.KVEventSubscriber`` keeps a
+``server.remote.block_tree.BlockTree`` of the blocks it holds, evictions and media included
+(``server.remote.block_view`` draws it, owners by the salted walks of this dashboard's
+requests). Each request also records the cached prefix its ids walk down the real blocks when
+sent (``cached_tokens_blocks``), next to what the server reported. The shadow tree is then kept
+only as the fallback drawn while no events have come.
+
 Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
 Knows nothing about Gradio.
 """
@@ -54,7 +63,10 @@ from engine.types import (
     StepRecord,
     TreeSnapshot,
 )
+from server.remote.block_tree import BlockTree
+from server.remote.block_view import block_snapshot, owners
 from server.remote.client import BackendClient, StreamResult
+from server.remote.kv_events import EventSource, KVEventSubscriber, discover, parse_override
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +79,9 @@ DEFAULT_SHADOW_TOKENS = 65_536
 @dataclass
 class RemoteRequestMetrics(RequestMetrics):
     cached_tokens_reported: bool = True  # False: the server gave no count (cached_tokens reads 0)
+    # The prompt's prefix held in the server's own blocks when it was sent, as its KV events
+    # said (whole blocks, at most the prompt less its last token); None without events.
+    cached_tokens_blocks: int | None = None
 
 
 class RemoteEngine(FacadeBase):
@@ -94,6 +109,11 @@ class RemoteEngine(FacadeBase):
         self._next_id = 1
         self._version = 0  # bumped by every record and clear (the panels' change counter)
         self._start_records(history_size, self._lock)
+        self.blocks = BlockTree()  # the server's own blocks, while its KV events flow
+        self.events: KVEventSubscriber | None = None
+        self._salts: dict[int, str | None] = {}  # request id -> the cache_salt it was sent with
+        self.block_checks = {"agree": 0, "differ": 0}  # cached_tokens_blocks vs the server's count
+        self._owners_memo: tuple = ((), {}, {})
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -133,8 +153,9 @@ class RemoteEngine(FacadeBase):
         # At least one: the backend computes the prompt's last token either way (its answer counts it).
         max_new = max(1, validation.new_token_limit(req.sampling.max_new_tokens, self.max_new_tokens_cap,
                                                     self.max_context - len(ids)))
-        result = yield from self.client.stream(ids, req.sampling, max_new, self._salt(req.namespace),
-                                               handle.cancelled)
+        salt = self._salt(req.namespace)
+        blocks_cached = self._blocks_cached(ids, salt)
+        result = yield from self.client.stream(ids, req.sampling, max_new, salt, handle.cancelled)
         baseline_ms = None
         if req.measure_baseline and not handle.cancelled.is_set():
             # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
@@ -148,10 +169,21 @@ class RemoteEngine(FacadeBase):
                     # A "cold" run the server still served from its cache measures nothing: say so (None).
                     baseline_ms = done.value.ttft_ms if not reused else None
                     break
-        yield GenerationEvent(text=result.text, done=True, metrics=self._record(req, ids, result, baseline_ms))
+        yield GenerationEvent(text=result.text, done=True,
+                              metrics=self._record(req, ids, result, baseline_ms, salt, blocks_cached))
 
-    def _record(self, req: GenerationRequest, ids: list[int], res: StreamResult,
-                baseline_ms: float | None) -> RequestMetrics:
+    def _blocks_cached(self, ids: list[int], salt: str | None) -> int | None:
+        """The prompt's prefix the server holds now, by its events (None: no events). Like vLLM,
+        whole blocks only, and never the prompt's last token (it is always computed)."""
+        if self.events is None or not self.events.synced:
+            return None
+        bs = self.blocks.block_size
+        if not bs:  # nothing stored since the server started: nothing cached
+            return 0
+        return min(len(self.blocks.match(ids, salt)) * bs, (len(ids) - 1) // bs * bs)
+
+    def _record(self, req: GenerationRequest, ids: list[int], res: StreamResult, baseline_ms: float | None,
+                salt: str | None = None, blocks_cached: int | None = None) -> RequestMetrics:
         reported = res.usage is not None and res.usage.cached_tokens is not None
         cached = min(res.usage.cached_tokens, len(ids)) if reported else 0
         # The shadow tree holds what a server could have cached for the next request: the prompt
@@ -172,6 +204,12 @@ class RemoteEngine(FacadeBase):
             rid = self._next_id
             self._next_id += 1
             self._version += 1
+            self._salts[rid] = salt
+            if len(self._salts) > 2 * self.history.maxlen:  # as long as the history, give or take
+                for old in sorted(self._salts)[:len(self._salts) - self.history.maxlen]:
+                    del self._salts[old]
+            if blocks_cached is not None and reported:
+                self.block_checks["agree" if blocks_cached == cached else "differ"] += 1
             m = RemoteRequestMetrics(
                 request_id=rid, tag=req.tag, namespace=req.namespace, prompt_tokens=len(ids), cached_tokens=cached,
                 computed_tokens=len(ids) - cached, prefill_ms=res.ttft_ms, baseline_prefill_ms=baseline_ms,
@@ -181,23 +219,79 @@ class RemoteEngine(FacadeBase):
                 finish_reason=res.finish, cache_bytes=0, cache_budget_bytes=0, evicted_tokens=0,
                 inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
                 output_ids=list(out_ids), output_text=res.text, finished_at=time.time(),
-                cached_tokens_reported=reported)
+                cached_tokens_reported=reported, cached_tokens_blocks=blocks_cached)
             return self._add_record(m)
 
     # ------------------------------------------------------------- state
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
-        """The shadow tree as plain data (no bytes: the server's memory is unknown here). In
+        """The server's own blocks while its KV events flow (``origin`` "events"), else the shadow
+        tree (``origin`` "shadow"); plain data, no bytes (the server's memory is unknown here). In
         isolation mode ``viewer`` sees others' nodes exactly as the local engine shows them
         (``engine.snapshot_view.for_viewer``: one coarse "others" node per subtree, no text,
-        hits or times)."""
+        hits or times); of the server's blocks a visitor sees only those their own requests walk
+        through (``server.remote.block_view``)."""
         view = self._view(viewer)
         return dataclasses.replace(view, nodes=with_text(view.nodes, self.decode, 256))
 
     def _view(self, viewer: str | None) -> TreeSnapshot:
-        """The shadow tree as ``viewer`` may see it, without text (the structure copied under the lock)."""
-        with self._lock:
-            full = TreeSnapshot(tuple(node_infos(self.tree, time.monotonic(), 0)), self.tree.num_tokens, 0, 0, 0, 0, 0)
+        """The tree as ``viewer`` may see it, without text (the structure copied under the lock)."""
+        if self.events_active:
+            owner, hits = self._owners()
+            full = block_snapshot(self.blocks, owner, hits)
+        else:
+            with self._lock:
+                full = TreeSnapshot(tuple(node_infos(self.tree, time.monotonic(), 0)), self.tree.num_tokens, 0, 0, 0,
+                                    0, 0, origin="shadow")
         return for_viewer(full, viewer) if viewer is not None and self.isolation else full
+
+    def _owners(self):
+        """Who owns each held block (``block_view.owners``), recomputed when the blocks or the
+        history changed: every recorded request's prompt and answer, walked under its salt."""
+        key = (self.blocks.version, self.version())
+        if self._owners_memo[0] == key:
+            return self._owners_memo[1], self._owners_memo[2]
+        with self._lock:
+            walks = [(m.namespace, list(m.prompt_ids) + list(m.output_ids), self._salts.get(m.request_id))
+                     for m in self.recent()]
+        owner, hits = owners(self.blocks, walks)  # oldest first: a later walk wins a shared block
+        self._owners_memo = (key, owner, hits)
+        return owner, hits
+
+    # ------------------------------------------------------------- KV events
+    def follow_kv_events(self, setting: str = "") -> EventSource | None:
+        """Follow the server's KV events: ``setting`` "" asks ``GET /kv_event_sources``, "off"
+        turns them off, an endpoint (``tcp://host:port[,tcp://host:replay_port][,topic=NAME]``)
+        overrides. Returns the source followed (None: the shadow tree is drawn)."""
+        try:
+            choice = parse_override(setting)
+        except ValueError as exc:
+            raise EngineError(f"--backend-kv-events: {exc}") from None
+        if choice is None:
+            return None
+        source = discover(self.client._get_json, self.base_url) if choice is True else choice
+        if source is None:
+            return None
+        self.events = KVEventSubscriber(source, self.blocks).start()
+        log.info("Following the backend's KV events at %s (replay %s, topic %r)", source.endpoint,
+                 source.replay_endpoint or "none", source.topic)
+        return source
+
+    @property
+    def events_active(self) -> bool:
+        """True once the server's events have described its cache (the real tree is drawn)."""
+        return self.events is not None and self.events.stats.batches > 0 and self.blocks.block_size > 0
+
+    def kv_event_figures(self) -> dict:
+        """Blocks held, stored and evicted per medium, the subscriber's counters (``{}`` when
+        no events are followed)."""
+        if self.events is None:
+            return {}
+        st = self.events.stats
+        return {"endpoint": self.events.source.endpoint, "block_size": self.blocks.block_size,
+                "media": self.blocks.counts(), "batches": st.batches, "events": st.events, "replayed": st.replayed,
+                "gaps": st.gaps, "lost": st.lost, "restarts": st.restarts, "decode_errors": st.decode_errors,
+                "last_event_at": st.last_event_at, "checks": dict(self.block_checks), "alive": self.events.alive,
+                "active": self.events_active}
 
     def stats(self, viewer: str | None = None) -> EngineStats:
         """This dashboard's totals over what it sent. In isolation mode, with ``viewer``, only what
@@ -207,6 +301,12 @@ class RemoteEngine(FacadeBase):
         # server at once); what the server runs or queues is ``running`` here, as one figure.
         if viewer is not None and self.isolation:
             return stats_for_viewer(self.recent(), self._view(viewer), viewer, 0)
+        if self.events_active:
+            view = self._view(None)
+            with self._lock:
+                return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=view.num_tokens,
+                                   num_nodes=len(view.nodes), evicted_tokens=view.evicted_tokens, queue_depth=0,
+                                   running=self._in_flight)
         with self._lock:
             return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
                                num_nodes=self.tree.num_nodes, evicted_tokens=0, queue_depth=0,
@@ -222,7 +322,7 @@ class RemoteEngine(FacadeBase):
 
     def version(self) -> int:
         with self._lock:
-            return self._version
+            return self._version + self.blocks.version
 
     def info(self) -> EngineInfo:
         return EngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0, num_kv_heads=0,
@@ -246,6 +346,7 @@ class RemoteEngine(FacadeBase):
     def check_invariants(self) -> None:
         with self._lock:
             self.tree.check_invariants()
+        self.blocks.check_invariants()
 
     def prefill_timer(self) -> None:
         """The backend's prefill cannot be timed from here block by block."""
@@ -258,9 +359,9 @@ class RemoteEngine(FacadeBase):
     def configure_scheduler(self, **changes) -> None:
         raise EngineError("The backend schedules its own requests: its scheduler cannot be set from here.")
 
-    def persist_cache(self) -> int:
+    def persist_cache(self) -> int | None:
         """The backend keeps its own cache: nothing is written here."""
-        return 0
+        return None
 
     def backend_metrics(self) -> dict[str, float]:
         return self.client.metrics()
@@ -286,4 +387,6 @@ class RemoteEngine(FacadeBase):
         return self.client.base_url
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.client.close()

@@ -27,7 +27,7 @@ from engine.types import (
     GenerationRequest,
     RequestMetrics,
 )
-from server.cache_scope import ANON_OWNER, CacheScope
+from server.cache_scope import CacheScope
 from server.openai_api import ApiState, api_routes
 from tests.helpers_app import assert_clean, launched_app, wait_idle
 
@@ -159,10 +159,13 @@ def test_range_errors_say_the_real_range_in_plain_digits(field, value, words):
 
 def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny_runner):
     scope = CacheScope(isolation=True)
-    a, b = scope.namespace(None), scope.namespace(None)
-    assert a != b and owner_of(a) == owner_of(b) == ANON_OWNER
+    a, b = scope.namespace(None, "addr:1.2.3.4"), scope.namespace(None, "addr:1.2.3.4")
+    owner = scope.client_owner("addr:1.2.3.4")
+    assert a != b and owner_of(a) == owner_of(b) == owner and "1.2.3.4" not in owner
     assert not scope.store(None) and scope.store("team") and CacheScope(isolation=False).store(None)
-    assert owner_of(scope.namespace("team")) != ANON_OWNER
+    # A salt is a sub-namespace of its client's: salts never multiply a client's share (issue 28).
+    assert owner_of(scope.namespace("team", "addr:1.2.3.4")) == owner
+    assert owner_of(scope.namespace(None, "addr:5.6.7.8")) != owner
 
     engine = Engine(tiny_runner, budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
     submitted: list[GenerationRequest] = []
@@ -194,12 +197,12 @@ def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny
             t.join()
         call(9, salt="team")
     assert [r.status_code for r in answers] == [200] * 5
-    unsalted = [g for g in submitted if g.namespace.startswith(ANON_OWNER + "/")]
+    unsalted = [g for g in submitted if "/anon-" in g.namespace]
     assert len(unsalted) == 4 and len({g.namespace for g in unsalted}) == 4
     assert all(g.store is False for g in unsalted)
     assert [g.store for g in submitted if g not in unsalted] == [True]
     # One visitor: never two unsalted requests in one forward (they would have been four).
     for rec in engine.step_log():
-        assert sum(ns.startswith(ANON_OWNER + "/") for ns in rec.namespaces) <= 1, rec
+        assert sum("/anon-" in ns for ns in rec.namespaces) <= 1, rec
     wait_idle(engine)
     assert_clean(engine)

@@ -301,13 +301,15 @@ def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, ti
     assert remote.snapshot().num_tokens == 0  # each variant's namespace is cleared after it ran
 
 
-def test_app_flags_build_the_remote_engine_and_serve_no_api_of_their_own(backend, tokenizer, monkeypatch):
+def test_app_flags_build_the_remote_engine_and_serve_only_metrics(backend, tokenizer, monkeypatch):
     _, url = backend
     monkeypatch.setenv("RADIX_BACKEND_API_KEY", "sesame")
     args = app.parse_args(["--backend", url.rstrip("/") + "/v1", "--max-new-tokens", "16"])
     remote = app.build_remote_engine(args, tokenizer=tokenizer)
     assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
-    assert app.app_kwargs(remote) == {"routes": []}  # the backend serves its own /v1 and /metrics
+    # the backend serves its own /v1; /metrics here adds what its KV events say (none from this backend)
+    assert [r.path for r in app.app_kwargs(remote)["routes"]] == ["/metrics"]
+    assert remote.events is None and remote.snapshot().origin == "shadow"
     assert remote.info().backend == remote.base_url
     with pytest.raises(EngineError, match="budget cannot be set"):
         remote.set_budget(1)

@@ -208,3 +208,18 @@ def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, mo
         assert rs is not None and rs.tier_tokens == 3 * C and len(reads) == 3
         cache.release(rs)
     assert_clean(engine)
+
+
+def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, monkeypatch):
+    """A GPU's second tier is host memory, gone at exit: persisting writes nothing and says so
+    (None), so the app does not print "written to the second tier for the next start"."""
+    import engine.engine as engine_module
+
+    geometry = kv_tier.ChunkGeometry(tiny_runner.num_layers, tiny_runner.num_kv_heads, tiny_runner.head_dim,
+                                     tiny_runner.dtype)
+    monkeypatch.setattr(engine_module, "make_tier", lambda *a, **k: kv_tier.HostStore(2**24, geometry))
+    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24)
+    assert engine.capabilities.second_tier and engine.stats().tier_kind == "host memory"
+    assert engine.persist_cache() is None
+    engine.close()
+    assert Engine(tiny_runner, budget_bytes=2**20).persist_cache() is None  # no tier at all

@@ -211,3 +211,36 @@ def test_timer_for_keeps_one_timer_per_engine_with_the_deployment_policy(tiny_ru
     finally:
         public.close()
         local.close()
+
+
+def test_growth_curve_keeps_what_each_point_reused(engine, tiny_runner):
+    vocab = len(tiny_runner.text.tokenizer)
+    curve = PrefillTimer(engine, TimingPolicy(block_tokens=128)).growth_curve(
+        rand_ids(21, 600, vocab), lengths=(64, 256), suffix_tokens=16)
+    assert curve.state == "done", curve.error
+    assert [(p.cached_tokens, p.reused_tokens) for p in curve.points] == [(64, 64), (256, 256)]
+    assert not any(p.reused_less for p in curve.points)
+
+
+def test_growth_curve_waits_while_a_visitor_request_waits_or_runs(engine, tiny_runner):
+    """Background work yields: while a visitor's request is in the engine, the curve computes
+    nothing (not even its filler); once the engine is idle it runs to the end."""
+    import time
+
+    vocab = len(tiny_runner.text.tokenizer)
+    filler = rand_ids(22, 400, vocab)
+    timer = PrefillTimer(engine, TimingPolicy(block_tokens=128))
+    result = []
+    with tiny_runner.lock:  # a step is under way: the visitor's request waits for the model
+        handle = engine.submit(GenerationRequest(prompt_ids=tuple(rand_ids(23, 20, vocab)),
+                                                 sampling=SamplingParams(max_new_tokens=2)))
+        curve = threading.Thread(target=lambda: result.append(timer.growth_curve(filler, lengths=(64, 256),
+                                                                                  suffix_tokens=16)))
+        curve.start()
+        time.sleep(1.0)
+        assert engine.cache.match_len(CacheKey(tuple(filler), GROWTH_NAMESPACE, 0)) == 0, "the curve did not wait"
+        assert not timer.curve.points
+    assert list(handle)[-1].metrics.output_tokens == 2
+    curve.join(120)
+    assert result and result[0].state == "done", result
+    engine.check_invariants()

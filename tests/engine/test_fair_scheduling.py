@@ -1,0 +1,93 @@
+"""Fair share and fair turns from the scheduler's side (issue 28), on the tiny random Llama:
+internal work (the no-reuse baseline) charged to the visitor who asked for it, and a minimum
+prefill share for the oldest prompt under steady arrivals."""
+
+from __future__ import annotations
+
+from engine.engine import Engine
+from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
+from tests.helpers_app import assert_clean, wait_idle
+
+
+def _ids(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def test_a_visitors_baseline_evicts_only_within_its_own_share(tiny_runner):
+    """B's no-reuse baseline needs room: it must come from B's own cache (or be skipped),
+    never from shipped content or from A, who is within its share."""
+    per_token = tiny_runner.kv_bytes_per_token
+    engine = Engine(tiny_runner, budget_bytes=600 * per_token, isolation=True, max_new_tokens_cap=4)
+    capacity = engine.cache.pool.capacity
+    shipped = CacheKey(_ids(1000, 200), PUBLIC, 200)
+    engine.prefill(shipped, tiny_runner.new_request_kv(200))
+    a = _ids(3000, 150)
+    engine.run(GenerationRequest(prompt_ids=a, namespace="v-a", sampling=SamplingParams(max_new_tokens=4)))
+    a_cached = engine.cache.match_len(CacheKey(a, "v-a"))
+    assert a_cached >= 149
+    # B's prompt is as long as the free room left: its baseline needs slots that only eviction gives.
+    free = capacity - engine.cache.pool.num_used
+    b = _ids(5000, max(8, free - 8))
+    m = engine.run(GenerationRequest(prompt_ids=b, namespace="v-b", measure_baseline=True,
+                                     sampling=SamplingParams(max_new_tokens=4)))
+    wait_idle(engine)
+    assert engine.cache.match_len(shipped) == 200, "a visitor's baseline evicted shipped content"
+    assert engine.cache.match_len(CacheKey(a, "v-a")) == a_cached, "B's baseline evicted A within A's share"
+    assert m.baseline_prefill_ms is None or m.baseline_prefill_ms > 0
+    assert_clean(engine)
+
+
+def _starvation_run(tiny_runner, share: float, seconds: float) -> tuple[float | None, int]:
+    """A 160-token prompt under steady arrivals of 40-token prompts (each needs two 32-token
+    chunks, so a newcomer with none done is always ahead of the long one): seconds until the
+    long prompt's first token (None: not within ``seconds``) and the arrivals meanwhile."""
+    import dataclasses
+    import threading
+    import time
+
+    engine = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, chunk_tokens=32,
+                    max_batch=64, max_queue=64, max_new_tokens_cap=4)
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, oldest_prefill_share=share)
+    long_ids = _ids(2000, 160)
+    stop = threading.Event()
+    sent = [0]
+
+    def arrivals() -> None:  # keep three short prompts waiting at all times
+        i = 0
+        while not stop.is_set():
+            if engine.stats().queue_depth < 3:
+                engine.submit(GenerationRequest(prompt_ids=_ids(10_000 + 50 * (i % 150), 40),
+                                                sampling=SamplingParams(max_new_tokens=1)))
+                i += 1
+                sent[0] = i
+            else:
+                time.sleep(0.001)
+
+    feeder = threading.Thread(target=arrivals, daemon=True)
+    feeder.start()
+    try:
+        while sent[0] < 6:  # arrivals are steady before the long prompt comes
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        handle = engine.submit(GenerationRequest(prompt_ids=long_ids, sampling=SamplingParams(max_new_tokens=2)))
+        first = None
+        for event in handle:
+            if event.token_id is not None and first is None:
+                first = time.monotonic() - t0
+                break
+            if time.monotonic() - t0 > seconds:
+                break
+        handle.cancel()
+        during = sent[0]
+    finally:
+        stop.set()
+        feeder.join()
+    wait_idle(engine)
+    assert_clean(engine)
+    return (first if first is not None and first <= seconds else None), during
+
+
+def test_oldest_prompt_gets_a_minimum_prefill_share_under_steady_arrivals(tiny_runner):
+    first, arrivals = _starvation_run(tiny_runner, share=0.25, seconds=60.0)
+    assert first is not None, "the long prompt starved under steady arrivals"
+    assert arrivals > 10  # the arrivals really were steady meanwhile

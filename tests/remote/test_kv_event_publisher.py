@@ -1,0 +1,204 @@
+"""This engine's own KV events (engine/kvcache/kv_events.py): a radix tree with the publisher as
+its listener, followed over real ZMQ sockets by our subscriber and by a raw one, and decoded by
+vLLM's own ``vllm.distributed.kv_events.KVEventBatch`` in vLLM's venv (``vllm`` marker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from engine.kvcache.kv_events import KVEventPublisher, block_hash
+from engine.kvcache.radix_tree import RadixTree
+from engine.types import PUBLIC, CacheKey
+from server.remote.block_tree import BlockTree
+from server.remote.kv_events import EventSource, KVEventSubscriber
+
+BS = 32
+
+
+def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(300, 40000) for _ in range(70)]
+    return [system + [rng.randrange(300, 40000) for _ in range(rng.randrange(10, 80))] for _ in range(n)]
+
+
+def published_tree(private_tokens: bool = True):
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS,
+                           private_tokens=private_tokens)
+    tree = RadixTree()
+    tree.listener = pub
+    return pub, tree
+
+
+class Raw:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"ours")
+        self.sub.connect(endpoint)
+        self.frames: list[list[bytes]] = []
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self.loop, daemon=True)
+        self.t.start()
+        time.sleep(0.3)
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            if self.sub.poll(50):
+                self.frames.append(self.sub.recv_multipart())
+
+    def close(self) -> None:
+        self.stop.set()
+        self.t.join()
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def test_hashes_are_stable_and_namespaced():
+    ids = tuple(range(BS))
+    assert block_hash(None, (), ids) == 5381774573828011315  # the same in every process, every run
+    assert block_hash(None, (), ids) != block_hash(None, ("v-alice",), ids) != block_hash(7, (), ids)
+    assert 0 <= block_hash(None, (), ids) < 2**63
+
+
+def test_our_subscriber_follows_our_publisher():
+    pub, tree = published_tree()
+    sub = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
+    try:
+        ps = prompts()
+        for p in ps:
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        for p in ps:
+            assert [t for b in sub.tree.match(p) for t in b.token_ids] == p[:len(p) // BS * BS]
+        tree.evict(60)  # least recently used leaves: each takes the blocks its tokens were part of
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        assert sub.tree.counts()["GPU"]["evicted"] > 0
+        late = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
+        assert late.wait_for(lambda: late.tree.num_blocks == len(pub.published)) and late.stats.replayed > 0
+        late.close()
+        tree.clear()
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.num_blocks == 0 == len(pub.published))
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_private_blocks_carry_no_tokens_under_isolation():
+    pub, tree = published_tree(private_tokens=False)
+    raw = Raw(pub.endpoint)
+    try:
+        p = prompts(1)[0]
+        tree.insert(CacheKey(tuple(p), "v-alice", 64), [None] * len(p))  # 64 shipped tokens, then hers
+        pub.flush()
+        time.sleep(0.2)
+        events = [e for f in raw.frames for e in msgspec.msgpack.decode(f[2])[1]]
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        assert [len(e["block_hashes"]) for e in stored] == [2, len(p) // BS - 2]
+        assert len(stored[0]["token_ids"]) == 2 * BS and stored[0]["extra_keys"] is None  # shipped: public
+        assert stored[1]["token_ids"] == [] and all(k == ["v-alice"] for k in stored[1]["extra_keys"])
+    finally:
+        raw.close()
+        pub.close()
+
+
+@pytest.mark.vllm
+def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(tmp_path):
+    from tools.vllm_server import venv_path, vllm_available
+
+    venv = venv_path()
+    if not vllm_available(venv):
+        if os.environ.get("RADIX_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required (RADIX_REQUIRE_VLLM=1) but {venv} has none")
+        pytest.skip(f"no vLLM in {venv}")
+    pub, tree = published_tree()
+    raw = Raw(pub.endpoint)
+    try:
+        ps = prompts(5, seed=1)
+        for p in ps:
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        tree.evict(40)
+        pub.flush()
+        time.sleep(0.2)
+    finally:
+        raw.close()
+        pub.close()
+    (tmp_path / "stream.msgpack").write_bytes(msgspec.msgpack.encode([f[2] for f in raw.frames]))
+    script = """
+import json, sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
+dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+out = []
+for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
+    b = dec.decode(payload)
+    out.append([[type(e).__name__, list(e.block_hashes), getattr(e, "parent_block_hash", None),
+                 list(getattr(e, "token_ids", [])), getattr(e, "block_size", 0), e.medium] for e in b.events])
+print(json.dumps(out))
+"""
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", script, str(tmp_path / "stream.msgpack")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    batches = json.loads(done.stdout.strip().splitlines()[-1])
+    blocks: dict[int, tuple[int | None, list[int]]] = {}
+    for batch in batches:
+        for kind, hashes, parent, tokens, size, medium in batch:
+            assert medium == "GPU"
+            if kind == "BlockStored":
+                assert size == BS and len(tokens) == len(hashes) * BS
+                for i, h in enumerate(hashes):
+                    blocks[h] = (parent, tokens[i * BS:(i + 1) * BS])
+                    parent = h
+            else:
+                for h in hashes:
+                    del blocks[h]
+    # every prompt the tree still holds is spelled by a chain of blocks from a first block
+    children = {}
+    for h, (parent, tokens) in blocks.items():
+        children[(parent, tuple(tokens))] = h
+    for p in ps:
+        held = tree.match(CacheKey(tuple(p), PUBLIC, 0), touch=False).length
+        parent, n = None, 0
+        while (parent, tuple(p[n:n + BS])) in children and n + BS <= len(p):
+            parent, n = children[(parent, tuple(p[n:n + BS]))], n + BS
+        assert n == held // BS * BS
+
+
+def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
+    import app
+    from engine.types import GenerationRequest, SamplingParams
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+    args = app.parse_args(["--kv-events-config", config, "--max-new-tokens", "4"])
+    engine = app.build_engine(args, runner=tiny_runner)
+    pub = engine.cache.tree.listener
+    sub = KVEventSubscriber(EventSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", "kv-events"),
+                            BlockTree()).start()
+    try:
+        ids = prompts(1, seed=2)[0]
+        m = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=4)))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published) > 0)
+        cached = ids + list(m.output_ids)
+        assert len(sub.tree.match(cached)) == engine.cache.match_len(
+            engine.cache_key(cached, GenerationRequest(prompt_ids=tuple(ids)))) // BS
+        engine.clear_cache()  # the whole cache, as vLLM's reset: one AllBlocksCleared, not a removal per block
+        pub.flush()
+        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == len(pub.published))
+    finally:
+        sub.close()
+        engine.close()
+        pub.close()

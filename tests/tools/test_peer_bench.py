@@ -1,0 +1,47 @@
+"""The peer benchmark: its arguments, and its figures against this app's own /v1 served on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.engine import Engine
+from tests.helpers_app import launched_app
+from tools.peer_bench import bench_server, conversations_for, format_table, parse_args
+
+
+def test_arguments():
+    args = parse_args(["--url", "http://x", "--streams", "1, 8,16", "--dtype", "float32", "--also", "6000:16"])
+    assert args.url == ["http://x"] and args.streams == [1, 8, 16] and args.dtype == "float32"
+    assert args.also == [(6000, [16])]
+    assert args.max_tokens == 32 and args.requests == 16 and args.system_tokens == 2300
+    for bad in ([], ["--url", "u", "--streams", "0"], ["--url", "u", "--max-tokens", "0"],
+                ["--vllm", "--vllm-venv", "/nonexistent"], ["--url", "u", "--also", "x:1"], ["--url", "u", "--also", "6:a"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
+    conversations = conversations_for(0, 4, 5)
+    assert len({c[1]["content"] for c in conversations}) == 4 and len({c[0]["content"] for c in conversations}) == 1
+    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=64)
+    try:
+        with launched_app(engine) as url:
+            rows = bench_server(url, "tiny", conversations, [1, 3], 5, log=lambda s: None)
+    finally:
+        engine.close()
+    assert [r.streams for r in rows] == [1, 3]
+    metrics = [m for m in engine.recent() if m.tag == "api"]
+    for row in rows:
+        assert len(row.results) == 4
+        assert all(0 < r.output_tokens <= 5 and r.ttft_s > 0 for r in row.results)
+        assert row.tokens_per_s == pytest.approx(row.output_tokens / row.wall_s)
+        assert row.ttft_ms(0.5) <= row.ttft_ms(0.95)
+        # The shared system prompt was cached by the warm-up request: every request hits it.
+        assert all(r.cached_tokens > 0 and r.cached_tokens < r.prompt_tokens for r in row.results)
+    # What the client counted is what the engine recorded (warm-up + 2 x 4 requests).
+    assert len(metrics) == 9
+    assert sum(r.output_tokens for row in rows for r in row.results) == sum(m.output_tokens for m in metrics[1:])
+    table = format_table(rows + [dataclasses.replace(r, server="other", wall_s=r.wall_s * 2) for r in rows], "t")
+    assert "| 0 | 1 | 2.00x |" in table and "| 0 | 3 | 2.00x |" in table

@@ -1,0 +1,385 @@
+"""Peer benchmark: any OpenAI-compatible server, as a user drives it, beside vLLM.
+
+    python -m tools.peer_bench --url http://127.0.0.1:8000            # a server that is already up
+    python -m tools.peer_bench --ours --vllm --dtype bfloat16         # start both, one at a time
+    python -m tools.peer_bench --ours --vllm --system-tokens 6000 --streams 16
+
+The workload is ``tools.serve_bench``'s long-prefix one, sent over HTTP: every request is
+a chat turn with the same policy-manual system prompt of about ``--system-tokens`` tokens
+(``serve_bench.policy_manual``) and its own question (``serve_bench.chat_requests``),
+``--max-tokens`` new tokens, temperature 0, streamed over ``/v1/chat/completions`` with
+``stream_options.include_usage``. For each number of streams ``c``, ``c`` client threads
+take the ``--requests`` requests one after another (a closed loop). One request with the
+system prompt is sent first, off the clock, so the prefix is cached on every server, as
+in a running service.
+
+Printed per server and stream count: output tokens/s (the servers' ``completion_tokens``
+over the wall clock, all streams together), time to first token p50/p95 (from sending
+to the first chunk with text) and the cached prompt tokens per request
+(``usage.prompt_tokens_details.cached_tokens``). With two servers, their ratio.
+
+``--ours`` starts this app (``python app.py`` on a free port, ``--dtype``, no second
+tier, and waits for its start-up growth-curve measurement to finish so it does not run
+during the benchmark); ``--vllm`` starts vLLM from the virtual environment
+``$RADIX_VLLM_VENV`` (default ``.venv-vllm``, made by ``tools/install_vllm.sh``) on the
+app's converted model folder with the flags that work on a CPU (``--block-size 32``,
+``--enforce-eager``, prefix caching, both cores). One server runs at a time; each is
+stopped (its whole process group) before the next starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tools.measure import percentile
+from tools.serve_bench import SYSTEM, chat_requests, policy_manual
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_MODEL_NAME = "SmolLM2-135M-Instruct"
+GRADIO_CHECK = "When localhost is not accessible"  # gradio's launch() gave up on its own page
+
+
+# ------------------------------------------------------------------ results
+@dataclass(frozen=True)
+class Result:
+    """One request as the client saw it."""
+
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Row:
+    server: str
+    streams: int
+    results: tuple[Result, ...]
+    wall_s: float
+    system_tokens: int = 0  # the workload's system prompt length (its label in the table)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def ttft_ms(self, q: float) -> float:
+        return percentile([r.ttft_s * 1000 for r in self.results], q)
+
+    @property
+    def cached_per_request(self) -> float:
+        return sum(r.cached_tokens for r in self.results) / max(1, len(self.results))
+
+    @property
+    def prompt_per_request(self) -> float:
+        return sum(r.prompt_tokens for r in self.results) / max(1, len(self.results))
+
+
+def parse_sse(lines: Iterator[str], t0: float) -> Result:
+    """The stream of one chat completion: its text, first-text time and final usage."""
+    text, first, usage = [], None, None
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        body = json.loads(data)
+        if "error" in body:
+            raise RuntimeError(f"the server reported an error: {body['error']}")
+        for choice in body.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                if first is None:
+                    first = time.perf_counter()
+                text.append(piece)
+        if body.get("usage"):
+            usage = body["usage"]
+    if usage is None:
+        raise RuntimeError("the stream ended without usage (stream_options.include_usage)")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Result(int(usage["completion_tokens"]), int(usage["prompt_tokens"]), int(cached),
+                  (first or time.perf_counter()) - t0, "".join(text))
+
+
+def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dict], max_tokens: int) -> Result:
+    body = {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    with client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        return parse_sse(resp.iter_lines(), t0)
+
+
+def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], streams: int, max_tokens: int,
+                server: str = "", system_tokens: int = 0) -> Row:
+    """``streams`` closed-loop clients over ``conversations``; one ``Row``."""
+    results: list[Result | None] = [None] * len(conversations)
+    errors: list[BaseException] = []
+    nxt = iter(range(len(conversations)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None or errors:
+                    return
+                try:
+                    results[i] = chat_once(http, url, model, conversations[i], max_tokens)
+                except BaseException as exc:  # reported once, after the others stop
+                    errors.append(exc)
+                    return
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return Row(server, streams, tuple(r for r in results if r is not None), wall, system_tokens)
+
+
+def served_model(url: str) -> str:
+    resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]], streams: Sequence[int],
+                 max_tokens: int, log=print, system_tokens: int = 0) -> list[Row]:
+    """The warm-up request (off the clock), then one row per stream count."""
+    model = served_model(url)
+    with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+        warm = [conversations[0][0], {"role": "user", "content": "Hello"}]
+        chat_once(http, url, model, warm, 1)
+    rows = []
+    for c in streams:
+        row = run_streams(url, model, conversations, c, max_tokens, server, system_tokens)
+        rows.append(row)
+        log(format_row(row))
+    return rows
+
+
+def bench_workloads(url: str, server: str, workloads: Sequence[tuple[int, Sequence[int], Sequence]], max_tokens: int,
+                    log=print) -> list[Row]:
+    """``bench_server`` for each (system tokens, streams, conversations) workload, on one server start."""
+    rows = []
+    for system_tokens, streams, conversations in workloads:
+        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens)
+    return rows
+
+
+# ------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ours_command(port: int, dtype: str) -> list[str]:
+    return [sys.executable, str(REPO / "app.py"), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--disk-cache-mb", "0"]
+
+
+def vllm_command(venv: Path, port: int, dtype: str) -> list[str]:
+    from engine.model.loader import converted_cache_dir
+
+    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(converted_cache_dir()), "--served-model-name", VLLM_MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--max-model-len", "8192", "--dtype", dtype, "--block-size", "32", "--enforce-eager"]
+
+
+def vllm_env(cache_dir: str) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "VLLM_CACHE_ROOT": cache_dir, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+@contextmanager
+def started(name: str, cmd: list[str], env: dict[str, str], port: int, ready_line: str | None = None,
+            timeout_s: float = 600.0) -> Iterator[str]:
+    """Run ``cmd`` in a process group of its own until the block ends; yields its URL once
+    ``/v1/models`` answers (and ``ready_line`` appeared in its output, if given)."""
+    url = f"http://127.0.0.1:{port}"
+    log_file = tempfile.NamedTemporaryFile("a+", prefix=f"peer-bench-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    t0 = time.perf_counter()
+    retries = 2
+    try:
+        up = False
+        while time.perf_counter() - t0 < timeout_s:
+            if proc.poll() is not None:
+                if retries > 0 and GRADIO_CHECK in Path(log_file.name).read_text():
+                    # Gradio's start-up check of its own page timed out (3 s) on a loaded machine: again.
+                    retries -= 1
+                    print(f"{name}: Gradio's start-up check timed out; starting it again", flush=True)
+                    log_file.truncate(0)
+                    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                    continue
+                raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log_file.name}\n"
+                                   + Path(log_file.name).read_text()[-3000:])
+            if not up:
+                try:
+                    up = httpx.get(url + "/v1/models", timeout=5).status_code == 200
+                except httpx.HTTPError:
+                    pass
+            if up and (ready_line is None or ready_line in Path(log_file.name).read_text()):
+                break
+            time.sleep(1.0)
+        else:
+            raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; log: {log_file.name}")
+        print(f"{name} ready in {time.perf_counter() - t0:.0f} s at {url} (log {log_file.name})", flush=True)
+        yield url
+    finally:
+        stop_group(proc)
+        log_file.close()
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the process group we started, then SIGKILL if it lingers."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    try:  # children that outlived the leader (vLLM's engine core)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------------ report
+def format_row(r: Row) -> str:
+    return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
+            f"{r.cached_per_request:,.0f} / {r.prompt_per_request:,.0f} |")
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    lines = [title, "", "| server | system tokens | streams | output tokens/s | TTFT p50 ms | TTFT p95 ms "
+                        "| cached / prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [format_row(r) for r in rows]
+    servers = list(dict.fromkeys(r.server for r in rows))
+    if len(servers) == 2:
+        a, b = servers
+        by = {(r.server, r.system_tokens, r.streams): r for r in rows}
+        lines += ["", f"| system tokens | streams | {a} / {b} (tokens/s) |", "|---:|---:|---:|"]
+        for t, c in dict.fromkeys((r.system_tokens, r.streams) for r in rows):
+            if (a, t, c) in by and (b, t, c) in by and by[(b, t, c)].tokens_per_s > 0:
+                lines.append(f"| {t:,} | {c} | {by[(a, t, c)].tokens_per_s / by[(b, t, c)].tokens_per_s:.2f}x |")
+    return "\n".join(lines)
+
+
+def conversations_for(system_tokens: int, n_requests: int, max_tokens: int) -> list[tuple[dict, ...]]:
+    """The workload's chat turns (the same ones ``tools.serve_bench`` runs in process)."""
+    system = SYSTEM
+    if system_tokens:
+        from engine.model.loader import load_tokenizer
+
+        tok = load_tokenizer()
+        system = policy_manual(lambda text: tok.encode(text, add_special_tokens=False), system_tokens)
+    return [r.messages for r in chat_requests(n_requests, max_tokens, system)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", action="append", default=[], help="a running server (repeatable); its name is the URL")
+    p.add_argument("--ours", action="store_true", help="start this app (python app.py) and measure it")
+    p.add_argument("--vllm", action="store_true", help="start vLLM from $RADIX_VLLM_VENV and measure it")
+    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16, for the servers started here")
+    p.add_argument("--streams", default="1,8,16", help="concurrent streams, comma-separated")
+    p.add_argument("--requests", type=int, default=16, help="chat requests per stream count (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=2300, help="system prompt length (0: the short one)")
+    p.add_argument("--also", action="append", default=[], metavar="TOKENS:STREAMS",
+                   help="another workload on the same server start, e.g. 6000:16 (repeatable)")
+    p.add_argument("--vllm-venv", default=os.environ.get("RADIX_VLLM_VENV", str(REPO / ".venv-vllm")))
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a started server may take")
+    args = p.parse_args(argv)
+    def stream_list(text: str) -> list[int]:
+        try:
+            streams = [int(s) for s in text.split(",") if s.strip()]
+        except ValueError:
+            streams = []
+        if not streams or min(streams) < 1:
+            p.error(f"streams must be whole numbers >= 1, got {text!r}")
+        return streams
+
+    args.streams = stream_list(args.streams)
+    also = []
+    for spec in args.also:
+        tokens, _, streams = spec.partition(":")
+        if not tokens.strip().isdigit():
+            p.error(f"--also takes TOKENS:STREAMS, e.g. 6000:16; got {spec!r}")
+        also.append((int(tokens), stream_list(streams or ",".join(map(str, args.streams)))))
+    args.also = also
+    if args.requests < 1 or args.max_tokens < 1:
+        p.error("--requests and --max-tokens must be at least 1")
+    if not (args.url or args.ours or args.vllm):
+        p.error("name a server: --url URL, --ours and/or --vllm")
+    if args.vllm and not (Path(args.vllm_venv) / "bin" / "python").exists():
+        p.error(f"no vLLM venv at {args.vllm_venv}: run tools/install_vllm.sh or set RADIX_VLLM_VENV")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workloads = [(t, st, conversations_for(t, args.requests, args.max_tokens))
+                 for t, st in [(args.system_tokens, args.streams), *args.also]]
+    title = (f"Peer benchmark: {args.requests} chat requests behind a shared system prompt, {args.max_tokens} new "
+             f"tokens, streamed; workloads (system tokens: streams) "
+             + ", ".join(f"{t:,}: {','.join(map(str, st))}" for t, st, _ in workloads))
+    print(title, flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    rows: list[Row] = []
+    for url in args.url:
+        rows += bench_workloads(url, url, workloads, args.max_tokens, log)
+    if args.ours:
+        port = free_port()
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+        with started("ours", ours_command(port, args.dtype), env, port, "Growth curve", args.start_timeout) as url:
+            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log)
+    if args.vllm:
+        port = free_port()
+        with tempfile.TemporaryDirectory(prefix="peer-bench-vllm-") as cache, \
+                started("vllm", vllm_command(Path(args.vllm_venv), port, args.dtype), vllm_env(cache), port, None,
+                        args.start_timeout) as url:
+            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log)
+    print()
+    print(format_table(rows, title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
