@@ -10,8 +10,12 @@ shared by several sequences has one canonical KV, so every copy compares exactly
 A running request "computes" its KV by copying the reference into its own slots (what the
 model would write); a few writes go through the real paged forward too.
 
-Every construction of pools, tiers and caches is in ``_new_cache`` (one place to adapt when
-the constructors change).
+Three machines: ``TestCache`` (every verb, running requests included), ``TestCacheTier`` (no
+running requests, shipped content only, long runs: each step stores, evicts, spills, loads or
+restarts, which is where a match lost while making room shows) and ``TestCacheWithCorruptFiles``
+(chunk headers, payloads and the spilled-paths file damaged on disk). Each is bounded for CI;
+``RADIX_STATEFUL_SCALE=10`` hunts ten times longer. Every construction of pools, tiers and
+caches is in ``_new_cache`` (one place to adapt when the constructors change).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore
 from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.request_kv import RequestKV
 from engine.kvcache.request_slots import RequestSlots
 from engine.kvcache.second_tier import SecondTier
-from engine.kvcache.request_kv import RequestKV
 from engine.model.paged_attention import PagedSegment
 from engine.types import PUBLIC, CacheKey, EngineError
 
@@ -75,7 +79,7 @@ def _universe() -> list[tuple[int, ...]]:
 
 def _common(a, b) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
