@@ -180,6 +180,10 @@ def _digest(cache: RadixCache):
             spilled, files, tier.store.num_chunks if tier is not None else 0)
 
 
+def _public_tokens(cache: RadixCache) -> int:
+    return sum(len(n.key) for n in cache.tree.nodes() if n.namespace == PUBLIC)
+
+
 class Live:
     """A running request as the test sees it: its slots, the sequence it runs and its key."""
 
@@ -204,6 +208,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.folder = Path(tempfile.mkdtemp(prefix="radix-stateful-"))
         self.live: list[Live] = []
         self.cache: RadixCache | None = None
+        self.fair = False  # isolation mode of the cache now (``start``, ``restart``)
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -222,6 +227,11 @@ class CacheMachine(RuleBasedStateMachine):
         ids = _reference()[0][seq][:length]
         namespace = NAMESPACES[ns]
         return CacheKey(ids, namespace, 0 if namespace == PUBLIC else min(public, length))
+
+    def _visitor_keeps_public(self, key: CacheKey, public_before: int) -> None:
+        """In isolation mode a visitor never evicts shipped (``PUBLIC``) content."""
+        if self.fair and key.namespace != PUBLIC:
+            assert _public_tokens(self.cache) >= public_before, "a visitor evicted shipped content"
 
     def _pick(self, i: int) -> Live:
         return self.live[i % len(self.live)]
@@ -247,7 +257,9 @@ class CacheMachine(RuleBasedStateMachine):
         k.copy_(rk)
         v.copy_(rv)
         before = self.cache.match_len(key.prefix(n))
+        public = _public_tokens(self.cache)
         stored = self.cache.insert(key, kv)
+        self._visitor_keeps_public(key, public)
         assert 0 <= stored <= n - before
         if stored:
             assert self.cache.match_len(key.prefix(n)) == before + stored
@@ -258,6 +270,7 @@ class CacheMachine(RuleBasedStateMachine):
         back, the cached prefix is copied out, the rest computed, the prompt cached."""
         key = self._key(spec, length)
         n = len(key.ids)
+        public = _public_tokens(self.cache)
         self.cache.load_prefix(key, n - 1)
         kv = _scratch(n)
         cached = self.cache.copy_prefix(key, n - 1, kv, touch=True)
@@ -268,6 +281,7 @@ class CacheMachine(RuleBasedStateMachine):
         k[:, :, cached:] = rk[:, :, cached:]
         v[:, :, cached:] = rv[:, :, cached:]
         self.cache.insert(key, kv)
+        self._visitor_keeps_public(key, public)
 
     @precondition(lambda self: self.requests)
     @rule(**keys, cut=st.integers(0, 200), extra=st.integers(0, 200))
@@ -278,7 +292,9 @@ class CacheMachine(RuleBasedStateMachine):
         total = min(len(_reference()[0][seq]), len(key.ids) + extra)
         before = _digest(self.cache)
         matched = self.cache.match_len(key.prefix(max_len))
+        public = _public_tokens(self.cache)
         rs = self.cache.acquire(key, max_len, total)
+        self._visitor_keeps_public(key, public)
         if rs is None:
             assert _digest(self.cache) == before, "an acquire without room changed the cache"
             return
@@ -379,7 +395,9 @@ class CacheMachine(RuleBasedStateMachine):
         key = self._key(spec, length)
         max_len = len(key.ids) - cut % (len(key.ids) + 1)
         before = self.cache.match_len(key.prefix(max_len))
+        public = _public_tokens(self.cache)
         loaded = self.cache.load_prefix(key, max_len)
+        self._visitor_keeps_public(key, public)
         if loaded:
             assert self.cache.match_len(key.prefix(max_len)) >= before + loaded
 
