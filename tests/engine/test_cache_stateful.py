@@ -432,6 +432,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.persist()
         same_folder = fair == self.fair and self.cache.tier is not None
         on_disk = {p.stem for p in self._chunk_files()}
+        drawn = set(self.cache.tier.spilled.leaf_paths()) if self.cache.tier is not None else set()
         old_bytes = self.cache.tier.store.bytes_in_use if self.cache.tier is not None else 0
         _close_cache(self.cache)
         self.cache = _new_cache(self.folder, budget, fair, tier)
@@ -440,6 +441,7 @@ class CacheMachine(RuleBasedStateMachine):
             # a clean stop and room for all of it: every chunk is found again
             assert {p.stem for p in self._chunk_files()} == on_disk, "a restart lost chunk files"
             assert all(k in self.cache.tier.store for k in on_disk), "a restart did not index its chunk files"
+            assert set(self.cache.tier.spilled.leaf_paths()) == drawn, "a restart draws other spilled paths"
 
     # ------------------------------------------------------------ corruption (subclass only)
     def _chunk_files(self) -> list[Path]:
