@@ -5,7 +5,6 @@ that file's one factory and checked against its no-cache reference KV (tiny rand
 from __future__ import annotations
 
 import json
-import logging
 import struct
 
 import pytest
@@ -104,15 +103,14 @@ def _rewrite_header(path, **fields) -> None:
     {"tokens": 2 * CHUNK_TOKENS, "dim": 8},  # same element count, another shape: the load raised
     {"layers": 1, "heads": 4},
 ], ids=["dtype-Tensor", "dtype-int32", "tokens-dim", "layers-heads"])
-def test_chunk_whose_header_lies_is_dropped_not_raised(caches, tmp_path, fields, caplog):
+def test_chunk_whose_header_lies_is_dropped_not_raised(caches, tmp_path, fields):
     """Header fields were only checked by the payload's view: a header rewritten to another dtype or
     shape (the payload and its CRC intact) crashed the load instead of being skipped."""
     cache, path = _one_chunk_on_disk(caches, tmp_path)
     _rewrite_header(path, **fields)
     key = CacheKey(_seq(0)[:CHUNK_TOKENS + 1])
-    with caplog.at_level(logging.WARNING):
-        assert cache.load_prefix(key, CHUNK_TOKENS) == 0
-        rs = cache.acquire(key, CHUNK_TOKENS, CHUNK_TOKENS + 1)
+    assert cache.load_prefix(key, CHUNK_TOKENS) == 0  # skipped with one log line, not raised
+    rs = cache.acquire(key, CHUNK_TOKENS, CHUNK_TOKENS + 1)
     assert rs is not None and rs.cached_tokens == 0
     cache.release(rs)
     _assert_tree_is_reference(cache)
