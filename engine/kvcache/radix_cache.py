@@ -96,12 +96,25 @@ class RadixCache(SlotLedger):
         if short <= 0:
             return True
         removed: list[Node] = []
-        freed = self._evict_for(short, namespace, num_slots, removed)
-        if all_or_nothing and len(freed) < short:
-            self.tree.restore(removed)
-            return False
+        with self._unheard() as listener:  # a trial: the listener hears only an eviction that stands
+            freed = self._evict_for(short, namespace, num_slots, removed)
+            if all_or_nothing and len(freed) < short:
+                self.tree.restore(removed)
+                return False
+        if listener is not None:
+            for node in removed:
+                listener.removed(node)
         self._evicted(removed, freed)
         return len(freed) >= short
+
+    @contextmanager
+    def _unheard(self) -> Iterator:
+        """The tree's listener (KV events) detached for the body; yields it."""
+        listener, self.tree.listener = self.tree.listener, None
+        try:
+            yield listener
+        finally:
+            self.tree.listener = listener
 
     def _evicted(self, removed: Sequence[Node], freed: list) -> None:
         """Eviction is final: the removed nodes' KV goes to the second tier, then their slots
@@ -142,7 +155,7 @@ class RadixCache(SlotLedger):
         node a match ends in: inserting an already-cached prefix only splits."""
         held = self.tree.match(key, max_len=length, touch=False)
         assert held.length == length, "split past the match"
-        return self.tree.insert(key.prefix(length), held.values).node
+        return self.tree.insert(key.prefix(length), held.values, touch=False).node  # a split is no use
 
     def _path_of(self, node: Node) -> tuple[CacheKey, list]:
         """The path from the root to the end of ``node`` and its slots (its ancestors may be
@@ -335,16 +348,12 @@ class RadixCache(SlotLedger):
         nodes, if given); returns tokens freed. A clear that empties the whole tree is one
         ``cleared`` for the listener, as vLLM's reset is one ``AllBlocksCleared``."""
         with self._lock:
-            listener = self.tree.listener
-            whole = namespace is None and not self.tree.locked_tokens and listener is not None
-            if whole:
-                self.tree.listener = None
-            try:
-                freed = self.tree.clear(namespace)
-            finally:
-                self.tree.listener = listener
-            if whole:
+            if namespace is None and not self.tree.locked_tokens and self.tree.listener is not None:
+                with self._unheard() as listener:
+                    freed = self.tree.clear()
                 listener.cleared()
+            else:
+                freed = self.tree.clear(namespace)
             self.pool.free(freed)
             self.version += 1
             return len(freed)

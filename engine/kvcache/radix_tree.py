@@ -134,12 +134,13 @@ class RadixTree:
         return MatchResult(pos, node, values, path)
 
     # ----------------------------------------------------------------- insert
-    def insert(self, key: CacheKey, value: Sequence[Any]) -> InsertResult:
+    def insert(self, key: CacheKey, value: Sequence[Any], touch: bool = True) -> InsertResult:
         """Cache ``key``; ``value[i]`` belongs to ``key.ids[i]``.
 
         Entries of ``value`` for tokens already cached are ignored (the cached
         ones are kept), so a caller allocates values only for
         ``ids[self.match(key).length:]`` and passes placeholders before that.
+        Without ``touch`` the nodes it walks keep their access times (a split only).
         """
         ids = key.ids
         assert len(value) == len(ids), "one value per token"
@@ -159,7 +160,8 @@ class RadixTree:
             n = common_prefix_len(child.key, ids, pos, end - pos)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = now
+            if touch:
+                child.last_access = now
             node, pos, existing = child, pos + n, existing + n
         if self.listener is not None and existing < len(ids):
             self.listener.cached(node)

@@ -131,3 +131,35 @@ def test_paths_file_with_a_token_id_past_int64_does_not_stop_the_start(caches, t
     again.check_invariants()
     assert again.load_prefix(CacheKey(_seq(0)[:2 * CHUNK_TOKENS]), 2 * CHUNK_TOKENS) == 2 * CHUNK_TOKENS
     _assert_tree_is_reference(again)
+
+
+def test_a_refused_acquire_tells_the_kv_event_listener_nothing(tiny_runner):
+    """A refused admission tries an eviction and undoes it: subscribers of KV events must not
+    see blocks leave and come back (they would be told of an eviction that never happened)."""
+    from engine.kvcache.kv_pool import KVPool
+    from engine.kvcache.radix_cache import RadixCache
+    from engine.types import CacheKey
+
+    heard: list[tuple[str, int]] = []
+
+    class Recorder:  # the listener's interface (engine.kvcache.kv_events.KVEventPublisher)
+        def cached(self, node):
+            heard.append(("cached", node.id))
+
+        def removed(self, node):
+            heard.append(("removed", node.id))
+
+        def cleared(self):
+            heard.append(("cleared", 0))
+
+    r = tiny_runner
+    cache = RadixCache(KVPool(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, 64 * r.kv_bytes_per_token))
+    cache.publish_to(Recorder())
+    kv = r.new_request_kv(10)
+    r.forward(list(range(20, 30)), kv)
+    cache.insert(CacheKey(tuple(range(20, 30))), kv)
+    heard.clear()
+    assert cache.acquire(CacheKey(tuple(range(40, 105))), 65, 65) is None  # needs 65 of 64 slots: refused
+    assert heard == []
+    cache.clear()
+    assert heard == [("cleared", 0)]
