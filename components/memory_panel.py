@@ -16,6 +16,7 @@ from components.format import fmt_bytes, fmt_ms, plural
 from components.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from engine.api import EngineAPI
+from engine.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
 from engine.snapshot_view import coarse_tokens
 from engine.types import EngineError, RequestMetrics
 
@@ -43,6 +44,17 @@ def kv_event_rows(engine: EngineAPI) -> list[str]:
         f"{f['replayed']:,} batches replayed, {f['gaps']} gaps, {f['restarts']} server restarts |",
         f"| cached tokens, events vs the server's count | {checks['agree']:,} requests agree, {checks['differ']:,} "
         "differ (the blocks a prompt walked when sent, against what the server reported) |"]
+def outside_budget_row(engine: EngineAPI) -> str:
+    """The KV the process holds beside the budget: the paired timings' scratch buffers and the
+    request-order demo's pool, each with its bound."""
+    bpt = engine.info().kv_bytes_per_token
+    timer = engine.prefill_timer()
+    scratch = (f"timing scratch buffers {fmt_bytes(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
+               if timer is not None else "")
+    demo = (f"request-order demo's pool {fmt_bytes(demo_pool_bytes(engine))} (at most "
+            f"{fmt_bytes(MAX_DEMO_TOKENS * bpt)}, only while a comparison runs)")
+    return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, demo) if p)} |"
+
 
 def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
     """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
@@ -91,6 +103,7 @@ def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None,
         f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
         f"| nodes | {s.num_nodes:,} |",
         f"| KV per token | {bpt:,} bytes |",
+        outside_budget_row(engine),
         f"| tokens evicted or cleared so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}; the lab "
         "clears its own runs when they end, and “clear” counts too) |",
         rate_row,

@@ -40,7 +40,8 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from engine.types import CacheKey, EngineError, EngineFault
@@ -190,6 +191,8 @@ class PrefillTimer:
         self._curve_lock = threading.Lock()  # one growth curve at a time
         self._foreground = 0  # visitors' timings under way or waiting: background work waits for them
         self._foreground_lock = threading.Lock()
+        self._scratch_bytes = 0  # scratch KV buffers alive now (outside the cache budget)
+        self.peak_scratch_bytes = 0
         self._memo: OrderedDict[tuple, tuple[float, float, int]] = OrderedDict()  # -> (full ms, when, runs)
         self._memo_lock = threading.Lock()
         self._curve = GrowthCurve()
@@ -225,14 +228,45 @@ class PrefillTimer:
         with self._foreground_lock:
             self._foreground += n
 
+    # ------------------------------------------------------- scratch KV
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch KV the timings hold now: buffers outside the cache budget."""
+        return self._scratch_bytes
+
+    @property
+    def scratch_bound_bytes(self) -> int:
+        """The most scratch KV there can be at once: one buffer of the longest prompt for a
+        visitor's timing (they run one at a time) and one for the growth curve (the only
+        background work), each at most the prompt cap."""
+        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        curve = min(self.runner.max_context, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
+        return (int(cap) + curve) * self.runner.kv_bytes_per_token
+
+    @contextmanager
+    def _scratch(self, n: int) -> Iterator:
+        """A scratch KV buffer for ``n`` tokens, counted while it lives."""
+        nbytes = int(n) * self.runner.kv_bytes_per_token
+        with self._foreground_lock:
+            self._scratch_bytes += nbytes
+            self.peak_scratch_bytes = max(self.peak_scratch_bytes, self._scratch_bytes)
+        try:
+            yield self.runner.new_request_kv(n)
+        finally:
+            with self._foreground_lock:
+                self._scratch_bytes -= nbytes
+
     # ---------------------------------------------------------- one prompt
     def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int]:
         """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
         (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused).
         ``background``: blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when
         visitors leave the engine idle."""
+        with self._scratch(len(key.ids)) as kv:  # allocated outside the timed part, on both sides alike
+            return self._timed_prefill_into(kv, key, cached, background)
+
+    def _timed_prefill_into(self, kv, key: CacheKey, cached: int, background: bool) -> tuple[float, int]:
         runner, ids, n = self.runner, key.ids, len(key.ids)
-        kv = runner.new_request_kv(n)  # allocated outside the timed part, on both sides alike
         block = max(1, self.policy.block_tokens)
         if background:
             block = min(block, BACKGROUND_BLOCK_TOKENS)
@@ -391,7 +425,8 @@ class PrefillTimer:
             if self.cache.match_len(key) >= n:
                 out.append(WarmPrefix(label, n, 0, 0.0))
                 continue
-            result = self.engine.prefill(key, self.runner.new_request_kv(n))
+            with self._scratch(n) as kv:
+                result = self.engine.prefill(key, kv)
             out.append(WarmPrefix(label, n, n - result.cached_tokens, result.prefill_ms,
                                   skipped=None if result.inserted_tokens or self.cache.match_len(key) >= n
                                   else "the cache had no room for it"))
@@ -457,7 +492,8 @@ class PrefillTimer:
         for stop in (*range(block, len(ids), block), len(ids)):
             key = CacheKey(ids[:stop], GROWTH_NAMESPACE, 0)
             self._wait_for_quiet()
-            self.engine.prefill(key, self.runner.new_request_kv(stop))
+            with self._scratch(stop) as kv:
+                self.engine.prefill(key, kv)
         if self.cache.match_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
             raise EngineError("the cache had no room for the curve's filler")
 

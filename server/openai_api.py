@@ -71,7 +71,8 @@ class ApiState:
         if self.scope is None:
             self.scope = CacheScope(isolation=bool(engine.isolation))
         if self.limits is None:
-            cap = (default_max_per_client(bool(engine.isolation), engine.max_queue) if self.max_per_client is None
+            cap = (default_max_per_client(bool(engine.isolation), int(getattr(engine, "max_queue", 32)))
+                   if self.max_per_client is None
                    else self.max_per_client or None)
             self.limits = ClientLimits(cap)
         if not self.model_name:

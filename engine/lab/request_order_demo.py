@@ -20,6 +20,10 @@ whole queue is submitted at once and the scheduler picks.
 
 The demo's engine admits one request at a time (``max_batch=1``), so each
 request's prefill sees exactly what the ones before it left in the cache.
+
+Its KV pool is outside the app's cache budget, so it is bounded and short-lived: at most
+``MAX_DEMO_TOKENS`` tokens, one comparison at a time, made when a comparison starts and
+closed when it ends (``pool_bytes`` says what it holds now; the Cache memory panel shows it).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from engine.lab.ordering_runs import LabPrompt, RunTotals, lab_request
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"
+MAX_DEMO_TOKENS = 20_000  # the demo's pool, outside the cache budget: ~0.9 GB for the embedded model in fp32
 POLICY_NAMES = {FCFS: "first-come-first-served", LPM: "longest-prefix-match first"}
 
 
@@ -75,16 +80,28 @@ class RequestOrderDemo:
     def __init__(self, parent: EngineAPI) -> None:
         self.parent = parent
         self._engine: EngineAPI | None = None
+        self._pool_bytes = 0
         self._busy = threading.Lock()
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of KV the demo's own engine holds now (0 between comparisons)."""
+        return self._pool_bytes
 
     def _engine_for(self, budget_tokens: int) -> EngineAPI:
         budget = budget_tokens * self.parent.info().kv_bytes_per_token
-        if self._engine is None:
-            self._engine = self.parent.spawn(budget, max_batch=1, max_queue=64)
-        else:
-            self._engine.clear_cache()
-            self._engine.set_budget(budget)
+        self._engine = self.parent.spawn(budget, max_batch=1, max_queue=64)
+        self._pool_bytes = self._engine.stats().budget_bytes
         return self._engine
+
+    def _close_engine(self) -> None:
+        """Give the demo's pool back: its engine stops and nothing refers to its tensors."""
+        engine, self._engine = self._engine, None
+        self._pool_bytes = 0
+        if engine is not None:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
 
     def compare(self, prompts: Sequence[LabPrompt], budget_tokens: int, policies: Sequence[str] = (FCFS, LPM),
                 max_new_tokens: int = 1, should_stop: Callable[[], bool] | None = None) -> Iterator[ScheduleProgress]:
@@ -96,6 +113,8 @@ class RequestOrderDemo:
             raise EngineError("Nothing to schedule: the queue is empty.")
         if budget_tokens < 1:
             raise EngineError("The cache budget must hold at least one token.")
+        if budget_tokens > MAX_DEMO_TOKENS:
+            raise EngineError(f"The demo's cache holds at most {MAX_DEMO_TOKENS:,} tokens.")
         if any(p not in POLICY_NAMES for p in policies):
             raise EngineError(f"Unknown policy; use one of {', '.join(POLICY_NAMES)}.")
         if not self._busy.acquire(blocking=False):
@@ -103,6 +122,7 @@ class RequestOrderDemo:
         try:
             yield from self._compare(prompts, int(budget_tokens), policies, max_new_tokens, should_stop)
         finally:
+            self._close_engine()
             self._busy.release()
 
     def _compare(self, prompts, budget_tokens, policies, max_new_tokens, should_stop) -> Iterator[ScheduleProgress]:
@@ -147,7 +167,7 @@ class RequestOrderDemo:
                 yield ScheduleProgress(done, total, "Stopped.", tuple(results), finished=True, stopped=True)
                 return
             engine.check_invariants()
-        engine.clear_cache()  # give the memory back between demos
+        engine.clear_cache()
         yield ScheduleProgress(done, total, "Done.", tuple(results), finished=True)
 
 
@@ -184,3 +204,8 @@ def request_order_demo_for(engine: EngineAPI) -> RequestOrderDemo:
     kept by the engine (``EngineAPI.attachment``). Where the engine cannot spawn one (remote
     mode), the comparison's first step raises the engine's own ``EngineError`` saying so."""
     return engine.attachment("lab.request_order_demo", lambda: RequestOrderDemo(engine))
+
+
+def demo_pool_bytes(engine: EngineAPI) -> int:
+    """What the request-order demo's own pool holds now, outside ``engine``'s cache budget."""
+    return request_order_demo_for(engine).pool_bytes

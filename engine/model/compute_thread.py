@@ -101,6 +101,9 @@ class ComputeThread:
                 return
             fn, args, kwargs, box, done = item
             _call_into(box, fn, args, kwargs)
+            # Keep nothing of the call while idle: its closure may hold a scratch KV buffer or a
+            # whole engine's pool, which must go as soon as its caller lets go of it.
+            del item, fn, args, kwargs, box
             done.set()
 
     def stop(self, join_timeout_s: float | None = None) -> None:

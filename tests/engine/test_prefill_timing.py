@@ -244,3 +244,16 @@ def test_growth_curve_waits_while_a_visitor_request_waits_or_runs(engine, tiny_r
     curve.join(120)
     assert result and result[0].state == "done", result
     engine.check_invariants()
+
+
+def test_scratch_buffers_are_counted_and_bounded(engine, tiny_runner):
+    vocab = len(tiny_runner.text.tokenizer)
+    ids = rand_ids(24, 300, vocab)
+    run(engine, ids[:200])
+    timer = PrefillTimer(engine, TimingPolicy(block_tokens=128, pairs=1, reuse_runs=1))
+    assert timer.scratch_bytes == 0
+    timing = timer.time_pairs(CacheKey(tuple(ids)), 200)
+    assert timing.full_ms is not None
+    assert timer.scratch_bytes == 0  # dropped after the timing
+    assert timer.peak_scratch_bytes == 300 * tiny_runner.kv_bytes_per_token  # one prompt's buffer at a time
+    assert timer.peak_scratch_bytes <= timer.scratch_bound_bytes

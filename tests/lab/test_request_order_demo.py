@@ -8,7 +8,14 @@ import pytest
 
 from components.lab.presets import scheduling_queue
 from engine.engine import Engine
-from engine.lab.request_order_demo import FCFS, LPM, RequestOrderDemo, request_order_demo_for
+from engine.lab.request_order_demo import (
+    FCFS,
+    LPM,
+    MAX_DEMO_TOKENS,
+    RequestOrderDemo,
+    demo_pool_bytes,
+    request_order_demo_for,
+)
 from engine.types import EngineBusy, EngineError
 
 
@@ -21,13 +28,17 @@ def _run(lab, queue, budget):
 def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
     lab = RequestOrderDemo(Engine(tiny_runner))
     queue = scheduling_queue(per_group=3, groups=3)
-    res = _run(lab, queue, budget=520)
+    events = lab.compare(queue, 520)
+    first = next(events)
+    engine = lab._engine  # the demo's own engine lives while the comparison runs
+    rest = list(events)
+    assert rest[-1].finished and not rest[-1].stopped and first.done == 1
+    res = {r.policy: r for r in rest[-1].results}
     fcfs, lpm = res[FCFS], res[LPM]
     assert lpm.hit_rate > fcfs.hit_rate + 0.3
     assert [q.label for q in fcfs.requests] == [p.label for p in queue]
     assert [q.label for q in lpm.requests] == ["A1", "A2", "A3", "B1", "B2", "B3", "C1", "C2", "C3"]
     assert sorted(q.queue_index for q in lpm.requests) == list(range(len(queue)))
-    engine = lab._engine
     engine.check_invariants()
     assert engine.cache.budget_bytes == 520 * tiny_runner.kv_bytes_per_token
     assert all(m.cache_bytes <= m.cache_budget_bytes for m in engine.recent())
@@ -65,7 +76,31 @@ def test_stop_and_one_lab_per_runner(tiny_runner):
 
     events = list(lab.compare(scheduling_queue(2, 2), 520, should_stop=stop))
     assert events[-1].stopped and len(events[-1].results[0].requests) < 4
-    lab._engine.check_invariants()
+    assert lab._engine is None and lab.pool_bytes == 0  # stopped: its pool is given back too
+
+
+def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner):
+    """Outside the cache budget, so: at most MAX_DEMO_TOKENS, counted while a comparison runs,
+    and freed when it ends (nothing keeps its tensors for the life of the process)."""
+    import gc
+    import weakref
+
+    from components.format import fmt_bytes
+    from components.memory_panel import memory_markdown
+
+    facade = Engine(tiny_runner)
+    lab = request_order_demo_for(facade)
+    with pytest.raises(EngineError, match="at most"):
+        next(lab.compare(scheduling_queue(2, 2), MAX_DEMO_TOKENS + 1))
+    events = lab.compare(scheduling_queue(2, 2), 4000)
+    next(events)
+    pool = weakref.ref(lab._engine.cache.pool.k[0])
+    assert lab.pool_bytes == demo_pool_bytes(facade) == 4000 * tiny_runner.kv_bytes_per_token
+    assert f"request-order demo's pool {fmt_bytes(lab.pool_bytes)}" in memory_markdown(facade, [])
+    list(events)
+    gc.collect()
+    assert lab.pool_bytes == 0 and pool() is None, "the demo's pool outlived its comparison"
+    assert "request-order demo's pool 0 B" in memory_markdown(facade, [])
 
 
 def test_leaving_a_cached_node_midway_does_not_pin_its_rest(tiny_runner):
