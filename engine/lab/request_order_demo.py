@@ -99,9 +99,7 @@ class RequestOrderDemo:
         engine, self._engine = self._engine, None
         self._pool_bytes = 0
         if engine is not None:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
+            engine.close()
 
     def compare(self, prompts: Sequence[LabPrompt], budget_tokens: int, policies: Sequence[str] = (FCFS, LPM),
                 max_new_tokens: int = 1, should_stop: Callable[[], bool] | None = None) -> Iterator[ScheduleProgress]:
