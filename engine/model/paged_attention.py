@@ -115,6 +115,19 @@ def leading_runs(runs: Sequence[tuple[int, int, int]], cap: int) -> tuple[tuple[
     return tuple(out)
 
 
+def group_key(runs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Requests share a group when their prefixes start in the same slots up to the first run of
+    at least ``SHARED_MIN_TOKENS``: the first slot of each run to there. (The first slot alone is
+    not enough: every chat prompt begins with the template's few tokens, which may lie in some
+    other prompt's node, and two different system prompts would then share only those.)"""
+    key = []
+    for first, length in runs:
+        key.append(first)
+        if length >= SHARED_MIN_TOKENS:
+            break
+    return tuple(key)
+
+
 def common_runs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """The runs two requests share from position 0: equal runs, then the common part of the
     first pair that starts at the same slot but ends apart."""
@@ -156,10 +169,10 @@ class PagedPlan:
         for s in segments:
             runs = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
             heads.append(leading_runs(runs, s.past))
-        by_first: dict[int, list[int]] = {}
+        by_first: dict[tuple[int, ...], list[int]] = {}
         for i, runs in enumerate(heads):
             if runs and sum(n for _, n in runs) >= SHARED_MIN_TOKENS:
-                by_first.setdefault(runs[0][0], []).append(i)
+                by_first.setdefault(group_key(runs), []).append(i)
         # Pack group by group (decode rows first inside a group), then the rest.
         order: list[int] = []
         self.groups: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []  # (pack start, pack end, shared runs)

@@ -128,6 +128,18 @@ def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, 
         assert len(reads) == runner.num_layers and all(q[2] == 6 * groups for q in reads)
 
 
+def test_prompts_that_share_only_a_few_template_tokens_form_groups_of_their_own():
+    """Two system prompts, each cached, both starting with the same 3 template slots (in a third
+    prompt's node): each set of requests is a group reading its own long prefix, not one group
+    sharing the 3 tokens."""
+    head, a, b = [0, 1, 2], list(range(100, 140)), list(range(300, 330))
+    segments = [PagedSegment([1], 43 + i, head + a + list(range(500 + 10 * i, 500 + 10 * i + i + 1))) for i in range(3)]
+    segments += [PagedSegment([1], 33 + i, head + b + list(range(700 + 10 * i, 700 + 10 * i + i + 1))) for i in range(2)]
+    plan = PagedPlan(segments, torch.device("cpu"))
+    assert [g[2] for g in plan.groups] == [((0, 3), (100, 40)), ((0, 3), (300, 30))]
+    assert plan.decode_width <= 3
+
+
 def test_plan_groups_requests_by_their_shared_run():
     a, b = list(range(100, 140)), list(range(500, 520))
     segments = [PagedSegment([1], 45, a + [7, 8, 9, 10, 11, 12]), PagedSegment([1, 2], 20, b + [30, 31]),
