@@ -11,11 +11,14 @@ One request's context, in token positions, split in two segments::
     positions:  [0 ......... P) [P ............. past) [past .. past+n)
     segment:     shared (view)   rest: own or unshared   the new tokens (part of rest)
 
-- **Shared**: the first contiguous run of slots, capped at ``past`` (fully
-  visible to every new token). Requests whose shared run starts at the same
-  slot read the same KV (a cached system prompt): all their queries attend to
-  it in ONE call, so the prefix is read once per layer per step whatever the
-  batch size (cascade attention, as in vLLM and FlashInfer; Hydragen).
+- **Shared**: the leading runs of slots, capped at ``past`` (fully visible to
+  every new token). Requests whose prefixes lie in the same slots read the
+  same KV (a cached system prompt): all their queries attend to it in ONE call
+  per run, so the prefix is read once per layer per step whatever the batch
+  size (cascade attention, as in vLLM and FlashInfer; Hydragen). A prefix the
+  tree built in pieces (the template's first tokens in another prompt's node, a
+  prompt extending a cached one) is several runs; each is read in place and
+  the partial results merge like the two segments below.
 - **Rest**: everything after ``P``, including the new tokens, causal among the
   new ones. Requests decoding one token are batched into one call over their
   rests (gathered and padded: rests are short); prefill chunks take one each.
