@@ -11,11 +11,14 @@ One request's context, in token positions, split in two segments::
     positions:  [0 ......... P) [P ............. past) [past .. past+n)
     segment:     shared (view)   rest: own or unshared   the new tokens (part of rest)
 
-- **Shared**: the first contiguous run of slots, capped at ``past`` (fully
-  visible to every new token). Requests whose shared run starts at the same
-  slot read the same KV (a cached system prompt): all their queries attend to
-  it in ONE call, so the prefix is read once per layer per step whatever the
-  batch size (cascade attention, as in vLLM and FlashInfer; Hydragen).
+- **Shared**: the leading runs of slots, capped at ``past`` (fully visible to
+  every new token). Requests whose prefixes lie in the same slots read the
+  same KV (a cached system prompt): all their queries attend to it in ONE call
+  per run, so the prefix is read once per layer per step whatever the batch
+  size (cascade attention, as in vLLM and FlashInfer; Hydragen). A prefix the
+  tree built in pieces (the template's first tokens in another prompt's node, a
+  prompt extending a cached one) is several runs; each is read in place and
+  the partial results merge like the two segments below.
 - **Rest**: everything after ``P``, including the new tokens, causal among the
   new ones. Requests decoding one token are batched into one call over their
   rests (gathered and padded: rests are short); prefill chunks take one each.
@@ -41,7 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
-SHARED_MIN_TOKENS = 16  # a shorter common run is not worth a call of its own
+SHARED_MIN_TOKENS = 16  # a shorter common prefix is not worth a call of its own
+# A shared prefix is read run by run (views of the pool, merged by log-sum-exp), so a prefix the
+# tree built in pieces (a long system prompt that extends a shorter cached one, a chat's turns)
+# is still read once per step for all; past this many runs the rest is gathered per row.
+SHARED_MAX_RUNS = 8
 
 
 @dataclass
@@ -100,6 +107,43 @@ def _causal_mask(past: int, start: int, n: int, length: int, device: torch.devic
     return mask.masked_fill_(k_pos > q_pos, float("-inf"))
 
 
+def leading_runs(runs: Sequence[tuple[int, int, int]], cap: int) -> tuple[tuple[int, int], ...]:
+    """The runs ``(first slot, length)`` of positions ``0..cap-1``, at most ``SHARED_MAX_RUNS``
+    (``runs`` are ``contiguous_runs`` triples, in position order)."""
+    out = []
+    for start, first, length in runs:
+        if start >= cap or len(out) == SHARED_MAX_RUNS:
+            break
+        out.append((first, min(length, cap - start)))
+    return tuple(out)
+
+
+def group_key(runs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Requests share a group when their prefixes start in the same slots up to the first run of
+    at least ``SHARED_MIN_TOKENS``: the first slot of each run to there. (The first slot alone is
+    not enough: every chat prompt begins with the template's few tokens, which may lie in some
+    other prompt's node, and two different system prompts would then share only those.)"""
+    key = []
+    for first, length in runs:
+        key.append(first)
+        if length >= SHARED_MIN_TOKENS:
+            break
+    return tuple(key)
+
+
+def common_runs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The runs two requests share from position 0: equal runs, then the common part of the
+    first pair that starts at the same slot but ends apart."""
+    out = []
+    for (fa, na), (fb, nb) in zip(a, b, strict=False):
+        if fa != fb:
+            break
+        out.append((fa, min(na, nb)))
+        if na != nb:
+            break
+    return tuple(out)
+
+
 class _Rest:
     """One prefill chunk's rest segment: a view ``(first_slot, length)`` or a gather index."""
 
@@ -124,29 +168,31 @@ class PagedPlan:
         from engine.kvcache.kv_pool import contiguous_runs
 
         self.device = device
-        heads = []  # (first slot of the shared run, its usable length) per segment
+        heads = []  # per segment: the runs (first slot, length) of its first ``past`` positions
         for s in segments:
             runs = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
-            _, first, length = runs[0] if runs else (0, -1, 0)
-            heads.append((first, min(length, s.past)))
-        by_first: dict[int, list[int]] = {}
-        for i, (first, usable) in enumerate(heads):
-            if usable >= SHARED_MIN_TOKENS:
-                by_first.setdefault(first, []).append(i)
+            heads.append(leading_runs(runs, s.past))
+        by_first: dict[tuple[int, ...], list[int]] = {}
+        for i, runs in enumerate(heads):
+            if runs and sum(n for _, n in runs) >= SHARED_MIN_TOKENS:
+                by_first.setdefault(group_key(runs), []).append(i)
         # Pack group by group (decode rows first inside a group), then the rest.
         order: list[int] = []
-        self.groups: list[tuple[int, int, int, int]] = []  # (pack start, pack end, first slot, shared length)
+        self.groups: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []  # (pack start, pack end, shared runs)
         shared_len = [0] * len(segments)
         pos = 0
-        for first, members in by_first.items():
+        for members in by_first.values():
             members.sort(key=lambda i: (len(segments[i].ids) > 1, i))
-            length = min(heads[i][1] for i in members)
+            common = heads[members[0]]
+            for i in members[1:]:
+                common = common_runs(common, heads[i])
+            length = sum(n for _, n in common)
             start = pos
             for i in members:
                 order.append(i)
                 shared_len[i] = length
                 pos += len(segments[i].ids)
-            self.groups.append((start, pos, first, length))
+            self.groups.append((start, pos, common))
         grouped = set(order)
         order += [i for i in range(len(segments)) if i not in grouped]
         self.order = order
@@ -212,12 +258,17 @@ class PagedPlan:
             orr, lr = attend(qr, kr, vr, mask, scale)
             out[:, pos:pos + n] = orr.reshape(hq, n, d)
             lse[:, pos:pos + n] = lr.reshape(hq, n)
-        # Shared segments: one call per group, over all its members' queries.
-        for start, end, first, length in self.groups:
+        # Shared segments: per group, one call per run of the shared prefix over all its members' queries.
+        for start, end, runs in self.groups:
             n = end - start
             qs = q[:, start:end].reshape(1, hkv, g * n, d)
-            ks = k_layer[:, first:first + length].unsqueeze(0)
-            vs = v_layer[:, first:first + length].unsqueeze(0)
-            os_, ls = attend(qs, ks, vs, None, scale)
-            out[:, start:end] = merge(os_.reshape(hq, n, d), ls.reshape(hq, n), out[:, start:end], lse[:, start:end])
+            o_acc, l_acc = out[:, start:end], lse[:, start:end]
+            for first, length in runs:
+                ks = k_layer[:, first:first + length].unsqueeze(0)
+                vs = v_layer[:, first:first + length].unsqueeze(0)
+                os_, ls = attend(qs, ks, vs, None, scale)
+                ls = ls.reshape(hq, n)
+                o_acc = merge(os_.reshape(hq, n, d), ls, o_acc, l_acc)
+                l_acc = torch.logaddexp(ls, l_acc)
+            out[:, start:end] = o_acc
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0)

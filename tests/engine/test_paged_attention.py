@@ -95,12 +95,57 @@ def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner
     assert all(q[0] == 1 and q[2] == 8 * groups for q, _ in prefix_reads)  # every request's queries in that call
 
 
+def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, monkeypatch):
+    """A cached prefix the tree built in two pieces (a longer system prompt extending a shorter
+    cached one) lies in two runs of slots: every request still reads it in place, one call per
+    run per layer with all requests' queries, instead of gathering its whole context per row."""
+    pool = new_pool(runner)
+    shared = rand_ids(6, 70)
+    first, _, second = pool.alloc(40), pool.alloc(5), pool.alloc(30)
+    prefix = first + second
+    runner.forward_paged(pool, [PagedSegment(shared[:40], 0, prefix)])
+    runner.forward_paged(pool, [PagedSegment(shared[40:], 40, prefix)])
+    seqs = [shared + rand_ids(40 + i, 4 + i) for i in range(6)]
+    tables = [prefix + pool.alloc(len(s) - 70 + 1) for s in seqs]
+    runner.forward_paged(pool, [PagedSegment(s[70:], 70, t) for s, t in zip(seqs, tables, strict=True)])
+    plan = PagedPlan([PagedSegment([1], len(s), t) for s, t in zip(seqs, tables, strict=True)], pool.device)
+    assert [g[2] for g in plan.groups] == [((first[0], 40), (second[0], 30))]
+    calls = []
+    real = paged_attention.attend
+
+    def spy(q, k, v, mask, scale):
+        calls.append((q.shape, k.shape))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(paged_attention, "attend", spy)
+    seqs = [s + [13] for s in seqs]
+    logits = runner.forward_paged(pool, [PagedSegment([13], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
+    check(runner, logits, seqs)
+    assert len(calls) == 3 * runner.num_layers  # the own tokens, then each run of the prefix
+    groups = runner.model.config.num_attention_heads // runner.num_kv_heads
+    for length in (40, 30):
+        reads = [q for q, k in calls if k[2] == length]
+        assert len(reads) == runner.num_layers and all(q[2] == 6 * groups for q in reads)
+
+
+def test_prompts_that_share_only_a_few_template_tokens_form_groups_of_their_own():
+    """Two system prompts, each cached, both starting with the same 3 template slots (in a third
+    prompt's node): each set of requests is a group reading its own long prefix, not one group
+    sharing the 3 tokens."""
+    head, a, b = [0, 1, 2], list(range(100, 140)), list(range(300, 330))
+    segments = [PagedSegment([1], 43 + i, head + a + list(range(500 + 10 * i, 500 + 10 * i + i + 1))) for i in range(3)]
+    segments += [PagedSegment([1], 33 + i, head + b + list(range(700 + 10 * i, 700 + 10 * i + i + 1))) for i in range(2)]
+    plan = PagedPlan(segments, torch.device("cpu"))
+    assert [g[2] for g in plan.groups] == [((0, 3), (100, 40)), ((0, 3), (300, 30))]
+    assert plan.decode_width <= 3
+
+
 def test_plan_groups_requests_by_their_shared_run():
     a, b = list(range(100, 140)), list(range(500, 520))
     segments = [PagedSegment([1], 45, a + [7, 8, 9, 10, 11, 12]), PagedSegment([1, 2], 20, b + [30, 31]),
                 PagedSegment([1], 42, a + [60, 61, 62]), PagedSegment([5, 6, 7], 0, [90, 91, 92])]
     plan = PagedPlan(segments, torch.device("cpu"))
-    assert [(g[2], g[3]) for g in plan.groups] == [(100, 40), (500, 20)]
+    assert [g[2] for g in plan.groups] == [((100, 40),), ((500, 20),)]
     assert plan.order == [0, 2, 1, 3]  # group members packed side by side
     assert plan.write_index.tolist() == [12, 62, 30, 31, 90, 91, 92]
 
