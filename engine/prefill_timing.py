@@ -186,7 +186,8 @@ class PrefillTimer:
     def __init__(self, engine, policy: TimingPolicy | None = None) -> None:
         self.engine = engine
         self.runner, self.cache = engine.runner, engine.cache
-        self.policy = policy or default_policy(self.runner.device.type, bool(getattr(engine, "isolation", False)))
+        self.isolation = bool(getattr(engine, "isolation", False))
+        self.policy = policy or default_policy(self.runner.device.type, self.isolation)
         self._busy = threading.Lock()  # one visitor's timing at a time: their buffers and their fairness
         self._curve_lock = threading.Lock()  # one growth curve at a time
         self._foreground = 0  # visitors' timings under way or waiting: background work waits for them
@@ -413,9 +414,16 @@ class PrefillTimer:
         exact key a request will use (its ids, namespace and ``public_len``). Prefixes already
         cached cost nothing; longer than the engine's prompt cap are skipped."""
         cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        # On a public deployment shipped content is never evicted for a visitor, so it may hold at
+        # most half the pool: a small budget must still leave visitors room to be answered.
+        shipped_cap = self.cache.pool.capacity // 2 if self.isolation else None
         out = []
         for label, key in prefixes:
             n = len(key.ids)
+            if shipped_cap is not None and self.cache.num_tokens + n - self.cache.match_len(key) > shipped_cap:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped="shipped content may take at most half the cache "
+                                      "on a shared deployment"))
+                continue
             if n < 2:
                 out.append(WarmPrefix(label, n, 0, 0.0, skipped="too short"))
                 continue

@@ -71,7 +71,8 @@ class App:
         raise AssertionError(f"the app did not serve within {START_LIMIT_S} s:\n{self.output()}")
 
     def output(self) -> str:
-        self._out.flush()
+        if not self._out.closed:
+            self._out.flush()
         return self.log.read_text(errors="replace")
 
     def chat(self, messages: list[dict], max_tokens: int = 12) -> tuple[str, dict]:

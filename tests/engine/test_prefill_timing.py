@@ -257,3 +257,19 @@ def test_scratch_buffers_are_counted_and_bounded(engine, tiny_runner):
     assert timer.scratch_bytes == 0  # dropped after the timing
     assert timer.peak_scratch_bytes == 300 * tiny_runner.kv_bytes_per_token  # one prompt's buffer at a time
     assert timer.peak_scratch_bytes <= timer.scratch_bound_bytes
+
+
+def test_on_a_shared_deployment_shipped_content_leaves_half_the_cache_to_visitors(tiny_runner):
+    """A visitor never evicts shipped content, so a warm start that filled a small pool with it
+    would lock every visitor out (issue #27: RADIX_ISOLATE=1 RADIX_CACHE_BUDGET_MB=64 answered 400)."""
+    from engine.engine import Engine
+    from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
+
+    engine = Engine(tiny_runner, budget_bytes=400 * tiny_runner.kv_bytes_per_token, isolation=True)
+    blocks = [tuple(range(100 + 150 * i, 250 + 150 * i)) for i in range(4)]  # 600 shipped tokens, pool of 400
+    warmed = engine.prefill_timer().warm([(f"block {i}", CacheKey(b, PUBLIC, len(b))) for i, b in enumerate(blocks)])
+    assert engine.stats().cached_tokens_now <= 200 and warmed[0].skipped is None and warmed[-1].skipped
+    visitor = GenerationRequest(prompt_ids=tuple(range(2000, 2180)), namespace="v-alice",
+                                sampling=SamplingParams(max_new_tokens=4))
+    assert len(engine.run(visitor).output_ids) == 4  # answered, not refused for room
+    engine.close()
