@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "my locker code is 7319 WALRUS"
 DOCUMENT = " ".join(f"Section {i}: the warehouse in district {i} ships parcels on weekday {i % 5} and "
-                    f"keeps {i * 7} spare pallets for returns." for i in range(30))  # ~900 tokens: fits 48 MiB
+                    f"keeps {i * 7} spare pallets for returns." for i in range(16))  # ~480 tokens
 QUESTIONS = [
     ([{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Which district keeps 70 pallets?"}]),
     ([{"role": "user", "content": f"Remember this: {SECRET}. Say OK."}]),
@@ -173,7 +173,7 @@ def test_smaller_budget_reloads_from_the_tier_and_stays_exact(first_run, tmp_pat
     root = second_root(first_run, tmp_path)
     app = App(root, "--no-isolate", "--cache-budget-mb", "96", name="small")
     _, usage = app.chat(QUESTIONS[0])
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= 640, usage  # the document came back from disk
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 384, usage  # the document came back from disk
     assert app.metrics()["radix_tier_loaded_tokens_total"] > 0
     check_second_run(app, first_run[1])
 
