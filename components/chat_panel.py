@@ -34,7 +34,7 @@ from components.common import (
 )
 from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
-from components.timing_view import turn_markdown, wants_timing
+from components.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
 from engine.api import BASELINE_MAX_TOKENS, EngineAPI
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
@@ -73,7 +73,7 @@ def start_hint(engine: EngineAPI, name: str) -> str:
     return hint + (f"  \n{note}" if note else "")
 
 
-SETTLE_S = 0.5  # between the answer and its paired timing, so the page's redraw of the answer is over
+SETTLE_S = 1.0  # between the answer and its paired timing, so the page's redraws of the answer are over
 CUSTOM_HINT = ("**Your own system prompt:** type it, then ask two questions one after the other. The second reuses "
                "your system prompt and the first exchange from the cache.")
 
@@ -183,10 +183,10 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
             if metrics is not None:
                 final = metrics
                 if timer is not None and wants_timing(metrics):
-                    # The metrics state (which redraws the side cards and the tree) waits for the timing:
-                    # those redraws would otherwise run on the same cores as the two prefills.
+                    # The side cards and the tree show this answer at once, the speed card says the
+                    # timing is under way; the timing starts after SETTLE_S, once those redraws are done.
                     yield (history, "", highlighted_prompt(engine, metrics), turn_markdown(metrics, None, running=True),
-                           gr.skip(), gr.skip())
+                           metrics, (metrics.request_id, PENDING))
                     continue
                 numbers = turn_markdown(metrics, None) if timer is not None else metrics_markdown(metrics, skipped)
                 yield history, "", highlighted_prompt(engine, metrics), numbers, metrics, None

@@ -15,7 +15,7 @@ from components.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise
 from components.info_panel import engine_line
 from components.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
-from components.timing_view import speed_card, timing_for
+from components.timing_view import speed_card, timing_for, timing_pending
 from components.tree_panel import tree_figure_for
 from engine.api import EngineAPI
 from engine.types import RequestMetrics
@@ -25,9 +25,13 @@ def _card(value: str, label: str, cls: str = "") -> str:
     return f"<div class='kcard {cls}'><div class='kval'>{value}</div><div class='klab'>{label}</div></div>"
 
 
-def _speed_card(m: RequestMetrics, timing=None) -> str:
+def _speed_card(m: RequestMetrics, timing=None, pending: bool = False) -> str:
     """The prefill comparison, honestly: no ratio when nothing was reused, "slower" when slower.
-    With a paired timing (``components.timing_view``) its two numbers, else the request's own."""
+    With a paired timing (``components.timing_view``) its two numbers, else the request's own;
+    ``pending``: that timing is under way."""
+    if pending and timing is None:
+        return _card("timing…", f"prefill {fmt_ms(m.prefill_ms)} in the batch; now timing it with and without "
+                                "reuse, back to back (a few seconds)", "blue")
     paired = speed_card(m, timing) if timing is not None and not reuse_is_noise(m.cached_tokens, m.prompt_tokens) \
         else None
     if paired is not None:
@@ -44,7 +48,8 @@ def _speed_card(m: RequestMetrics, timing=None) -> str:
     return _card(value, f"{rest} prefill: {times}", "blue")
 
 
-def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: str, timing=None) -> str:
+def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: str, timing=None,
+                     pending: bool = False) -> str:
     """Cards with numbers only (no prompt text, so nothing to escape or leak). Totals are
     the playground's (lab runs left out); in isolation mode, the visitor's own."""
     if metrics is None:
@@ -55,7 +60,7 @@ def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: 
         stopped = " (stopped early)" if metrics.finish_reason == "cancelled" else ""
         last = [_card(fmt_pct(share), f"of your last prompt from the cache{stopped} "
                                       f"({metrics.cached_tokens:,} of {metrics.prompt_tokens:,} tokens)", "green"),
-                _speed_card(metrics, timing)]
+                _speed_card(metrics, timing, pending)]
     stats = cache_figures(engine, viewer)  # in isolation mode: others' activity only in coarse figures
     mine = playground_history(engine, namespace=viewer if engine.isolation else None)
     cached, prompt = totals(mine)
@@ -91,13 +96,14 @@ def build_overview_panel(engine: EngineAPI, last_metrics: gr.State, active: bool
 
     def refresh(metrics, stored_timing, seen_before, request: gr.Request):
         timing = timing_for(metrics, stored_timing)
-        sig = (engine_signature(engine), getattr(metrics, "request_id", None), timing is not None)
+        pending = timing_pending(metrics, stored_timing)
+        sig = (engine_signature(engine), getattr(metrics, "request_id", None), timing is not None, pending)
         if unchanged(seen_before, sig):
             return gr.skip(), gr.skip(), seen_before
         viewer = visitor_namespace(request, engine)
         fig = tree_figure_for(engine, request, metrics, collapse=None, height=330, compact=True, max_nodes=120,
                               max_fan=12)
-        return key_numbers_html(engine, metrics, viewer, timing), fig, drawn(sig)
+        return key_numbers_html(engine, metrics, viewer, timing, pending), fig, drawn(sig)
 
     live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, last_timing, seen], [numbers, plot, seen],
                     status)

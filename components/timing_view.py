@@ -26,6 +26,14 @@ def timing_for(m: RequestMetrics | None, stored) -> PrefillTiming | None:
     return timing if request_id == m.request_id and isinstance(timing, PrefillTiming) else None
 
 
+PENDING = "pending"  # the stored timing while it runs: ``(request_id, PENDING)``
+
+
+def timing_pending(m: RequestMetrics | None, stored) -> bool:
+    """The paired timing of ``m`` is under way (the chat stored ``(request_id, PENDING)``)."""
+    return m is not None and bool(stored) and stored[0] == m.request_id and stored[1] == PENDING
+
+
 def wants_timing(m: RequestMetrics) -> bool:
     """Worth a paired timing: the answer finished and a real share of the prompt was reused."""
     return m.finish_reason != "cancelled" and not reuse_is_noise(m.cached_tokens, m.prompt_tokens)

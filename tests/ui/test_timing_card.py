@@ -116,3 +116,22 @@ def test_the_history_panels_count_the_chats_paired_timing(engine):
     assert (seen.prefill_ms, seen.baseline_prefill_ms) == (timing.reuse_ms, timing.full_ms)
     assert "No request has measured" not in latency_summary(playground_history(engine))
     assert "over 1 request that measured prefill" in memory_markdown(engine, playground_history(engine), None)
+
+
+def test_side_cards_show_the_answer_while_its_paired_timing_runs(engine):
+    """The share card fills as soon as the answer ends; the speed card says the timing is under way
+    (it used to stay blank for the whole timing, 25 s on a 2,300-token prompt on this CPU)."""
+    from components.timing_view import PENDING, timing_pending
+
+    first = chat_default(engine)
+    warm_start(engine)
+    steps = list(respond(engine, STARTERS_BY_PRESET[first][0], [], first, "", 4, True))
+    during = [s for s in steps if isinstance(s[5], tuple) and s[5][1] == PENDING]
+    assert during, "no step shows the answer before its timing"
+    metrics, stored = during[0][4], during[0][5]
+    assert metrics is not None and metrics.cached_tokens > 0 and timing_pending(metrics, stored)
+    html = key_numbers_html(engine, metrics, "", None, pending=True)
+    assert "timing…" in html and f"{metrics.cached_tokens:,} of {metrics.prompt_tokens:,} tokens" in html
+    *_, last_metrics, last_stored = steps[-1]
+    assert last_stored[0] == metrics.request_id and last_stored[1] != PENDING  # then the pair itself
+    assert not timing_pending(last_metrics, last_stored)
