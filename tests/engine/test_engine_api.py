@@ -95,3 +95,15 @@ def test_the_interface_documents_its_contract():
     doc = inspect.getdoc(inspect.getmodule(EngineAPI))
     for word in ("submit", "snapshot", "version", "clear_cache", "attachment", "capabilities"):
         assert word in doc
+
+
+def test_stats_are_built_in_one_place():
+    """``EngineStats`` is built only by ``engine.facade.engine_stats``: the local engine, the remote
+    one and a viewer's view of either fill in the same fields the same way."""
+    builders = []
+    for p in sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "server").rglob("*.py"),
+                     *(ROOT / "components").rglob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "EngineStats":
+                builders.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert len(builders) == 1 and builders[0].startswith("engine/facade.py:"), builders
