@@ -166,7 +166,7 @@ def calm_queue(demo) -> None:
 def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
     and model name once (``EngineError`` with one clear message when any is wrong)."""
-    from engine.model.loader import load_tokenizer
+    from engine.model.hub import load_tokenizer
     from server.remote.engine import RemoteEngine
 
     if tokenizer is None:
@@ -247,7 +247,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from engine.model.loader import ModelLoadError
+    from engine.model.hub import ModelLoadError
     from engine.types import EngineError
 
     if args.backend:

@@ -80,6 +80,7 @@ class EngineAPI(Protocol):
     isolation: bool  # visitors are kept apart (namespaces; fair share; others' nodes coarse)
     max_prompt_tokens: int
     max_new_tokens_cap: int
+    max_queue: int  # requests that may wait (local) or be in flight (remote) before EngineBusy
 
     @property
     def capabilities(self) -> Capabilities: ...

@@ -1,11 +1,13 @@
-"""The engine facade: requests in, streamed events and metrics out.
+"""The local engine: requests in, streamed events and metrics out.
 
-Owns: validation of requests, the inbox (bounded: ``EngineBusy``), the one
-worker thread that drives the scheduler one step at a time under the runner's
-lock (engines sharing a runner take turns step by step), metrics and running
-totals. The scheduling itself (admission, batching, chunked prefill,
-fairness, memory) is ``engine/scheduler/``; one running request is
-``engine/scheduler/request.py``. Knows nothing about the UI.
+Owns: the inbox (bounded: ``EngineBusy``), the one worker thread that drives the
+scheduler one step at a time under the runner's lock (engines sharing a runner take
+turns step by step), each finished request's metrics, and the cache's figures for
+``stats``. What it shares with the remote engine (validating and tokenizing a request,
+the records and running totals, building ``EngineStats``) is ``engine.facade``'s; the
+second tier's choice at start is ``engine.tier_setup``'s. The scheduling itself
+(admission, batching, chunked prefill, fairness, memory) is ``engine/scheduler/``; one
+running request is ``engine/scheduler/request.py``. Knows nothing about the UI.
 
 One request, in token positions::
 
@@ -21,34 +23,29 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 
 from engine import validation
 from engine.api import LOCAL, Capabilities, EngineAPI
-from engine.handle import END_OF_STREAM, RequestHandle, request_key
-from engine.kvcache import kv_tier
+from engine.facade import FacadeBase
+from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request
-from engine.snapshot_view import stats_for_viewer
-from engine.text.codec import TextCodec
+from engine.scheduler.scheduler import Scheduler
+from engine.tier_setup import make_tier, tier_fingerprint
 from engine.types import (
     CacheKey,
     EngineBusy,
     EngineError,
     EngineFault,
     EngineInfo,
-    EngineStats,
-    GenerationEvent,
     GenerationRequest,
     RequestMetrics,
     StepRecord,
@@ -57,10 +54,9 @@ from engine.types import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
-__all__ = ["Engine", "FacadeBase", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
+__all__ = ["Engine", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
 
 
 def default_budget_bytes(device: torch.device) -> int:
@@ -69,38 +65,6 @@ def default_budget_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(min(free // 4, 8 * 2**30))
     return 2**30
-
-
-def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
-    """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
-    of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
-    host memory ends with the process, so there the weights need no digest."""
-    weights = "" if tier_dir is None else kv_tier.weights_digest(
-        getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
-    return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
-                               runner.num_kv_heads, runner.head_dim, weights=weights,
-                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
-
-
-def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,
-              isolation: bool = False) -> kv_tier.ChunkStore | None:
-    """The second tier: a disk folder per model fingerprint and mode (another model, weights or
-    dtype never reads it, and an isolated run never reads what a shared run wrote as public) or,
-    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder
-    or it cannot be made."""
-    if tier_bytes <= 0:
-        return None
-    geometry = kv_tier.ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
-    if tier_dir is None:
-        return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
-    folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
-    try:
-        store = kv_tier.DiskStore(folder, tier_bytes, geometry)
-    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
-        log.warning("KV tier: running without a second tier: %s", exc)
-        return None
-    kv_tier.prune_other_tiers(folder.parent, keep=folder)
-    return store
 
 
 def default_chunk_tokens(device: torch.device) -> int:
@@ -114,135 +78,6 @@ class PrefillResult(NamedTuple):
     cached_tokens: int
     prefill_ms: float
     inserted_tokens: int
-
-
-class FacadeBase:
-    """What the local engine and ``server.remote.engine.RemoteEngine`` share: validating and
-    tokenizing a request (``prompt_ids``), ``generate``/``run`` over ``submit``, and the
-    text side for the UI and the lab (tokenize, render, detokenize).
-
-    Reads ``self.text`` (the ``TextCodec``: the runner's here, one built from a tokenizer
-    alone remotely) and ``self.max_prompt_tokens``;
-    subclasses provide ``submit``. The request records (``history``, running totals,
-    ``recent``) are kept the same way by both, under the lock ``_start_records`` is given."""
-
-    text: TextCodec
-    max_prompt_tokens: int
-
-    def kv_event_figures(self) -> dict:
-        """``{}``: this engine follows no server's KV events (a remote engine overrides it)."""
-        return {}
-
-    def _start_records(self, history_size: int, lock) -> None:
-        self._records_lock = lock
-        self._attachments: dict[str, object] = {}
-        self._attachments_lock = threading.Lock()
-        self.history: deque[RequestMetrics] = deque(maxlen=history_size)
-        self._totals = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0.0,
-                            baseline_prefill_ms=0.0, reuse_prefill_ms_measured=0.0)
-
-    def _add_record(self, m: RequestMetrics) -> RequestMetrics:
-        """Count a finished request in the totals and keep it in the history (caller holds the lock)."""
-        t = self._totals
-        t["requests"] += 1
-        t["prompt_tokens"] += m.prompt_tokens
-        t["cached_tokens"] += m.cached_tokens
-        t["computed_tokens"] += m.computed_tokens
-        t["prefill_ms"] += m.prefill_ms
-        if m.baseline_prefill_ms is not None:
-            t["baseline_prefill_ms"] += m.baseline_prefill_ms
-            t["reuse_prefill_ms_measured"] += m.prefill_ms
-        self.history.append(m)
-        return m
-
-    def attachment(self, name: str, make: Callable[[], T]) -> T:
-        """State another layer keeps per engine (``engine.api``): made once by ``make``, owned here."""
-        with self._attachments_lock:
-            if name not in self._attachments:
-                self._attachments[name] = make()
-            return self._attachments[name]  # type: ignore[return-value]
-
-    def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
-        """The request's namespace is set by server code (the UI passes ``PUBLIC``
-        unless isolation is on; the ordering lab uses one namespace per variant)."""
-        return request_key(ids, request)
-
-    def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
-        with self._records_lock:
-            items = list(self.history)
-        if namespace is not None:
-            items = [m for m in items if m.namespace == namespace]
-        return items[-n:] if n else items
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        raise NotImplementedError
-
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
-        yield from self.submit(request)
-
-    def run(self, request: GenerationRequest) -> RequestMetrics:
-        """Run a request to the end; return its metrics."""
-        last = None
-        for event in self.generate(request):
-            last = event
-        assert last is not None and last.metrics is not None
-        return last.metrics
-
-    def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        """The request's token ids, validated: EngineError (for a person) before anything runs."""
-        given = [request.messages is not None, request.prompt is not None, request.prompt_ids is not None]
-        if sum(given) != 1:
-            raise EngineError("give exactly one of messages, prompt or prompt_ids")
-        text = self.text
-        if request.messages is not None:
-            messages = validation.check_messages(request.messages)
-            validation.check_text_tokens([m["content"] for m in messages], self.max_prompt_tokens,
-                                         text.max_token_chars, text.encode)
-            try:
-                ids = text.encode_chat(messages)
-            except Exception as exc:  # a chat template may refuse a role order (jinja raises)
-                raise EngineError(f"This model's chat template refused the messages: {exc}"[:300]) from None
-        elif request.prompt is not None:
-            if not isinstance(request.prompt, str):
-                raise EngineError("The prompt must be text.")
-            if not request.prompt.strip():
-                raise EngineError(validation.EMPTY_PROMPT)
-            validation.check_text_tokens([request.prompt], self.max_prompt_tokens, text.max_token_chars,
-                                         text.encode)
-            ids = text.encode(request.prompt)
-        else:
-            ids = validation.check_prompt_ids(request.prompt_ids, text.vocab_size)
-        if not ids:
-            raise EngineError("The prompt is empty: type something first.")
-        if len(ids) > self.max_prompt_tokens:
-            raise EngineError(f"The prompt is {len(ids):,} tokens long; the limit is "
-                              f"{self.max_prompt_tokens:,} tokens. Shorten it and try again.")
-        return ids
-
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as is (no chat template, no BOS)."""
-        return self.text.encode(text)
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
-        return self.text.render_chat(messages, add_generation_prompt=add_generation_prompt)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.text.decode(ids)
-
-    def token_pieces(self, ids: Sequence[int]) -> list[str]:
-        """One display string per token; their concatenation is ``decode(ids)``."""
-        return self.text.token_pieces(ids)
-
-    @property
-    def tokenizer(self):
-        """The model's Hugging Face tokenizer, for tools that simulate without the model."""
-        return self.text.tokenizer
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self.text.special_token_ids
 
 
 class Engine(FacadeBase):
@@ -326,24 +161,17 @@ class Engine(FacadeBase):
         other namespaces' nodes as shape and size only."""
         return self.cache.snapshot(self.text.decode, viewer=viewer if self.isolation else None)
 
-    def stats(self, viewer: str | None = None) -> EngineStats:
-        """Running totals and the cache's state. In isolation mode, with ``viewer`` (a
-        namespace), only what that visitor may see: totals over their own requests, and
-        the cache's figures as their ``snapshot`` gives them (others' tokens coarse)."""
-        if viewer is not None and self.isolation:
-            return self._stats_for(viewer)
-        with self._stats_lock:
-            t = dict(self._totals)
-        sched = self.scheduler
-        waiting = self._waiting()
-        return EngineStats(**t, cache_bytes=self.cache.bytes_in_use, budget_bytes=self.cache.budget_bytes,
-                           cached_tokens_now=self.cache.num_tokens, num_nodes=self.cache.num_nodes,
-                           evicted_tokens=self.cache.evicted_tokens, queue_depth=waiting,
-                           locked_tokens=self.cache.locked_tokens(), running=len(sched.running), waiting=waiting,
-                           tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
-                           running_bytes=self.cache.running_tokens * self.cache.bytes_per_token,
-                           tree_bytes=self.cache.tree_bytes, shared_tokens=self.cache.shared_tokens,
-                           **self.cache.tier_stats())
+    def _cache_figures(self) -> dict[str, object]:
+        cache, sched, waiting = self.cache, self.scheduler, self._waiting()
+        return dict(cache_bytes=cache.bytes_in_use, budget_bytes=cache.budget_bytes, cached_tokens_now=cache.num_tokens,
+                    num_nodes=cache.num_nodes, evicted_tokens=cache.evicted_tokens, queue_depth=waiting,
+                    locked_tokens=cache.locked_tokens(), running=len(sched.running), waiting=waiting,
+                    tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
+                    running_bytes=cache.running_tokens * cache.bytes_per_token, tree_bytes=cache.tree_bytes,
+                    shared_tokens=cache.shared_tokens, **cache.tier_stats())
+
+    def _view(self, viewer: str | None) -> TreeSnapshot:
+        return self.cache.snapshot(None, viewer=viewer)
 
     def offload_cache(self) -> int:
         """Evict every unlocked entry to the second tier (the prefill bench's tier row); tokens evicted."""
@@ -370,9 +198,6 @@ class Engine(FacadeBase):
         """The scheduler's last ``n`` forwards (all kept ones if None), oldest first."""
         return self.scheduler.step_log(n)
 
-    def _stats_for(self, viewer: str) -> EngineStats:
-        return stats_for_viewer(self.recent(), self.cache.snapshot(None, viewer=viewer), viewer, self._waiting())
-
     def busy(self) -> bool:
         """A request waits or runs, or a step is under way: background measurements wait for
         this to be False (``engine.prefill_timing``), so visitors never queue behind them."""
@@ -394,7 +219,7 @@ class Engine(FacadeBase):
     def version(self) -> int:
         """Changes whenever the tree, its locks, the budget or the request records change."""
         # Both counters only grow, so their sum moves whenever either does.
-        return self.cache.version + self._totals["requests"]
+        return self.cache.version + self._totals.requests
 
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         """A small engine of its own on this one's model (the request-order demo's); steps of

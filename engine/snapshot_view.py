@@ -17,14 +17,13 @@ cache, the remote shadow tree, the replay simulation and the figure bench):
     "others" node of their own, id ``HIDDEN_SPILLED_BASE - parent id``);
   - shared (``PUBLIC``) nodes show no hits, locks or access times (others use them too);
   - the totals count hidden tokens, and evictions, in the same buckets; second-tier
-    (``spilled``) nodes never count as pool tokens;
+    (``spilled``) nodes never count as pool tokens.
 
-- ``stats_for_viewer``: the running totals a viewer may see (their own requests) with the
-  cache's figures as their view gives them.
-
-So a dashboard can take one full snapshot per tick and give every visitor their view of it
-without walking the tree (or decoding a token) again per visitor. Pure: plain data in, plain
-data out; reads tree nodes but never changes a tree, and knows nothing about KV or the UI.
+A viewer's stats (totals over their own requests, the cache's figures as their view gives
+them) are built from these by ``engine.facade``. So a dashboard can take one full snapshot
+per tick and give every visitor their view of it without walking the tree (or decoding a
+token) again per visitor. Pure: plain data in, plain data out; reads tree nodes but never
+changes a tree, and knows nothing about KV or the UI.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from engine.kvcache.radix_tree import Node, RadixTree
-from engine.types import PUBLIC, EngineStats, NodeInfo, RequestMetrics, TreeSnapshot
+from engine.types import PUBLIC, NodeInfo, TreeSnapshot
 
 HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one chat turn fits in one
 HIDDEN_SPILLED_BASE = -(1 << 50)  # ids of hidden "others" nodes of the second tier (below every other id)
@@ -139,20 +138,3 @@ def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
     return TreeSnapshot(tuple(infos), num_tokens, num_tokens * bpt, full.budget_bytes, full.capacity_tokens,
                         coarse_tokens(full.evicted_tokens), bpt, full.tier_kind, full.origin)
 
-
-def stats_for_viewer(records: Sequence[RequestMetrics], view: TreeSnapshot, viewer: str,
-                     queue_depth: int) -> EngineStats:
-    """What ``viewer`` may see of the running totals: sums over their own requests (their
-    namespace and its sub-namespaces) in ``records``, and the cache's figures as ``view``
-    (their snapshot) gives them."""
-    mine = [m for m in records if is_own(viewer, m.namespace)]
-    measured = [m for m in mine if m.baseline_prefill_ms is not None]
-    resident = [n for n in view.nodes if not n.spilled]
-    return EngineStats(
-        requests=len(mine), prompt_tokens=sum(m.prompt_tokens for m in mine),
-        cached_tokens=sum(m.cached_tokens for m in mine), computed_tokens=sum(m.computed_tokens for m in mine),
-        prefill_ms=sum(m.prefill_ms for m in mine), baseline_prefill_ms=sum(m.baseline_prefill_ms for m in measured),
-        reuse_prefill_ms_measured=sum(m.prefill_ms for m in measured), cache_bytes=view.num_bytes,
-        budget_bytes=view.budget_bytes, cached_tokens_now=view.num_tokens, num_nodes=len(resident),
-        evicted_tokens=view.evicted_tokens, queue_depth=queue_depth,
-        locked_tokens=sum(n.num_tokens for n in resident if n.lock_ref > 0))

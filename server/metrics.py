@@ -32,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Route
 
+from engine.api import EngineAPI
+
 PREFIX = "radix"
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                   80.0)
@@ -54,14 +56,14 @@ def _first(obj: object, names: tuple[str, ...]) -> float | None:
 class _StatsCollector(Collector):
     """Counters and gauges read from ``engine.stats()`` when scraped."""
 
-    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+    def __init__(self, get_engine: Callable[[], EngineAPI | None]) -> None:
         self.get_engine = get_engine
 
     def collect(self) -> Iterator[Metric]:
         engine = self.get_engine()
         if engine is None:
             return
-        stats = engine.stats()  # type: ignore[attr-defined]
+        stats = engine.stats()
         counters = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prompt_tokens"),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "cached_tokens"),
@@ -96,10 +98,10 @@ class _StatsCollector(Collector):
         yield from _backend_kv(engine)
 
 
-def _backend_kv(engine: object) -> Iterator[Metric]:
+def _backend_kv(engine: EngineAPI) -> Iterator[Metric]:
     """Remote mode, while the backend's KV events are followed (``RemoteEngine.kv_event_figures``):
     the blocks it holds per medium, and the events and blocks counted since this app started."""
-    figures = getattr(engine, "kv_event_figures", lambda: {})()
+    figures = engine.kv_event_figures()
     if not figures:
         return
     blocks = GaugeMetricFamily(f"{PREFIX}_backend_kv_blocks", "Blocks the backend holds now, by its KV events.",
@@ -122,7 +124,7 @@ def _backend_kv(engine: object) -> Iterator[Metric]:
 class EngineMetrics:
     """The registry for one app and the histograms fed from finished requests."""
 
-    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+    def __init__(self, get_engine: Callable[[], EngineAPI | None]) -> None:
         self.get_engine = get_engine
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(get_engine))
@@ -144,7 +146,7 @@ class EngineMetrics:
         if engine is None:
             return
         with self._lock:
-            history = engine.recent()  # type: ignore[attr-defined]
+            history = engine.recent()
             for m in history:  # requests may finish out of id order: compare sets, not a high-water mark
                 if m.request_id in self._seen:
                     continue

@@ -24,7 +24,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 
-from engine.engine import Engine, RequestHandle
+from engine.api import EngineAPI
+from engine.handle import RequestHandle
 from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, GenerationRequest, RequestMetrics
 from server import openai_protocol as proto
 from server.cache_scope import CacheScope
@@ -41,7 +42,7 @@ API_TAG = "api"
 class ApiState:
     """What the routes share: how to reach the engine (``None`` while it loads) and the salt secret."""
 
-    get_engine: Callable[[], Engine | None]
+    get_engine: Callable[[], EngineAPI | None]
     scope: CacheScope | None = None
     model_name: str | None = None
     api_key: str | None = None  # when set, every request must carry "Authorization: Bearer <key>"
@@ -63,7 +64,7 @@ class ApiState:
             raise ApiError(401, "Incorrect API key: send 'Authorization: Bearer <key>' with the key this server "
                            "was started with.", "authentication_error", None, "invalid_api_key")
 
-    def engine(self) -> Engine:
+    def engine(self) -> EngineAPI:
         engine = self.get_engine()
         if engine is None:
             raise ApiError(503, "The model is still loading; try again in a moment.", "server_error", None,
@@ -71,7 +72,7 @@ class ApiState:
         if self.scope is None:
             self.scope = CacheScope(isolation=bool(engine.isolation))
         if self.limits is None:
-            cap = (default_max_per_client(bool(engine.isolation), int(getattr(engine, "max_queue", 32)))
+            cap = (default_max_per_client(bool(engine.isolation), engine.max_queue)
                    if self.max_per_client is None
                    else self.max_per_client or None)
             self.limits = ClientLimits(cap)

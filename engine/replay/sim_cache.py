@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.chunks import CHUNK_TOKENS
 from engine.kvcache.radix_tree import InsertResult, Node, RadixTree
 from engine.snapshot_view import node_infos, with_text
 from engine.types import PUBLIC, CacheKey, TreeSnapshot

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.chunks import CHUNK_TOKENS
 from engine.lab.cost_estimate import PricingRules
 from engine.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
 from engine.replay.replay_stats import ReplayReport, ReplayStats

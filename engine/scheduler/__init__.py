@@ -4,9 +4,8 @@
 through the cache, in-batch prefix sharing), ``batch`` (packing, the forward),
 ``postprocess`` (sampling, events, finishing), ``baseline`` (the no-reuse timing),
 ``telemetry`` (step log, tokens/s, queue places), ``config``, ``state``, ``request``.
+
+Import the modules themselves (``engine.scheduler.scheduler.Scheduler``,
+``engine.scheduler.config.SchedulerConfig``): the package imports nothing, so reading its
+plain config (``BASELINE_MAX_TOKENS``, as ``engine.api`` does) loads no torch.
 """
-
-from engine.scheduler.config import BASELINE_MAX_TOKENS, SchedulerConfig
-from engine.scheduler.scheduler import Scheduler
-
-__all__ = ["BASELINE_MAX_TOKENS", "Scheduler", "SchedulerConfig"]

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 
 from engine import validation
 from engine.api import REMOTE, Capabilities, EngineAPI
-from engine.engine import FacadeBase
+from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.radix_tree import RadixTree
 from engine.namespaces import secret_name
-from engine.snapshot_view import for_viewer, node_infos, stats_for_viewer, with_text
+from engine.snapshot_view import for_viewer, node_infos, with_text
 from engine.text.codec import TextCodec
 from engine.types import (
     PUBLIC,
@@ -56,7 +56,6 @@ from engine.types import (
     EngineError,
     EngineFault,
     EngineInfo,
-    EngineStats,
     GenerationEvent,
     GenerationRequest,
     RequestMetrics,
@@ -293,24 +292,24 @@ class RemoteEngine(FacadeBase):
                 "last_event_at": st.last_event_at, "checks": dict(self.block_checks), "alive": self.events.alive,
                 "active": self.events_active}
 
-    def stats(self, viewer: str | None = None) -> EngineStats:
-        """This dashboard's totals over what it sent. In isolation mode, with ``viewer``, only what
-        that visitor may see, by the local engine's rule (``engine.snapshot_view.stats_for_viewer``):
-        totals over their own requests, the shadow tree's figures as their ``snapshot`` gives them."""
-        # ``queue_depth`` is what waits in this process to start: nothing (each request goes to the
-        # server at once); what the server runs or queues is ``running`` here, as one figure.
-        if viewer is not None and self.isolation:
-            return stats_for_viewer(self.recent(), self._view(viewer), viewer, 0)
+    def _cache_figures(self) -> dict[str, object]:
+        """The server's blocks (while its events flow) or the shadow tree, as ``stats`` reports them:
+        its memory and budget are unknown here (0). ``queue_depth`` is what waits in this process to
+        start: nothing (each request goes to the server at once); what the server runs or queues is
+        ``running`` here, as one figure. A viewer's stats follow the local engine's rule
+        (``engine.facade``): totals over their own requests, the figures their ``snapshot`` gives."""
         if self.events_active:
             view = self._view(None)
             with self._lock:
-                return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=view.num_tokens,
-                                   num_nodes=len(view.nodes), evicted_tokens=view.evicted_tokens, queue_depth=0,
-                                   running=self._in_flight)
+                return dict(cache_bytes=0, budget_bytes=0, cached_tokens_now=view.num_tokens,
+                            num_nodes=len(view.nodes), evicted_tokens=view.evicted_tokens, queue_depth=0,
+                            running=self._in_flight)
         with self._lock:
-            return EngineStats(**self._totals, cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
-                               num_nodes=self.tree.num_nodes, evicted_tokens=0, queue_depth=0,
-                               running=self._in_flight)
+            return dict(cache_bytes=0, budget_bytes=0, cached_tokens_now=self.tree.num_tokens,
+                        num_nodes=self.tree.num_nodes, evicted_tokens=0, queue_depth=0, running=self._in_flight)
+
+    def _waiting(self) -> int:
+        return 0  # each request goes to the server at once
 
     def step_log(self, n: int | None = None) -> list[StepRecord]:
         """The backend schedules its own forwards: there are none of this app's to show."""

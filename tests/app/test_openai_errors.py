@@ -47,6 +47,7 @@ class ScriptedEngine:
 
     isolation = False
     max_new_tokens_cap = 64
+    max_queue = 32
 
     def __init__(self, script=None, refuse: Exception | None = None) -> None:
         self.script, self.refuse = script or [], refuse

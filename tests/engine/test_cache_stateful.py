@@ -121,7 +121,7 @@ def ref_kv(ids) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- construction (one place)
 def _tier_folder(folder: Path, fair_share: bool) -> Path:
-    """As ``engine.engine.make_tier`` names it: one folder per fingerprint and mode."""
+    """As ``engine.tier_setup.make_tier`` names it: one folder per fingerprint and mode."""
     return Path(folder) / f"{FINGERPRINT}-{'isolated' if fair_share else 'shared'}"
 
 

@@ -77,9 +77,10 @@ def test_attachments_live_with_their_engine(local, tiny_runner):
 
 
 def test_panels_ask_capabilities_not_the_class():
-    """No panel or lab module reaches into a local engine's parts or probes the engine's type."""
+    """No panel, lab module or HTTP route reaches into a local engine's parts or probes the engine's type."""
     offenders = []
-    for p in sorted([*(ROOT / "components").rglob("*.py"), *(ROOT / "engine" / "lab").glob("*.py"), ROOT / "app.py"]):
+    for p in sorted([*(ROOT / "components").rglob("*.py"), *(ROOT / "engine" / "lab").glob("*.py"), ROOT / "app.py",
+                     *(ROOT / "server").glob("*.py")]):  # server/remote/ is an engine itself
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "engine" \
                     and node.attr in {"cache", "runner", "scheduler", "tier", "text"}:
@@ -94,3 +95,15 @@ def test_the_interface_documents_its_contract():
     doc = inspect.getdoc(inspect.getmodule(EngineAPI))
     for word in ("submit", "snapshot", "version", "clear_cache", "attachment", "capabilities"):
         assert word in doc
+
+
+def test_stats_are_built_in_one_place():
+    """``EngineStats`` is built only by ``engine.facade.engine_stats``: the local engine, the remote
+    one and a viewer's view of either fill in the same fields the same way."""
+    builders = []
+    for p in sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "server").rglob("*.py"),
+                     *(ROOT / "components").rglob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "EngineStats":
+                builders.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert len(builders) == 1 and builders[0].startswith("engine/facade.py:"), builders

@@ -259,11 +259,11 @@ def test_another_process_gets_tier_busy(tmp_path):
 def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tmp_path, caplog):
     first = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
                    tier_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
         second = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
                         tier_dir=str(tmp_path))
     assert first.tier is not None and second.tier is None and not second.capabilities.second_tier
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.tier_setup"]
     assert len(lines) == 1 and "without a second tier" in lines[0] and str(tmp_path) in lines[0]
     second.close()
     first.close()
@@ -276,7 +276,7 @@ def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tm
 def test_an_engine_whose_tier_folder_cannot_be_made_runs_without_a_tier(tiny_runner, tmp_path, caplog):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the tier's folder would go")
-    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
         engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
                         tier_dir=str(blocker))
     assert engine.tier is None and "without a second tier" in caplog.text

@@ -1,0 +1,55 @@
+"""Choosing the second tier when an engine starts: its fingerprint and its store.
+
+Owns: ``tier_fingerprint`` (what the tier's KV depends on: model, dtype, tokenizer,
+geometry and, on disk, a digest of the weights) and ``make_tier`` (a disk folder per
+fingerprint and mode, or host memory on a GPU without a folder, or none). Knows the runner
+only for its geometry and weights; what the store keeps and its trust rule are
+``engine.kvcache.kv_tier``'s, how the cache uses it ``engine.kvcache.second_tier``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.kvcache import kv_tier
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_tier", "tier_fingerprint"]
+
+
+def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
+    """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
+    of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
+    host memory ends with the process, so there the weights need no digest."""
+    weights = "" if tier_dir is None else kv_tier.weights_digest(
+        getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
+    return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
+                               runner.num_kv_heads, runner.head_dim, weights=weights,
+                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
+
+
+def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,
+              isolation: bool = False) -> kv_tier.ChunkStore | None:
+    """The second tier: a disk folder per model fingerprint and mode (another model, weights or
+    dtype never reads it, and an isolated run never reads what a shared run wrote as public) or,
+    on a GPU without a folder, host memory. None (one log line) if another engine holds the folder
+    or it cannot be made."""
+    if tier_bytes <= 0:
+        return None
+    geometry = kv_tier.ChunkGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype)
+    if tier_dir is None:
+        return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
+    folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
+    try:
+        store = kv_tier.DiskStore(folder, tier_bytes, geometry)
+    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
+        log.warning("KV tier: running without a second tier: %s", exc)
+        return None
+    kv_tier.prune_other_tiers(folder.parent, keep=folder)
+    return store
