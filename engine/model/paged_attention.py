@@ -36,7 +36,8 @@ Each call over one segment goes to the runner's attention backend
 (``engine.model.attention``, chosen once at start: PyTorch's flash kernel on a CPU,
 a float32 matmul-softmax within a fixed workspace elsewhere), which returns the
 values and their log-sum-exp. A prefill chunk's causal rule goes to it as a rule
-(``Causal``), never as a dense mask repeated over the folded heads.
+(``Causal``), never as a dense mask repeated over the folded heads; under a backend
+that caps its workspace, decode rows are read in calls whose gathered KV fits the cap.
 
 Out of device memory inside attention, the forward fails with ``EngineFault``
 (its rows fail; the scheduler releases their own slots). Attention writes nothing:
@@ -132,6 +133,21 @@ class _Rest:
         return k_layer.index_select(1, self.index).unsqueeze(0), v_layer.index_select(1, self.index).unsqueeze(0)
 
 
+class _DecodeCall:
+    """Decode rows read in one call: their pack positions, their rests' slots padded to the
+    widest (``index``, ``[rows * width]``) and the padding's additive mask (None if none)."""
+
+    def __init__(self, pos: list[int], rows: list[list[int]], lens: list[int], device: torch.device) -> None:
+        self.width = width = max(lens)
+        self.pos = torch.tensor(pos, dtype=torch.long, device=device)
+        pad = [row + [row[-1]] * (width - len(row)) for row in rows]
+        self.index = torch.tensor(pad, dtype=torch.long, device=device).view(-1)
+        mask = torch.zeros((len(pos), width), device=device)
+        mask.masked_fill_(torch.arange(width, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None],
+                          float("-inf"))
+        self.mask = mask.view(len(pos), 1, 1, width) if width > min(lens) else None
+
+
 class PagedPlan:
     """What one packed forward needs per layer, built once before the layers run.
 
@@ -181,7 +197,7 @@ class PagedPlan:
         self.write_index = torch.tensor([slot for s in segs for slot in s.slots[s.past:s.past + len(s.ids)]],
                                         dtype=torch.long, device=device)
         self.total = len(self.ids)
-        # Rest segments: decode rows batched (padded gather), prefill chunks one by one.
+        # Rest segments: decode rows batched (padded gather, ``decode_calls``), prefill chunks one by one.
         dec_pos, dec_index, dec_len, self.prefill_rests = [], [], [], []
         pos = 0
         for i, s in zip(order, segs, strict=True):
@@ -198,16 +214,29 @@ class PagedPlan:
                 causal = Causal(q_start=s.past, k_start=start, period=n, length=len(rest), device=device)
                 self.prefill_rests.append((pos, n, _Rest(view, index, causal)))
             pos += n
-        self.decode_pos = torch.tensor(dec_pos, dtype=torch.long, device=device) if dec_pos else None
-        if dec_pos:
-            width = max(dec_len)
-            pad = [row + [row[-1]] * (width - len(row)) for row in dec_index]
-            self.decode_index = torch.tensor(pad, dtype=torch.long, device=device).view(-1)
-            lens = torch.tensor(dec_len, device=device)
-            mask = torch.zeros((len(dec_pos), width), device=device)
-            mask.masked_fill_(torch.arange(width, device=device)[None, :] >= lens[:, None], float("-inf"))
-            self.decode_mask = mask.view(len(dec_pos), 1, 1, width) if width > min(dec_len) else None
-            self.decode_width = width
+        self._decode_rows = (dec_pos, dec_index, dec_len)
+        self.decode_width = max(dec_len, default=0)
+        # The decode rows' gathered KV is [rows, width] tokens: one call for all of them, unless the
+        # backend caps its workspace, then calls of at most that many bytes (sized at the first layer).
+        self._decode_calls: list[_DecodeCall] | None = None if self.backend.workspace_cap_bytes is not None else (
+            [_DecodeCall(dec_pos, dec_index, dec_len, device)] if dec_pos else [])
+
+    def decode_calls(self, token_bytes: int) -> list[_DecodeCall]:
+        """The decode rows in calls whose gathered KV (``token_bytes`` per token) fits the
+        backend's workspace cap (at least one row per call), in pack order."""
+        if self._decode_calls is None:
+            cap = self.backend.workspace_cap_bytes or 0
+            pos, rows, lens = self._decode_rows
+            calls, start, widest = [], 0, 0
+            for i, n in enumerate(lens):
+                if i > start and (i + 1 - start) * max(widest, n) * token_bytes > cap:
+                    calls.append(_DecodeCall(pos[start:i], rows[start:i], lens[start:i], self.device))
+                    start, widest = i, 0
+                widest = max(widest, n)
+            if pos:
+                calls.append(_DecodeCall(pos[start:], rows[start:], lens[start:], self.device))
+            self._decode_calls = calls
+        return self._decode_calls
 
     def attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -234,14 +263,14 @@ class PagedPlan:
         out = torch.empty((hq, total, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((hq, total), dtype=torch.float32, device=query.device)
         # Rest segments first: every token has one.
-        if self.decode_pos is not None:
-            b = self.decode_pos.numel()
-            qd = q.index_select(1, self.decode_pos).permute(1, 0, 2).reshape(b, hkv, g, d)
-            kd = k_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
-            vd = v_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
-            od, ld = attend(qd, kd, vd, scale, mask=self.decode_mask)
-            out.index_copy_(1, self.decode_pos, od.reshape(b, hq, d).permute(1, 0, 2).float())
-            lse.index_copy_(1, self.decode_pos, ld.reshape(b, hq).t())
+        for call in self.decode_calls(2 * hkv * d * k_layer.element_size()):
+            b, width = call.pos.numel(), call.width
+            qd = q.index_select(1, call.pos).permute(1, 0, 2).reshape(b, hkv, g, d)
+            kd = k_layer.index_select(1, call.index).view(hkv, b, width, d).permute(1, 0, 2, 3)
+            vd = v_layer.index_select(1, call.index).view(hkv, b, width, d).permute(1, 0, 2, 3)
+            od, ld = attend(qd, kd, vd, scale, mask=call.mask)
+            out.index_copy_(1, call.pos, od.reshape(b, hq, d).permute(1, 0, 2).float())
+            lse.index_copy_(1, call.pos, ld.reshape(b, hq).t())
         for pos, n, rest in self.prefill_rests:
             kr, vr = rest.kv(k_layer, v_layer)
             qr = q[:, pos:pos + n].reshape(1, hkv, g * n, d)

@@ -18,7 +18,7 @@ from engine.kvcache.kv_pool import KVPool
 from engine.model.attention import BACKEND_ENV, AttentionBackend, Causal, choose_backend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend, block_bytes
-from engine.model.paged_attention import PagedSegment
+from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.types import EngineError, EngineFault
 
 CPU = torch.device("cpu")
@@ -167,6 +167,30 @@ def test_the_whole_forward_with_a_tiny_workspace_equals_the_cpu_kernel(tiny_runn
     assert math.blocks_run > 50
     for a, b in zip(expected, got, strict=True):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_a_plan_with_a_capped_backend_splits_its_decode_rows_and_attends_the_same():
+    """One pack of decode rows of different lengths, a prefill chunk over a gathered rest and a
+    group sharing a prefix, on pool layers of random KV: the math backend with a small cap
+    reads the decode rows in several calls (their gathered KV within the cap) and every output
+    equals the CPU kernel's plan."""
+    gen = torch.Generator().manual_seed(21)
+    hkv, g, d, size = 2, 2, 8, 400
+    k_layer, v_layer = torch.randn(hkv, size, d, generator=gen), torch.randn(hkv, size, d, generator=gen)
+    prefix = list(range(0, 30))
+    segments = [PagedSegment([1], 30 + i, prefix + list(range(100 + 20 * i, 100 + 20 * i + i + 1))) for i in range(6)]
+    segments += [PagedSegment([1], 12 + 3 * i, list(range(250 + 20 * i, 250 + 20 * i + 13 + 3 * i))) for i in range(4)]
+    segments += [PagedSegment([1, 2, 3, 4, 5], 20, list(range(340, 370, 2)) + list(range(371, 381)))]
+    cap = block_bytes(1, hkv, 4, 6, d)
+    plans = [PagedPlan(segments, CPU, CpuSdpaBackend()), PagedPlan(segments, CPU, MathChunkedBackend(cap))]
+    total = plans[0].total
+    query = torch.randn(1, hkv * g, total, d, generator=gen)
+    outs = [plan.attention(k_layer, v_layer, query, 0.35) for plan in plans]
+    calls = plans[1].decode_calls(2 * hkv * d * 4)
+    assert len(calls) > 3 and all(c.pos.numel() * c.width * 2 * hkv * d * 4 <= cap or c.pos.numel() == 1
+                                  for c in calls)
+    assert len(plans[0].decode_calls(2 * hkv * d * 4)) == 1  # uncapped: one call, as before
+    assert torch.allclose(outs[0], outs[1], atol=1e-5), (outs[0] - outs[1]).abs().max()
 
 
 # ------------------------------------------------------------------ the workspace
