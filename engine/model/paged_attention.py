@@ -32,9 +32,17 @@ repeating K and V ``g`` times, the ``g`` query heads of each KV head are folded
 into the query length: ``[1, Hq, n, D] -> [1, Hkv, g*n, D]``; every folded row
 attends to the same keys, so one call over ``Hkv`` heads does the work.
 
-On a CPU the attention is PyTorch's flash kernel, which returns the
-log-sum-exp; elsewhere (CUDA, MPS) a float32 matmul-softmax path returns the
-same two tensors.
+Each call over one segment goes to the runner's attention backend
+(``engine.model.attention``, chosen once at start: PyTorch's flash kernel on a CPU,
+a float32 matmul-softmax within a fixed workspace elsewhere), which returns the
+values and their log-sum-exp. A prefill chunk's causal rule goes to it as a rule
+(``Causal``), never as a dense mask repeated over the folded heads; under a backend
+that caps its workspace, decode rows are read in calls whose gathered KV fits the cap.
+
+Out of device memory inside attention, the forward fails with ``EngineFault``
+(its rows fail; the scheduler releases their own slots). Attention writes nothing:
+the new tokens' KV went to their own slots before, and shared slots are only read,
+so the cache is as it was.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.model.attention import AttentionBackend, Causal, choose_backend
+from engine.types import EngineFault
 
 SHARED_MIN_TOKENS = 16  # a shorter common prefix is not worth a call of its own
 # A shared prefix is read run by run (views of the pool, merged by log-sum-exp), so a prefix the
@@ -64,47 +75,12 @@ class PagedSegment:
     runs: Sequence[tuple[int, int, int]] | None = None
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` [B, H, M, D] over ``k``/``v`` [B, H, L, D] with an additive float
-    ``mask`` broadcastable to [B, 1, M, L] (or None). Returns ``(out [B, H, M, D] in q's
-    dtype, lse [B, H, M] in float32)``."""
-    if q.device.type == "cpu":
-        if mask is not None:
-            mask = mask.to(q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                           scale=scale)
-    return attend_math(q, k, v, mask, scale)
-
-
-def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as ``attend`` by matmul and softmax in float32 (any device)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores + mask.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs, v.float()).to(q.dtype), lse
-
-
 def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
     """Combine two attentions of the same queries over disjoint key sets (float32).
     ``o`` [..., M, D], ``l`` [..., M]; ``l1`` may be -inf (no keys there), ``l2`` never."""
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m).unsqueeze(-1), torch.exp(l2 - m).unsqueeze(-1)
     return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-
-
-def _causal_mask(past: int, start: int, n: int, length: int, device: torch.device) -> torch.Tensor | None:
-    """Additive mask [n, length] of ``n`` new tokens (positions ``past..past+n-1``) over keys at
-    positions ``start..start+length-1``: key visible iff its position <= the query's."""
-    if n == 1:
-        return None
-    q_pos = torch.arange(past, past + n, device=device)[:, None]
-    k_pos = torch.arange(start, start + length, device=device)[None, :]
-    mask = torch.zeros((n, length), device=device)
-    return mask.masked_fill_(k_pos > q_pos, float("-inf"))
 
 
 def leading_runs(runs: Sequence[tuple[int, int, int]], cap: int) -> tuple[tuple[int, int], ...]:
@@ -147,8 +123,8 @@ def common_runs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> t
 class _Rest:
     """One prefill chunk's rest segment: a view ``(first_slot, length)`` or a gather index."""
 
-    def __init__(self, view: tuple[int, int] | None, index: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        self.view, self.index, self.mask = view, index, mask
+    def __init__(self, view: tuple[int, int] | None, index: torch.Tensor | None, causal: Causal) -> None:
+        self.view, self.index, self.causal = view, index, causal
 
     def kv(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.view is not None:
@@ -157,17 +133,35 @@ class _Rest:
         return k_layer.index_select(1, self.index).unsqueeze(0), v_layer.index_select(1, self.index).unsqueeze(0)
 
 
+class _DecodeCall:
+    """Decode rows read in one call: their pack positions, their rests' slots padded to the
+    widest (``index``, ``[rows * width]``) and the padding's additive mask (None if none)."""
+
+    def __init__(self, pos: list[int], rows: list[list[int]], lens: list[int], device: torch.device) -> None:
+        self.width = width = max(lens)
+        self.pos = torch.tensor(pos, dtype=torch.long, device=device)
+        pad = [row + [row[-1]] * (width - len(row)) for row in rows]
+        self.index = torch.tensor(pad, dtype=torch.long, device=device).view(-1)
+        mask = torch.zeros((len(pos), width), device=device)
+        mask.masked_fill_(torch.arange(width, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None],
+                          float("-inf"))
+        self.mask = mask.view(len(pos), 1, 1, width) if width > min(lens) else None
+
+
 class PagedPlan:
     """What one packed forward needs per layer, built once before the layers run.
 
     ``order`` is the permutation applied to the caller's segments (group members are packed
     next to each other, so a group's queries are one slice of the pack); logits come out in
-    pack order and the runner puts them back."""
+    pack order and the runner puts them back. ``backend`` is the runner's attention backend
+    (by default the one ``choose_backend`` picks for ``device``)."""
 
-    def __init__(self, segments: Sequence[PagedSegment], device: torch.device) -> None:
+    def __init__(self, segments: Sequence[PagedSegment], device: torch.device,
+                 backend: AttentionBackend | None = None) -> None:
         from engine.kvcache.kv_pool import contiguous_runs
 
         self.device = device
+        self.backend = backend if backend is not None else choose_backend(device)
         heads = []  # per segment: the runs (first slot, length) of its first ``past`` positions
         for s in segments:
             runs = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
@@ -203,7 +197,7 @@ class PagedPlan:
         self.write_index = torch.tensor([slot for s in segs for slot in s.slots[s.past:s.past + len(s.ids)]],
                                         dtype=torch.long, device=device)
         self.total = len(self.ids)
-        # Rest segments: decode rows batched (padded gather), prefill chunks one by one.
+        # Rest segments: decode rows batched (padded gather, ``decode_calls``), prefill chunks one by one.
         dec_pos, dec_index, dec_len, self.prefill_rests = [], [], [], []
         pos = 0
         for i, s in zip(order, segs, strict=True):
@@ -217,25 +211,51 @@ class PagedPlan:
                 runs = contiguous_runs(rest)
                 view = (runs[0][1], len(rest)) if len(runs) == 1 else None
                 index = None if view else torch.tensor(rest, dtype=torch.long, device=device)
-                mask = _causal_mask(s.past, start, n, len(rest), device)
-                self.prefill_rests.append((pos, n, _Rest(view, index, mask)))
+                causal = Causal(q_start=s.past, k_start=start, period=n, length=len(rest), device=device)
+                self.prefill_rests.append((pos, n, _Rest(view, index, causal)))
             pos += n
-        self.decode_pos = torch.tensor(dec_pos, dtype=torch.long, device=device) if dec_pos else None
-        if dec_pos:
-            width = max(dec_len)
-            pad = [row + [row[-1]] * (width - len(row)) for row in dec_index]
-            self.decode_index = torch.tensor(pad, dtype=torch.long, device=device).view(-1)
-            lens = torch.tensor(dec_len, device=device)
-            mask = torch.zeros((len(dec_pos), width), device=device)
-            mask.masked_fill_(torch.arange(width, device=device)[None, :] >= lens[:, None], float("-inf"))
-            self.decode_mask = mask.view(len(dec_pos), 1, 1, width) if width > min(dec_len) else None
-            self.decode_width = width
+        self._decode_rows = (dec_pos, dec_index, dec_len)
+        self.decode_width = max(dec_len, default=0)
+        # The decode rows' gathered KV is [rows, width] tokens: one call for all of them, unless the
+        # backend caps its workspace, then calls of at most that many bytes (sized at the first layer).
+        self._decode_calls: list[_DecodeCall] | None = None if self.backend.workspace_cap_bytes is not None else (
+            [_DecodeCall(dec_pos, dec_index, dec_len, device)] if dec_pos else [])
+
+    def decode_calls(self, token_bytes: int) -> list[_DecodeCall]:
+        """The decode rows in calls whose gathered KV (``token_bytes`` per token) fits the
+        backend's workspace cap (at least one row per call), in pack order."""
+        if self._decode_calls is None:
+            cap = self.backend.workspace_cap_bytes or 0
+            pos, rows, lens = self._decode_rows
+            calls, start, widest = [], 0, 0
+            for i, n in enumerate(lens):
+                if i > start and (i + 1 - start) * max(widest, n) * token_bytes > cap:
+                    calls.append(_DecodeCall(pos[start:i], rows[start:i], lens[start:i], self.device))
+                    start, widest = i, 0
+                widest = max(widest, n)
+            if pos:
+                calls.append(_DecodeCall(pos[start:], rows[start:], lens[start:], self.device))
+            self._decode_calls = calls
+        return self._decode_calls
 
     def attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
                   scale: float) -> torch.Tensor:
         """Attention of the pack's queries ``[1, Hq, T, D]`` under this plan, after the new
         tokens' KV was written to the pool layer ``k_layer``/``v_layer`` [Hkv, S, D].
-        Returns ``[1, T, Hq, D]`` (what transformers' attention functions return)."""
+        Returns ``[1, T, Hq, D]`` (what transformers' attention functions return). Raises
+        ``EngineFault`` when the device runs out of memory (module docstring)."""
+        try:
+            return self._attention(k_layer, v_layer, query, scale)
+        except torch.OutOfMemoryError:
+            pass  # raised below, outside this block: the failed call's tensors are not kept alive
+        cap = self.backend.workspace_cap_bytes
+        bound = f"workspace at most {cap >> 20} MiB" if cap is not None else "workspace not capped"
+        raise EngineFault(f"out of {self.device.type} memory in attention ({self.backend.name}, {bound}) over "
+                          f"{self.total} tokens: this forward's requests fail, the cache is unchanged")
+
+    def _attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        attend = self.backend.attend
         _, hq, total, d = query.shape
         hkv = k_layer.shape[0]
         g = hq // hkv
@@ -243,19 +263,18 @@ class PagedPlan:
         out = torch.empty((hq, total, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((hq, total), dtype=torch.float32, device=query.device)
         # Rest segments first: every token has one.
-        if self.decode_pos is not None:
-            b = self.decode_pos.numel()
-            qd = q.index_select(1, self.decode_pos).permute(1, 0, 2).reshape(b, hkv, g, d)
-            kd = k_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
-            vd = v_layer.index_select(1, self.decode_index).view(hkv, b, self.decode_width, d).permute(1, 0, 2, 3)
-            od, ld = attend(qd, kd, vd, self.decode_mask, scale)
-            out.index_copy_(1, self.decode_pos, od.reshape(b, hq, d).permute(1, 0, 2).float())
-            lse.index_copy_(1, self.decode_pos, ld.reshape(b, hq).t())
+        for call in self.decode_calls(2 * hkv * d * k_layer.element_size()):
+            b, width = call.pos.numel(), call.width
+            qd = q.index_select(1, call.pos).permute(1, 0, 2).reshape(b, hkv, g, d)
+            kd = k_layer.index_select(1, call.index).view(hkv, b, width, d).permute(1, 0, 2, 3)
+            vd = v_layer.index_select(1, call.index).view(hkv, b, width, d).permute(1, 0, 2, 3)
+            od, ld = attend(qd, kd, vd, scale, mask=call.mask)
+            out.index_copy_(1, call.pos, od.reshape(b, hq, d).permute(1, 0, 2).float())
+            lse.index_copy_(1, call.pos, ld.reshape(b, hq).t())
         for pos, n, rest in self.prefill_rests:
             kr, vr = rest.kv(k_layer, v_layer)
             qr = q[:, pos:pos + n].reshape(1, hkv, g * n, d)
-            mask = None if rest.mask is None else rest.mask.repeat(g, 1).view(1, 1, g * n, -1)
-            orr, lr = attend(qr, kr, vr, mask, scale)
+            orr, lr = attend(qr, kr, vr, scale, causal=rest.causal)
             out[:, pos:pos + n] = orr.reshape(hq, n, d)
             lse[:, pos:pos + n] = lr.reshape(hq, n)
         # Shared segments: per group, one call per run of the shared prefix over all its members' queries.
@@ -266,7 +285,7 @@ class PagedPlan:
             for first, length in runs:
                 ks = k_layer[:, first:first + length].unsqueeze(0)
                 vs = v_layer[:, first:first + length].unsqueeze(0)
-                os_, ls = attend(qs, ks, vs, None, scale)
+                os_, ls = attend(qs, ks, vs, scale)
                 ls = ls.reshape(hq, n)
                 o_acc = merge(os_.reshape(hq, n, d), ls, o_acc, l_acc)
                 l_acc = torch.logaddexp(ls, l_acc)

@@ -33,6 +33,7 @@ import torch
 
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV, RowsCache
+from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread
 from engine.model.loader import LoadedModel
 from engine.model.packed_linear import PackedLinear, pack_linears
@@ -121,6 +122,8 @@ class ModelRunner:
         self.text = TextCodec(loaded.tokenizer, vocab_size=int(self.model.get_input_embeddings().num_embeddings),
                               model_eos=getattr(self.model.generation_config, "eos_token_id", None))
         self.lock = threading.Lock()  # one forward at a time, whichever engine asks
+        # forward_paged's attention kernel, chosen once (by device; RADIX_ATTENTION_BACKEND overrides).
+        self.attention: AttentionBackend = choose_backend(self.device)
         self.can_batch = self._enable_batching()
         self.compute.call(self._warm_up)
 
@@ -247,7 +250,7 @@ class ModelRunner:
             raise EngineError("every_position takes one segment")
         if not self.can_batch:
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
-        plan = PagedPlan(segments, self.device)
+        plan = PagedPlan(segments, self.device, self.attention)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.kvcache.kv_pool import KVPool, contiguous_runs
-from engine.model import paged_attention
-from engine.model.paged_attention import PagedPlan, PagedSegment, attend, attend_math
+from engine.model.attention.cpu_sdpa import CpuSdpaBackend
+from engine.model.attention.math_chunked import MathChunkedBackend
+from engine.model.paged_attention import PagedPlan, PagedSegment
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
@@ -78,13 +79,13 @@ def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner
     tables = [prefix + pool.alloc(len(s) - 64 + 1) for s in seqs]
     runner.forward_paged(pool, [PagedSegment(s[64:], 64, t) for s, t in zip(seqs, tables, strict=True)])
     calls = []
-    real = paged_attention.attend
+    real = runner.attention.attend
 
-    def spy(q, k, v, mask, scale):
+    def spy(q, k, v, scale, mask=None, causal=None):
         calls.append((q.shape, k.shape))
-        return real(q, k, v, mask, scale)
+        return real(q, k, v, scale, mask=mask, causal=causal)
 
-    monkeypatch.setattr(paged_attention, "attend", spy)
+    monkeypatch.setattr(runner.attention, "attend", spy)
     seqs = [s + [11] for s in seqs]
     logits = runner.forward_paged(pool, [PagedSegment([11], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
     check(runner, logits, seqs)
@@ -111,13 +112,13 @@ def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, 
     plan = PagedPlan([PagedSegment([1], len(s), t) for s, t in zip(seqs, tables, strict=True)], pool.device)
     assert [g[2] for g in plan.groups] == [((first[0], 40), (second[0], 30))]
     calls = []
-    real = paged_attention.attend
+    real = runner.attention.attend
 
-    def spy(q, k, v, mask, scale):
+    def spy(q, k, v, scale, mask=None, causal=None):
         calls.append((q.shape, k.shape))
-        return real(q, k, v, mask, scale)
+        return real(q, k, v, scale, mask=mask, causal=causal)
 
-    monkeypatch.setattr(paged_attention, "attend", spy)
+    monkeypatch.setattr(runner.attention, "attend", spy)
     seqs = [s + [13] for s in seqs]
     logits = runner.forward_paged(pool, [PagedSegment([13], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
     check(runner, logits, seqs)
@@ -158,13 +159,13 @@ def test_flash_kernel_and_math_path_agree(dtype):
     v = torch.randn(3, 2, 40, 16, generator=gen).to(dtype)
     mask = torch.zeros(3, 1, 6, 40)
     mask[1, ..., 30:] = float("-inf")
-    o1, l1 = attend(q, k, v, mask, 0.25)
-    o2, l2 = attend_math(q, k, v, mask, 0.25)
+    o1, l1 = CpuSdpaBackend().attend(q, k, v, 0.25, mask=mask)
+    o2, l2 = MathChunkedBackend().attend(q, k, v, 0.25, mask=mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(o1.float(), o2.float(), atol=tol) and torch.allclose(l1, l2, atol=tol)
 
 
 def test_the_math_path_used_off_cpu_runs_the_whole_forward_exactly(runner, monkeypatch):
-    """CUDA and MPS take ``attend_math``; here it stands in for the CPU kernel end to end."""
-    monkeypatch.setattr(paged_attention, "attend", attend_math)
+    """CUDA and MPS take the math backend; here it stands in for the CPU kernel end to end."""
+    monkeypatch.setattr(runner, "attention", MathChunkedBackend())
     test_shared_prefix_chunks_and_decodes_mixed(runner)
