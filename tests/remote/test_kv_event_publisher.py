@@ -77,19 +77,19 @@ def test_our_subscriber_follows_our_publisher():
         for p in ps:
             tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published)
         for p in ps:
             assert [t for b in sub.tree.match(p) for t in b.token_ids] == p[:len(p) // BS * BS]
         tree.evict(60)  # least recently used leaves: each takes the blocks its tokens were part of
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published)
         assert sub.tree.counts()["GPU"]["evicted"] > 0
         late = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
-        assert late.wait_for(lambda: late.tree.num_blocks == len(pub.published)) and late.stats.replayed > 0
+        assert late.wait_for(lambda: late.tree.num_blocks == pub.num_published) and late.stats.replayed > 0
         late.close()
         tree.clear()
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == 0 == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == 0 == pub.num_published)
     finally:
         sub.close()
         pub.close()
@@ -191,13 +191,13 @@ def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
         ids = prompts(1, seed=2)[0]
         m = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=4)))
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published) > 0)
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published > 0)
         cached = ids + list(m.output_ids)
         assert len(sub.tree.match(cached)) == engine.cache.match_len(
             engine.cache_key(cached, GenerationRequest(prompt_ids=tuple(ids)))) // BS
         engine.clear_cache()  # the whole cache, as vLLM's reset: one AllBlocksCleared, not a removal per block
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == pub.num_published)
     finally:
         sub.close()
         engine.close()
