@@ -39,10 +39,12 @@ def published_tree(private_tokens: bool = True):
 
 
 class Raw:
-    def __init__(self, endpoint: str) -> None:
+    """A plain SUB socket that keeps every message's frames (no code of ours decodes them)."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"ours") -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"ours")
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(endpoint)
         self.frames: list[list[bytes]] = []
         self.stop = threading.Event()
@@ -113,8 +115,24 @@ def test_private_blocks_carry_no_tokens_under_isolation():
         pub.close()
 
 
-@pytest.mark.vllm
-def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(tmp_path):
+VLLM_DECODE = """
+import json, sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch
+dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+out = []
+for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
+    b = dec.decode(payload)
+    out.append([[type(e).__name__, list(getattr(e, "block_hashes", [])), getattr(e, "parent_block_hash", None),
+                 list(getattr(e, "token_ids", [])), getattr(e, "block_size", 0), getattr(e, "medium", None)]
+                for e in b.events])
+print(json.dumps(out))
+"""
+
+
+def vllm_decode(frames: list[list[bytes]], tmp_path) -> list[list[list]]:
+    """Our payloads decoded by vLLM's own ``KVEventBatch`` in vLLM's venv: per batch, per event,
+    ``[type, hashes, parent, tokens, block_size, medium]``. Skips without vLLM (fails with
+    ``RADIX_REQUIRE_VLLM=1``)."""
     from tools.vllm_server import venv_path, vllm_available
 
     venv = venv_path()
@@ -122,6 +140,16 @@ def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(t
         if os.environ.get("RADIX_REQUIRE_VLLM") == "1":
             pytest.fail(f"vLLM is required (RADIX_REQUIRE_VLLM=1) but {venv} has none")
         pytest.skip(f"no vLLM in {venv}")
+    stream = tmp_path / "stream.msgpack"
+    stream.write_bytes(msgspec.msgpack.encode([f[2] for f in frames]))
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", VLLM_DECODE, str(stream)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(tmp_path):
     pub, tree = published_tree()
     raw = Raw(pub.endpoint)
     try:
@@ -134,22 +162,7 @@ def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(t
     finally:
         raw.close()
         pub.close()
-    (tmp_path / "stream.msgpack").write_bytes(msgspec.msgpack.encode([f[2] for f in raw.frames]))
-    script = """
-import json, sys, msgspec
-from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
-dec = msgspec.msgpack.Decoder(type=KVEventBatch)
-out = []
-for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
-    b = dec.decode(payload)
-    out.append([[type(e).__name__, list(e.block_hashes), getattr(e, "parent_block_hash", None),
-                 list(getattr(e, "token_ids", [])), getattr(e, "block_size", 0), e.medium] for e in b.events])
-print(json.dumps(out))
-"""
-    done = subprocess.run([str(venv / "bin" / "python"), "-c", script, str(tmp_path / "stream.msgpack")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    batches = json.loads(done.stdout.strip().splitlines()[-1])
+    batches = vllm_decode(raw.frames, tmp_path)
     blocks: dict[int, tuple[int | None, list[int]]] = {}
     for batch in batches:
         for kind, hashes, parent, tokens, size, medium in batch:
