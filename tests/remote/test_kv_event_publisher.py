@@ -215,3 +215,41 @@ def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
         sub.close()
         engine.close()
         pub.close()
+
+
+def test_a_restarted_publisher_is_found_over_real_sockets():
+    """A new publisher process on the same ports (here: a new publisher in this one) whose seq goes
+    on right after ours: no gap and no seq going back, only ZMQ's reconnect tells; the tree is
+    rebuilt from the new one's replay buffer, with nothing of the old one's left."""
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+
+    def publisher() -> tuple[KVEventPublisher, RadixTree]:
+        pub = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{replay}", "ours", block_size=BS)
+        tree = RadixTree()
+        tree.listener = pub
+        return pub, tree
+
+    pub, tree = publisher()
+    sub = KVEventSubscriber(EventSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", "ours"),
+                            BlockTree()).start()
+    try:
+        old = prompts(3, seed=3)
+        for p in old:  # seqs 0..2
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.stats.last_seq == 2)
+        pub.close()
+        pub, tree = publisher()
+        new = [prompts(1, seed=10 + i)[0] for i in range(4)]  # no shared prefix: one batch each
+        for p in new:  # its seqs 0..3: at least seq 3 is "next" after our 2
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        ok = sub.wait_for(lambda: sub.stats.restarts >= 1 and sub.stats.last_seq == 3
+                          and sub.tree.num_blocks == pub.num_published)
+        assert ok, (sub.stats, sub.tree.num_blocks, pub.num_published)
+        assert all(sub.tree.match(p) == [] for p in old) and all(sub.tree.match(p) for p in new)
+    finally:
+        sub.close()
+        pub.close()
