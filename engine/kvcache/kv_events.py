@@ -31,8 +31,10 @@ public one go in ``extra_keys`` (one entry per block: a tuple of the block's nam
 None). With ``private_tokens=False`` (isolation), a block holding any visitor's token carries no
 token ids (``token_ids`` empty for that event), so a subscriber sees its shape, not its text.
 
-Thread safety: the listener calls come under the cache's lock, the tier's drops from any thread;
-one lock of the publisher's orders them, and they only encode and queue. One daemon thread owns both sockets (ZMQ sockets are not thread safe). Knows nothing about HTTP or UI.
+Thread safety: the listener calls come under the cache's lock (the tier's drops too, as the cache
+is the store's only caller); one lock of the publisher's orders them anyway, and they only
+encode and queue (``tier_kept`` asks the store before taking it). One daemon thread owns both
+sockets (ZMQ sockets are not thread safe). Knows nothing about HTTP or UI.
 """
 
 from __future__ import annotations

@@ -167,24 +167,43 @@ def test_a_host_memory_tier_is_published_as_cpu(tiny_runner, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_vllms_own_decoder_reads_the_tier_media(tiny_runner, tmp_path):
+def test_vllms_own_decoder_reads_the_tier_media_and_rebuilds_the_served_prompts(tiny_runner, tmp_path):
     vocab = len(tiny_runner.text.tokenizer)
     engine, port, _ = events_engine(tiny_runner, tmp_path / "tier")
     raw = Raw(f"tcp://127.0.0.1:{port}", b"kv-events")
     try:
         doc = ids_of(1, 3 * C + 10, vocab)
-        run(engine, doc)
-        for i in range(3):
-            run(engine, ids_of(10 + i, 200, vocab))
-        run(engine, doc + [400])
+        served = [run(engine, doc)] + [run(engine, ids_of(10 + i, 200, vocab)) for i in range(3)]
+        served.append(run(engine, doc + [400]))  # loads the document back from the tier
         engine.kv_events.flush()
         expected = {(h, m) for h, media in engine.kv_events.published.items() for m in media}
+        cached = [engine.cache.match_len(CacheKey(tuple(ids), PUBLIC, len(ids))) // BS * BS for ids in served]
+        spilled = []  # how far from the root the store holds each served path, chunk after chunk
+        for ids in served:
+            stop = 0
+            while stop + C <= len(ids) and engine.cache.tier.key_of(CacheKey(tuple(ids)), stop + C) in \
+                    engine.cache.tier.store:
+                stop += C
+            spilled.append(stop)
     finally:
         raw.close()
         engine.close()
-    held_now: set[tuple[int, str]] = set()
+    held_now: dict[tuple[int, str], tuple[int | None, tuple[int, ...]]] = {}
     for batch in vllm_decode(raw.frames, tmp_path):
-        for kind, hashes, _parent, _tokens, _size, medium in batch:
-            for h in hashes:
-                (held_now.add if kind == "BlockStored" else held_now.discard)((h, medium))
-    assert {m for _, m in held_now} == {"GPU", MEDIUM_STORAGE} and held_now == expected
+        for kind, hashes, parent, tokens, size, medium in batch:
+            for i, h in enumerate(hashes):
+                if kind == "BlockStored":
+                    assert size == BS and len(tokens) == len(hashes) * BS
+                    held_now[(h, medium)] = (parent, tuple(tokens[i * BS:(i + 1) * BS]))
+                    parent = h
+                else:
+                    del held_now[(h, medium)]
+    assert {m for _, m in held_now} == {"GPU", MEDIUM_STORAGE} and set(held_now) == expected
+    for medium, lengths in (("GPU", cached), (MEDIUM_STORAGE, spilled)):
+        children = {(parent, tokens): h for (h, m), (parent, tokens) in held_now.items() if m == medium}
+        for ids, length in zip(served, lengths, strict=True):  # each served prompt, spelled by its chain
+            parent, n = None, 0
+            while n + BS <= len(ids) and (parent, tuple(ids[n:n + BS])) in children:
+                parent, n = children[(parent, tuple(ids[n:n + BS]))], n + BS
+            assert n == length, (medium, n, length)
+    assert spilled[0] == 3 * C and cached[-1] >= 3 * C  # the document: in the tier, and back in the pool
