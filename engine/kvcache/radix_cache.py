@@ -342,6 +342,8 @@ class RadixCache(SlotLedger):
         what leaves it, from now on, under the cache's lock."""
         with self._lock:
             self.tree.listener = listener
+            if self.tier is not None:
+                self.tier.publish_to(listener)  # the second tier's blocks, under a medium of its own
 
     def clear(self, namespace: str | None = None) -> int:
         """Evict everything not in use by a running request (only ``namespace``'s

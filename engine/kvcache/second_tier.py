@@ -48,7 +48,8 @@ class SecondTier:
         docstring). Marks the paths a previous run saved, as far as the store still holds them."""
         self.store, self.fingerprint, self.public_only = store, fingerprint, public_only
         self.spilled = SpilledTree()
-        store.on_drop = self.spilled.dropped
+        self.listener = None  # KV events (engine.kvcache.kv_events.KVEventPublisher): what the tier holds
+        store.on_drop = self._dropped
         self.loaded_tokens = self.spilled_tokens = 0  # running totals
         self.load_ms = 0.0  # reading chunks and writing them into the pool, never eviction's writes
         self._restore_paths()
@@ -83,6 +84,20 @@ class SecondTier:
             chunks.append((stop, key, kept))
         if chunks:
             self.spilled.record(path.prefix(chunks[-1][0]), chunks)
+            if self.listener is not None:
+                self.listener.tier_kept(self, path, [stop for stop, _, kept in chunks if kept])
+
+    def publish_to(self, listener) -> None:
+        """Tell ``listener`` what the tier holds now (paths of a previous run) and what it keeps and drops."""
+        self.listener = listener
+        for path in self.spilled.leaf_paths():
+            listener.tier_kept(self, path, list(range(CHUNK_TOKENS, len(path.ids) + 1, CHUNK_TOKENS)))
+
+    def _dropped(self, key: str) -> None:
+        """The store's ``on_drop`` (any thread)."""
+        self.spilled.dropped(key)
+        if self.listener is not None:
+            self.listener.tier_dropped(key)
 
     def _put(self, key: str, pool: KVPool, slots: Sequence[int]) -> bool:
         if not self.store.put(key, pool.gather(slots)):

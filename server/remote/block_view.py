@@ -10,7 +10,8 @@ Owns: who a block belongs to for display, and the block tree -> ``NodeInfo`` con
   visitor's. With isolation off every block is drawn with its text.
 - Blocks become radix nodes where the chain branches, or the owner, medium or salt changes
   (``BlockTree.draw_nodes``); a medium other than the primary one ("GPU") is drawn as the
-  second tier (``spilled``), named by ``tier_kind``.
+  second tier (``spilled``), named by ``tier_kind`` (the media held, with vLLM's words for its
+  offloading tiers: "CPU" host memory, "STORAGE" disk; this engine publishes its own tier so).
 
 Pure: plain data in, plain data out; no sockets, no UI.
 """
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from engine.types import NodeInfo, TreeSnapshot
 from server.remote.block_tree import BlockHash, BlockTree
 
+MEDIA_WORDS = {"CPU": "host memory", "STORAGE": "disk or remote storage"}  # vLLM's offloading tiers
 OTHERS = "~backend"  # the owner of blocks no request of this dashboard reaches (never a visitor's namespace)
 ORIGIN = "events"  # TreeSnapshot.origin of a tree drawn from the server's own events
 
@@ -50,7 +52,8 @@ def block_snapshot(tree: BlockTree, owner: dict[BlockHash, str], hits: Counter[B
         nodes = tree.draw_nodes(key=lambda b: owner.get(b.hash, OTHERS), max_nodes=max_nodes)
         primary, bs = tree.primary, tree.block_size or 1
         evicted = sum(tree.evicted.values()) * bs
-        tiers = sorted(m for m in tree.held if m != primary and tree.held[m] > 0)
+        tiers = [f"{m}: {MEDIA_WORDS[m]}" if m in MEDIA_WORDS else m
+                 for m in sorted(m for m in tree.held if m != primary and tree.held[m] > 0)]
     infos = []
     for n in nodes:
         ids = n.token_ids

@@ -39,10 +39,12 @@ def published_tree(private_tokens: bool = True):
 
 
 class Raw:
-    def __init__(self, endpoint: str) -> None:
+    """A plain SUB socket that keeps every message's frames (no code of ours decodes them)."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"ours") -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"ours")
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(endpoint)
         self.frames: list[list[bytes]] = []
         self.stop = threading.Event()
@@ -77,19 +79,19 @@ def test_our_subscriber_follows_our_publisher():
         for p in ps:
             tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published)
         for p in ps:
             assert [t for b in sub.tree.match(p) for t in b.token_ids] == p[:len(p) // BS * BS]
         tree.evict(60)  # least recently used leaves: each takes the blocks its tokens were part of
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published)
         assert sub.tree.counts()["GPU"]["evicted"] > 0
         late = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
-        assert late.wait_for(lambda: late.tree.num_blocks == len(pub.published)) and late.stats.replayed > 0
+        assert late.wait_for(lambda: late.tree.num_blocks == pub.num_published) and late.stats.replayed > 0
         late.close()
         tree.clear()
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == 0 == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.num_blocks == 0 == pub.num_published)
     finally:
         sub.close()
         pub.close()
@@ -113,8 +115,24 @@ def test_private_blocks_carry_no_tokens_under_isolation():
         pub.close()
 
 
-@pytest.mark.vllm
-def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(tmp_path):
+VLLM_DECODE = """
+import json, sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch
+dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+out = []
+for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
+    b = dec.decode(payload)
+    out.append([[type(e).__name__, list(getattr(e, "block_hashes", [])), getattr(e, "parent_block_hash", None),
+                 list(getattr(e, "token_ids", [])), getattr(e, "block_size", 0), getattr(e, "medium", None)]
+                for e in b.events])
+print(json.dumps(out))
+"""
+
+
+def vllm_decode(frames: list[list[bytes]], tmp_path) -> list[list[list]]:
+    """Our payloads decoded by vLLM's own ``KVEventBatch`` in vLLM's venv: per batch, per event,
+    ``[type, hashes, parent, tokens, block_size, medium]``. Skips without vLLM (fails with
+    ``RADIX_REQUIRE_VLLM=1``)."""
     from tools.vllm_server import venv_path, vllm_available
 
     venv = venv_path()
@@ -122,6 +140,16 @@ def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(t
         if os.environ.get("RADIX_REQUIRE_VLLM") == "1":
             pytest.fail(f"vLLM is required (RADIX_REQUIRE_VLLM=1) but {venv} has none")
         pytest.skip(f"no vLLM in {venv}")
+    stream = tmp_path / "stream.msgpack"
+    stream.write_bytes(msgspec.msgpack.encode([f[2] for f in frames]))
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", VLLM_DECODE, str(stream)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(tmp_path):
     pub, tree = published_tree()
     raw = Raw(pub.endpoint)
     try:
@@ -134,22 +162,7 @@ def test_vllms_own_decoder_reads_our_stream_and_its_chains_rebuild_the_prompts(t
     finally:
         raw.close()
         pub.close()
-    (tmp_path / "stream.msgpack").write_bytes(msgspec.msgpack.encode([f[2] for f in raw.frames]))
-    script = """
-import json, sys, msgspec
-from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
-dec = msgspec.msgpack.Decoder(type=KVEventBatch)
-out = []
-for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
-    b = dec.decode(payload)
-    out.append([[type(e).__name__, list(e.block_hashes), getattr(e, "parent_block_hash", None),
-                 list(getattr(e, "token_ids", [])), getattr(e, "block_size", 0), e.medium] for e in b.events])
-print(json.dumps(out))
-"""
-    done = subprocess.run([str(venv / "bin" / "python"), "-c", script, str(tmp_path / "stream.msgpack")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    batches = json.loads(done.stdout.strip().splitlines()[-1])
+    batches = vllm_decode(raw.frames, tmp_path)
     blocks: dict[int, tuple[int | None, list[int]]] = {}
     for batch in batches:
         for kind, hashes, parent, tokens, size, medium in batch:
@@ -191,14 +204,52 @@ def test_the_app_flag_publishes_the_engines_own_cache(tiny_runner):
         ids = prompts(1, seed=2)[0]
         m = engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=4)))
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.num_blocks == len(pub.published) > 0)
+        assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published > 0)
         cached = ids + list(m.output_ids)
         assert len(sub.tree.match(cached)) == engine.cache.match_len(
             engine.cache_key(cached, GenerationRequest(prompt_ids=tuple(ids)))) // BS
         engine.clear_cache()  # the whole cache, as vLLM's reset: one AllBlocksCleared, not a removal per block
         pub.flush()
-        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == len(pub.published))
+        assert sub.wait_for(lambda: sub.tree.cleared == 1 and sub.tree.num_blocks == 0 == pub.num_published)
     finally:
         sub.close()
         engine.close()
+        pub.close()
+
+
+def test_a_restarted_publisher_is_found_over_real_sockets():
+    """A new publisher process on the same ports (here: a new publisher in this one) whose seq goes
+    on right after ours: no gap and no seq going back, only ZMQ's reconnect tells; the tree is
+    rebuilt from the new one's replay buffer, with nothing of the old one's left."""
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+
+    def publisher() -> tuple[KVEventPublisher, RadixTree]:
+        pub = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{replay}", "ours", block_size=BS)
+        tree = RadixTree()
+        tree.listener = pub
+        return pub, tree
+
+    pub, tree = publisher()
+    sub = KVEventSubscriber(EventSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", "ours"),
+                            BlockTree()).start()
+    try:
+        old = prompts(3, seed=3)
+        for p in old:  # seqs 0..2
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.stats.last_seq == 2)
+        pub.close()
+        pub, tree = publisher()
+        new = [prompts(1, seed=10 + i)[0] for i in range(4)]  # no shared prefix: one batch each
+        for p in new:  # its seqs 0..3: at least seq 3 is "next" after our 2
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        ok = sub.wait_for(lambda: sub.stats.restarts >= 1 and sub.stats.last_seq == 3
+                          and sub.tree.num_blocks == pub.num_published)
+        assert ok, (sub.stats, sub.tree.num_blocks, pub.num_published)
+        assert all(sub.tree.match(p) == [] for p in old) and all(sub.tree.match(p) for p in new)
+    finally:
+        sub.close()
         pub.close()
