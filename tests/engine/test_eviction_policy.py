@@ -270,3 +270,32 @@ def test_without_isolation_a_shrink_is_the_policys_order_alone(tiny_runner):
     cache.set_budget(100 * tiny_runner.kv_bytes_per_token)
     assert PUBLIC not in _owner_tokens(cache)  # the oldest goes first, shipped or not
     cache.check_invariants()
+
+
+def test_the_replay_simulates_the_policy_it_is_given(tokenizer):
+    """``tools/replay.py --eviction-policy`` reaches the simulated cache."""
+    import json
+
+    from engine.replay.simulate import model_geometry, simulate_lines
+
+    geometry = model_geometry(dtype="float32", device="cpu")
+    system = "You are a helpful assistant who answers questions about the radix cache. " * 3
+    items = [{"prompt": system + f"Question {i % 3}?", "timestamp": 10 * i} for i in range(12)]
+    lines = [json.dumps(x) for x in items]
+    reports = {name: simulate_lines(lines, tokenizer, geometry, 80, ttl_s=45.0, eviction_policy=name)
+               for name in ALL}
+    assert all(r.requests == 12 for r in reports.values())
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        simulate_lines(lines, tokenizer, geometry, 80, eviction_policy="nope")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_ttl_expires_exactly_the_stale_entries_whatever_the_policy(name):
+    sim = SimCache(None, ttl_s=60.0, policy=name)
+    often, once = (1, 2, 3, 4, 5), (9, 8, 7)
+    for t in (0.0, 1.0, 2.0):  # many hits, long ago
+        sim.serve(often, now=t)
+    sim.serve(once, now=50.0)  # one use, recent: the first to go by LFU, but not stale
+    assert sim.serve((40, 41), now=70.0).expired_tokens == len(often)
+    assert sim.tree.match(CacheKey(once), touch=False).length == len(once)
+    sim.tree.check_invariants()
