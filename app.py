@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
                         "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
                         "\"topic\": \"kv-events\"}'; ours: \"block_size\", default 32)")
+    p.add_argument("--eviction-policy", default=env("RADIX_EVICTION_POLICY", "lru"), metavar="NAME",
+                   help="which cached leaves go first when the pool is full: lru (least recently used, the default) "
+                        "or lfu (fewest hits); see engine/kvcache/eviction.py. With --isolate, fair share first")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
@@ -130,7 +133,8 @@ def build_engine(args: argparse.Namespace, runner=None):
     return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
                   max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                   max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                  tier_bytes=tier_bytes, tier_dir=tier_dir, kv_events_config=args.kv_events_config)
+                  tier_bytes=tier_bytes, tier_dir=tier_dir, kv_events_config=args.kv_events_config,
+                  eviction_policy=args.eviction_policy)
 
 
 def build_app(engine, max_queue: int = 32):

@@ -73,6 +73,14 @@ def _backend_metrics(engine: EngineAPI) -> dict[str, float]:
     return engine.backend_metrics()
 
 
+def eviction_sentence(engine: EngineAPI) -> str:
+    """How the cache picks what to evict, as the engine's policy states it ("" when unknown)."""
+    eviction = engine.info().eviction
+    if not eviction:
+        return ""
+    return f" When the pool is full, unlocked leaves are evicted {eviction}."
+
+
 def build_info_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     text = gr.Markdown(info_markdown(engine))
     gr.Markdown(
@@ -80,8 +88,8 @@ def build_info_panel(engine: EngineAPI, active: bool = False) -> LiveView:
         "request and prefills a bounded chunk of new prompts, in one forward (continuous batching; the "
         "*Scheduler* tab shows it live). A new request first looks up the longest cached prefix of its token "
         "ids in the radix tree, copies that KV from the pool, and prefills only the rest. After prefill the "
-        "prompt is inserted; after generation, prompt plus reply, so a chat's next turn reuses the answer too. "
-        "When the pool is full, unlocked leaves are evicted least recently used first.")
+        "prompt is inserted; after generation, prompt plus reply, so a chat's next turn reuses the answer too."
+        + eviction_sentence(engine))
 
     def refresh():
         return info_markdown(engine)

@@ -150,6 +150,13 @@ def clear_cache(engine: EngineAPI, request: gr.Request | None = None):
             f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
 
 
+def budget_note(engine: EngineAPI) -> str | None:
+    """The budget box's note: what a shrink evicts, in the order the engine's policy says."""
+    if engine.isolation:
+        return "fixed on a shared public deployment"
+    eviction = engine.info().eviction
+    return f"shrinking evicts unlocked leaves, {eviction}" if eviction else None
+
 
 def build_memory_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     budget_mib = engine.stats().budget_bytes / MiB
@@ -162,8 +169,7 @@ def build_memory_panel(engine: EngineAPI, active: bool = False) -> LiveView:
     with gr.Row():
         new_budget = gr.Number(value=round(budget_mib, 1), label="Cache budget (MiB)", minimum=0,
                                maximum=round(budget_mib, 1), precision=1, interactive=not engine.isolation, scale=2,
-                               info="shrinking evicts least-recently-used leaves"
-                               if not engine.isolation else "fixed on a shared public deployment")
+                               info=budget_note(engine))
         apply = gr.Button("Apply budget", scale=1,
                           interactive=not engine.isolation and engine.capabilities.settable_budget)
         clear = gr.Button("Clear your cached prompts" if engine.isolation else "Clear the cache", variant="stop",

@@ -31,6 +31,7 @@ from engine import validation
 from engine.api import LOCAL, Capabilities, EngineAPI
 from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
+from engine.kvcache.eviction import make_policy
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.kvcache.second_tier import SecondTier
@@ -88,14 +89,16 @@ class Engine(FacadeBase):
                  isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
                  max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
                  chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None,
-                 kv_events_config: str = "") -> None:
+                 kv_events_config: str = "", eviction_policy: str = "lru") -> None:
         """``tier_bytes`` > 0 turns on the second tier (``engine.kvcache.kv_tier``): evicted KV goes to
         chunk files under ``tier_dir`` (found again after a restart), or to host memory when
         ``tier_dir`` is None and the model runs on a GPU. ``kv_events_config`` (vLLM's
         ``--kv-events-config`` JSON) publishes what the tree caches as vLLM-format KV events
-        (``engine.kvcache.kv_events``)."""
+        (``engine.kvcache.kv_events``). ``eviction_policy``: a name in
+        ``engine.kvcache.eviction.POLICIES`` (``ValueError`` for an unknown one)."""
         self.runner = runner
         self.text = runner.text
+        self.eviction_policy = make_policy(eviction_policy)
         budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
@@ -103,7 +106,7 @@ class Engine(FacadeBase):
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
         self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
-        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second)
+        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
                                    if enable_cache else NoPrefixCache(pool))
         self.kv_events = None
         if kv_events_config and enable_cache:
@@ -224,7 +227,8 @@ class Engine(FacadeBase):
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         """A small engine of its own on this one's model (the request-order demo's); steps of
         the two take turns on the runner. Its cache is separate and starts empty."""
-        return Engine(self.runner, budget_bytes=budget_bytes, max_queue=max_queue, max_batch=max_batch)
+        return Engine(self.runner, budget_bytes=budget_bytes, max_queue=max_queue, max_batch=max_batch,
+                      eviction_policy=self.eviction_policy.name)
 
     def info(self) -> EngineInfo:
         r = self.runner
@@ -232,7 +236,8 @@ class Engine(FacadeBase):
                           num_layers=r.num_layers, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
                           cache_enabled=self.cache.enabled, isolation=self.isolation,
-                          linear_kernels=r.linear_kernels)
+                          linear_kernels=r.linear_kernels,
+                          eviction=self.eviction_policy.describe() if self.cache.enabled else "")
 
     def clear_cache(self, namespace: str | None = None) -> int:
         """Evict every unlocked node (of one namespace only, if given); returns tokens freed."""

@@ -218,6 +218,7 @@ class EngineInfo:
     backend: str = ""  # remote mode: the server's URL (memory, budget and KV geometry unknown here)
     backend_model: str = ""  # remote mode: the model name the server serves
     cache_reported: bool | None = None  # remote mode: does the server report cached tokens (None: not yet known)
+    eviction: str = ""  # the order the cache evicts in, in words (``EvictionPolicy.describe()``; "" when unknown)
 
 
 @dataclass(frozen=True)

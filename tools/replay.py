@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                         "recomputed (0: off). Simulation: simulated from the model's KV bytes per token. Real model: "
                         "the engine's own second tier (as app.py --disk-cache-mb), in a fresh temporary folder on a "
                         "CPU (a replay never reads another run's chunks), in host memory on a GPU")
+    p.add_argument("--eviction-policy", default="lru", metavar="NAME",
+                   help="lru (default) or lfu: as the app's flag (engine/kvcache/eviction.py)")
     p.add_argument("--model", default="embedded", help="HF causal LM id or path (default: embedded SmolLM2)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -292,7 +294,7 @@ def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayRe
             report = simulate_lines(fh, tokenizer, geometry, budget // geometry.kv_bytes_per_token, args.ttl,
                                     args.strict, pricing, args.log.name, on_progress=progress.update,
                                     should_stop=stop, on_request=per_request if args.per_request else None,
-                                    tier_bytes=tier_bytes)
+                                    tier_bytes=tier_bytes, eviction_policy=args.eviction_policy)
         finally:
             progress.close()
     return report, None
@@ -314,7 +316,8 @@ def _run_model(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayR
     tier_dir = (tempfile.TemporaryDirectory(prefix="replay-kv-tier-")
                 if tier_bytes > 0 and runner.device.type == "cpu" else None)
     engine = Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, max_new_tokens_cap=10**6,
-                    tier_bytes=tier_bytes, tier_dir=None if tier_dir is None else tier_dir.name)
+                    tier_bytes=tier_bytes, tier_dir=None if tier_dir is None else tier_dir.name,
+                    eviction_policy=args.eviction_policy)
     budget_tokens = engine.cache.budget_bytes // runner.kv_bytes_per_token
     stats = ReplayStats(budget_tokens, engine.decode, lambda t: len(engine.encode(t)) if t else 0,
                         engine.special_token_ids, None, pricing)

@@ -2,9 +2,9 @@
 
 Owns: which pool slots the tree holds, and the rules that move KV between the tree, running
 requests and the second tier: admission (match, make room, load from the tier), adoption of
-a finished request's KV, eviction by the tree's policy, and budget changes. Running requests
-read the tree's slots for their cached prefix in place, never a copy; at the end their own
-slots pass to the tree, no copy either. The pool side (live requests, renumbering, slot
+a finished request's KV, eviction by the tree's policy (``engine.kvcache.eviction``), and
+budget changes. Running requests read the tree's slots for their cached prefix in place, never
+a copy; at the end their own slots pass to the tree, no copy either. The pool side (live requests, renumbering, slot
 checks) is ``engine.kvcache.request_slots.SlotLedger``; the tier's keys, rules and files are
 ``engine.kvcache.second_tier.SecondTier`` and the store under it.
 
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
+from engine.kvcache.eviction import EvictionPolicy
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.radix_tree import MatchResult, Node, RadixTree
 from engine.kvcache.request_kv import RequestKV
@@ -34,12 +35,12 @@ from engine.types import PUBLIC, CacheKey, TreeSnapshot
 class RadixCache(SlotLedger):
     enabled = True
 
-    def __init__(self, pool: KVPool, fair_share: bool = False, tier: SecondTier | None = None) -> None:
-        """``fair_share`` (isolation mode): a visitor's insert evicts by the tree's fair share
-        policy, and never evicts ``PUBLIC`` (shipped) content. ``tier``: the second tier that
-        evicted KV goes to."""
+    def __init__(self, pool: KVPool, fair_share: bool = False, tier: SecondTier | None = None,
+                 policy: EvictionPolicy | str | None = None) -> None:
+        """``fair_share`` (isolation mode): evict by the policy's fair-share rule. ``tier``: where
+        evicted KV goes. ``policy``: the tree's eviction policy or its name (default LRU)."""
         super().__init__(pool)
-        self.tree = RadixTree()
+        self.tree = RadixTree(policy=policy)
         self.fair_share = fair_share
         self.tier = tier
 
@@ -79,12 +80,16 @@ class RadixCache(SlotLedger):
         return self.tier.stats() if self.tier is not None else {}
 
     # ------------------------------------------------------------- room
-    def _evict_for(self, short: int, namespace: str | None, incoming: int, removed: list[Node]) -> list:
-        """Evict up to ``short`` tokens for ``namespace``'s ``incoming`` ones: by fair share for
-        a visitor in isolation mode (shipped ``PUBLIC`` content is never evicted for a
-        visitor), else least recently used. Returns the freed slots (not yet given back)."""
-        if self.fair_share and namespace is not None and namespace != PUBLIC:
-            return self.tree.evict(short, fair_for=namespace, capacity_tokens=self.pool.capacity,
+    def _evict_for(self, short: int, namespace: str | None, incoming: int, removed: list[Node],
+                   capacity: int | None = None) -> list:
+        """Evict up to ``short`` tokens for ``namespace``'s ``incoming`` ones (None: the operator's
+        shrink or offload), by the policy; in isolation mode by its fair share of ``capacity``
+        (``engine.kvcache.eviction``). Returns the freed slots (not yet given back)."""
+        capacity = self.pool.capacity if capacity is None else capacity
+        if self.fair_share and namespace is None:
+            return self.tree.evict_over_share(short, capacity, removed=removed)
+        if self.fair_share and namespace != PUBLIC:
+            return self.tree.evict(short, fair_for=namespace, capacity_tokens=capacity,
                                    incoming_tokens=incoming, removed=removed)
         return self.tree.evict(short, removed=removed)
 
@@ -218,10 +223,10 @@ class RadixCache(SlotLedger):
             return self._load(key, m.length, max_len)[0]  # allocates only: the match cannot go meanwhile
 
     def offload(self) -> int:
-        """Evict every unlocked entry to the second tier (for benchmarks and tests); tokens evicted."""
+        """Evict every unlocked entry to the second tier, in eviction's order (benchmarks, tests); tokens evicted."""
         with self._lock:
             removed: list[Node] = []
-            freed = self.tree.evict(self.tree.num_tokens, removed=removed)
+            freed = self._evict_for(self.tree.num_tokens, None, 0, removed)
             self._evicted(removed, freed)
             self.version += 1
             return len(freed)
@@ -361,8 +366,8 @@ class RadixCache(SlotLedger):
             return len(freed)
 
     def set_budget(self, budget_bytes: int) -> int:
-        """Change the budget, evicting by the tree's policy if it shrinks. Returns tokens evicted.
-        Running requests keep their slots (renumbered in place)."""
+        """Change the budget, evicting by the tree's policy (fair share of the new capacity in
+        isolation mode) if it shrinks. Returns tokens evicted. Running requests keep their slots."""
         budget_bytes = int(budget_bytes)
         with self._lock:
             new_capacity = self._check_shrink(budget_bytes, self.tree.locked_tokens)
@@ -370,7 +375,7 @@ class RadixCache(SlotLedger):
             over = self.tree.num_tokens + self._running_tokens - new_capacity
             if over > 0:
                 removed: list[Node] = []
-                freed = self.tree.evict(over, removed=removed)
+                freed = self._evict_for(over, None, 0, removed, capacity=new_capacity)
                 self._evicted(removed, freed)
                 evicted = len(freed)
             mapping = self._resize(budget_bytes, self.tree.all_values())

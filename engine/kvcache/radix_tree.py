@@ -15,15 +15,9 @@ Children are keyed by ``(namespace, first token)``, so two visitors with the
 same private text never share a node, while content shipped with the app
 (``public_len`` tokens, decided by the server) is shared by everyone.
 
-Eviction is least-recently-used over unlocked leaves. With a fair share
-(``evict(..., fair_for=N, capacity_tokens=C)``, used for visitors' inserts in
-isolation mode) each *owner* (a namespace's part before any ``/``, so a visitor's
-sub-namespaces count as theirs) may hold ``(C - PUBLIC tokens) / owners`` tokens;
-room for ``N`` is taken first from ``N`` itself if ``N`` would end over its share,
-then from the owner most over its share, and only then by plain LRU; an owner
-within its share is never evicted for an owner that would end over its own. The
-``PUBLIC`` namespace (content shipped with the app) is counted but never evicted
-by such an insert; only ``clear`` and plain ``evict`` (the operator's) drop it.
+Eviction takes unlocked leaves in the order of the tree's ``EvictionPolicy``
+(``engine.kvcache.eviction``: least recently used by default, and the fair-share rule of
+isolation mode), from the one heap of evictable leaves the tree keeps (``leaves``).
 
 Invariants (``check_invariants``):
 - every non-root node has a non-empty edge, ``len(value) == len(key)``, and is
@@ -32,12 +26,12 @@ Invariants (``check_invariants``):
 - ``num_tokens`` equals the sum of the edge lengths, ``num_nodes`` the nodes,
   ``locked_tokens`` the tokens of nodes with ``lock_ref > 0`` and ``shared_tokens``
   those with ``lock_ref > 1`` (read by more than one running request): counters kept
-  as the tree changes, so reading them is O(1).
+  as the tree changes, so reading them is O(1);
+- every unlocked leaf has an entry in ``leaves`` no later than its policy priority.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import Counter
@@ -45,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.kvcache.eviction import EvictionPolicy, LeafHeap, evictable, make_policy
+from engine.kvcache.eviction import fair_share as share_of
 from engine.namespaces import owner_of
 from engine.types import PUBLIC, CacheKey
 
@@ -93,9 +89,14 @@ class InsertResult(NamedTuple):
 
 
 class RadixTree:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 policy: EvictionPolicy | str | None = None) -> None:
+        """``policy``: the eviction policy, or its name in ``engine.kvcache.eviction.POLICIES``
+        (default LRU)."""
         self._ids = itertools.count(1)
         self._clock = clock
+        self.policy = make_policy(policy)
+        self.leaves = LeafHeap(self.policy.priority)  # every evictable leaf, in the policy's order
         self.root = Node(id=0, key=(), value=(), namespace=PUBLIC, parent=None, lock_ref=1)
         self.num_tokens = 0
         self.num_nodes = 0
@@ -144,7 +145,7 @@ class RadixTree:
         """
         ids = key.ids
         assert len(value) == len(ids), "one value per token"
-        node, pos, now, existing = self.root, 0, self._clock(), 0
+        node, pos, now, existing, created = self.root, 0, self._clock(), 0, False
         while pos < len(ids):
             ns = key.ns_at(pos)
             child = node.children.get((ns, ids[pos]))
@@ -155,14 +156,16 @@ class RadixTree:
                 node.children[(ns, ids[pos])] = new
                 self.num_tokens += end - pos
                 self.num_nodes += 1
-                node, pos = new, end
+                node, pos, created = new, end, True
                 continue
             n = common_prefix_len(child.key, ids, pos, end - pos)
             if n < len(child.key):
                 child = self._split(child, n)
             if touch:
                 child.last_access = now
-            node, pos, existing = child, pos + n, existing + n
+            node, pos, existing, created = child, pos + n, existing + n, False
+        if created:
+            self._push_leaf(node)
         if self.listener is not None and existing < len(ids):
             self.listener.cached(node)
         return InsertResult(existing, node)
@@ -212,6 +215,8 @@ class RadixTree:
             assert node.lock_ref >= 0, "unlock without lock"
             if node.lock_ref == 0:
                 self.locked_tokens -= len(node.key)
+                if node.is_leaf:
+                    self._push_leaf(node)
             elif node.lock_ref == 1:
                 self.shared_tokens -= len(node.key)
             node = node.parent
@@ -220,32 +225,22 @@ class RadixTree:
     def evict(self, num_tokens: int, namespace: str | None = None, fair_for: str | None = None,
               capacity_tokens: int = 0, incoming_tokens: int | None = None,
               removed: list[Node] | None = None) -> list[Any]:
-        """Evict unlocked leaves, least recently used first, until ``num_tokens``
-        tokens are freed or nothing unlocked is left (only ``namespace``'s nodes,
-        if given). With ``fair_for`` (the namespace about to insert
-        ``incoming_tokens``, by default ``num_tokens``), the fair share policy of the
-        module docstring picks the leaves instead. Returns the freed values; the
-        removed nodes are appended to ``removed`` if given (``restore`` undoes them)."""
+        """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed or
+        nothing unlocked is left (only ``namespace``'s nodes, if given). With ``fair_for`` (the
+        namespace about to insert ``incoming_tokens``, by default ``num_tokens``), the policy's
+        fair-share rule picks the leaves instead. Returns the freed values; the removed nodes
+        are appended to ``removed`` if given (``restore`` undoes them)."""
         removed = [] if removed is None else removed
         if fair_for is not None:
             incoming = num_tokens if incoming_tokens is None else incoming_tokens
-            return self._evict_fair(num_tokens, owner_of(fair_for), capacity_tokens, incoming, removed)
+            return self.policy.evict_fair(self, num_tokens, owner_of(fair_for), capacity_tokens, incoming, removed)
+        return self.policy.evict(self, num_tokens, namespace, removed)
 
-        def evictable(n: Node) -> bool:
-            return n.is_leaf and n.lock_ref == 0 and (namespace is None or n.namespace == namespace)
-
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if evictable(n)]
-        heapq.heapify(heap)
-        freed: list[Any] = []
-        while heap and len(freed) < num_tokens:
-            _, _, node = heapq.heappop(heap)
-            freed.extend(node.value)
-            self._remove_leaf(node)
-            removed.append(node)
-            parent = node.parent
-            if parent is not self.root and evictable(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return freed
+    def evict_over_share(self, num_tokens: int, capacity_tokens: int, removed: list[Node] | None = None) -> list[Any]:
+        """The operator's eviction under fair share (a budget shrink to ``capacity_tokens``, an
+        offload): owners over their share first, then the policy's order, ``PUBLIC`` last."""
+        removed = [] if removed is None else removed
+        return self.policy.evict_fair(self, num_tokens, None, capacity_tokens, 0, removed)
 
     def owner_tokens(self) -> Counter[str]:
         """Cached tokens per owner (``PUBLIC`` included)."""
@@ -255,45 +250,12 @@ class RadixTree:
         return usage
 
     def fair_share(self, owner: str, capacity_tokens: int, usage: Counter[str] | None = None) -> float:
-        """Tokens each owner may hold when ``owner`` inserts: what ``PUBLIC`` leaves of the
-        capacity, split between the owners holding tokens and ``owner``."""
-        usage = self.owner_tokens() if usage is None else usage
-        owners = {o for o, n in usage.items() if o != PUBLIC and n > 0} | {owner}
-        return max(0, capacity_tokens - usage[PUBLIC]) / len(owners)
+        """Tokens each owner may hold when ``owner`` inserts (``engine.kvcache.eviction.fair_share``)."""
+        return share_of(self.owner_tokens() if usage is None else usage, owner, capacity_tokens)
 
-    def _evict_fair(self, num_tokens: int, owner: str, capacity_tokens: int, incoming: int,
-                    removed: list[Node]) -> list[Any]:
-        usage = self.owner_tokens()
-        share = self.fair_share(owner, capacity_tokens, usage)
-        heaps: dict[str, list] = {}  # owner -> its evictable leaves, LRU first
-
-        def push(n: Node) -> None:
-            if n is not self.root and n.is_leaf and n.lock_ref == 0 and n.namespace != PUBLIC:
-                heapq.heappush(heaps.setdefault(owner_of(n.namespace), []), (n.last_access, n.id, n))
-
-        for n in self.nodes():
-            push(n)
-        freed: list[Any] = []
-        while len(freed) < num_tokens:
-            ends_over = usage[owner] + incoming > share
-            over = [o for o, h in heaps.items() if h and o != owner and usage[o] > share]
-            if ends_over and heaps.get(owner):
-                victim = owner
-            elif over:
-                victim = max(over, key=lambda o: usage[o] - share)
-            elif not ends_over and any(heaps.values()):
-                victim = min((o for o, h in heaps.items() if h), key=lambda o: heaps[o][0][:2])
-            else:
-                break  # the rest would come from owners within their share: store less instead
-            _, _, node = heapq.heappop(heaps[victim])
-            freed.extend(node.value)
-            usage[victim] -= len(node.key)
-            self._remove_leaf(node)
-            removed.append(node)
-            push(node.parent)
-        return freed
-
-    def _remove_leaf(self, node: Node) -> None:
+    def evict_leaf(self, node: Node) -> Sequence[Any]:
+        """Take the unlocked leaf ``node`` out (for the policy); returns its values. Its parent,
+        if that is now an unlocked leaf, joins ``leaves``."""
         parent = node.parent
         del parent.children[(node.namespace, node.key[0])]
         self.num_tokens -= len(node.key)
@@ -301,6 +263,14 @@ class RadixTree:
         self.evicted_tokens += len(node.key)
         if self.listener is not None:
             self.listener.removed(node)
+        if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            self._push_leaf(parent)
+        return node.value
+
+    def _push_leaf(self, node: Node) -> None:
+        self.leaves.push(node)
+        if len(self.leaves) > 4 * self.num_nodes + 64:  # mostly stale entries: start again
+            self.leaves.rebuild(self.nodes())
 
     def restore(self, removed: Sequence[Node]) -> None:
         """Undo an ``evict`` that returned ``removed`` (nothing else changed the tree since):
@@ -312,6 +282,9 @@ class RadixTree:
             self.evicted_tokens -= len(node.key)
             if self.listener is not None:
                 self.listener.cached(node)
+        for node in removed:
+            if evictable(node):
+                self._push_leaf(node)
 
     def remove_subtree(self, node: Node) -> list[Any]:
         """Take ``node`` and everything below it (all unlocked) out of the tree; returns their
@@ -331,6 +304,8 @@ class RadixTree:
             self.num_tokens -= len(n.key)
             self.num_nodes -= 1
             stack.extend(n.children.values())
+        if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            self._push_leaf(parent)
         return freed
 
     def clear(self, namespace: str | None = None) -> list[Any]:
@@ -372,6 +347,12 @@ class RadixTree:
         assert total == self.num_tokens, f"num_tokens {self.num_tokens} != {total}"
         assert locked == self.locked_tokens, f"locked_tokens {self.locked_tokens} != {locked}"
         assert shared == self.shared_tokens, f"shared_tokens {self.shared_tokens} != {shared}"
+        stamps = self.leaves.stamps()
+        for node in nodes:
+            if node.is_leaf and node.lock_ref == 0:
+                stamp = stamps.get(node.id)
+                assert stamp is not None and stamp <= self.policy.priority(node), \
+                    f"leaf {node.id} missing from the leaf heap, or its priority went down"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0, limit: int | None = None) -> int:

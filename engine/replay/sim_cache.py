@@ -1,11 +1,12 @@
-"""The simulated cache: the pure radix tree with the engine's rules, a budget in tokens, LRU and a TTL.
+"""The simulated cache: the pure radix tree with the engine's rules, a budget in tokens, its eviction policy and a TTL.
 
 A SIMULATION (no model, no KV, ``value`` entries are ``None``), used by the
 model-free replay (``engine.replay.simulate``) and by the replay's analysis
 (shadow tree, block granularity). What it keeps of the engine: a request reuses
 its longest cached prefix, at least one prompt token is computed, then its
-tokens are inserted and least recently used leaves are evicted down to
-``budget_tokens``. Optionally a time-to-live (hosted APIs keep a prefix 5
+tokens are inserted and leaves are evicted down to ``budget_tokens`` by the
+tree's ``EvictionPolicy`` (``engine.kvcache.eviction``, the engine's own; LRU by
+default). Optionally a time-to-live (hosted APIs keep a prefix 5
 minutes or 1 hour): an entry not touched within ``ttl_s`` of the log's clock
 expires. Optionally a second tier (``SimTier``, the engine's ``engine.kvcache.kv_tier``
 without bytes): what eviction drops goes there in whole ``CHUNK_TOKENS`` chunks
@@ -19,13 +20,13 @@ tokenizers or the UI.
 from __future__ import annotations
 
 import hashlib
-import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from engine.kvcache.chunks import CHUNK_TOKENS
+from engine.kvcache.eviction import LRU, EvictionPolicy
 from engine.kvcache.radix_tree import InsertResult, Node, RadixTree
 from engine.snapshot_view import node_infos, with_text
 from engine.types import PUBLIC, CacheKey, TreeSnapshot
@@ -37,58 +38,6 @@ class ServeResult(NamedTuple):
     evicted_tokens: int  # removed to fit the budget after this request
     expired_tokens: int  # removed by the TTL before this request
     tier_tokens: int = 0  # of the cached ones, loaded back from the second tier
-
-
-class _LeafHeapTree(RadixTree):
-    """``RadixTree`` whose ``evict`` keeps its heap of leaves between calls.
-
-    Same contract and the same order (least recently used leaf first, ties by node
-    id) as ``RadixTree.evict``, which rebuilds its heap from every node on each
-    call: fine for the engine, too slow for a log that evicts on every request.
-    Entries go stale when a node is touched again, split off or removed; a popped
-    entry is checked against the node and pushed again with its new access time.
-    Locks and namespaces are not used by the simulation.
-    """
-
-    def __init__(self, clock) -> None:
-        super().__init__(clock)
-        self._leaves: list[tuple[float, int, Node]] = []
-
-    def insert(self, key: CacheKey, value: Sequence[Any]) -> InsertResult:
-        result = super().insert(key, value)
-        if result.node.is_leaf and result.node is not self.root:
-            heapq.heappush(self._leaves, (result.node.last_access, result.node.id, result.node))
-        if len(self._leaves) > 4 * (len(self.root.children) + self.num_tokens // 8 + 64):
-            self._leaves = [(n.last_access, n.id, n) for n in self.nodes() if n.is_leaf]
-            heapq.heapify(self._leaves)
-        return result
-
-    def has_leaf_older_than(self, cutoff: float) -> bool:
-        """Cheap test before a TTL sweep: every leaf has an entry whose stamp is at most its
-        access time, and a node is never older than its leaves, so a heap top at or after
-        ``cutoff`` means nothing is older."""
-        return bool(self._leaves) and self._leaves[0][0] < cutoff
-
-    def evict(self, num_tokens: int, namespace: str | None = None, removed: list[Node] | None = None) -> list[Any]:
-        assert namespace is None, "the simulation has no per-namespace eviction"
-        freed: list[Any] = []
-        heap = self._leaves
-        while heap and len(freed) < num_tokens:
-            stamp, _, node = heapq.heappop(heap)
-            attached = node.parent is not None and node.parent.children.get((node.namespace, node.key[0])) is node
-            if not attached or not node.is_leaf or node.lock_ref:
-                continue  # removed, split below, or grown children since: not an evictable leaf now
-            if stamp != node.last_access:
-                heapq.heappush(heap, (node.last_access, node.id, node))
-                continue
-            freed.extend(node.value)
-            self._remove_leaf(node)
-            if removed is not None:
-                removed.append(node)
-            parent = node.parent
-            if parent is not self.root and parent.is_leaf and not parent.lock_ref:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return freed
 
 
 # ------------------------------------------------------------------ the second tier
@@ -169,16 +118,17 @@ class SimTier:
 
 
 class SimCache:
-    """The pure radix tree with a budget in tokens, LRU eviction, an optional TTL and an
-    optional second tier of ``tier_chunks`` chunks (None: no tier).
-    Its clock is the log's: ``serve(..., now=timestamp)``."""
+    """The pure radix tree with a budget in tokens, eviction by ``policy`` (an
+    ``EvictionPolicy`` or its name; default LRU), an optional TTL and an optional second tier
+    of ``tier_chunks`` chunks (None: no tier). Its clock is the log's: ``serve(..., now=timestamp)``."""
 
-    def __init__(self, budget_tokens: int | None, ttl_s: float | None = None, tier_chunks: int | None = None) -> None:
+    def __init__(self, budget_tokens: int | None, ttl_s: float | None = None, tier_chunks: int | None = None,
+                 policy: EvictionPolicy | str | None = None) -> None:
         self.budget_tokens = budget_tokens
         self.ttl_s = ttl_s
         self.tier = SimTier(tier_chunks) if tier_chunks is not None else None
         self.now = 0.0
-        self.tree = _LeafHeapTree(clock=lambda: self.now)
+        self.tree = RadixTree(clock=lambda: self.now, policy=policy)
         self.evicted_tokens = 0
         self.expired_tokens = 0
         self.peak_tokens = 0
@@ -223,17 +173,19 @@ class SimCache:
         return evicted
 
     def expire(self) -> int:
-        """Drop every entry not touched within the TTL. A node is touched whenever a
-        descendant is, so expired nodes are whole subtrees and LRU order removes exactly them."""
+        """Drop every entry not touched within the TTL, whatever the eviction policy. A node is
+        touched whenever a descendant is, so expired nodes are whole subtrees: each goes whole."""
         if self.ttl_s is None:
             return 0
         cutoff = self.now - self.ttl_s
-        if not self.tree.has_leaf_older_than(cutoff):
-            return 0
-        stale = sum(len(n.key) for n in self.tree.nodes() if n.last_access < cutoff)
-        if not stale:
-            return 0
-        freed = len(self.tree.evict(stale))
+        if isinstance(self.tree.policy, LRU):  # cheap test first: the heap's top is the oldest leaf
+            top = self.tree.leaves.top_key()
+            if top is None or top[0][0] >= cutoff:
+                return 0
+        root = self.tree.root
+        stale = [n for n in self.tree.nodes()
+                 if n.last_access < cutoff and (n.parent is root or n.parent.last_access >= cutoff)]
+        freed = sum(len(self.tree.remove_subtree(n)) for n in stale)
         self.expired_tokens += freed
         return freed
 

@@ -213,17 +213,19 @@ def simulate_lines(lines: Iterable[str], tokenizer: Any, geometry: ModelGeometry
                    log_name: str = "", chunk: int = 256, tier_bytes: int = 0,
                    on_progress: Callable[[ReplayStats], None] | None = None,
                    should_stop: Callable[[], bool] = lambda: False,
-                   on_request: Callable[[EncodedRequest, ServeResult, str], None] | None = None) -> ReplayReport:
+                   on_request: Callable[[EncodedRequest, ServeResult, str], None] | None = None,
+                   eviction_policy: str = "lru") -> ReplayReport:
     """Replay ``lines`` through the simulated cache, with a second tier of ``tier_bytes`` when
-    that is > 0; ``should_stop`` is asked after each chunk (a stopped run still returns the
-    report of what it replayed)."""
+    that is > 0, evicting by the engine's ``eviction_policy``; ``should_stop`` is asked after each
+    chunk (a stopped run still returns the report of what it replayed)."""
     started = time.perf_counter()
     encoder = PromptEncoder(tokenizer, geometry.max_context)
     decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     stats = ReplayStats(budget_tokens, decode, lambda text: len(encoder.encode_texts([text])[0]) if text else 0,
                         getattr(tokenizer, "all_special_ids", ()) or (), ttl_s, pricing)
     chunk_bytes = geometry.kv_bytes_per_token * CHUNK_TOKENS
-    cache = SimCache(budget_tokens, ttl_s=ttl_s, tier_chunks=tier_bytes // chunk_bytes if tier_bytes > 0 else None)
+    cache = SimCache(budget_tokens, ttl_s=ttl_s, tier_chunks=tier_bytes // chunk_bytes if tier_bytes > 0 else None,
+                     policy=eviction_policy)
     order = LogOrder()
     records = read_log(lines, on_skip=stats.skip, strict=strict, order=order)
     stopped, now = False, 0.0

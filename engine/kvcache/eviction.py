@@ -1,0 +1,238 @@
+"""Eviction: which cached leaves go when room is needed. The one seam for the policy.
+
+Owns: ``EvictionPolicy`` (the order unlocked leaves go in, and the fair-share rule every
+policy shares), ``LeafHeap`` (the one heap of evictable leaves, which the tree keeps between
+calls) and the registry that picks a policy by name (``make_policy``; the app's
+``--eviction-policy``). Every tree takes a policy (``RadixTree(policy=...)``): the engine's
+cache, the replay's ``SimCache`` and the remote engine's shadow tree evict through it, so they
+cannot disagree. Knows nothing about tensors, pools or tiers: a node's values are opaque here,
+as in the tree.
+
+A policy is one method, ``priority(node)``: the leaf with the lowest priority goes first, ties
+by node id (older nodes first). A node's priority may never decrease while it is in the tree:
+the heap is lazy (an entry whose stamp went stale is pushed again with the node's new priority
+when it reaches the top), so the first valid entry popped is the true minimum.
+``RadixTree.check_invariants`` checks that every evictable leaf has an entry no later than its
+priority. **Adding a policy**: a subclass here with ``name``, ``priority`` and ``describe``, and
+one line in ``POLICIES``.
+
+Fair share (``evict_fair``; isolation mode): each *owner* (a namespace's part before any
+``/``, so a visitor's sub-namespaces count as theirs) may hold ``(C - PUBLIC tokens) / owners``
+tokens of a capacity of ``C``. Room for an inserting owner ``N`` is taken first from ``N``
+itself if ``N`` would end over its share, then from the owner most over its share, and only
+then in the policy's order; an owner within its share is never evicted for an owner that would
+end over its own. The ``PUBLIC`` namespace (content shipped with the app) is counted but never
+evicted for a visitor. With no inserting owner (the operator's budget shrink or offload) the
+owners over their share go first, then the policy's order, and ``PUBLIC`` last of all. Plain
+``evict`` (the operator's clear, and every cache without isolation) is the policy's order alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from engine.namespaces import owner_of
+from engine.types import PUBLIC
+
+if TYPE_CHECKING:
+    from engine.kvcache.radix_tree import Node, RadixTree
+
+Priority = tuple[float, ...]
+
+
+def attached(node: Node) -> bool:
+    """Is ``node`` still in its tree (every link up to the root intact)? A removed node keeps
+    its parent link (a listener and the tier read the path), so the links are checked."""
+    while node.parent is not None:
+        parent = node.parent
+        if not node.key or parent.children.get((node.namespace, node.key[0])) is not node:
+            return False
+        node = parent
+    return node.id == 0  # the root
+
+
+def evictable(node: Node) -> bool:
+    """An unlocked leaf that is still in the tree (the root is never one)."""
+    return node.parent is not None and not node.children and node.lock_ref == 0 and attached(node)
+
+
+class LeafHeap:
+    """Evictable leaves, lowest ``priority`` first (ties by node id).
+
+    Lazy: entries are never updated in place. An entry whose node is no longer an evictable
+    leaf is dropped when it reaches the top; one whose node's priority moved is pushed again
+    with the new one. The owner pushes every node that becomes an evictable leaf."""
+
+    def __init__(self, priority: Callable[[Node], Priority]) -> None:
+        self._priority = priority
+        self._entries: list[tuple[Priority, int, Node]] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, node: Node) -> None:
+        heapq.heappush(self._entries, (self._priority(node), node.id, node))
+
+    def rebuild(self, nodes: Iterable[Node]) -> None:
+        """Start again from ``nodes`` (the evictable leaves among them): drops stale entries."""
+        self._entries = [(self._priority(n), n.id, n) for n in nodes if evictable(n)]
+        heapq.heapify(self._entries)
+
+    def top_key(self) -> tuple[Priority, int] | None:
+        """``(priority, node id)`` of the leaf that goes first (it stays); None when none."""
+        entries = self._entries
+        while entries:
+            stamp, node_id, node = entries[0]
+            if not evictable(node):
+                heapq.heappop(entries)
+                continue
+            now = self._priority(node)
+            if stamp != now:
+                heapq.heapreplace(entries, (now, node_id, node))
+                continue
+            return stamp, node_id
+        return None
+
+    def pop(self) -> Node | None:
+        """The evictable leaf that goes first, out of the heap; None when none is left."""
+        if self.top_key() is None:
+            return None
+        return heapq.heappop(self._entries)[2]
+
+    def stamps(self) -> dict[int, Priority]:
+        """The earliest stamp held for each node id (for ``RadixTree.check_invariants``)."""
+        out: dict[int, Priority] = {}
+        for stamp, node_id, _ in self._entries:
+            if node_id not in out or stamp < out[node_id]:
+                out[node_id] = stamp
+        return out
+
+
+def fair_share(usage: Counter[str], owner: str | None, capacity_tokens: int) -> float:
+    """Tokens each owner may hold: what ``PUBLIC`` leaves of the capacity, split between the
+    owners holding tokens and ``owner`` (the one inserting, None when nobody is)."""
+    owners = {o for o, n in usage.items() if o != PUBLIC and n > 0} | ({owner} if owner is not None else set())
+    return max(0, capacity_tokens - usage[PUBLIC]) / max(1, len(owners))
+
+
+class EvictionPolicy(ABC):
+    """The order leaves go in (``priority``), and the two ways a tree evicts by it."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def priority(self, node: Node) -> Priority:
+        """Lower goes first. Must never decrease while ``node`` is in the tree."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The order in words, for the UI: "least recently used first"."""
+
+    def evict(self, tree: RadixTree, num_tokens: int, namespace: str | None, removed: list[Node]) -> list[Any]:
+        """Take leaves from ``tree.leaves`` in order until ``num_tokens`` tokens are freed or no
+        unlocked leaf is left (only ``namespace``'s, if given). Returns the freed values and
+        appends the removed nodes to ``removed``."""
+        heap, freed, aside = tree.leaves, [], []
+        while len(freed) < num_tokens:
+            node = heap.pop()
+            if node is None:
+                break
+            if namespace is not None and node.namespace != namespace:
+                aside.append(node)  # not this clear's: back in the heap afterwards
+                continue
+            freed.extend(tree.evict_leaf(node))
+            removed.append(node)
+        for node in aside:
+            heap.push(node)
+        return freed
+
+    def evict_fair(self, tree: RadixTree, num_tokens: int, owner: str | None, capacity_tokens: int,
+                   incoming: int, removed: list[Node]) -> list[Any]:
+        """The fair-share rule of the module docstring, each owner's leaves in this policy's
+        order. ``owner``: who inserts ``incoming`` tokens (None: the operator's eviction, which
+        may take ``PUBLIC`` content last)."""
+        usage = tree.owner_tokens()
+        share = fair_share(usage, owner, capacity_tokens)
+        heaps: dict[str, LeafHeap] = {}  # owner -> its evictable leaves (PUBLIC: its own heap)
+        public = LeafHeap(self.priority)
+
+        def push(n: Node) -> None:
+            if n is tree.root or n.children or n.lock_ref:
+                return
+            if n.namespace == PUBLIC:
+                if owner is None:
+                    public.push(n)
+                return
+            key = owner_of(n.namespace)
+            if key not in heaps:
+                heaps[key] = LeafHeap(self.priority)
+            heaps[key].push(n)
+
+        for n in tree.nodes():
+            push(n)
+        freed: list[Any] = []
+        while len(freed) < num_tokens:
+            ends_over = owner is not None and usage[owner] + incoming > share
+            ready = [o for o, h in heaps.items() if h.top_key() is not None]
+            over = [o for o in ready if o != owner and usage[o] > share]
+            if ends_over and owner in ready:
+                victim, heap = owner, heaps[owner]
+            elif over:
+                victim = max(over, key=lambda o: usage[o] - share)
+                heap = heaps[victim]
+            elif not ends_over and ready:
+                victim = min(ready, key=lambda o: heaps[o].top_key())
+                heap = heaps[victim]
+            elif owner is None and public.top_key() is not None:
+                victim, heap = PUBLIC, public
+            else:
+                break  # the rest would come from owners within their share: store less instead
+            node = heap.pop()
+            freed.extend(tree.evict_leaf(node))
+            usage[victim] -= len(node.key)
+            removed.append(node)
+            push(node.parent)
+        return freed
+
+
+class LRU(EvictionPolicy):
+    """Least recently used first: the leaf matched or inserted longest ago."""
+
+    name = "lru"
+
+    def priority(self, node: Node) -> Priority:
+        return (node.last_access,)
+
+    def describe(self) -> str:
+        return "least recently used first"
+
+
+class LFU(EvictionPolicy):
+    """Least frequently used first: the fewest hits (matches that reused the node), then LRU."""
+
+    name = "lfu"
+
+    def priority(self, node: Node) -> Priority:
+        return (node.hits, node.last_access)  # both only grow: the heap's rule holds
+
+    def describe(self) -> str:
+        return "least frequently used first (fewest hits, then least recently used)"
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "lfu": LFU}
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(policy: str | EvictionPolicy | None = None) -> EvictionPolicy:
+    """The policy named ``policy`` (None: the default, LRU); an instance is returned as is.
+    Raises ``ValueError`` naming the known policies for an unknown name."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    name = (policy or DEFAULT_POLICY).strip().lower()
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
+    return POLICIES[name]()
