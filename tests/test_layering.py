@@ -40,7 +40,7 @@ ANALYSIS = ("engine.lab", "engine.replay")
 # The local core: what remote mode must never load. The torch-free parts of its packages
 # (the chunk size, the scheduler's plain config, where a model's files are) may be loaded.
 LOCAL_CORE = ("engine.engine", "engine.tier_setup", "engine.kvcache", "engine.scheduler", "engine.model")
-TORCH_FREE_IN_CORE = ("engine.kvcache.radix_tree", "engine.kvcache.chunks", "engine.scheduler.config",
+TORCH_FREE_IN_CORE = ("engine.kvcache.radix_tree", "engine.kvcache.eviction", "engine.kvcache.chunks", "engine.scheduler.config",
                       "engine.model.hub")
 
 

@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
+        if x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -77,19 +77,26 @@ def can_pack(model: nn.Module) -> bool:
         p = next(model.parameters())
     except StopIteration:
         return False
-    return p.device.type == "cpu" and p.dtype == torch.float32 and _packing_works()
+    return p.device.type == "cpu" and p.dtype in PACKED_DTYPES and _packing_works(p.dtype)
+
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _packing_works() -> bool:
-    """One small packed product against ``F.linear``: any error or mismatch turns packing off."""
+def _packing_works(dtype: torch.dtype = torch.float32) -> bool:
+    """One small packed product against ``F.linear``: any error or mismatch turns packing off
+    (bfloat16 also needs a CPU with native bf16 dot products)."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
     try:
         gen = torch.Generator().manual_seed(0)
-        w, x = torch.randn(48, 32, generator=gen), torch.randn(1, 5, 32, generator=gen)
+        w, x = torch.randn(48, 32, generator=gen).to(dtype), torch.randn(1, 5, 32, generator=gen).to(dtype)
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
             got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(got, nn.functional.linear(x, w), atol=1e-4, rtol=1e-4))
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(got.float(), nn.functional.linear(x, w).float(), atol=tol, rtol=tol))
     except Exception:  # an op missing from this build, or unsupported on this CPU
         return False
 
