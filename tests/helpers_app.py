@@ -7,6 +7,7 @@ the test machine is shared and noisy)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -114,6 +115,33 @@ def first_chunk_step(engine: Engine, request_id: int) -> int | None:
 def first_token_step(engine: Engine, request_id: int) -> int | None:
     """The step that sampled ``request_id``'s first token: the one that ran its last prefill chunk."""
     return max((s.step_id for s in engine.step_log() if request_id in s.prefill_request_ids), default=None)
+
+
+class StepGate:
+    """Lets the engine's scheduler run only the steps the test allows (``allow``), so that a
+    request can arrive at an exact point of another's work whatever the machine's speed;
+    ``open`` lets every step through again. A step waits at the gate after the engine moved
+    its inbox into the scheduler, so a request that arrives meanwhile waits for that step too,
+    as one that arrives during a step does."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._scheduler = engine.scheduler
+        self._step = engine.scheduler.step
+        self._permits = threading.Semaphore(0)
+        self._open = False
+        engine.scheduler.step = self._gated  # type: ignore[method-assign]
+
+    def _gated(self):
+        if not self._open:
+            self._permits.acquire()
+        return self._step()
+
+    def allow(self, steps: int) -> None:
+        self._permits.release(steps)
+
+    def open(self) -> None:
+        self._open = True
+        self._permits.release(1)  # the step waiting at the gate now, if any
 
 
 def assert_clean(engine: Engine) -> None:
