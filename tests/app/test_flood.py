@@ -24,8 +24,15 @@ import pytest
 from engine.engine import Engine
 from engine.namespaces import owner_of
 from server.client_limits import default_max_per_client
-from tests.helpers_app import (assert_clean, first_chunk_step, first_token_step, last_step_id, launched_app,
-                               wait_for, wait_idle)
+from tests.helpers_app import (
+    assert_clean,
+    first_chunk_step,
+    first_token_step,
+    last_step_id,
+    launched_app,
+    wait_for,
+    wait_idle,
+)
 
 FLOOD = 48  # requests the flooder sends at once, as in the issue
 FLOOD_TOKENS = 512  # the issue's 3,000 tokens, scaled to the tiny model's 1,024-token context
@@ -54,6 +61,40 @@ def first_token_bound(engine: Engine, prompt_tokens: int) -> int:
     return 1 + math.ceil(prompt_tokens / (config.chunk_tokens - config.oldest_prefill_tokens))
 
 
+def _round(runner, engine: Engine, http: httpx.Client, cap: int, q: int, salted: bool):
+    """One flood and one question, both arriving while the model is held; returns the flood's
+    answers, the question's answer, its ids and the step it arrived at."""
+    answers: list[httpx.Response] = []
+    reply: list[httpx.Response] = []
+    question = _ids(10_000 + q, QUESTION_TOKENS)
+
+    def flood(i: int) -> None:
+        salt = f"invented-{q}-{i}" if salted else None
+        answers.append(_post(http, "flooder-key", _ids(100 * q + i, FLOOD_TOKENS), salt))
+
+    flooders = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
+    asker = threading.Thread(target=lambda: reply.append(_post(http, "visitor-key", question)))
+    with runner.lock:  # the model is busy: nothing finishes while the flood arrives
+        for t in flooders:
+            t.start()
+        # (The engine's worker holds the first one it took, waiting for the model, so the
+        # queue shows one fewer.)
+        wait_for(lambda: len(answers) >= FLOOD - cap and engine.stats().queue_depth >= cap - 1, what="the flood")
+        refused = [r for r in answers if r.status_code != 200]
+        assert len(refused) == FLOOD - cap
+        depth = engine.stats().queue_depth
+        for r in refused:  # the excess: refused at once, per client, with a time to retry
+            assert r.status_code == 429 and r.headers.get("retry-after"), r.text
+            assert r.json()["error"]["code"] == "too_many_requests"
+        asker.start()
+        wait_for(lambda: engine.stats().queue_depth == depth + 1, what="the question in the inbox")
+        arrived = last_step_id(engine)  # no step runs while the model is held
+    for t in [*flooders, asker]:
+        t.join(300)
+    assert reply and reply[0].status_code == 200, reply and reply[0].text
+    return answers, question, arrived
+
+
 @pytest.mark.parametrize("salted", [False, True], ids=["unsalted", "a-new-salt-each"])
 def test_a_flooding_client_gets_429s_and_another_clients_questions_are_answered_first(tiny_runner, salted):
     engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=MAX_QUEUE)
@@ -64,36 +105,8 @@ def test_a_flooding_client_gets_429s_and_another_clients_questions_are_answered_
           httpx.Client(base_url=url, timeout=300, limits=httpx.Limits(max_connections=2 * FLOOD)) as http):
         statuses: list[int] = []
         for q in range(3):
-            answers: list[httpx.Response] = []
-
-            def flood(i: int, q: int = q, answers: list = answers) -> None:
-                salt = f"invented-{q}-{i}" if salted else None
-                answers.append(_post(http, "flooder-key", _ids(100 * q + i, FLOOD_TOKENS), salt))
-
-            question = _ids(10_000 + q, QUESTION_TOKENS)
-            reply: list[httpx.Response] = []
-            flooders = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
-            asker = threading.Thread(target=lambda: reply.append(_post(http, "visitor-key", question)))
-            with tiny_runner.lock:  # the model is busy: nothing finishes while the flood arrives
-                for t in flooders:
-                    t.start()
-                # (The engine's worker holds the first one it took, waiting for the model, so the
-                # queue shows one fewer.)
-                wait_for(lambda: len(answers) >= FLOOD - cap and engine.stats().queue_depth >= cap - 1,
-                         what="the flood")
-                refused = [r for r in answers if r.status_code != 200]
-                assert len(refused) == FLOOD - cap
-                depth = engine.stats().queue_depth
-                for r in refused:  # the excess: refused at once, per client, with a time to retry
-                    assert r.status_code == 429 and r.headers.get("retry-after"), r.text
-                    assert r.json()["error"]["code"] == "too_many_requests"
-                asker.start()
-                wait_for(lambda: engine.stats().queue_depth == depth + 1, what="the question in the inbox")
-                arrived = last_step_id(engine)  # no step runs while the model is held
-            for t in [*flooders, asker]:
-                t.join(300)
+            answers, question, arrived = _round(tiny_runner, engine, http, cap, q, salted)
             statuses += [r.status_code for r in answers]
-            assert reply and reply[0].status_code == 200, reply and reply[0].text
             wait_idle(engine)
 
             records = engine.recent()

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
-from tests.helpers_app import (StepGate, assert_clean, first_chunk_step, first_token_step, last_step_id, wait_for,
-                               wait_idle)
+from tests.helpers_app import (
+    StepGate,
+    assert_clean,
+    first_chunk_step,
+    first_token_step,
+    last_step_id,
+    wait_for,
+    wait_idle,
+)
 
 
 def _ids(start: int, n: int) -> tuple[int, ...]:
