@@ -283,15 +283,22 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.runner import ModelRunner
 
     print(f"loading {args.model} ...", flush=True)
+    rss_before_model = rss_bytes()
     try:
         runner = ModelRunner(load_model(args.model, device=args.device))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    rss_model = rss_bytes()
     print(f"model: {runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})", flush=True)
     scale = Scale(args.flood, args.flood_tokens, args.questions, args.long_tokens, args.max_new_tokens)
     results = run_bench(runner, scenarios, scale, log=lambda s: print(s, flush=True))
     print(format_results(results), flush=True)
+    if results:
+        peak = max(r.rss_peak for r in results)
+        print(f"resident memory: {rss_before_model / 2**20:,.0f} MiB before the model, {rss_model / 2**20:,.0f} MiB "
+              f"with it loaded; peak {peak / 2**20:,.0f} MiB while serving, each scenario's growth allowed: "
+              f"KV budget + the timer's scratch bound + {RSS_OVERHEAD_MB} MiB", flush=True)
     return 0 if all(r.ok for r in results) else 1
 
 
