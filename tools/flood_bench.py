@@ -6,8 +6,8 @@ from this machine's address) and runs issue 28's scenarios, each on a fresh engi
 same loaded model:
 
 - ``flood``: one client sends ``--flood`` requests of ``--flood-tokens`` tokens at once over
-  ``/v1``, unsalted, and another client asks ``--questions`` questions, one after another, each
-  while a new flood arrives;
+  ``/v1/completions``, unsalted, and another client asks ``--questions`` chat questions over
+  ``/v1/chat/completions``, one after another, each while a new flood arrives;
 - ``salted``: the same, every flood request with a ``cache_salt`` of its own;
 - ``long``: one visitor runs two ``--long-tokens``-token prompts at once, another asks;
 - ``start``: the app just started (warm start done, the growth curve begun in the background),
@@ -107,19 +107,22 @@ def _post(http: httpx.Client, who: str, body: dict) -> httpx.Response:
     return http.post("v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[who]}"})
 
 
-def ask(http: httpx.Client, who: str, prompt: str, max_tokens: int, refused: list[str]) -> float | None:
-    """Stream one question; seconds from sending to its first text (None: refused or empty)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def ask(http: httpx.Client, who: str, question: str, max_tokens: int, refused: list[str]) -> float | None:
+    """Ask one chat question, streamed; seconds from sending to its first text (or to its end,
+    should the model end at once). None: refused."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
     t0 = time.perf_counter()
     first = None
-    with http.stream("POST", "v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[who]}"}) as r:
+    with http.stream("POST", "v1/chat/completions", json=body,
+                     headers={"Authorization": f"Bearer {KEYS[who]}"}) as r:
         if r.status_code != 200:
             refused.append(f"{r.status_code}: {r.read()[:200]!r}")
             return None
         for line in r.iter_lines():
             if first is None and line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason"):
                     first = time.perf_counter() - t0
     return first
 
