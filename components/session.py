@@ -1,5 +1,6 @@
 """Visitor identity and what may be shared: the server sets each visitor's cache
-namespace from a secret salt and Gradio's session hash; a client cannot choose it.
+namespace from a secret salt, the address the page is served to and Gradio's session
+hash; a client cannot choose it.
 
 Privacy rules in isolation mode (on by default on Spaces):
 
