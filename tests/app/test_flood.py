@@ -46,11 +46,16 @@ def _ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(1000, 20_000) for _ in range(n)]
 
 
-def _post(http: httpx.Client, key: str, ids: list[int], salt: str | None = None) -> httpx.Response:
-    body: dict = {"prompt": ids, "max_tokens": 4, "temperature": 0}
+def _post(http: httpx.Client, key: str, ids: list[int], salt: str | None, seen: list[int]) -> httpx.Response:
+    """Send one streamed request; its status goes to ``seen`` as soon as it is known: a 200 once
+    the engine holds the request (the stream starts after ``submit``), or a refusal."""
+    body: dict = {"prompt": ids, "max_tokens": 4, "temperature": 0, "stream": True}
     if salt is not None:
         body["cache_salt"] = salt
-    return http.post("v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    with http.stream("POST", "v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        seen.append(r.status_code)
+        r.read()
+    return r
 
 
 def first_token_bound(engine: Engine, prompt_tokens: int) -> int:
@@ -62,36 +67,34 @@ def first_token_bound(engine: Engine, prompt_tokens: int) -> int:
 
 
 def _round(runner, engine: Engine, http: httpx.Client, cap: int, q: int, salted: bool):
-    """One flood and one question, both arriving while the model is held; returns the flood's
-    answers, the question's answer, its ids and the step it arrived at."""
+    """One flood and one question, both in the engine (or refused) while the model is held;
+    returns the flood's answers, the question's ids and the step it arrived at."""
     answers: list[httpx.Response] = []
-    reply: list[httpx.Response] = []
+    seen: list[int] = []
+    asked: list[int] = []
     question = _ids(10_000 + q, QUESTION_TOKENS)
 
     def flood(i: int) -> None:
         salt = f"invented-{q}-{i}" if salted else None
-        answers.append(_post(http, "flooder-key", _ids(100 * q + i, FLOOD_TOKENS), salt))
+        answers.append(_post(http, "flooder-key", _ids(100 * q + i, FLOOD_TOKENS), salt, seen))
 
     flooders = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
-    asker = threading.Thread(target=lambda: reply.append(_post(http, "visitor-key", question)))
+    asker = threading.Thread(target=lambda: _post(http, "visitor-key", question, None, asked))
     with runner.lock:  # the model is busy: nothing finishes while the flood arrives
         for t in flooders:
             t.start()
-        # (The engine's worker holds the first one it took, waiting for the model, so the
-        # queue shows one fewer.)
-        wait_for(lambda: len(answers) >= FLOOD - cap and engine.stats().queue_depth >= cap - 1, what="the flood")
-        refused = [r for r in answers if r.status_code != 200]
-        assert len(refused) == FLOOD - cap
-        depth = engine.stats().queue_depth
-        for r in refused:  # the excess: refused at once, per client, with a time to retry
-            assert r.status_code == 429 and r.headers.get("retry-after"), r.text
-            assert r.json()["error"]["code"] == "too_many_requests"
+        wait_for(lambda: len(seen) == FLOOD, what="the flood")  # each one refused, or held by the engine
+        assert sorted(seen) == [200] * cap + [429] * (FLOOD - cap), seen
         asker.start()
-        wait_for(lambda: engine.stats().queue_depth == depth + 1, what="the question in the inbox")
+        wait_for(lambda: len(asked) == 1, what="the question")
+        assert asked == [200]
         arrived = last_step_id(engine)  # no step runs while the model is held
     for t in [*flooders, asker]:
         t.join(300)
-    assert reply and reply[0].status_code == 200, reply and reply[0].text
+    for r in answers:
+        if r.status_code != 200:  # the excess: refused at once, per client, with a time to retry
+            assert r.status_code == 429 and r.headers.get("retry-after"), r.text
+            assert r.json()["error"]["code"] == "too_many_requests"
     return answers, question, arrived
 
 
