@@ -25,8 +25,7 @@ from components.format import fmt_tokens
 from components.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from engine.api import EngineAPI
-from engine.namespaces import owner_of
-from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
+from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, is_own
 from engine.types import RequestMetrics, StepRecord
 
 SHOWN_FORWARDS = 120
@@ -38,7 +37,7 @@ REMOTE_EMPTY = "Remote server: it schedules its own requests, so there are no fo
 def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -> bool:
     if rec.request_ids[i] in my_ids:
         return True
-    return namespace is not None and owner_of(rec.namespaces[i]) == owner_of(namespace)
+    return namespace is not None and is_own(namespace, rec.namespaces[i])
 
 
 def _exact(rec: StepRecord, namespace: str | None, my_ids: set[int]) -> bool:

@@ -1,10 +1,17 @@
 """Visitor identity and what may be shared: the server sets each visitor's cache
-namespace from a secret salt and Gradio's session hash; a client cannot choose it.
+namespace from a secret salt, the address the page is served to and Gradio's session
+hash; a client cannot choose it.
 
 Privacy rules in isolation mode (on by default on Spaces):
 
-- a visitor's text is cached under ``v-<hmac(salt, session)>``, so no other visitor
-  gets a cache hit on it (a hit is visible in time to first token);
+- a visitor's text is cached under ``v-<hmac(salt, origin)>/s-<hmac(salt, session)>``: the
+  session (a page tab) is the namespace, so no other visitor, nor another tab, gets a cache
+  hit on it (a hit is visible in time to first token), and sees only its own in the views;
+- the part before ``/`` is the visitor's *owner*: the address the page is served to
+  (``server.request_guard.connection_origin``, the same rule the API's per-client limits
+  count by). Fair shares of the cache and the scheduler's turns count per owner, so tabs or
+  invented session hashes from one address cannot multiply a share, just as ``cache_salt``
+  values cannot for an API client;
 - a request with no session gets a namespace of its own, never the shared one;
 - a panel that needs several namespaces per visitor (one per ordering variant) uses
   ``sub_namespace``, which stays inside the visitor's own;
@@ -22,19 +29,30 @@ from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_s
 from engine.api import EngineAPI
 from engine.namespaces import secret_name
 from engine.types import PUBLIC
+from server.request_guard import connection_origin
 
 _SALT = secrets.token_bytes(16)  # per server process, never sent to a client
 
 
 def visitor_namespace(request, engine: EngineAPI | None = None) -> str:
-    """A private namespace for this visitor's session; ``PUBLIC`` (everything shared)
-    when the engine does not isolate visitors or there is no session."""
+    """A private namespace for this visitor's session, inside its owner (its address);
+    ``PUBLIC`` (everything shared) when the engine does not isolate visitors."""
     if engine is not None and not engine.isolation:
         return PUBLIC
     session = getattr(request, "session_hash", None) if request is not None else None
     if not session:  # nothing to tell this caller apart by: share nothing with anyone
         return "v-anon-" + secrets.token_hex(6)
-    return secret_name("v-", _SALT, str(session), 12)
+    owner = secret_name("v-", _SALT, "origin\0" + origin_of(request), 12)
+    return f"{owner}/{secret_name('s-', _SALT, str(session), 12)}"
+
+
+def origin_of(request) -> str:
+    """The address a page request comes from (``connection_origin``); "unknown" without one."""
+    headers = getattr(request, "headers", None)
+    if headers is None or not hasattr(headers, "get"):
+        headers = {}
+    client = getattr(request, "client", None)
+    return connection_origin(headers, getattr(client, "host", None))
 
 
 def sub_namespace(request, engine: EngineAPI | None, name: str) -> str:

@@ -2,8 +2,8 @@
 have queued or running at once.
 
 Owns: ``client_identity`` (the API key a request carries, when the server takes keys; else the
-address it connects from: the socket's peer, or on Hugging Face Spaces the address the Space's
-proxy appends last to ``X-Forwarded-For``, the one entry a client cannot forge) and
+address it connects from, ``request_guard.connection_origin``: the socket's peer, or on Hugging
+Face Spaces the address the Space's proxy appends last to ``X-Forwarded-For``) and
 ``ClientLimits``, a count of each client's requests in flight (queued or running) with a cap:
 past it the request is refused at once with 429 and ``Retry-After``, so one client never fills
 the engine's shared inbox (``max_queue``) and inventing ``cache_salt`` values buys nothing.
@@ -13,10 +13,10 @@ Knows nothing about the engine or the model.
 
 from __future__ import annotations
 
-import os
 import threading
 
 from server.openai_protocol import ApiError
+from server.request_guard import connection_origin
 
 
 def client_identity(headers, peer: str | None, keyed: bool) -> str:
@@ -25,11 +25,7 @@ def client_identity(headers, peer: str | None, keyed: bool) -> str:
     if keyed:
         given = headers.get("authorization", "")
         return "key:" + given.removeprefix("Bearer ").strip()
-    if os.environ.get("SYSTEM") == "spaces":  # behind the Space's proxy: the hop it appended
-        forwarded = [part.strip() for part in headers.get("x-forwarded-for", "").split(",") if part.strip()]
-        if forwarded:
-            return "addr:" + forwarded[-1]
-    return "addr:" + (peer or "unknown")
+    return "addr:" + connection_origin(headers, peer)
 
 
 def default_max_per_client(isolation: bool, max_queue: int) -> int | None:

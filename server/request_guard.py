@@ -6,13 +6,16 @@ whole state to a file that is then served), upload-progress, recording and run-h
 routes answer 404 before Gradio sees them, and every request body is capped at
 ``MAX_BODY_BYTES`` (413), with or without a Content-Length: the one body limit of the server
 (the API reads it from here). ``guard_middleware`` is what
-``launch(app_kwargs={"middleware": ...})`` takes. Knows nothing about Gradio's Blocks or the engine.
+``launch(app_kwargs={"middleware": ...})`` takes. Also the one rule for where a request comes
+from (``connection_origin``), which the API's per-client limits and the page's visitor
+namespaces both count by. Knows nothing about Gradio's Blocks or the engine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 
 from starlette.requests import ClientDisconnect
@@ -24,6 +27,19 @@ MAX_BODY_BYTES = 2**20
 # Routes that accept files or write them: the app takes no files and shares no session state.
 REFUSED_PATH = re.compile(r"(^|/)gradio_api/(upload|upload_progress|deep_link|process_recording)/?$"
                           r"|(^|/)(gradio_api/)?(run-history|vibe-|undo-vibe-|proxy=)")
+
+
+def connection_origin(headers, peer: str | None) -> str:
+    """The address a request comes from, as a public deployment counts clients: on Hugging Face
+    Spaces the address the Space's proxy appends last to ``X-Forwarded-For`` (the one entry a
+    client cannot forge), else the socket's peer. ``headers``: a mapping with ``get`` (HTTP
+    header names in lower case, as Starlette and Gradio give them)."""
+    if os.environ.get("SYSTEM") == "spaces":  # behind the Space's proxy: the hop it appended
+        forwarded = [part.strip() for part in str(headers.get("x-forwarded-for", "") or "").split(",")
+                     if part.strip()]
+        if forwarded:
+            return forwarded[-1]
+    return peer or "unknown"
 
 
 class BodyTooLarge(ClientDisconnect):

@@ -1,10 +1,13 @@
 """Helpers for tests that launch the app: a free port, the app launched in-process on it
 (the same Blocks and queue settings as ``python app.py``), gradio_client visitors, what a
-visitor was shown (streamed outputs and warning toasts), and the engine's idle checks."""
+visitor was shown (streamed outputs and warning toasts), the engine's idle checks, and
+counting scheduler steps from the step log (fairness asserted in steps, never in seconds:
+the test machine is shared and noisy)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,14 +30,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def launched_app(engine: Engine, max_queue: int = 32) -> Iterator[str]:
-    """``app.build_app(engine)`` served on a free local port; yields its URL."""
+def launched_app(engine: Engine, max_queue: int = 32, api_key: str | None = None,
+                 max_per_client: int | None = None) -> Iterator[str]:
+    """``app.build_app(engine)`` served on a free local port (with ``api_key`` and
+    ``max_per_client`` as ``python app.py`` takes them); yields its URL."""
     import app
     from components.demo import launch_kwargs
 
     demo = app.build_app(engine, max_queue)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
-                **launch_kwargs(app.app_kwargs(engine)))
+                **launch_kwargs(app.app_kwargs(engine, api_key, max_per_client)))
     try:
         yield demo.local_url
     finally:
@@ -85,6 +90,58 @@ def wait_idle(engine: Engine, timeout_s: float = 120.0) -> None:
         busy = engine.stats().queue_depth > 0 or engine.runner.lock.locked()
         quiet = 0 if busy else quiet + 1
         time.sleep(0.05)
+
+
+def wait_for(cond, timeout_s: float = 60.0, what: str = "a condition") -> None:
+    """Poll ``cond`` until it is true (a deadline only against a hang, never a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def last_step_id(engine: Engine) -> int:
+    """The id of the scheduler's last logged step (0 before any)."""
+    log = engine.step_log(1)
+    return log[-1].step_id if log else 0
+
+
+def first_chunk_step(engine: Engine, request_id: int) -> int | None:
+    """The step of ``request_id``'s first prefill chunk (it was admitted then or before)."""
+    return min((s.step_id for s in engine.step_log() if request_id in s.prefill_request_ids), default=None)
+
+
+def first_token_step(engine: Engine, request_id: int) -> int | None:
+    """The step that sampled ``request_id``'s first token: the one that ran its last prefill chunk."""
+    return max((s.step_id for s in engine.step_log() if request_id in s.prefill_request_ids), default=None)
+
+
+class StepGate:
+    """Lets the engine's scheduler run only the steps the test allows (``allow``), so that a
+    request can arrive at an exact point of another's work whatever the machine's speed;
+    ``open`` lets every step through again. A step waits at the gate after the engine moved
+    its inbox into the scheduler, so a request that arrives meanwhile waits for that step too,
+    as one that arrives during a step does."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._scheduler = engine.scheduler
+        self._step = engine.scheduler.step
+        self._permits = threading.Semaphore(0)
+        self._open = False
+        engine.scheduler.step = self._gated  # type: ignore[method-assign]
+
+    def _gated(self):
+        if not self._open:
+            self._permits.acquire()
+        return self._step()
+
+    def allow(self, steps: int) -> None:
+        self._permits.release(steps)
+
+    def open(self) -> None:
+        self._open = True
+        self._permits.release(1)  # the step waiting at the gate now, if any
 
 
 def assert_clean(engine: Engine) -> None:

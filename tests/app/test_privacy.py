@@ -58,6 +58,28 @@ def test_visitor_namespace_is_set_by_the_server(isolated, shared):
     assert sub_namespace(session("a"), shared, "lab-1") == "lab-1"
 
 
+def test_page_visitors_share_one_owner_per_address_but_never_a_namespace(isolated, monkeypatch):
+    """Fair shares and turns count per address (the owner, before the ``/``), like the API's
+    per-client limits, so more tabs or invented session hashes buy no more; each tab keeps a
+    namespace of its own (no hits, no text across tabs). On Spaces the proxy's last
+    ``X-Forwarded-For`` hop is the address, whatever a client put before it."""
+    from engine.namespaces import owner_of
+    from engine.snapshot_view import is_own
+
+    def tab(session: str, host: str, forwarded: str = "") -> SimpleNamespace:
+        return SimpleNamespace(session_hash=session, client=SimpleNamespace(host=host),
+                               headers={"x-forwarded-for": forwarded} if forwarded else {})
+
+    a1, a2, b = (visitor_namespace(t, isolated) for t in (tab("s1", "10.0.0.1"), tab("s2", "10.0.0.1"),
+                                                              tab("s3", "10.0.0.2")))
+    assert owner_of(a1) == owner_of(a2) != owner_of(b)
+    assert a1 != a2 and not is_own(a1, a2) and not is_own(a2, a1)  # one address, two private tabs
+    assert "10.0.0.1" not in a1 and "s1" not in a1  # digests: neither the address nor the session shows
+    monkeypatch.setenv("SYSTEM", "spaces")
+    forged = visitor_namespace(tab("s4", "10.9.9.9", "6.6.6.6, 10.0.0.1"), isolated)
+    assert owner_of(forged) == owner_of(a1)  # the hop the proxy appended counts, not the client's own
+
+
 def test_isolation_flag_defaults(monkeypatch):
     for var in ("SYSTEM", "RADIX_ISOLATE"):
         monkeypatch.delenv(var, raising=False)
@@ -231,7 +253,8 @@ def test_two_gradio_visitors(tiny_runner, isolation):
         assert flat_text(out_a[0][0]["content"]) == "What is my PIN?"
         assert _served(out_a[3]) == 0
         a.predict("Also remember code 777-ALPHA.", out_a[0], CUSTOM_SYSTEM, SECRET, 3, False, api_name="/chat")
-        ns_b = visitor_namespace(SimpleNamespace(session_hash=b.session_hash), engine)
+        ns_b = visitor_namespace(SimpleNamespace(session_hash=b.session_hash, client=SimpleNamespace(host="127.0.0.1")),
+                                 engine)
         tree_b = engine.snapshot(viewer=ns_b)
         api = b.view_api(print_info=False, return_format="dict")["named_endpoints"]
         tree_b_api = str(b.predict(api_name="/tree_snapshot")) if "/tree_snapshot" in api else None

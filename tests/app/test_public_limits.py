@@ -171,3 +171,31 @@ def test_a_stream_closed_by_its_client_gives_its_place_back(tiny_runner):
         assert r.status_code == 200
     wait_idle(engine)
     assert_clean(engine)
+
+
+def test_page_tabs_from_one_address_are_one_owner_over_the_real_page(tiny_runner):
+    """Three page sessions (tabs) from this machine's one address ask at once: each runs in a
+    namespace of its own, all inside one owner, so they take turns as one visitor (one running
+    request at a time) while their texts stay apart."""
+    from components.chat_presets import DEFAULT_SYSTEM
+
+    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+    with launched_app(engine) as url:
+        tabs = [visitor(url) for _ in range(3)]
+        assert len({t.session_hash for t in tabs}) == 3
+        with tiny_runner.lock:  # all three are in the engine before any runs
+            jobs = [t.submit(f"Tab {i} asks.", [], DEFAULT_SYSTEM, "", 3, False, api_name="/chat")
+                    for i, t in enumerate(tabs)]
+            _wait(lambda: engine.stats().queue_depth >= 2)
+        for job in jobs:
+            job.result(timeout=120)
+        wait_idle(engine)
+    chats = [m for m in engine.recent() if m.tag == "chat"]
+    assert len(chats) == 3
+    assert len({m.namespace for m in chats}) == 3  # a namespace per tab
+    owners = {owner_of(m.namespace) for m in chats}
+    assert len(owners) == 1  # one owner per address
+    owner = next(iter(owners))
+    for rec in engine.step_log():
+        assert sum(owner_of(ns) == owner for ns in rec.namespaces) <= 1, rec
+    assert_clean(engine)

@@ -1,12 +1,22 @@
 """Fair share and fair turns from the scheduler's side (issue 28), on the tiny random Llama:
-internal work (the no-reuse baseline) charged to the visitor who asked for it, and a minimum
-prefill share for the oldest prompt under steady arrivals."""
+internal work (the no-reuse baseline) charged to the visitor who asked for it, a minimum
+prefill share for the oldest prompt under steady arrivals, and another visitor's first token
+within a bounded number of steps while one visitor runs two long prompts (counted in steps
+from the step log, never in seconds: the test machine is shared)."""
 
 from __future__ import annotations
 
 from engine.engine import Engine
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
-from tests.helpers_app import assert_clean, wait_idle
+from tests.helpers_app import (
+    StepGate,
+    assert_clean,
+    first_chunk_step,
+    first_token_step,
+    last_step_id,
+    wait_for,
+    wait_idle,
+)
 
 
 def _ids(start: int, n: int) -> tuple[int, ...]:
@@ -91,3 +101,39 @@ def test_oldest_prompt_gets_a_minimum_prefill_share_under_steady_arrivals(tiny_r
     first, arrivals = _starvation_run(tiny_runner, share=0.25, seconds=60.0)
     assert first is not None, "the long prompt starved under steady arrivals"
     assert arrivals > 10  # the arrivals really were steady meanwhile
+
+
+def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_runner):
+    """Visitor A sends two long prompts (measuring the no-reuse baseline, as the few-shot tab does);
+    B asks a short question once A's first is two chunks into its prefill. B is admitted at once
+    (A's second waits for A's first: one running request per visitor) and its prompt goes ahead
+    of A's remaining chunks but for the oldest prompt's minimum share: its first token comes
+    within ``2 + ceil(question / (chunk - oldest share))`` steps of its arrival (the step under
+    way when it arrives, the one where A's first takes the budget, then its own chunks), and
+    before A's second starts."""
+    import math
+
+    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+    config = engine.scheduler.config
+    question = _ids(7000, 48)
+    bound = 2 + math.ceil(len(question) / (config.chunk_tokens - config.oldest_prefill_tokens))
+    long_a = [_ids(2000, 900), _ids(4000, 900)]
+    gate = StepGate(engine)
+    try:
+        a = [engine.submit(GenerationRequest(prompt_ids=ids, namespace="v-a", measure_baseline=True,
+                                             sampling=SamplingParams(max_new_tokens=8))) for ids in long_a]
+        gate.allow(2)
+        wait_for(lambda: last_step_id(engine) == 2, what="A's first two chunks")
+        assert [first_chunk_step(engine, h.request_id) for h in a] == [1, None]
+        b = engine.submit(GenerationRequest(prompt_ids=question, namespace="v-b",
+                                            sampling=SamplingParams(max_new_tokens=4)))
+        arrived = last_step_id(engine)
+    finally:
+        gate.open()
+    for h in [b, *a]:
+        assert list(h)[-1].done  # every stream ends with its result
+    wait_idle(engine)
+    token_at = first_token_step(engine, b.request_id)
+    assert token_at is not None and token_at - arrived <= bound, (token_at, arrived, bound)
+    assert first_chunk_step(engine, a[1].request_id) > token_at, "A's second ran before B's first token"
+    assert_clean(engine)
