@@ -69,6 +69,9 @@ class KVBookkeeping:
         self.cached_tokens, self.path = rs.cached_tokens, rs.path
         self.tier_tokens, self.tier_load_ms = rs.tier_tokens, rs.tier_load_ms
 
+    def hold_baseline(self, rs: RequestSlots) -> None:
+        self.baseline_slots = rs
+
     def adopted(self, num_tokens: int) -> None:
         """``num_tokens`` of its KV passed to the tree as new tokens."""
         self.inserted_tokens += num_tokens
@@ -111,6 +114,9 @@ class Answer:
         self.text = self._detokenizer.text
         return self.text
 
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+
     def settle_text(self, decode: Callable[[Sequence[int]], str]) -> None:
         self.text = decode(self.out_ids)
 
@@ -141,8 +147,14 @@ class Timings:
         if self.first_token_at is None:
             self.first_token_at = now
 
+    def token_streamed(self, now: float) -> None:
+        self.last_token_at = now
+
     def baseline_forward(self, duration_ms: float) -> None:
         self.baseline_ms = (self.baseline_ms or 0.0) + duration_ms
+
+    def drop_baseline(self) -> None:
+        self.baseline_ms = None
 
 
 @dataclass
@@ -272,7 +284,7 @@ class Request:
             raise IllegalTransition(f"a token appended in state {self.state.value}")
         if len(self.answer.out_ids) >= self.max_new_tokens:
             raise IllegalTransition("more tokens than max_new_tokens")
-        self.timings.last_token_at = now
+        self.timings.token_streamed(now)
         return self.answer.append(token_id, decode)
 
     def adopted(self, num_tokens: int) -> None:
@@ -283,7 +295,7 @@ class Request:
         """The answer is over (``reason``: "stop", "length" or "cancelled"); once only."""
         _require(self.answer.finish_reason is None, f"finished twice ({self.answer.finish_reason}, then {reason})")
         _require(self.state in (State.PREFILL, State.DECODE), f"finish in state {self.state.value}")
-        self.answer.finish_reason = reason
+        self.answer.finish(reason)
 
     def hand_back_slots(self) -> list[RequestSlots]:
         """Every slot set it holds, now held by nobody: the caller releases them to the cache."""
@@ -293,8 +305,9 @@ class Request:
         """The no-reuse prefill, into ``rs`` (slots of its own), after the answer."""
         _require(self.answer.finish_reason is not None and self.state in (State.PREFILL, State.DECODE),
                  f"baseline in state {self.state.value} before the answer finished")
+        _require(not self.kv.holds_slots, "the baseline starts once the answer's slots are handed back")
         _require(rs.cached_tokens == 0, "the no-reuse prefill reuses nothing")
-        self.kv.baseline_slots = rs
+        self.kv.hold_baseline(rs)
         self.state = State.BASELINE
 
     def complete_baseline_chunk(self, start: int, num_tokens: int, duration_ms: float) -> bool:
@@ -311,7 +324,7 @@ class Request:
     def drop_baseline(self) -> None:
         """Cancelled while measuring the no-reuse prefill: the figure is not reported."""
         _require(self.state is State.BASELINE, f"drop the baseline in state {self.state.value}")
-        self.timings.baseline_ms = None
+        self.timings.drop_baseline()
 
     def leave(self) -> None:
         """Out of the scheduler (done or failed), its slots already handed back."""

@@ -270,9 +270,16 @@ def test_the_baseline_waits_for_the_answer_and_reuses_nothing():
         r.start_baseline(own)  # the answer has not finished
     r.finish("length")
     with pytest.raises(IllegalTransition):
+        r.start_baseline(own)  # the answer's slots are not handed back yet
+    r.hand_back_slots()
+    with pytest.raises(IllegalTransition):
         r.start_baseline(slots_for(r, 2))  # a cached prefix is not a from-scratch prefill
     with pytest.raises(IllegalTransition):
-        r.drop_baseline()
+        r.drop_baseline()  # no baseline to drop
+    r.start_baseline(own)
+    assert r.state is State.BASELINE
+    with pytest.raises(IllegalTransition):
+        r.start_baseline(own)  # once
 
 
 def test_policy_memo_reports_a_queue_place_once():
