@@ -361,32 +361,32 @@ class Engine(FacadeBase):
             r.end(self._record(r))
 
     def _record(self, r: Request) -> RequestMetrics:
-        req, ids, out_ids = r.req, r.ids, r.out_ids
+        req, ids, out_ids, t, kv = r.req, r.ids, r.answer.out_ids, r.timings, r.kv
         now = time.perf_counter()
         arrived = r.handle.submitted_at
-        admitted = r.admitted_at if r.admitted_at is not None else now
+        admitted = t.admitted_at if t.admitted_at is not None else now
         queue_ms = (admitted - arrived) * 1000
         # From arrival, as vLLM counts it, so queueing shows; None for a request cancelled
         # before its first token (it never had one).
-        ttft_ms = (r.first_token_at - arrived) * 1000 if r.first_token_at is not None else None
+        ttft_ms = (t.first_token_at - arrived) * 1000 if t.first_token_at is not None else None
         decode_tps = None
-        if len(out_ids) > 1 and r.first_token_at is not None and r.last_token_at is not None:
-            span = r.last_token_at - r.first_token_at
+        if len(out_ids) > 1 and t.first_token_at is not None and t.last_token_at is not None:
+            span = t.last_token_at - t.first_token_at
             decode_tps = (len(out_ids) - 1) / span if span > 0 else None
-        cached, prefill_ms, baseline_ms = r.cached_tokens, r.prefill_ms, r.baseline_ms
-        sizes = r.batch_sizes or [1]
+        cached = kv.cached_tokens
+        sizes = t.batch_sizes or [1]
         with self._stats_lock:
             m = RequestMetrics(
                 request_id=r.request_id, tag=req.tag, namespace=r.key.namespace, prompt_tokens=len(ids),
-                cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=prefill_ms,
-                baseline_prefill_ms=baseline_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
+                cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=t.prefill_ms,
+                baseline_prefill_ms=t.baseline_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
                 decode_tokens_per_s=decode_tps, output_tokens=len(out_ids), finish_reason=r.finish_reason,
                 cache_bytes=self.cache.bytes_in_use, cache_budget_bytes=self.cache.budget_bytes,
-                evicted_tokens=self.cache.evicted_tokens, inserted_tokens=r.inserted_tokens,
-                matched_path=list(r.path), prompt_ids=list(ids), output_ids=list(out_ids), output_text=r.text,
-                finished_at=time.time(), batch_size_max=max(sizes), batch_size_mean=sum(sizes) / len(sizes),
-                prefill_chunks=max(1, r.prefill_chunks), prefill_shared_step=r.prefill_shared_step,
-                tier_tokens=r.tier_tokens, tier_load_ms=r.tier_load_ms)
+                evicted_tokens=self.cache.evicted_tokens, inserted_tokens=kv.inserted_tokens,
+                matched_path=list(kv.path), prompt_ids=list(ids), output_ids=list(out_ids),
+                output_text=r.answer.text, finished_at=time.time(), batch_size_max=max(sizes),
+                batch_size_mean=sum(sizes) / len(sizes), prefill_chunks=max(1, t.prefill_chunks),
+                prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms)
             return self._add_record(m)
 
     def prefill_timer(self):

@@ -54,7 +54,7 @@ def _prefix_being_computed(r: Request, state: SchedulerState, cache: PrefixCache
     if not cache.enabled:
         return False
     cached = cache.match_len(r.key)
-    r.match_len, r.match_checked_at = cached, time.perf_counter()
+    r.memo.matched(cached, time.perf_counter())
     for p in state.running:
         if p.state is not State.PREFILL:
             continue
@@ -84,13 +84,7 @@ def _try_admit(r: Request, state: SchedulerState, cache: PrefixCache, failed: Fa
         failed.append((r, _no_room(r, cache, state.config.isolation)))
         return False
     state.waiting.remove(r)
-    r.slots = rs
-    r.cached_tokens, r.path = rs.cached_tokens, rs.path
-    r.tier_tokens, r.tier_load_ms = rs.tier_tokens, rs.tier_load_ms
-    r.admitted_at = t0
-    r.state = State.PREFILL
-    r.prefill_ms = (time.perf_counter() - t0) * 1000  # match and slot bookkeeping
-    r.seed_generator()
+    r.admit(rs, t0, time.perf_counter())  # prefill_ms starts with the match and slot bookkeeping
     state.running.append(r)
     return True
 

@@ -32,12 +32,12 @@ def start(r: Request, cache: PrefixCache) -> bool:
     enter ``State.BASELINE``; False (skipped) when the pool has no room for it."""
     # Charged to the visitor who asked: in isolation mode, room comes from their own share
     # (fair eviction), never from shipped content or another visitor within theirs.
-    r.baseline_slots = cache.acquire(CacheKey((), r.namespace), 0, len(r.ids))
-    if r.baseline_slots is None:
+    rs = cache.acquire(CacheKey((), r.namespace), 0, len(r.ids))
+    if rs is None:
         return False
-    r.state = State.BASELINE
-    r.emit(GenerationEvent(text=r.text, phase="baseline", prompt_tokens=len(r.ids), cached_tokens=r.cached_tokens,
-                           prefilled_tokens=len(r.ids)))
+    r.start_baseline(rs)
+    r.emit(GenerationEvent(text=r.answer.text, phase="baseline", prompt_tokens=len(r.ids),
+                           cached_tokens=r.kv.cached_tokens, prefilled_tokens=len(r.ids)))
     return True
 
 
@@ -49,8 +49,8 @@ def batches(running: list[Request], budget: int, config: SchedulerConfig) -> Ite
     for r in [r for r in running if r.state is State.BASELINE]:
         if budget <= 0:
             return
-        assert r.baseline_slots is not None
-        start_at = r.baseline_slots.length
+        assert r.kv.baseline_slots is not None
+        start_at = r.kv.baseline_slots.length
         n = min(len(r.ids) - start_at, budget)
         budget -= n
         yield Batch("baseline", (Chunk(r, start_at, n),))

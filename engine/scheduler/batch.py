@@ -49,7 +49,7 @@ class Batch:
         return [c.request for c in self.chunks] + list(self.decoding)
 
     def slots_of(self, r: Request) -> RequestSlots:
-        rs = r.baseline_slots if self.kind == "baseline" else r.slots
+        rs = r.kv.baseline_slots if self.kind == "baseline" else r.kv.slots
         assert rs is not None
         return rs
 
@@ -60,7 +60,7 @@ class Batch:
             segs.append(PagedSegment(c.request.ids[c.start:c.start + c.num_tokens], c.start, rs.slots, rs.runs()))
         for r in self.decoding:
             rs = self.slots_of(r)
-            segs.append(PagedSegment([r.out_ids[-1]], rs.length, rs.slots, rs.runs()))
+            segs.append(PagedSegment([r.answer.out_ids[-1]], rs.length, rs.slots, rs.runs()))
         return segs
 
 
@@ -86,7 +86,7 @@ def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tup
         n = min(len(oldest.ids) - oldest.prefilled, oldest_min_tokens, budget)
         take[oldest.seq] = n
         budget -= n
-    order = sorted(prefills, key=lambda r: (r.prefill_chunks, r.seq))
+    order = sorted(prefills, key=lambda r: (r.timings.prefill_chunks, r.seq))
     for r in order:
         if budget <= 0:
             break

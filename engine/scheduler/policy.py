@@ -34,15 +34,14 @@ def ordered_waiting(waiting: list[Request], running: list[Request], cache: Prefi
     fcfs = len(waiting) > config.lpm_queue_limit
     if not fcfs:
         for r in waiting:
-            if now - r.match_checked_at > config.match_refresh_s:
-                r.match_len = cache.match_len(r.key)
-                r.match_checked_at = now
+            if now - r.memo.match_checked_at > config.match_refresh_s:
+                r.memo.matched(cache.match_len(r.key), now)
     active = running_per_visitor(running)
 
     def order(r: Request) -> tuple:
         if now - r.handle.submitted_at > config.max_wait_s:
             return (0, 0, 0, r.seq)
-        return (1, active.get(owner_of(r.namespace), 0), 0 if fcfs else -r.match_len, r.seq)
+        return (1, active.get(owner_of(r.namespace), 0), 0 if fcfs else -r.memo.match_len, r.seq)
 
     return sorted(waiting, key=order)
 

@@ -40,79 +40,74 @@ class Postprocess:
             for r in batch.rows:
                 self.fail(r, out.error)
             return
-        for c in batch.chunks:
-            batch.slots_of(c.request).length = c.start + c.num_tokens
-        for r in batch.decoding:
-            batch.slots_of(r).length += 1
-        self._log(batch, out.duration_ms)
         if batch.kind == "baseline":
-            r = batch.chunks[0].request
-            r.baseline_ms = (r.baseline_ms or 0.0) + out.duration_ms
-            if batch.slots_of(r).length >= len(r.ids):
-                self.complete(r)
+            c = batch.chunks[0]
+            whole = c.request.complete_baseline_chunk(c.start, c.num_tokens, out.duration_ms)
+            self._log(batch, out.duration_ms)
+            if whole:
+                self.complete(c.request)
             return
-        assert out.logits is not None
         rows = len(batch.rows)
+        for c in batch.chunks:
+            c.request.complete_chunk(c.start, c.num_tokens, out.duration_ms, rows)
+        for r in batch.decoding:
+            r.complete_decode(rows)
+        self._log(batch, out.duration_ms)
+        assert out.logits is not None
         for i, c in enumerate(batch.chunks):
-            self._prefill_chunk_done(c.request, out.duration_ms, rows, out.logits[i])
+            self._prefill_chunk_done(c.request, out.logits[i])
         for i, r in enumerate(batch.decoding, start=len(batch.chunks)):
-            r.batch_sizes.append(rows)
             self._take_token(r, out.logits[i])
 
     def _log(self, batch: Batch, duration_ms: float) -> None:
         own = batch.kind == "baseline"
         computed = sum(c.num_tokens for c in batch.chunks) + len(batch.decoding)
-        cached = 0 if own else sum(c.request.cached_tokens for c in batch.chunks
-                                   if c.start == c.request.cached_tokens)
+        cached = 0 if own else sum(c.request.kv.cached_tokens for c in batch.chunks
+                                   if c.start == c.request.kv.cached_tokens)
         prefilling = () if own else tuple(c.request.request_id for c in batch.chunks)
         self.telemetry.log(batch.kind, batch.rows, computed=computed, cached=cached, duration_ms=duration_ms,
                            prefilling=prefilling, running=len(self.state.running), waiting=len(self.state.waiting))
 
-    def _prefill_chunk_done(self, r: Request, duration_ms: float, rows: int, logits: torch.Tensor) -> None:
-        r.prefill_ms += duration_ms
-        r.prefill_chunks += 1
-        r.prefill_shared_step = r.prefill_shared_step or rows > 1
+    def _prefill_chunk_done(self, r: Request, logits: torch.Tensor) -> None:
         if r.prefilled < len(r.ids):
             r.emit(GenerationEvent(text="", phase="prefill", prompt_tokens=len(r.ids),
-                                   cached_tokens=r.cached_tokens, prefilled_tokens=r.prefilled))
+                                   cached_tokens=r.kv.cached_tokens, prefilled_tokens=r.prefilled))
             return
         # The prompt's slots pass to the tree, where later arrivals hit it; they stay locked
         # there until the request finishes.
         if r.req.store:
-            r.inserted_tokens += self.cache.adopt(r.slots, r.key)
-        r.state = State.DECODE
+            r.adopted(self.cache.adopt(r.kv.slots, r.key))
+        r.start_decode()
         if r.max_new_tokens <= 0:
-            r.first_token_at = time.perf_counter()
+            r.token_sampled(time.perf_counter())
             self.finish(r, "length")
             return
         self._take_token(r, logits)
 
     def _take_token(self, r: Request, logits: torch.Tensor) -> None:
         """Sample ``r``'s next token from its logits row; stream it or finish."""
-        tok = sampling.sample(logits, r.req.sampling, r.generator, r.out_ids)
+        tok = sampling.sample(logits, r.req.sampling, r.answer.generator, r.answer.out_ids)
         now = time.perf_counter()
-        if r.first_token_at is None:
-            r.first_token_at = now
+        r.token_sampled(now)
         self.telemetry.count_output(1, self.state.config.rate_window_s)
         if tok in self.runner.text.eos_ids:
             self.finish(r, "stop")
             return
-        r.last_token_at = now
-        text = r.append_token(tok, self.runner.text.decode)
+        text = r.append_token(tok, now, self.runner.text.decode)
         r.emit(GenerationEvent(text=text, token_id=tok, phase="decode", prompt_tokens=len(r.ids),
-                               cached_tokens=r.cached_tokens, prefilled_tokens=len(r.ids)))
-        if len(r.out_ids) >= r.max_new_tokens:
+                               cached_tokens=r.kv.cached_tokens, prefilled_tokens=len(r.ids)))
+        if len(r.answer.out_ids) >= r.max_new_tokens:
             self.finish(r, "length")
 
     # ------------------------------------------------------------ finishing
     def finish(self, r: Request, reason: str) -> None:
         """The answer is over: cache prompt plus reply (its slots pass to the tree), free the
         rest of its slots, then the no-reuse baseline or done."""
-        r.finish_reason = reason
-        rs = r.slots
+        r.finish(reason)
+        rs = r.kv.slots
         if rs is not None and r.req.store and r.state is State.DECODE and rs.length > len(r.ids):
             # Prompt plus reply, so the next chat turn reuses the answer too.
-            r.inserted_tokens += self.cache.adopt(rs, r.reply_key())
+            r.adopted(self.cache.adopt(rs, r.reply_key()))
         self._release(r)
         # The no-reuse prefill holds pool slots of its own too; without room it is skipped.
         if baseline.wanted(r, self.state.config) and baseline.start(r, self.cache):
@@ -122,7 +117,7 @@ class Postprocess:
     def complete(self, r: Request) -> None:
         """Done: slots back, the final text decoded whole, into the outbox."""
         self._leave(r)
-        r.text = self.runner.text.decode(r.out_ids)
+        r.answer.settle_text(self.runner.text.decode)
         self.state.finished.append(r)
 
     def fail(self, r: Request, exc: BaseException) -> None:
@@ -134,18 +129,15 @@ class Postprocess:
 
     def _leave(self, r: Request) -> None:
         self._release(r)
-        r.state = State.DONE
+        r.leave()
         if r in self.state.running:
             self.state.running.remove(r)
 
     def _release(self, r: Request) -> None:
         """Give back every pool slot the request holds (its cached part is unlocked)."""
-        for name in ("slots", "baseline_slots"):
-            rs = getattr(r, name)
-            if rs is not None:
-                self.cache.release(rs)
-                setattr(r, name, None)
-                self.state.memory_short = False  # room came back
+        for rs in r.hand_back_slots():
+            self.cache.release(rs)
+            self.state.memory_short = False  # room came back
 
 
 def as_engine_error(exc: BaseException) -> EngineError:

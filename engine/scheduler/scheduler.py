@@ -121,7 +121,7 @@ class Scheduler:
         for r in list(self.state.running):
             if r.cancelled:
                 if r.state is State.BASELINE:
-                    r.baseline_ms = None
+                    r.drop_baseline()
                     self.post.complete(r)
                 else:
                     self.post.finish(r, "cancelled")

@@ -59,6 +59,5 @@ class Telemetry:
 def report_queue(ordered: list[Request]) -> None:
     """Tell each waiting request (in admission order) how many are ahead of it, when that changes."""
     for i, r in enumerate(ordered):
-        if i != r.last_queue_ahead:
-            r.last_queue_ahead = i
+        if r.memo.place(i):
             r.emit(GenerationEvent(text="", phase="queued", queue_ahead=i, prompt_tokens=len(r.ids)))

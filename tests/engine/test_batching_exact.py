@@ -184,15 +184,14 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
 def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
     """The streamed text (a short window decoded per token) is always a prefix of, and at the
     end equal to, decoding the whole answer, across multi-byte characters."""
-    from engine.handle import RequestHandle
-    from engine.scheduler.request import Request
+    from engine.scheduler.request import Answer
 
     text = "Héllo wörld! 日本語のテキスト 🙂🚀 naïve café — ok\n\n  spaced   out ∑∫ end"
     ids = tiny_runner.text.encode(text)
-    r = Request(RequestHandle(req([1]), [1]), CacheKey((1,)), max_new_tokens=len(ids), seq=1)
+    answer = Answer()
     whole = tiny_runner.text.decode(ids)
     for tok in ids:
-        streamed = r.append_token(tok, tiny_runner.text.decode)
+        streamed = answer.append(tok, tiny_runner.text.decode)
         assert whole.startswith(streamed)
     assert streamed == whole
 
