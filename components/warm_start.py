@@ -14,8 +14,8 @@ import threading
 import time
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
-from components.format import fmt_ms, plural
 from components.session import public_len
+from components.views.format import fmt_ms, plural
 from engine.types import PUBLIC, CacheKey, EngineError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def _public_key(engine, messages: list[dict]) -> CacheKey | None:
 def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
     """(label, key) of every shipped block, the chat's default document first. A block too long
     for the engine's prompt cap is left out (its requests would be refused anyway)."""
-    from components.chat_panel import chat_messages  # the chat's own message layout
+    from components.panels.chat_panel import chat_messages  # the chat's own message layout
 
     first = chat_default(engine)
     names = [first] + [n for n in SYSTEM_PRESETS if n != first]

@@ -3,6 +3,8 @@ the serving core. Parsed, not imported, so a violation fails fast.
 
     app.py, tools/         entry points: may import anything
     components/            the page: engine's public modules only (and the server's HTTP guard)
+      panels/                Gradio: each panel's layout and wiring
+      views/                 pure: figures, marks, words; no gradio, not even lazily, and no panel
     server/                HTTP: engine's public modules only, never components/
     engine/lab, engine/replay   analysis over the engine's interface
     engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis
@@ -161,6 +163,15 @@ def test_components_and_server_read_only_the_engines_public_modules():
     """Direct imports: the rest of the engine is reached only through these."""
     offenders = [f"{p.relative_to(ROOT)}: {n}" for p in _files("components") + _files("server")
                  for n in _imports(p) if n.split(".")[0] == "engine" and n != "engine" and not _is(n, PUBLIC_ENGINE)]
+    assert not offenders, offenders
+
+
+def test_views_reach_no_gradio_not_even_lazily():
+    """A view is built without a page: nothing under ``components/views`` reaches gradio or a panel."""
+    views = _under("components.views")
+    assert views, "no views found"
+    offenders = _offenders(views, lambda n: n.split(".")[0] in {"gradio", "gradio_client"}
+                           or _is(n, ("components.panels", "components.demo")))
     assert not offenders, offenders
 
 

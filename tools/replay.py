@@ -188,7 +188,7 @@ def write_report(report: ReplayReport, path: Path) -> None:
     """The HTML report is drawn by the UI layer's figure code (plotly), loaded only here:
     nothing in ``engine/`` imports this module, and ``engine/`` never imports the UI at
     module level (tests/test_layering.py)."""
-    from components.replay_report import write_html
+    from components.views.replay_report import write_html
 
     write_html(report, path)
 

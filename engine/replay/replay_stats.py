@@ -26,7 +26,7 @@ the log's length:
 
 ``finish()`` turns all that into a ``ReplayReport`` (plain data) and
 ``summary_text`` into the plain-words summary. Knows nothing about plotting or
-the UI; the figures are drawn in ``components.replay_report``.
+the UI; the figures are drawn in ``components.views.replay_report``.
 """
 
 from __future__ import annotations

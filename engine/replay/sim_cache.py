@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from engine.kvcache.chunks import CHUNK_TOKENS
 from engine.kvcache.eviction import LRU, EvictionPolicy
-from engine.kvcache.radix_tree import InsertResult, Node, RadixTree
+from engine.kvcache.radix_tree import Node, RadixTree
 from engine.snapshot_view import node_infos, with_text
 from engine.types import PUBLIC, CacheKey, TreeSnapshot
 

@@ -61,8 +61,8 @@ def test_the_flag_and_its_env_var_reach_the_engine(tiny_runner, monkeypatch):
 
 
 def test_the_ui_states_the_policy_it_reads_from_the_engine(tiny_runner):
-    from components.info_panel import eviction_sentence
-    from components.memory_panel import budget_note
+    from components.panels.info_panel import eviction_sentence
+    from components.panels.memory_panel import budget_note
     from engine.engine import Engine
 
     for name in ALL:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.lab.presets import PRESETS
+from components.lab_presets import PRESETS
 from engine.engine import Engine
 from engine.lab.granularity import simulate_blocks
 from engine.lab.ordering_runs import LabPrompt, Variant, lab_request, run_lab, run_lab_to_end

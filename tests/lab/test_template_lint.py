@@ -121,7 +121,7 @@ def test_amplification_is_refused_before_rendering():
 
 
 def test_custom_lab_runs_are_bounded_before_rendering():
-    from components.lab.tab import custom_variants
+    from components.panels.lab.tab import custom_variants
 
     values = "\n".join(json.dumps({"a": c * 9_000}) for c in "xy")
     with pytest.raises(TemplateError, match="limit"):

@@ -7,9 +7,9 @@ import random
 import plotly.graph_objects as go
 import pytest
 
-from components.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
-from components.tree_figures import snapshot_summary, tree_figure
-from components.tree_marks import COMPUTED, REUSED, request_path, visual_tree
+from components.views.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
+from components.views.tree_figures import snapshot_summary, tree_figure
+from components.views.tree_marks import COMPUTED, REUSED, request_path, visual_tree
 from engine.engine import Engine
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 

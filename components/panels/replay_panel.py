@@ -5,7 +5,7 @@ command line's ``--simulate`` (``engine.replay.simulate.simulate_lines``) on the
 app's tokenizer, with a radix tree built for this one call: a visitor's log
 touches no shared cache, is kept nowhere after the reply, and no file is
 uploaded (the text box is the only input). The figures and HTML pieces are the
-HTML report's (``components.replay_report``).
+HTML report's (``components.views.replay_report``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import json
 
 import gradio as gr
 
-from components.common import warn
-from components.replay_report import (
+from components.panels.common import warn
+from components.views.replay_report import (
     causes_html,
     cost_html,
     granularity_html,

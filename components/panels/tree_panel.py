@@ -2,7 +2,7 @@
 
 Owns the tree tab's controls (view, colour, chain collapsing), its live
 refresh, and the ``tree_snapshot`` API endpoint. The drawing itself lives in
-``components.tree_figures``. In isolation mode every visitor sees other visitors'
+``components.views.tree_figures``. In isolation mode every visitor sees other visitors'
 nodes as shape and size only (the engine's snapshot hides their text).
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import gradio as gr
 
-from components.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, status_line, unchanged
+from components.panels.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, status_line, unchanged
 from components.session import visitor_namespace
-from components.tree_figures import snapshot_summary, tree_figure
-from components.tree_marks import request_path
+from components.views.tree_figures import snapshot_summary, tree_figure
+from components.views.tree_marks import request_path
 from engine.api import EngineAPI
 from engine.types import RequestMetrics, TreeSnapshot
 

@@ -1,6 +1,6 @@
 """Pure figure builders for the radix tree: ``TreeSnapshot`` in, plotly ``Figure`` out.
 
-Owns the look of the tree in two views, from the marks ``components.tree_marks``
+Owns the look of the tree in two views, from the marks ``components.views.tree_marks``
 picks and places:
 
 - ``tree``: node-link diagram, root on the left, a column per cached run and a row per
@@ -26,9 +26,9 @@ import re
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from components.chart_style import TOKEN_COLORS
-from components.format import fmt_ago, fmt_bytes
-from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
+from components.views.chart_style import TOKEN_COLORS
+from components.views.format import fmt_ago, fmt_bytes
+from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
 from engine.prefill_timing import GROWTH_NAMESPACE
 from engine.snapshot_view import is_own
 from engine.types import TreeSnapshot

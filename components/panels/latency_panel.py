@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.charts import latency_bars, speedup_scatter
-from components.common import history_refresh
-from components.format import fmt_ms, plural, ratio_words, reuse_is_noise
-from components.live import KEEP_ZOOM, LiveView
+from components.panels.common import history_refresh
+from components.panels.live import KEEP_ZOOM, LiveView
+from components.views.charts import latency_bars, speedup_scatter
+from components.views.format import fmt_ms, plural, ratio_words, reuse_is_noise
 from engine.api import EngineAPI
 from engine.types import RequestMetrics
 

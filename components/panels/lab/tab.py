@@ -3,8 +3,8 @@ ordering on the real engine and shows, side by side, what the order did to reuse
 and prefill time.
 
 Lays out and wires: preset buttons (and a custom template with its linter), the
-side-by-side results (figures from ``components.lab.figures``, words from
-``components.lab.markdown``), the miss explainer, the request-order demo
+side-by-side results (figures from ``components.views.lab.figures``, words from
+``components.views.lab.markdown``), the miss explainer, the request-order demo
 (FCFS vs longest-prefix-match on a small cache), the block-granularity
 simulation and the hosted-API cost estimate. Engine work lives in
 ``engine.lab.ordering_runs``, ``engine.lab.request_order_demo`` and friends; this file only calls
@@ -19,19 +19,19 @@ from functools import partial
 
 import gradio as gr
 
-from components.chart_style import TOKEN_COLORS
-from components.common import warn
-from components.format import clamp_int
-from components.lab import figures as figs
-from components.lab import markdown as views
-from components.lab.presets import (
+from components.lab_presets import (
     CUSTOM_TEMPLATE,
     CUSTOM_VALUES,
     DEFAULT_PRESET,
     PRESETS,
     scheduling_queue,
 )
+from components.panels.common import warn
 from components.session import sub_namespace
+from components.views.chart_style import TOKEN_COLORS
+from components.views.format import clamp_int
+from components.views.lab import figures as figs
+from components.views.lab import markdown as views
 from engine.api import EngineAPI
 from engine.lab.cost_estimate import PricingRules, estimate_cost
 from engine.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity

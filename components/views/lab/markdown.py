@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from components.format import fmt_ms, ratio_words
+from components.views.format import fmt_ms, ratio_words
 from engine.lab.cost_estimate import CostEstimate
 from engine.lab.granularity import GranularityResult, tokens_lost_to_alignment
 from engine.lab.miss_explainer import MissExplanation

@@ -37,7 +37,7 @@ KEEP_ZOOM = "keep-zoom"  # elem_classes of a gr.Plot whose zoom survives redraws
 # next figure; a double-click (autorange) forgets them.
 #
 # The same script declutters the tree plots' labels after every draw (a zoom, a
-# resize): ``components.tree_figures`` places them for a plot of a given width
+# resize): ``components.views.tree_figures`` places them for a plot of a given width
 # and lists the most telling first; on a narrower plot (the tree tab on a phone)
 # a label that would cover an earlier one, or stick out of the plot, is hidden
 # (its text stays in the hover), and a zoom that makes room shows it again.

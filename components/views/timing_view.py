@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from components.format import card_head, first_token_cell, fmt_ms, plural, reuse_is_noise, reuse_words
+from components.views.format import card_head, first_token_cell, fmt_ms, plural, reuse_is_noise, reuse_words
 from engine.prefill_timing import PrefillTiming
 from engine.types import RequestMetrics
 

@@ -2,7 +2,7 @@
 numbers card of one request, the status line while a request runs, which requests
 count as the playground's (lab runs do not), and errors as toasts.
 
-Formatting lives in ``components.format`` and colours in ``components.chart_style``;
+Formatting lives in ``components.views.format`` and colours in ``components.views.chart_style``;
 this module only puts them together.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import gradio as gr
 
-from components.chart_style import TOKEN_COLORS
-from components.format import (
+from components.views.chart_style import TOKEN_COLORS
+from components.views.format import (
     SAME_SPEED,
     card_head,
     first_token_cell,
@@ -79,7 +79,7 @@ def history_refresh(engine, draw: Callable[[list[RequestMetrics], str | None], t
     """A live panel's refresh: redraw (``draw`` over the visitor's playground history, lab runs
     left out, and the namespace the visitor's figures cover: ``None`` = everything) only when
     the engine changed since this visitor's last picture."""
-    from components.live import drawn, engine_signature, unchanged
+    from components.panels.live import drawn, engine_signature, unchanged
     from components.session import own_namespace
 
     def refresh(seen_before, request: gr.Request):

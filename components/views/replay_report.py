@@ -4,7 +4,7 @@ Owns the look of the replay report, for both of its readers: the command line
 (``python -m tools.replay --report``, one self-contained HTML file with
 plotly.js inlined, which opens offline) and the "Your traffic" tab (the same
 figures as ``gr.Plot``, the same pieces as HTML). Reuses the tree view's icicle
-(``components.tree_figures``) and the lab's granularity chart. Every piece of
+(``components.views.tree_figures``) and the lab's granularity chart. Every piece of
 log text is HTML-escaped here. No Gradio, no engine calls: plain data in.
 
 Why here and not in ``engine/tools``: ``engine/`` never imports plotly (the
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from components.common import TOKEN_COLORS
-from components.lab.figures import empty_figure, granularity_figure
-from components.tree_figures import tree_figure
+from components.views.chart_style import TOKEN_COLORS
+from components.views.lab.figures import empty_figure, granularity_figure
+from components.views.tree_figures import tree_figure
 from engine.lab.granularity import GranularityResult
 from engine.replay.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
 

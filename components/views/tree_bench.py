@@ -10,7 +10,7 @@ optionally with the coarse fields a public server gives them (zero hits, times
 and locks, sizes rounded). Fans then mix leaves with children that carry whole
 subtrees, as they do in a cache that served a few thousand requests.
 
-Run ``python -m components.tree_bench [--nodes 2000,5000] [--repeats 3]`` to print
+Run ``python -m components.views.tree_bench [--nodes 2000,5000] [--repeats 3]`` to print
 how long each figure takes to build (both views, chains collapsed or not, a
 highlighted path, hidden nodes). Tests use the generator; they time nothing.
 """
@@ -147,8 +147,8 @@ def last_request(traffic: Traffic) -> RequestMetrics:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components.tree_figures import tree_figure
-    from components.tree_marks import request_path
+    from components.views.tree_figures import tree_figure
+    from components.views.tree_marks import request_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="2000,5000", help="comma-separated tree sizes")

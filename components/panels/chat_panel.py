@@ -23,7 +23,7 @@ from functools import partial
 import gradio as gr
 
 from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
-from components.common import (
+from components.panels.common import (
     MODEL_NOTE,
     TOKEN_COLORS,
     highlighted_prompt,
@@ -32,9 +32,9 @@ from components.common import (
     status_markdown,
     warn,
 )
-from components.format import clamp_int, plural
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
-from components.timing_view import PENDING, turn_markdown, wants_timing
+from components.views.format import clamp_int, plural
+from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
 from engine.api import BASELINE_MAX_TOKENS, EngineAPI
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams

@@ -7,7 +7,7 @@ into group marks that say how many nodes and tokens they hold, and the
 layouts: ``stable_layout`` for the tree view (a column per cached run, a row
 per branch, both fixed when the tree grows, see there) and ``layout`` for the
 icicle (leaf order, subtrees on adjacent rows). No plotting here
-(``components.tree_figures`` draws), no Gradio, no engine object.
+(``components.views.tree_figures`` draws), no Gradio, no engine object.
 """
 
 from __future__ import annotations

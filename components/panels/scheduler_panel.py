@@ -21,9 +21,9 @@ from __future__ import annotations
 import gradio as gr
 import plotly.graph_objects as go
 
-from components.format import fmt_tokens
-from components.live import KEEP_ZOOM, LiveView
+from components.panels.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
+from components.views.format import fmt_tokens
 from engine.api import EngineAPI
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, is_own
 from engine.types import RequestMetrics, StepRecord

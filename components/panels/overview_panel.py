@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.common import playground_history, totals
-from components.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
-from components.info_panel import engine_line
-from components.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
+from components.panels.common import playground_history, totals
+from components.panels.info_panel import engine_line
+from components.panels.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
+from components.panels.tree_panel import tree_figure_for
 from components.session import visitor_namespace
-from components.timing_view import speed_card, timing_for, timing_pending
-from components.tree_panel import tree_figure_for
+from components.views.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.views.timing_view import speed_card, timing_for, timing_pending
 from engine.api import EngineAPI
 from engine.types import RequestMetrics
 
@@ -27,7 +27,7 @@ def _card(value: str, label: str, cls: str = "") -> str:
 
 def _speed_card(m: RequestMetrics, timing=None, pending: bool = False) -> str:
     """The prefill comparison, honestly: no ratio when nothing was reused, "slower" when slower.
-    With a paired timing (``components.timing_view``) its two numbers, else the request's own;
+    With a paired timing (``components.views.timing_view``) its two numbers, else the request's own;
     ``pending``: that timing is under way."""
     if pending and timing is None:
         return _card("timing…", f"prefill {fmt_ms(m.prefill_ms)} in the batch; now timing it with and without "

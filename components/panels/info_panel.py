@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.format import fmt_bytes
-from components.live import LiveView
+from components.panels.live import LiveView
+from components.views.format import fmt_bytes
 from engine.api import EngineAPI
 
 

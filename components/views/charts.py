@@ -1,6 +1,6 @@
 """Pure figure builders for the numbers: request metrics and engine stats in, plotly figures out.
 
-Owns the look of every chart except the tree (``components.tree_figures``):
+Owns the look of every chart except the tree (``components.views.tree_figures``):
 cached-vs-computed bars, the memory gauge, hit rate over time, prefill with
 vs without reuse, speedup against cached tokens. No Gradio, no engine calls.
 """
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from components.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, MiB, empty_figure, styled
-from components.format import reuse_words
+from components.views.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, MiB, empty_figure, styled
+from components.views.format import reuse_words
 from engine.types import EngineStats, RequestMetrics
 
 EMPTY_HEIGHT = 150  # an empty chart is a short line that says why, not a large blank frame

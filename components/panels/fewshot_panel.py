@@ -14,13 +14,13 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from components.chart_style import empty_figure
-from components.charts import reuse_bars
-from components.chat_panel import LOOP_GUARD_LABEL, baseline_skipped, build_request, stop_running, stream_request
 from components.chat_presets import FEW_SHOT_PRESETS, few_shot_prompt
-from components.common import TOKEN_COLORS, highlighted_prompt, metrics_markdown, warn
-from components.format import clamp_int, fmt_ms, plural, ratio_words
+from components.panels.chat_panel import LOOP_GUARD_LABEL, baseline_skipped, build_request, stop_running, stream_request
+from components.panels.common import TOKEN_COLORS, highlighted_prompt, metrics_markdown, warn
 from components.session import RUNNING
+from components.views.chart_style import empty_figure
+from components.views.charts import reuse_bars
+from components.views.format import clamp_int, fmt_ms, plural, ratio_words
 from engine.api import EngineAPI
 from engine.types import EngineError, RequestMetrics
 

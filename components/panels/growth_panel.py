@@ -12,9 +12,9 @@ import time
 
 import gradio as gr
 
-from components.charts import growth_figure
-from components.format import plural
-from components.live import LiveView
+from components.panels.live import LiveView
+from components.views.charts import growth_figure
+from components.views.format import plural
 from components.warm_start import start_growth_curve
 
 WHY_BY_DEVICE = {
