@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.lab.ordering_runs import LabPrompt, Variant
+from analysis.lab.ordering_runs import LabPrompt, Variant
 
 # --------------------------------------------------------------------- content
 AIRLINE_POLICY = """You are the virtual assistant of Harbor Air, a regional airline flying from Seattle, Portland and Vancouver.

@@ -4,7 +4,7 @@ Owns which shipped blocks are warmed (every system preset and few-shot set, as t
 and few-shot panels will send them: the same ids, namespace and ``public_len``), the
 page's sentence about it, which document the chat opens on for this engine's device,
 and the text the growth curve measures on. The timing itself is
-``engine.prefill_timing``; this module only hands it keys and ids.
+``analysis.prefill_timing``; this module only hands it keys and ids.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def growth_filler(engine, num_tokens: int) -> list[int]:
 def start_growth_curve(engine) -> threading.Thread | None:
     """Measure the growth curve in a background thread (kept by the engine's timer); None in
     remote mode or while one is already running."""
-    from engine.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
+    from analysis.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
 
     timer = engine.prefill_timer()
     if timer is None or timer.curve.state == "running":

@@ -8,7 +8,7 @@ set server-side). Handlers are module-level functions of the engine, testable
 without building the Blocks; ``build_chat_panel`` only lays out and wires.
 
 With a local engine, the two prefills the card compares are timed after the answer,
-back to back under the same conditions (``engine.prefill_timing``: the reuse path
+back to back under the same conditions (``analysis.prefill_timing``: the reuse path
 and the no-reuse prefill, median of pairs); the request's own prefill inside the
 batch is shown next to them as the live figure. A remote engine has no such timer:
 its card compares the request with the same prompt under a fresh cache salt.
@@ -155,7 +155,7 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
     """The chat turn: (chatbot, message box, coloured prompt, numbers, last metrics, last timing) per step.
 
     With a local engine and ``measure`` on, the answer is followed by the paired timing
-    (``engine.prefill_timing``) and the card compares those two numbers; the request itself
+    (``analysis.prefill_timing``) and the card compares those two numbers; the request itself
     then skips the engine's in-batch baseline, which the paired timing replaces."""
     history = list(history or [])
     text = text or ""

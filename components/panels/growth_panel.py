@@ -1,7 +1,7 @@
 """How the win grows: prefill time with and without reuse against the cached length, on
 this machine, measured once (in the background at start, or on request) and kept.
 
-Reads ``engine.prefill_timer().curve`` (``engine.prefill_timing.GrowthCurve``); starting a
+Reads ``engine.prefill_timer().curve`` (``analysis.prefill_timing.GrowthCurve``); starting a
 measurement is ``components.warm_start.start_growth_curve``. On a public deployment
 (isolation on) a curve that was measured is not measured again: it is the same for everyone.
 """

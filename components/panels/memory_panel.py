@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import gradio as gr
 
+from analysis.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
 from components.panels.common import history_refresh, playground_history, totals, warn
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from components.views.charts import hit_rate_figure, memory_gauge
 from components.views.format import fmt_bytes, fmt_ms, plural
 from engine.api import EngineAPI
-from engine.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
 from engine.snapshot_view import coarse_tokens
 from engine.types import EngineError, RequestMetrics
 

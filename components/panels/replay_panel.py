@@ -1,7 +1,7 @@
 """The "Your traffic" tab: paste a JSONL prompt log, get the simulated replay report inline.
 
 Owns the tab's layout, its size limits and its one handler. The work is the
-command line's ``--simulate`` (``engine.replay.simulate.simulate_lines``) on the
+command line's ``--simulate`` (``analysis.replay.simulate.simulate_lines``) on the
 app's tokenizer, with a radix tree built for this one call: a visitor's log
 touches no shared cache, is kept nowhere after the reply, and no file is
 uploaded (the text box is the only input). The figures and HTML pieces are the
@@ -14,6 +14,10 @@ import json
 
 import gradio as gr
 
+from analysis.replay.log_formats import LogLineError, parse_ttl
+from analysis.replay.replay_stats import ReplayReport
+from analysis.replay.simulate import ModelGeometry, simulate_lines
+from analysis.replay.synthetic_log import generate
 from components.panels.common import warn
 from components.views.replay_report import (
     causes_html,
@@ -26,10 +30,6 @@ from components.views.replay_report import (
     templates_html,
 )
 from engine.api import EngineAPI
-from engine.replay.log_formats import LogLineError, parse_ttl
-from engine.replay.replay_stats import ReplayReport
-from engine.replay.simulate import ModelGeometry, simulate_lines
-from engine.replay.synthetic_log import generate
 from engine.types import EngineError
 
 MAX_CHARS = 200_000

@@ -147,7 +147,7 @@ def _speedup_label(speedup: float) -> str:
 
 def growth_figure(points: Sequence, device: str = "", height: int = 340, note: str = "") -> go.Figure:
     """Prefill time with and without reuse against the cached length (``GrowthPoint``s of
-    ``engine.prefill_timing``), on a log-log scale so 256 and 4,096 tokens both read."""
+    ``analysis.prefill_timing``), on a log-log scale so 256 and 4,096 tokens both read."""
     title = f"Prefill with and without reuse against cached length{f' ({device})' if device else ''}"
     if not points:
         return _empty(note or "Not measured yet", height, title)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from analysis.lab.granularity import GranularityResult
+from analysis.replay.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
 from components.views.chart_style import TOKEN_COLORS
 from components.views.lab.figures import empty_figure, granularity_figure
 from components.views.tree_figures import tree_figure
-from engine.lab.granularity import GranularityResult
-from engine.replay.replay_stats import EXPECTED, MissExample, ReplayReport, percent, summary_text
 
 CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
 EXPECTED_COLOR = "#94a3b8"

@@ -1,6 +1,6 @@
 """The paired prefill timing in words: the chat's numbers card and the side card's figure.
 
-Owns how a ``engine.prefill_timing.PrefillTiming`` reads on the page: which two numbers
+Owns how a ``analysis.prefill_timing.PrefillTiming`` reads on the page: which two numbers
 the card compares (the median pair, timed back to back after the answer), how they were
 measured (pairs, blocks, the memo's time for a long shipped prefix), and the live figure
 from inside the batch, labelled as such. Pure: plain data in, Markdown out.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from analysis.prefill_timing import PrefillTiming
 from components.views.format import card_head, first_token_cell, fmt_ms, plural, reuse_is_noise, reuse_words
-from engine.prefill_timing import PrefillTiming
 from engine.types import RequestMetrics
 
 TIMING_STATUS = ("*Answer done. Now timing prefill with and without reuse, back to back on the model's thread "

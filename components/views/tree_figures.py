@@ -26,10 +26,10 @@ import re
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
+from analysis.prefill_timing import GROWTH_NAMESPACE
 from components.views.chart_style import TOKEN_COLORS
 from components.views.format import fmt_ago, fmt_bytes
 from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
-from engine.prefill_timing import GROWTH_NAMESPACE
 from engine.snapshot_view import is_own
 from engine.types import TreeSnapshot
 

@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from analysis.replay.sim_cache import SimCache
 from engine.kvcache.eviction import LFU, LRU, POLICIES, EvictionPolicy, make_policy
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.radix_tree import RadixTree
-from engine.replay.sim_cache import SimCache
 from engine.types import PUBLIC, CacheKey
 
 ALL = sorted(POLICIES)
@@ -276,7 +276,7 @@ def test_the_replay_simulates_the_policy_it_is_given(tokenizer):
     """``tools/replay.py --eviction-policy`` reaches the simulated cache."""
     import json
 
-    from engine.replay.simulate import model_geometry, simulate_lines
+    from analysis.replay.simulate import model_geometry, simulate_lines
 
     geometry = model_geometry(dtype="float32", device="cpu")
     system = "You are a helpful assistant who answers questions about the radix cache. " * 3

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.lab_presets import scheduling_queue
-from engine.engine import Engine
-from engine.lab.request_order_demo import (
+from analysis.lab.request_order_demo import (
     FCFS,
     LPM,
     MAX_DEMO_TOKENS,
@@ -16,6 +14,8 @@ from engine.lab.request_order_demo import (
     demo_pool_bytes,
     request_order_demo_for,
 )
+from components.lab_presets import scheduling_queue
+from engine.engine import Engine
 from engine.types import EngineBusy, EngineError
 
 

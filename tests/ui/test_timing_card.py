@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from analysis.prefill_timing import GrowthCurve, GrowthPoint, PrefillPair, PrefillTiming
 from components.chat_presets import (
     CATALOGUE_SYSTEM,
     HANDBOOK_SYSTEM,
@@ -23,7 +24,6 @@ from components.panels.overview_panel import key_numbers_html
 from components.views.timing_view import speed_card, turn_markdown
 from components.warm_start import chat_default, shipped_prefixes, warm_note, warm_start
 from engine.engine import Engine
-from engine.prefill_timing import GrowthCurve, GrowthPoint, PrefillPair, PrefillTiming
 from engine.types import GenerationRequest
 
 

@@ -7,7 +7,7 @@ side-by-side results (figures from ``components.views.lab.figures``, words from
 ``components.views.lab.markdown``), the miss explainer, the request-order demo
 (FCFS vs longest-prefix-match on a small cache), the block-granularity
 simulation and the hosted-API cost estimate. Engine work lives in
-``engine.lab.ordering_runs``, ``engine.lab.request_order_demo`` and friends; this file only calls
+``analysis.lab.ordering_runs``, ``analysis.lab.request_order_demo`` and friends; this file only calls
 them and turns their errors into ``gr.Warning``.
 """
 
@@ -19,6 +19,20 @@ from functools import partial
 
 import gradio as gr
 
+from analysis.lab.cost_estimate import PricingRules, estimate_cost
+from analysis.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
+from analysis.lab.miss_explainer import explain_miss
+from analysis.lab.ordering_runs import LabPrompt, Variant, VariantResult, run_lab
+from analysis.lab.request_order_demo import request_order_demo_for
+from analysis.lab.template_lint import (
+    MAX_TEMPLATE_CHARS,
+    MAX_VALUES_CHARS,
+    check_render_size,
+    lint_template,
+    parse_values,
+    render,
+    suggest_order,
+)
 from components.lab_presets import (
     CUSTOM_TEMPLATE,
     CUSTOM_VALUES,
@@ -33,20 +47,6 @@ from components.views.format import clamp_int
 from components.views.lab import figures as figs
 from components.views.lab import markdown as views
 from engine.api import EngineAPI
-from engine.lab.cost_estimate import PricingRules, estimate_cost
-from engine.lab.granularity import DEFAULT_BLOCK_SIZES, compare_granularity
-from engine.lab.miss_explainer import explain_miss
-from engine.lab.ordering_runs import LabPrompt, Variant, VariantResult, run_lab
-from engine.lab.request_order_demo import request_order_demo_for
-from engine.lab.template_lint import (
-    MAX_TEMPLATE_CHARS,
-    MAX_VALUES_CHARS,
-    check_render_size,
-    lint_template,
-    parse_values,
-    render,
-    suggest_order,
-)
 from engine.types import EngineError
 
 DEFAULT_REQUESTS = 6

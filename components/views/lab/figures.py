@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analysis.lab.granularity import GranularityResult
+from analysis.lab.ordering_runs import VariantResult
+from analysis.lab.request_order_demo import POLICY_NAMES, ScheduleResult
 from components.views.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, empty_figure, styled
 from components.views.format import fmt_ms
 from components.views.lab.markdown import comparison, short_name
-from engine.lab.granularity import GranularityResult
-from engine.lab.ordering_runs import VariantResult
-from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
 from engine.types import NodeInfo
 
 __all__ = ["empty_figure", "granularity_figure", "per_request_figure", "prefill_summary_figure", "schedule_figure",

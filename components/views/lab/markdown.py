@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from analysis.lab.cost_estimate import CostEstimate
+from analysis.lab.granularity import GranularityResult, tokens_lost_to_alignment
+from analysis.lab.miss_explainer import MissExplanation
+from analysis.lab.ordering_runs import VariantResult
+from analysis.lab.request_order_demo import POLICY_NAMES, ScheduleResult
+from analysis.lab.template_lint import LintReport
 from components.views.format import fmt_ms, ratio_words
-from engine.lab.cost_estimate import CostEstimate
-from engine.lab.granularity import GranularityResult, tokens_lost_to_alignment
-from engine.lab.miss_explainer import MissExplanation
-from engine.lab.ordering_runs import VariantResult
-from engine.lab.request_order_demo import POLICY_NAMES, ScheduleResult
-from engine.lab.template_lint import LintReport
 
 TABLE_HEADERS = ["ordering", "request", "prompt tokens", "cached", "computed", "prefill ms", "no-reuse ms"]
 

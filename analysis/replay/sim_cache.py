@@ -1,7 +1,7 @@
 """The simulated cache: the pure radix tree with the engine's rules, a budget in tokens, its eviction policy and a TTL.
 
 A SIMULATION (no model, no KV, ``value`` entries are ``None``), used by the
-model-free replay (``engine.replay.simulate``) and by the replay's analysis
+model-free replay (``analysis.replay.simulate``) and by the replay's analysis
 (shadow tree, block granularity). What it keeps of the engine: a request reuses
 its longest cached prefix, at least one prompt token is computed, then its
 tokens are inserted and leaves are evicted down to ``budget_tokens`` by the

@@ -1,6 +1,6 @@
 """A generated chat log with the usual prefix-caching mistakes, for benchmarks, examples and tests.
 
-    python -m engine.replay.synthetic_log OUT.jsonl [--requests N] [--seed S]
+    python -m analysis.replay.synthetic_log OUT.jsonl [--requests N] [--seed S]
 
 Three made-up applications share one endpoint, each request about 1,000 tokens
 with the embedded model's tokenizer:
@@ -78,7 +78,7 @@ def generate(requests: int, seed: int = 0, start: datetime | None = None) -> Ite
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.replay.synthetic_log", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.replay.synthetic_log", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)

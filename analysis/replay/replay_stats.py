@@ -6,7 +6,7 @@ the log's length:
 - totals (cached tokens count both tiers: memory and, when the replay has one, the
   second tier, whose share is also kept on its own) and a per-request series that halves its resolution when it grows
   past ``Series.max_points`` (buckets of 1, 2, 4 ... requests);
-- the miss causes: ``engine.lab.miss_explainer.explain_miss`` run on every
+- the miss causes: ``analysis.lab.miss_explainer.explain_miss`` run on every
   request against what the cache held before it. The "cached prompt" it is
   compared with comes from a shadow tree (``SimCache`` with ``SHADOW_FACTOR``
   times the budget, no TTL): the path the request shares, then what the tree
@@ -17,10 +17,10 @@ the log's length:
   examples as token ids around the miss;
 - block granularity: what 16- and 64-token blocks would reuse. A block engine
   matches the same cached sequences, but only whole blocks of them, so its hit
-  is this cache's hit rounded down to a block (``engine.lab.granularity``'s rule;
+  is this cache's hit rounded down to a block (``analysis.lab.granularity``'s rule;
   exact without eviction, an estimate when the budget evicts, since a block
   engine keeps slightly different tokens);
-- the hosted-API cost estimate (``engine.lab.cost_estimate``), summed chunk by chunk;
+- the hosted-API cost estimate (``analysis.lab.cost_estimate``), summed chunk by chunk;
 - a bounded sample of prompt texts, for template inference and the linter;
 - the lines skipped and why.
 
@@ -38,12 +38,12 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from engine.lab.cost_estimate import CostEstimate, PricingRules, estimate_cost
-from engine.lab.miss_explainer import explain_miss
-from engine.lab.template_lint import LintReport, TemplateError, lint_template
-from engine.replay.log_formats import LogRecord, SkippedLine
-from engine.replay.sim_cache import SimCache
-from engine.replay.template_infer import InferredTemplate, infer_template
+from analysis.lab.cost_estimate import CostEstimate, PricingRules, estimate_cost
+from analysis.lab.miss_explainer import explain_miss
+from analysis.lab.template_lint import LintReport, TemplateError, lint_template
+from analysis.replay.log_formats import LogRecord, SkippedLine
+from analysis.replay.sim_cache import SimCache
+from analysis.replay.template_infer import InferredTemplate, infer_template
 from engine.text.detokenizer import token_pieces
 from engine.types import TreeSnapshot
 

@@ -8,7 +8,7 @@ model runs, so there are no timings. It keeps:
   tokenizer's batch call is where a simulation spends most of its time);
 - the engine's budget in tokens: budget bytes / KV bytes per token, read from the
   model's config without loading weights (``model_geometry``);
-- the engine's cache rules (``engine.replay.sim_cache.SimCache``), plus an optional TTL;
+- the engine's cache rules (``analysis.replay.sim_cache.SimCache``), plus an optional TTL;
 - optionally the engine's second tier (``tier_bytes``, the engine's ``--disk-cache-mb``):
   evicted prefixes kept in whole 64-token chunks under that byte budget, loaded back
   by a later request instead of recomputed.
@@ -16,6 +16,9 @@ model runs, so there are no timings. It keeps:
 ``simulate_lines`` streams a log (any iterable of lines) through all of that
 and ``ReplayStats`` and returns the ``ReplayReport``. Knows nothing about
 progress bars, signals or the UI: it takes callbacks.
+
+Outside the engine's public modules it reaches only into ``engine.model.loader`` (the KV
+geometry, in ``model_geometry``, imported there so loading this module loads no torch).
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from analysis.lab.cost_estimate import PricingRules
+from analysis.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
+from analysis.replay.replay_stats import ReplayReport, ReplayStats
+from analysis.replay.sim_cache import ServeResult, SimCache, tree_snapshot
 from engine.kvcache.chunks import CHUNK_TOKENS
-from engine.lab.cost_estimate import PricingRules
-from engine.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, read_log
-from engine.replay.replay_stats import ReplayReport, ReplayStats
-from engine.replay.sim_cache import ServeResult, SimCache, tree_snapshot
 from engine.text.codec import TextCodec
 from engine.validation import valid_text
 

@@ -34,8 +34,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from analysis.lab.ordering_runs import LabPrompt, RunTotals, lab_request
 from engine.api import EngineAPI
-from engine.lab.ordering_runs import LabPrompt, RunTotals, lab_request
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
 FCFS, LPM = "fcfs", "lpm"

@@ -6,7 +6,7 @@ the stretches they share (at least ``MIN_LITERAL_CHARS`` long) as literal text
 and turning what differs into ``{part1}``, ``{part2}`` ... ; then checking the
 other samples against it (a regex built from the literals) and reading their
 values; samples that do not fit narrow the template to what they share. The
-result is a template in ``engine.lab.template_lint``'s syntax plus one row of
+result is a template in ``analysis.lab.template_lint``'s syntax plus one row of
 values per matching sample: exactly what ``lint_template`` takes.
 
 An inference, not a certainty: a log whose prompts share no long stretches, or

@@ -6,6 +6,12 @@ the warm start of shipped prefixes (``warm``) and the growth curve (prefill
 time against cached length, ``growth_curve``). Knows nothing about the UI,
 presets or visitors: callers hand it cache keys and token ids.
 
+Analysis outside the serving core, but the one part of it that cannot work through ``EngineAPI``
+alone: it drives the local engine's ``runner`` (request buffers, ``forward_last``, the compute
+thread) and ``cache`` (``match_len``, ``copy_prefix``) directly, as attributes of the engine it is
+handed (it imports only ``engine.types``). ``Engine.prefill_timer()`` builds it on first call; a
+remote engine has none (``capabilities.prefill_timing``).
+
 The live figure of a request is taken inside a batched step, while other
 requests decode and a browser may redraw on the same cores; its no-reuse
 baseline ran later, on a quieter machine. Here both sides run under the same
