@@ -1,43 +1,35 @@
 """Prefill timed fairly: with and without reuse, back to back, on the compute thread.
 
-Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on
-what a timing may cost, the memo of no-reuse figures for long shipped prefixes,
-the warm start of shipped prefixes (``warm``) and the growth curve (prefill
-time against cached length, ``growth_curve``). Knows nothing about the UI,
-presets or visitors: callers hand it cache keys and token ids.
+Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on what a timing may cost, the
+memo of no-reuse figures for long shipped prefixes, the warm start of shipped prefixes (``warm``) and the
+growth curve (prefill time against cached length, ``growth_curve``). Knows nothing about the UI, presets or
+visitors: callers hand it cache keys and token ids.
 
-Analysis outside the serving core, but the one part of it that cannot work through ``EngineAPI``
-alone: it drives the local engine's ``runner`` (request buffers, ``forward_last``, the compute
-thread) and ``cache`` (``match_len``, ``copy_prefix``) directly, as attributes of the engine it is
-handed (it imports only ``engine.types``). ``Engine.prefill_timer()`` builds it on first call; a
-remote engine has none (``capabilities.prefill_timing``).
+Analysis outside the serving core, the one part that cannot work through ``EngineAPI`` alone: it drives
+the engine's ``runner`` (buffers, ``forward_last``, the compute thread) and ``cache`` (``match_len``,
+``copy_prefix``) as attributes (it imports only ``engine.types``; a remote engine has no timer). Its policy
+and records live in ``prefill_records.py``, re-exported here.
 
-The live figure of a request is taken inside a batched step, while other
-requests decode and a browser may redraw on the same cores; its no-reuse
-baseline ran later, on a quieter machine. Here both sides run under the same
-conditions, one right after the other, on the runner's compute thread::
+The live figure of a request is taken inside a batched step, while other requests decode and a browser may
+redraw on the same cores; its no-reuse baseline ran later, on a quieter machine. Here both sides run under
+the same conditions, one right after the other, on the runner's compute thread::
 
     reuse:     empty buffer <- copy_prefix(key, cached)   forward ids[cached:n]
     no reuse:  empty buffer                               forward ids[0:n]
 
-Both sides run the same forward (``runner.forward_last`` on a request buffer),
-``block_tokens`` at a time; each block is its own compute-thread call, so the
-scheduler's steps (other visitors' streams) run between blocks and no call
-holds the model for long. Only the calls are timed: the time others' steps
-take in between is not counted on either side. Pairs alternate which side goes
-first, the no-reuse side first (whatever still runs when a timing starts lands on
-the long side, not on the short one it would swamp). The reuse side is a fraction
-of the other and a burst of someone else's work swamps it, so its figure in a pair
-is the median of ``reuse_runs`` runs in a row. The pair shown is the median pair
-by ratio. Nothing here changes the
-cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the
-scratch buffers are dropped.
+Both sides run the same forward (``runner.forward_last`` on a request buffer), ``block_tokens`` at a time;
+each block is its own compute-thread call, so the scheduler's steps (other visitors' streams) run between
+blocks and no call holds the model for long. Only the calls are timed: the time others' steps take in between
+is not counted on either side. Pairs alternate which side goes first, the no-reuse side first (whatever still
+runs when a timing starts lands on the long side, not on the short one it would swamp). The reuse side is a
+fraction of the other and a burst of someone else's work swamps it, so its figure in a pair is the median of
+``reuse_runs`` runs in a row. The pair shown is the median pair by ratio. Nothing here changes the cache:
+``copy_prefix`` reads it (no hit, no access time, no lock), and the scratch buffers are dropped.
 
-The growth curve is background work: it starts with the app, for nobody in particular, so
-it yields to visitors. Before each of its compute calls (blocks of at most
-``BACKGROUND_BLOCK_TOKENS``) it waits until no request waits or runs (``engine.busy()``) and
-no visitor's paired timing is under way or waiting, for ``QUIET_S`` in a row. A visitor's
-first request after a start then waits at most for one such block.
+The growth curve is background work: it starts with the app, for nobody in particular, so it yields to
+visitors. Before each of its compute calls (blocks of at most ``BACKGROUND_BLOCK_TOKENS``) it waits until no
+request waits or runs (``engine.busy()``) and no visitor's paired timing is under way or waiting, for
+``QUIET_S`` in a row. A visitor's first request after a start then waits at most for one such block.
 """
 
 from __future__ import annotations
@@ -48,8 +40,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from analysis.prefill_records import (
+    GrowthCurve,
+    GrowthPoint,
+    PrefillPair,
+    PrefillTiming,
+    TimingPolicy,
+    WarmPrefix,
+    _median,
+    _median_pair,
+    default_policy,
+)
 from engine.types import CacheKey, EngineError, EngineFault
 
 __all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
@@ -60,126 +63,6 @@ GROWTH_LENGTHS = (256, 512, 1024, 2048, 4096)
 GROWTH_SUFFIX_TOKENS = 32  # the "question" after the cached part, as in a chat turn
 BACKGROUND_BLOCK_TOKENS = 256  # the longest compute call of background work (the growth curve)
 QUIET_S = 0.1  # background work starts a call only after visitors left the engine idle this long
-
-
-@dataclass(frozen=True)
-class TimingPolicy:
-    """What one timing may cost. ``max_tokens`` bounds the tokens a timing runs through the
-    model, all pairs together (fewer pairs when a prompt is long; none when one pair is over).
-    ``memo_min_tokens``: when set, a prompt that starts with a shipped prefix (``public_len``)
-    at least this long takes its no-reuse figure from a memo, measured once per prefix and
-    prompt length; only the reuse side is measured again."""
-
-    pairs: int = 3
-    reuse_runs: int = 3  # the reuse side of a pair is the median of this many runs (short, so noise-prone)
-    max_tokens: int = 16_384
-    block_tokens: int = 512
-    memo_min_tokens: int | None = None
-    wait_s: float = 30.0  # a timing waits at most this long for the one before it, then is skipped
-    memo_size: int = 256
-
-
-def default_policy(device_type: str, isolation: bool) -> TimingPolicy:
-    """CPU: blocks of 512 tokens (about a second of prefill on two cores, so streams keep moving);
-    accelerators run a prompt in one call. A public deployment (``isolation``) bounds a timing to
-    4,096 tokens on CPU and memoizes the no-reuse figure of long shipped prefixes; locally every
-    timing measures both sides afresh, up to 16,384 tokens."""
-    cpu = device_type == "cpu"
-    block = 512 if cpu else 8192
-    if isolation:
-        return TimingPolicy(pairs=3, max_tokens=4096 if cpu else 65_536, block_tokens=block, memo_min_tokens=512)
-    return TimingPolicy(pairs=3, max_tokens=16_384 if cpu else 262_144, block_tokens=block)
-
-
-@dataclass(frozen=True)
-class PrefillPair:
-    reuse_ms: float
-    full_ms: float
-
-    @property
-    def ratio(self) -> float:
-        return self.full_ms / self.reuse_ms if self.reuse_ms > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PrefillTiming:
-    """One prompt timed with and without reuse. ``reuse_ms``/``full_ms`` are the median pair's;
-    ``full_ms`` is None when the no-reuse side was over the bound (``skipped`` says why).
-    ``full_from_memo``: the no-reuse figure was measured at ``full_measured_at`` (time.time())
-    for the same shipped prefix and prompt length, as the median of ``full_runs`` runs."""
-
-    prompt_tokens: int
-    cached_tokens: int  # what the reuse side copied from the cache
-    pairs: tuple[PrefillPair, ...] = ()
-    reuse_ms: float | None = None
-    full_ms: float | None = None
-    full_measured_at: float = 0.0
-    full_from_memo: bool = False
-    full_runs: int = 0
-    block_tokens: int = 0
-    reuse_runs: int = 1  # runs behind each pair's reuse figure (their median)
-    skipped: str | None = None
-
-    @property
-    def speedup(self) -> float | None:
-        if self.full_ms is None or not self.reuse_ms:
-            return None
-        return self.full_ms / self.reuse_ms
-
-
-@dataclass(frozen=True)
-class WarmPrefix:
-    """A shipped prefix put in the cache at start: its length, what was computed and how long it took."""
-
-    label: str
-    num_tokens: int
-    computed_tokens: int
-    prefill_ms: float
-    skipped: str | None = None
-
-
-@dataclass(frozen=True)
-class GrowthPoint:
-    cached_tokens: int  # the length measured: this much of the filler was meant to be reused
-    suffix_tokens: int
-    reuse_ms: float
-    full_ms: float
-    pairs: int
-    reused_tokens: int | None = None  # what the reuse side really copied (fewer if some was evicted)
-
-    @property
-    def reused_less(self) -> bool:
-        return self.reused_tokens is not None and self.reused_tokens < self.cached_tokens
-
-    @property
-    def speedup(self) -> float:
-        return self.full_ms / self.reuse_ms if self.reuse_ms > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class GrowthCurve:
-    """Prefill time with and without reuse against the cached length, on this engine's device.
-    ``state``: "none", "running", "done" or "failed" (``error`` says why)."""
-
-    state: str = "none"
-    points: tuple[GrowthPoint, ...] = ()
-    device: str = ""
-    dtype: str = ""
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    error: str = ""
-    lengths: tuple[int, ...] = field(default_factory=tuple)
-
-
-def _median_pair(pairs: Sequence[PrefillPair]) -> PrefillPair:
-    """The pair whose ratio is the median (the lower middle one for an even count: conservative)."""
-    ranked = sorted(pairs, key=lambda p: p.ratio)
-    return ranked[(len(ranked) - 1) // 2]
-
-
-def _median(values: Sequence[float]) -> float:
-    ranked = sorted(values)
-    return ranked[(len(ranked) - 1) // 2]
 
 
 class PrefillTimer:

@@ -5,15 +5,16 @@ picks and places:
 
 - ``tree``: node-link diagram, root on the left, a column per cached run and a row per
   branch, placed so that a redraw after new requests moves no node drawn before
-  (``tree_marks.stable_layout``; a big tree that had to be folded is laid out depth
+  (``tree_places.stable_layout``; a big tree that had to be folded is laid out depth
   first instead, and says its marks may move); labels only where they collide with nothing;
 - ``icicle``: one bar per node, x = prefix length in tokens, so depth reads as
   how far into the prompt a node starts and ends.
 
 Size by tokens, colour by recency or hits, the last request's path in green
 (reused) and orange (computed), nodes in the second tier (``spilled``) hollow in the
-tree, hatched in the icicle, dotted edges, named in the hover and the legend; hover text escaped. Knows nothing about Gradio
-or the engine object; other visitors' nodes reach it ``hidden``, without text.
+tree, hatched in the icicle, dotted edges, named in the hover and the legend; the hover text and labels
+themselves come from ``tree_text`` (escaped there). Knows nothing about Gradio or the engine object;
+other visitors' nodes reach it ``hidden``, without text.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ from __future__ import annotations
 import functools
 import html
 import math
-import re
 
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from analysis.prefill_timing import GROWTH_NAMESPACE
 from components.views.chart_style import TOKEN_COLORS
-from components.views.format import fmt_ago, fmt_bytes
-from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, node_places, stable_layout, visual_tree
-from engine.snapshot_view import is_own
+from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, visual_tree
+from components.views.tree_places import node_places, stable_layout
+from components.views.tree_text import hover_text, mark_label, tier_words
 from engine.types import TreeSnapshot
 
 STATUS_COLORS = {REUSED: TOKEN_COLORS["cached"], COMPUTED: TOKEN_COLORS["computed"]}
@@ -41,7 +40,6 @@ RECENCY_SCALE = ((0.0, "#1e3a8a"), (0.35, "#3b82f6"), (0.7, "#93c5fd"), (1.0, "#
 HITS_SCALE = ((0.0, "#ede9fe"), (0.5, "#8b5cf6"), (1.0, "#4c1d95"))
 COLOR_MODES = ("recency", "hits")
 VIEWS = ("tree", "icicle")
-_SPECIAL = re.compile(r"<\|[^|<>]{1,40}\|>")  # chat-template markers such as <|im_start|>
 
 
 # ---------------------------------------------------------------- figures
@@ -71,7 +69,7 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
             xref="paper", yref="paper", showarrow=False, font=dict(size=14))]
         return go.Figure(layout=fig_layout)
     colors, cbar = _colors(marks, color_by)
-    hover = {vid: _hover(m, viewer_owns, snapshot.tier_kind) for vid, m in marks.items() if vid}
+    hover = {vid: hover_text(m, viewer_owns, snapshot.tier_kind) for vid, m in marks.items() if vid}
     if icicle:
         traces = _icicle_traces(marks, layout(marks)[1], colors, hover, fig_layout, label=len(marks) <= 40)
     else:
@@ -93,11 +91,6 @@ def tree_figure(snapshot: TreeSnapshot, path: dict[int, str] | None = None, colo
     if any(m.spilled for m in marks.values()):
         _spilled_legend(traces, fig_layout, snapshot.tier_kind, icicle)
     return go.Figure(data=traces, layout=fig_layout, _validate=False)
-
-
-def tier_words(tier_kind: str) -> str:
-    """How a spilled node's place reads: "in the second tier (disk)"."""
-    return f"in the second tier ({tier_kind})" if tier_kind else "in the second tier"
 
 
 def _spilled_legend(traces: list[dict], fig_layout: dict, tier_kind: str, icicle: bool) -> None:
@@ -196,7 +189,7 @@ def _place_labels(marks: dict[int, VisualNode], vids: list[int], pos: dict[int, 
     out: dict[int, str] = {}
     for v in vids:  # in ``_label_rank`` order
         cx, cy = to_px(*pos[v])
-        text = _label(marks[v], label_width)
+        text = mark_label(marks[v], label_width)
         first, second = ("top", "bottom") if round(pos[v][0]) % 2 == 0 else ("bottom", "top")
         for where in (f"{first} center", f"{second} center", f"{first} right", f"{second} right",
                       f"{first} left", f"{second} left"):
@@ -260,7 +253,7 @@ def _tree_traces(marks, pos, colors, hover, fig_layout: dict, label: bool, label
             return ((x - x_range[0]) * sx, (y - y_range[1]) * sy)
 
         where = _place_labels(marks, vids, pos, size_px, to_px, (area_w, area_h), label_width)
-        points.update(text=[_label(marks[v], label_width) if v in where else "" for v in vids],
+        points.update(text=[mark_label(marks[v], label_width) if v in where else "" for v in vids],
                       textfont=dict(size=LABEL_FONT_PX, color="#334155"),
                       textposition=[where.get(v, "top center") for v in vids])
     else:  # no labels: plotly's own autorange leaves room for the markers
@@ -290,7 +283,7 @@ def _icicle_traces(marks, span, colors, hover, fig_layout: dict, label: bool) ->
         bars["marker"]["pattern"] = dict(shape=["/" if marks[v].spilled else "" for v in vids], fgcolor=SPILLED_LINE,
                                          size=6)
     if label:
-        bars.update(text=[_label(marks[v], 40) for v in vids], textposition="inside", insidetextanchor="start",
+        bars.update(text=[mark_label(marks[v], 40) for v in vids], textposition="inside", insidetextanchor="start",
                     textfont=dict(size=10), constraintext="inside")
     fig_layout.update(bargap=0, xaxis=dict(visible=True, title=dict(text="prefix length (tokens)"),
                                            gridcolor="#e2e8f0", zeroline=False))
@@ -327,99 +320,6 @@ def _palette(scale: tuple) -> tuple[str, ...]:
 
 # The Latency tab's growth curve times prefill on filler text in a namespace of its own, cleared
 # when done: while it runs, its nodes say so instead of showing the filler as if someone asked it.
-MEASURING = ("the app's own measurement of how the win grows (Latency tab): filler text, cleared when the "
-             "measurement ends")
-
-
-def _owner(m: VisualNode, viewer_owns: str | None) -> str:
-    if m.hidden:
-        return "another visitor's (text hidden)"
-    if m.namespace == "":
-        return "shared"
-    if m.namespace == GROWTH_NAMESPACE:
-        return MEASURING
-    if viewer_owns and is_own(viewer_owns, m.namespace):
-        sub = m.namespace[len(viewer_owns) + 1:]
-        return f"yours ({html.escape(sub)})" if sub else "yours"
-    return f"namespace {html.escape(m.namespace)}"
-
-
-def _hover(m: VisualNode, viewer_owns: str | None, tier_kind: str = "") -> str:
-    if m.grouped_nodes:
-        return _group_hover(m)
-    lines = [f"<b>{m.num_tokens:,} tokens</b> · {fmt_bytes(m.num_bytes)} · prefix {m.start_tokens:,}–"
-             f"{m.end_tokens:,}"]
-    if not m.hidden:  # other visitors' nodes may carry no hits, times or locks at all
-        lines.append(f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)} · "
-                     + (f"<b>read now</b> by {m.lock_ref} running request(s) (locked)" if m.lock_ref else "unlocked"))
-    elif m.lock_ref:
-        lines.append(f"<b>read now</b> by {m.lock_ref} running request(s) (locked)")
-    lines.append(_owner(m, viewer_owns))
-    if m.spilled:
-        lines.append(f"<b>{tier_words(tier_kind)}</b>, not in memory: a request that needs it loads it back "
-                     "instead of recomputing it (whole chunks)")
-    if len(m.member_ids) > 1:
-        lines.append(f"{len(m.member_ids)} nodes in a chain, drawn as one")
-    if m.status:
-        lines.append({REUSED: "your last request was <b>served</b> from here",
-                      COMPUTED: "your last request <b>computed</b> this"}[m.status])
-    if not m.hidden and m.text:
-        lines.append("<i>" + _wrap(m.text) + "</i>")
-    return "<br>".join(lines)
-
-
-def _group_hover(m: VisualNode) -> str:
-    """What a folded mark holds: nodes, tokens, bytes, where it starts and ends."""
-    branches = f"{m.grouped_branches:,} branches" if m.grouped_branches > 1 else "one branch"
-    return "<br>".join([
-        f"<b>{m.grouped_nodes:,} nodes · {m.grouped_tokens:,} tokens</b> folded into one mark to keep the view "
-        "readable", f"{branches} from prefix {m.start_tokens:,}, reaching {m.end_tokens:,} · {fmt_bytes(m.num_bytes)}",
-        "all another visitor's (text hidden)" if m.hidden else
-        f"hits {m.hits:,} · last used {fmt_ago(m.last_access_s_ago)}" + (" · some <b>locked</b>" if m.lock_ref else "")])
-
-
-def _wrap(text: str, width: int = 64, max_lines: int = 6) -> str:
-    """Escaped, wrapped text for a hover box (plotly reads a small HTML subset)."""
-    text = text.replace("\r", "").replace("\t", " ")
-    out: list[str] = []
-    for para in text.split("\n"):
-        while para and len(out) < max_lines:
-            out.append(para[:width])
-            para = para[width:]
-        if len(out) >= max_lines:
-            break
-    shown = "\n".join(out)
-    more = "…" if len(shown) < len(text.rstrip("\n")) else ""
-    return html.escape(shown).replace("\n", "<br>") + more
-
-
-def _label(m: VisualNode, width: int = 22) -> str:
-    if m.grouped_nodes:
-        return f"+{m.grouped_nodes:,} nodes · {_fmt_tokens(m.grouped_tokens)}"
-    if m.hidden:
-        return "(private)"
-    if m.namespace == GROWTH_NAMESPACE:  # filler text: say what it is for instead
-        return f"{m.num_tokens:,} tok · measuring (cleared soon)"
-    text = _gist(m.text)
-    return f"{m.num_tokens:,} tok · " + html.escape(text[:width] + ("…" if len(text) > width else ""))
-
-
-def _fmt_tokens(n: int) -> str:
-    return f"{n / 1000:.1f}k tok" if n >= 10_000 else f"{n:,} tok"
-
-
-def _gist(text: str) -> str:
-    """The first substantial run of text between chat-template markers, "role: text" style:
-    a node that starts with the tail of an earlier turn is labelled by what it adds."""
-    segments = [seg.strip() for seg in _SPECIAL.split(text) if seg.strip()]
-    seg = next((s for s in segments if len(s) >= 12), " ".join(segments))
-    role, sep, rest = seg.partition("\n")
-    if sep and role.isalpha() and len(role) <= 12:
-        seg = f"{role}: {rest}"
-    return " ".join(seg.split())
-
-
-# ---------------------------------------------------------------- plain data
 def snapshot_summary(snapshot: TreeSnapshot) -> dict:
     """A JSON-able view for the API: text is null for other visitors' nodes; ``spilled`` nodes
     are in the second tier (``tier_kind``), not in the pool."""
