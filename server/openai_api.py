@@ -50,6 +50,9 @@ class ApiState:
     # deployment, ``client_limits.default_max_per_client``; 0: no cap).
     max_per_client: int | None = None
     limits: ClientLimits | None = None
+    # What ``GET /kv_event_sources`` serves, as vLLM does (``{"0": config}``): this engine's own
+    # KV-event publisher, so a dashboard in front of this app finds its stream. None: 404.
+    kv_event_sources: dict | None = None
 
     def keys(self) -> list[str]:
         """The accepted keys: ``api_key`` may list several, comma-separated (one per client)."""
@@ -235,6 +238,16 @@ class OpenAIApi:
             return error_response(exc)
         return JSONResponse(proto.models_list(self.state.model_name or ""))
 
+    async def kv_event_sources(self, request: Request) -> Response:
+        try:
+            self.state.check_key(request)
+        except ApiError as exc:
+            return error_response(exc)
+        if not self.state.kv_event_sources:
+            return error_response(ApiError(404, "This server publishes no KV events (start it with "
+                                           "--kv-events-config).", "invalid_request_error", None, "not_found"))
+        return JSONResponse(self.state.kv_event_sources)
+
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, proto.parse_chat, chat=True)
 
@@ -334,6 +347,7 @@ def api_routes(state: ApiState) -> list[BaseRoute]:
     api = OpenAIApi(state)
     router = APIRouter()
     router.add_api_route("/v1/models", api.models, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/kv_event_sources", api.kv_event_sources, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], include_in_schema=False)
     router.add_api_route("/v1/completions", api.completions, methods=["POST"], include_in_schema=False)
     return list(router.routes)

@@ -133,6 +133,7 @@ class KVEventPublisher:
                  private_tokens: bool = True) -> None:
         self.block_size = block_size
         self.private_tokens = private_tokens
+        self.config: dict = {}  # the config it was made from, as ``GET /kv_event_sources`` serves it
         self.topic = topic.encode()
         self.published: dict[int, set[str]] = {}  # block hash -> the media holding it, as subscribers hold it now
         self._tier_blocks: dict[int, BlockSpec] = {}  # blocks the second tier holds (published again after a clear)
@@ -166,9 +167,13 @@ class KVEventPublisher:
         c = json.loads(config) if isinstance(config, str) else dict(config)
         if not c.get("enable_kv_cache_events", True) or c.get("publisher", "zmq") != "zmq":
             return None
-        return cls(c.get("endpoint", "tcp://*:5557"), c.get("replay_endpoint"), c.get("topic", ""),
-                   int(c.get("block_size", 32)), int(c.get("buffer_steps", 10_000)), int(c.get("hwm", 100_000)),
-                   private_tokens)
+        publisher = cls(c.get("endpoint", "tcp://*:5557"), c.get("replay_endpoint"), c.get("topic", ""),
+                        int(c.get("block_size", 32)), int(c.get("buffer_steps", 10_000)),
+                        int(c.get("hwm", 100_000)), private_tokens)
+        publisher.config = {"enable_kv_cache_events": True, "publisher": "zmq", **c,
+                            "endpoint": c.get("endpoint", "tcp://*:5557"), "topic": c.get("topic", ""),
+                            "block_size": publisher.block_size}
+        return publisher
 
     @property
     def num_published(self) -> int:

@@ -52,8 +52,8 @@ def test_deepcopy_repacks_and_keeps_ties():
         assert torch.allclose(twin["head"](x), model["head"](x))
 
 
-def test_not_packed_in_bf16_or_when_switched_off(monkeypatch):
-    assert not can_pack(_mlp(torch.bfloat16)) and pack_linears(_mlp(torch.bfloat16)) == 0
+def test_not_packed_in_fp16_or_when_switched_off(monkeypatch):
+    assert not can_pack(_mlp(torch.float16)) and pack_linears(_mlp(torch.float16)) == 0
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert pack_linears(_mlp()) == 0
 
@@ -74,5 +74,21 @@ def test_runner_packs_the_tiny_model(tiny_runner):
 def test_not_packed_where_a_packed_product_fails(monkeypatch):
     import engine.model.packed_linear as pl
 
-    monkeypatch.setattr(pl, "_packing_works", lambda: False)
+    monkeypatch.setattr(pl, "_packing_works", lambda dtype=torch.float32: False)
     assert pack_linears(_mlp()) == 0
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 on this CPU")
+def test_bf16_is_packed_where_the_cpu_has_native_bf16():
+    """bf16 linears are packed too (plain bf16 ``F.linear`` reorders the weight on every call):
+    the packed product matches the plain one to bf16 rounding, and a row's output does not depend
+    on how many rows share the call."""
+    model = _mlp(torch.bfloat16)
+    x = torch.randn(5, 24).to(torch.bfloat16)
+    with torch.no_grad():
+        plain = model(x).float()
+        assert pack_linears(model) > 0
+        packed = model(x).float()
+        one = torch.cat([model(x[i:i + 1]) for i in range(5)]).float()
+    assert torch.allclose(plain, packed, atol=3e-2, rtol=3e-2)
+    assert torch.equal(one, packed)

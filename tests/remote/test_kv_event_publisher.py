@@ -253,3 +253,43 @@ def test_a_restarted_publisher_is_found_over_real_sockets():
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_dashboard_finds_this_apps_own_stream_by_asking_it(tiny_runner):
+    """``GET /kv_event_sources`` on this app serves its publisher's config as vLLM does
+    (``{"0": {...}}``), so a dashboard in front of this app discovers the stream with no flag;
+    without ``--kv-events-config`` the route answers a clear 404."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    import app
+    from server.remote.kv_wire import discover
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+    engine = app.build_engine(app.parse_args(["--kv-events-config", config, "--max-new-tokens", "4"]),
+                              runner=tiny_runner)
+    plain = app.build_engine(app.parse_args(["--max-new-tokens", "4"]), runner=tiny_runner)
+    try:
+        client = TestClient(FastAPI(routes=app.server_routes(engine)))
+        body = client.get("/kv_event_sources").json()
+        assert body["0"]["endpoint"] == f"tcp://*:{port}" and body["0"]["topic"] == "kv-events"
+        source = discover(lambda path: client.get(path).json(), "http://127.0.0.1:7860")
+        assert source.endpoint == f"tcp://127.0.0.1:{port}" and source.replay_endpoint == f"tcp://127.0.0.1:{replay}"
+        sub = KVEventSubscriber(source, BlockTree()).start()
+        try:
+            from engine.types import GenerationRequest, SamplingParams
+            engine.run(GenerationRequest(prompt_ids=tuple(prompts(1, seed=3)[0]),
+                                         sampling=SamplingParams(max_new_tokens=4)))
+            pub = engine.cache.tree.listener
+            pub.flush()
+            assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published > 0)
+        finally:
+            sub.close()
+        missing = TestClient(FastAPI(routes=app.server_routes(plain))).get("/kv_event_sources")
+        assert missing.status_code == 404 and "--kv-events-config" in missing.json()["error"]["message"]
+    finally:
+        engine.close()
+        plain.close()
