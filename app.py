@@ -142,7 +142,7 @@ def build_app(engine, max_queue: int = 32):
     ``4 * max_queue`` wait; beyond that Gradio answers "queue full", and the engine's own
     queue (``max_queue``) answers a friendly "busy" warning."""
     from components.demo import build_demo
-    from components.hardening import harden
+    from components.panels.hardening import harden
 
     demo = harden(build_demo(engine))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.chat_panel import build_chat_panel
-from components.fewshot_panel import build_fewshot_panel
-from components.growth_panel import build_growth_panel
-from components.info_panel import build_info_panel
-from components.lab.tab import build_ordering_lab
-from components.latency_panel import build_latency_panel
-from components.live import KEEP_ZOOM_JS, LiveView
-from components.memory_panel import build_memory_panel
-from components.overview_panel import build_overview_panel
-from components.replay_panel import build_replay_panel
-from components.scheduler_panel import build_scheduler_panel
-from components.tree_panel import build_tree_panel
+from components.panels.chat_panel import build_chat_panel
+from components.panels.fewshot_panel import build_fewshot_panel
+from components.panels.growth_panel import build_growth_panel
+from components.panels.info_panel import build_info_panel
+from components.panels.lab.tab import build_ordering_lab
+from components.panels.latency_panel import build_latency_panel
+from components.panels.live import KEEP_ZOOM_JS, LiveView
+from components.panels.memory_panel import build_memory_panel
+from components.panels.overview_panel import build_overview_panel
+from components.panels.replay_panel import build_replay_panel
+from components.panels.scheduler_panel import build_scheduler_panel
+from components.panels.tree_panel import build_tree_panel
 from engine.api import EngineAPI
 from server.request_guard import guard_middleware
 

@@ -4,7 +4,7 @@ Owns which shipped blocks are warmed (every system preset and few-shot set, as t
 and few-shot panels will send them: the same ids, namespace and ``public_len``), the
 page's sentence about it, which document the chat opens on for this engine's device,
 and the text the growth curve measures on. The timing itself is
-``engine.prefill_timing``; this module only hands it keys and ids.
+``analysis.prefill_timing``; this module only hands it keys and ids.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import threading
 import time
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
-from components.format import fmt_ms, plural
 from components.session import public_len
+from components.views.format import fmt_ms, plural
 from engine.types import PUBLIC, CacheKey, EngineError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def _public_key(engine, messages: list[dict]) -> CacheKey | None:
 def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
     """(label, key) of every shipped block, the chat's default document first. A block too long
     for the engine's prompt cap is left out (its requests would be refused anyway)."""
-    from components.chat_panel import chat_messages  # the chat's own message layout
+    from components.panels.chat_panel import chat_messages  # the chat's own message layout
 
     first = chat_default(engine)
     names = [first] + [n for n in SYSTEM_PRESETS if n != first]
@@ -106,7 +106,7 @@ def growth_filler(engine, num_tokens: int) -> list[int]:
 def start_growth_curve(engine) -> threading.Thread | None:
     """Measure the growth curve in a background thread (kept by the engine's timer); None in
     remote mode or while one is already running."""
-    from engine.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
+    from analysis.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
 
     timer = engine.prefill_timer()
     if timer is None or timer.curve.state == "running":

@@ -203,7 +203,7 @@ class Engine(FacadeBase):
 
     def busy(self) -> bool:
         """A request waits or runs, or a step is under way: background measurements wait for
-        this to be False (``engine.prefill_timing``), so visitors never queue behind them."""
+        this to be False (``analysis.prefill_timing``), so visitors never queue behind them."""
         return bool(self._waiting() or self.scheduler.has_work() or self.runner.lock.locked())
 
     def _waiting(self) -> int:
@@ -390,8 +390,8 @@ class Engine(FacadeBase):
             return self._add_record(m)
 
     def prefill_timer(self):
-        """Fair prefill timings on this engine (``engine.prefill_timing.PrefillTimer``): with and
+        """Fair prefill timings on this engine (``analysis.prefill_timing.PrefillTimer``): with and
         without reuse back to back, the warm start of shipped prefixes, the growth curve. One per engine."""
-        from engine.prefill_timing import timer_for
+        from analysis.prefill_timing import timer_for
 
         return timer_for(self)

@@ -3,9 +3,13 @@ the serving core. Parsed, not imported, so a violation fails fast.
 
     app.py, tools/         entry points: may import anything
     components/            the page: engine's public modules only (and the server's HTTP guard)
+      panels/                Gradio: each panel's layout and wiring
+      views/                 pure: figures, marks, words; no gradio, not even lazily, and no panel
     server/                HTTP: engine's public modules only, never components/
-    engine/lab, engine/replay   analysis over the engine's interface
+    analysis/              the lab, the replay, the prefill timer: over the engine's public modules
+                           (and the torch-free parts of the cache); no UI, no server
     engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis
+                           (one lazy edge: ``Engine.prefill_timer()`` builds the analysis timer)
 
 The rules hold through chains, not only for direct imports: the repository's modules and their
 imports make a graph (``import a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``), and each rule is checked
@@ -23,20 +27,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "server", "components", "tools")
+PACKAGES = ("engine", "analysis", "server", "components", "tools")
 UI_LIBS = {"gradio", "gradio_client", "plotly", "networkx", "components", "app"}
 NOT_FOR_ENGINE = UI_LIBS | {"tools", "server"}  # entry points and HTTP sit above the engine
 TORCH = {"torch", "transformers"}
 
 # What components/ and server/ may import of the engine: the interface and its plain data,
 # the facade base (to extend it: the remote engine), the rules every view shares, the text
-# half, the pure radix tree (simulations and the remote shadow tree are built on it), the
-# prefill timer the page shows, and the analysis packages. Never the local engine, the pool,
-# the cache, the tier, the scheduler or the model.
+# half, the pure radix tree (simulations and the remote shadow tree are built on it). Never the
+# local engine, the pool, the cache, the tier, the scheduler or the model. (The analysis
+# packages, which the page also reads, sit outside ``engine/``.)
 PUBLIC_ENGINE = ("engine.api", "engine.types", "engine.facade", "engine.handle", "engine.validation",
-                 "engine.namespaces", "engine.snapshot_view", "engine.prefill_timing", "engine.text",
-                 "engine.kvcache.radix_tree", "engine.lab", "engine.replay")
-ANALYSIS = ("engine.lab", "engine.replay")
+                 "engine.namespaces", "engine.snapshot_view", "engine.text", "engine.kvcache.radix_tree")
+ANALYSIS = ("analysis",)
+# What analysis may import of the engine: the public modules and the torch-free parts of the
+# cache (the tree, the eviction policy, the tier's chunk size; the replay's SimCache is built on
+# them). What it still reaches into beyond them, each named here and in its module's docstring:
+ANALYSIS_MAY_READ = PUBLIC_ENGINE + ("engine.kvcache.eviction", "engine.kvcache.chunks")
+ANALYSIS_REACHES_INTO = {
+    "analysis.replay.simulate": {"engine.model.loader"},  # a model's KV geometry, inside model_geometry
+}
+# The serving core's one edge into analysis: ``Engine.prefill_timer()`` (an ``EngineAPI`` method)
+# imports the timer when first called, never when the engine is loaded.
+CORE_INTO_ANALYSIS = {"engine.engine": {"analysis", "analysis.prefill_timing"}}
 # The local core: what remote mode must never load. The torch-free parts of its packages
 # (the chunk size, the scheduler's plain config, where a model's files are) may be loaded.
 LOCAL_CORE = ("engine.engine", "engine.tier_setup", "engine.kvcache", "engine.scheduler", "engine.model")
@@ -146,14 +159,33 @@ def test_engine_reaches_no_ui_not_even_lazily():
     assert not offenders, offenders
 
 
+def test_analysis_reaches_no_ui_and_no_server():
+    offenders = _offenders(_under("analysis"), lambda n: n.split(".")[0] in NOT_FOR_ENGINE)
+    assert not offenders, offenders
+
+
 def test_serving_core_reaches_no_analysis():
-    core = [m for m in _under("engine") if not _is(m, ANALYSIS)]
-    offenders = _offenders(core, lambda n: _is(n, ANALYSIS))
+    """Loading any module of the core loads no analysis; running one reaches it only through the
+    one named lazy edge (``Engine.prefill_timer()``)."""
+    core = _under("engine")
+    at_load = _offenders(core, lambda n: _is(n, ANALYSIS), at_load=True)
+    assert not at_load, at_load
+    edges = {f"{m} -> {n}" for m in core for n in _edges(m, False) if _is(n, ANALYSIS)}
+    allowed = {f"{m} -> {n}" for m, names in CORE_INTO_ANALYSIS.items() for n in names}
+    assert edges <= allowed, edges - allowed
+
+
+def test_analysis_reads_the_engines_public_modules():
+    """Direct imports: analysis reads the engine through its public modules, and reaches into the
+    core only where ``ANALYSIS_REACHES_INTO`` says (each a named exception, said in its docstring)."""
+    offenders = [f"{m}: {n}" for m in _under("analysis") for n in _imports(_modules()[m])
+                 if n.split(".")[0] == "engine" and n != "engine" and not _is(n, ANALYSIS_MAY_READ)
+                 and not _is(n, tuple(ANALYSIS_REACHES_INTO.get(m, ())))]
     assert not offenders, offenders
 
 
 def test_lab_reaches_no_replay():
-    offenders = _offenders(_under("engine.lab"), lambda n: _is(n, ("engine.replay",)))
+    offenders = _offenders(_under("analysis.lab"), lambda n: _is(n, ("analysis.replay",)))
     assert not offenders, offenders
 
 
@@ -161,6 +193,15 @@ def test_components_and_server_read_only_the_engines_public_modules():
     """Direct imports: the rest of the engine is reached only through these."""
     offenders = [f"{p.relative_to(ROOT)}: {n}" for p in _files("components") + _files("server")
                  for n in _imports(p) if n.split(".")[0] == "engine" and n != "engine" and not _is(n, PUBLIC_ENGINE)]
+    assert not offenders, offenders
+
+
+def test_views_reach_no_gradio_not_even_lazily():
+    """A view is built without a page: nothing under ``components/views`` reaches gradio or a panel."""
+    views = _under("components.views")
+    assert views, "no views found"
+    offenders = _offenders(views, lambda n: n.split(".")[0] in {"gradio", "gradio_client"}
+                           or _is(n, ("components.panels", "components.demo")))
     assert not offenders, offenders
 
 
@@ -176,7 +217,7 @@ def test_what_the_page_and_the_server_load_has_no_torch():
     """Remote mode loads these and builds a ``RemoteEngine``: no chain of module-level imports from
     them reaches torch, transformers or the local core. The local engine is imported inside the
     functions that build it (``app.build_engine``), so it loads only when used."""
-    starts = ["app", *_under("components", "server"), *(m for m in _under(*PUBLIC_ENGINE))]
+    starts = ["app", *_under("components", "server", "analysis"), *(m for m in _under(*PUBLIC_ENGINE))]
     torch = _offenders(starts, lambda n: n in TORCH, at_load=True)
     assert not torch, torch
     core = _offenders(starts, lambda n: _is(n, LOCAL_CORE) and not _is(n, TORCH_FREE_IN_CORE)
@@ -196,8 +237,8 @@ def test_the_graph_sees_chains():
     chains = _reach("engine.engine", at_load=True)
     assert "torch" in chains and "engine.scheduler.scheduler" in chains
     assert "engine.kvcache.kv_pool" in _reach("engine.kvcache.prefix_cache", at_load=True)
-    assert "engine.model.loader" not in _reach("engine.replay.simulate", at_load=True)
-    assert "engine.model.loader" in _reach("engine.replay.simulate", at_load=False)  # inside model_geometry
+    assert "engine.model.loader" not in _reach("analysis.replay.simulate", at_load=True)
+    assert "engine.model.loader" in _reach("analysis.replay.simulate", at_load=False)  # inside model_geometry
 
 
 def test_plain_data_imports_nothing_of_the_engine():

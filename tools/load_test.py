@@ -230,7 +230,7 @@ def check_idle(engine) -> list[str]:
 def check_against_lone_runs(runner, report: LoadReport, max_new_tokens: int, log=print) -> None:
     """Re-run every distinct prompt alone, greedy, on a fresh engine with no prefix cache, with the
     sampling the page's chat endpoint uses (its loop guard on)."""
-    from components.chat_panel import chat_messages, sampling_for
+    from components.panels.chat_panel import chat_messages, sampling_for
     from engine.engine import Engine
     from engine.types import GenerationRequest
 

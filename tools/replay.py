@@ -18,7 +18,7 @@ Two speeds:
 Log lines: ``{"messages": [...]}``, ``{"prompt": "..."}``, OpenAI Batch API lines
 (``{"custom_id", "body": {"messages": ...}}``) or ShareGPT
 (``{"conversations": [{"from", "value"}]}``), with optional ``timestamp``,
-``session``, ``max_new_tokens`` and ``response`` (see engine/replay/log_formats.py).
+``session``, ``max_new_tokens`` and ``response`` (see analysis/replay/log_formats.py).
 A malformed line is reported with its number and skipped (``--strict`` stops).
 ``LOG.jsonl.gz`` is read compressed.
 stdout ends with ``{"summary": {...}}``; a progress bar goes to stderr. Ctrl-C
@@ -40,9 +40,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.lab.cost_estimate import PricingRules
-from engine.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, parse_ttl, read_log
-from engine.replay.replay_stats import ReplayReport, ReplayStats, summary_text
+from analysis.lab.cost_estimate import PricingRules
+from analysis.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, parse_ttl, read_log
+from analysis.replay.replay_stats import ReplayReport, ReplayStats, summary_text
 from engine.types import EngineError, GenerationRequest, SamplingParams
 
 
@@ -188,7 +188,7 @@ def write_report(report: ReplayReport, path: Path) -> None:
     """The HTML report is drawn by the UI layer's figure code (plotly), loaded only here:
     nothing in ``engine/`` imports this module, and ``engine/`` never imports the UI at
     module level (tests/test_layering.py)."""
-    from components.replay_report import write_html
+    from components.views.replay_report import write_html
 
     write_html(report, path)
 
@@ -267,9 +267,9 @@ class ModelError(RuntimeError):
 
 
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
+    from analysis.replay.simulate import model_geometry, simulate_lines
     from engine.engine import default_budget_bytes
     from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
-    from engine.replay.simulate import model_geometry, simulate_lines
 
     try:
         tokenizer = load_tokenizer(args.model)

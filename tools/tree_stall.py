@@ -13,7 +13,7 @@ builds (``app.build_engine``, the app's own flags and defaults):
    (a), (b), (c) ``--rounds`` times.
 
 A tab session runs exactly what the tab's timer tick runs on the server: the tree panel's
-refresh (``components.tree_panel``, through ``components.live._quiet`` as ``LiveView.refresh_on``
+refresh (``components.panels.tree_panel``, through ``components.panels.live._quiet`` as ``LiveView.refresh_on``
 wires it) with its own ``gr.Request`` (session hash) and its own ``seen`` state, at the
 timer's own interval, from its own thread (phases spread over the interval, as browsers'
 timers are), then Gradio's ``gr.Plot.postprocess`` of a figure it returns (the JSON the
@@ -130,7 +130,7 @@ class TabSession:
     def __init__(self, live, plot, index: int) -> None:
         import gradio as gr
 
-        from components.live import _quiet
+        from components.panels.live import _quiet
 
         self.fn = _quiet(live.fn, len(live.outputs), live.status is not None)
         self.values = [getattr(c, "value", None) for c in live.inputs[1:-1]]  # colour, view, chains as shown
@@ -153,7 +153,7 @@ def tree_panel_sessions(engine, sessions: int) -> tuple[list[TabSession], Callab
     function registered as the ``tree_snapshot`` endpoint, and the tab timer's interval."""
     import gradio as gr
 
-    from components.tree_panel import build_tree_panel
+    from components.panels.tree_panel import build_tree_panel
 
     with gr.Blocks() as blocks:
         last_metrics = gr.State(None)

@@ -28,6 +28,9 @@ tells the cache. Never a crash, never wrong KV. The scan at start applies the sa
 header and length checks. The spilled-paths file is checked entry by entry
 (``read_paths``). What names the folder (``fingerprint`` and the mode, see
 docs/TIER.md) keeps other models, weights, dtypes, tokenizers and modes out.
+The geometry, the header and its checks live in ``chunk_format.py``; the fingerprint in
+``tier_identity.py``; the store interface and its LRU (``ChunkStore``) in ``chunk_store.py``
+(all re-exported here). This module keeps the two stores and the folder's lock.
 
 On disk the store also keeps: an exclusive lock on the folder for its lifetime
 (``TierBusy`` for a second store, in this process or another), LRU order across
@@ -39,241 +42,39 @@ temporary file first; room is made only once it is complete).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import struct
-import threading
 import time
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from engine.kvcache.chunks import CHUNK_TOKENS
+from engine.kvcache.chunk_format import (  # noqa: F401 (re-exported: the tier's old import paths)
+    _HEADER,
+    _MAGIC,
+    ChunkGeometry,
+    _path_entry,
+    chunk_key,
+)
+from engine.kvcache.chunk_store import ChunkStore
+from engine.kvcache.chunks import CHUNK_TOKENS  # noqa: F401 (re-exported)
+from engine.kvcache.tier_identity import fingerprint, weights_digest  # noqa: F401 (re-exported)
 from engine.types import CacheKey
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"RXKV1\n"
-_HEADER = struct.Struct("<6s40s16sIIIIQI")  # magic, key, dtype, layers, heads, tokens, dim, payload bytes, crc32
 _LOCK_NAME = ".lock"
-_MAX_TOKEN_ID = 2**31  # ids in the paths file: [0, 2**31)
-_MAX_NAMESPACE_CHARS = 256
 _MAX_PATHS_FILE_BYTES = 256 * 2**20
 
 
 class TierBusy(RuntimeError):
     """Another store (another process, or another engine in this one) holds the tier's folder."""
-
-
-@dataclass(frozen=True)
-class ChunkGeometry:
-    """What every chunk of a store is: ``[2, num_layers, num_kv_heads, tokens, head_dim]`` of ``dtype``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    tokens: int = CHUNK_TOKENS
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (2, self.num_layers, self.num_kv_heads, self.tokens, self.head_dim)
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.tokens * self.head_dim * self.dtype.itemsize
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def check_tensor(self, kv: torch.Tensor) -> None:
-        """A chunk handed to ``put`` must be exactly this; anything else is a programming error."""
-        if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
-            raise ValueError(f"a KV chunk must be {list(self.shape)} {self.dtype_name}, "
-                             f"got {list(kv.shape)} {str(kv.dtype).removeprefix('torch.')}")
-
-    def header(self, key: str, payload_crc: int) -> bytes:
-        return _HEADER.pack(_MAGIC, key.encode(), self.dtype_name.encode(), self.num_layers, self.num_kv_heads,
-                            self.tokens, self.head_dim, self.nbytes, payload_crc)
-
-    def check_header(self, raw: bytes, key: str) -> int:
-        """Every field of a file's header against this geometry and the expected key; returns
-        the payload's CRC-32. Raises ValueError naming the first field that does not match."""
-        if len(raw) != _HEADER.size:
-            raise ValueError(f"truncated header: {len(raw)} of {_HEADER.size} bytes")
-        magic, stored_key, dtype, layers, heads, tokens, dim, size, crc = _HEADER.unpack(raw)
-        if magic != _MAGIC:
-            raise ValueError("not a chunk of this tier")
-        if stored_key.rstrip(b"\0") != key.encode():
-            raise ValueError("written under another key")
-        name = dtype.rstrip(b"\0")
-        if name != self.dtype_name.encode():
-            raise ValueError(f"dtype {name.decode('ascii', 'replace')!r}, expected {self.dtype_name}")
-        for field, got, want in (("layers", layers, self.num_layers), ("kv heads", heads, self.num_kv_heads),
-                                 ("tokens", tokens, self.tokens), ("head_dim", dim, self.head_dim),
-                                 ("payload bytes", size, self.nbytes)):
-            if got != want:
-                raise ValueError(f"{field} {got}, expected {want}")
-        return crc
-
-
-def chunk_key(fingerprint: str, namespace: str, public_tokens: int, ids) -> str:
-    """The key of the chunk that ends after ``ids`` (40 hex digits)."""
-    h = hashlib.sha1(f"{fingerprint}|{namespace}|{public_tokens}|".encode())
-    h.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes())
-    return h.hexdigest()
-
-
-class ChunkStore:
-    """LRU over chunks of one ``ChunkGeometry`` under a byte budget; subclasses keep the bytes
-    (disk or host memory). Thread-safe. ``on_drop`` (if set) is told the key of every chunk that
-    leaves: dropped for room or found bad (the cache keeps its map of what the tier holds by it).
-    After ``close`` it keeps nothing more and returns nothing."""
-
-    kind = ""  # where the bytes are, for a person: "disk" or "host memory"
-    persistent = False  # whether what it keeps outlives the process (a restart finds it)
-    paths_file: Path | None = None  # disk only: the spilled paths, written at persist, read at start
-
-    def __init__(self, budget_bytes: int, geometry: ChunkGeometry) -> None:
-        self.on_drop: Callable[[str], None] | None = None
-        self.budget_bytes = int(budget_bytes)
-        self.geometry = geometry
-        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
-        self._lock = threading.Lock()
-        self._closed = False
-        self._write_failing = False  # a write failed and none succeeded since: warn once, not per chunk
-        self.bytes_in_use = 0
-        self.stored_chunks = self.loaded_chunks = self.dropped_chunks = self.bad_chunks = 0
-        self.failed_writes = 0
-        self.bytes_written = self.bytes_read = 0
-
-    def __contains__(self, key: str) -> bool:
-        with self._lock:
-            return key in self._sizes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._sizes)
-
-    def put(self, key: str, kv: torch.Tensor) -> bool:
-        """Keep ``kv`` (exactly ``geometry.shape`` and dtype, on any device: else ValueError) under
-        ``key``. The chunk is written first; only then are least recently used chunks dropped for
-        room. False if it cannot fit at all or writing failed (then nothing else changed)."""
-        self.geometry.check_tensor(kv)
-        size = self.geometry.nbytes
-        with self._lock:
-            if self._closed:
-                return False
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
-                self._touch(key)
-                return True
-            if size > self.budget_bytes:
-                return False
-            try:
-                staged = self._stage(key, kv)
-            except OSError as exc:
-                self._write_failed(exc)
-                return False
-            while self.bytes_in_use + size > self.budget_bytes and self._sizes:
-                old, old_size = self._sizes.popitem(last=False)
-                self.bytes_in_use -= old_size
-                self.dropped_chunks += 1
-                self._forget(old)
-            try:
-                self._commit(key, staged)
-            except OSError as exc:
-                self._discard(staged)
-                self._write_failed(exc)
-                return False
-            if self._write_failing:
-                log.info("KV tier: writing chunks works again")
-                self._write_failing = False
-            self._sizes[key] = size
-            self.bytes_in_use += size
-            self.stored_chunks += 1
-            self.bytes_written += size
-            return True
-
-    def get(self, key: str) -> torch.Tensor | None:
-        """The chunk's KV: a CPU tensor of exactly ``geometry.shape`` and dtype, or None (missing,
-        or bad: then it is removed with one log line, counted in ``bad_chunks``, and ``on_drop``
-        is told)."""
-        g = self.geometry
-        with self._lock:
-            if self._closed or key not in self._sizes:
-                return None
-            try:
-                kv = self._read(key)
-                if tuple(kv.shape) != g.shape or kv.dtype != g.dtype or kv.device.type != "cpu":
-                    raise ValueError(f"read {list(kv.shape)} {kv.dtype} on {kv.device}")
-            except (OSError, ValueError, RuntimeError, struct.error) as exc:
-                log.warning("KV tier: dropping bad chunk %s (%s); it will be recomputed", key, exc)
-                self.bad_chunks += 1
-                self.bytes_in_use -= self._sizes.pop(key)
-                self._forget(key)
-                return None
-            self._sizes.move_to_end(key)
-            self._touch(key)
-            self.loaded_chunks += 1
-            self.bytes_read += g.nbytes
-            return kv
-
-    def write_paths(self, paths: Iterable[CacheKey]) -> None:
-        """Keep the token paths of what the tier holds, for the tree after a restart (disk only)."""
-
-    def read_paths(self) -> list[CacheKey]:
-        """The paths ``write_paths`` kept, each entry checked; [] when there is none (disk only)."""
-        return []
-
-    def close(self) -> None:
-        """Keep and return nothing more; on disk, release the folder's lock (the files stay)."""
-        with self._lock:
-            self._closed = True
-            self._release()
-
-    def _write_failed(self, exc: OSError) -> None:
-        self.failed_writes += 1
-        if not self._write_failing:
-            log.warning("KV tier: could not write a chunk (%s); chunks that cannot be written are recomputed "
-                        "when needed (said once until a write succeeds)", exc)
-            self._write_failing = True
-
-    def _forget(self, key: str) -> None:
-        self._drop(key)
-        if self.on_drop is not None:
-            self.on_drop(key)
-
-    # What a subclass provides. _stage may raise OSError and must then leave nothing behind.
-    def _stage(self, key: str, kv: torch.Tensor) -> object:
-        raise NotImplementedError
-
-    def _commit(self, key: str, staged: object) -> None:
-        raise NotImplementedError
-
-    def _discard(self, staged: object) -> None:
-        pass
-
-    def _read(self, key: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _drop(self, key: str) -> None:
-        raise NotImplementedError
-
-    def _touch(self, key: str) -> None:
-        pass
-
-    def _release(self) -> None:
-        pass
 
 
 class HostStore(ChunkStore):
@@ -517,96 +318,3 @@ def prune_other_tiers(parent: Path, keep: Path) -> int:
     if removed:
         log.info("KV tier: removed %.0f MiB of tiers this configuration cannot read", removed / 2**20)
     return removed
-
-
-def _path_entry(entry: object) -> CacheKey | None:
-    """One entry of the paths file, or None if any field is not what ``write_paths`` writes."""
-    if not isinstance(entry, dict):
-        return None
-    ids, namespace, public_len = entry.get("ids"), entry.get("namespace"), entry.get("public_len")
-    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < _MAX_TOKEN_ID for i in ids):
-        return None
-    if not isinstance(namespace, str) or len(namespace) > _MAX_NAMESPACE_CHARS:
-        return None
-    try:
-        namespace.encode("utf-8")  # JSON may carry lone surrogates; chunk_key encodes the namespace
-    except UnicodeEncodeError:
-        return None
-    if type(public_len) is not int or not 0 <= public_len <= len(ids):
-        return None
-    return CacheKey(tuple(ids), namespace, public_len)
-
-
-# ---------------------------------------------------------------- what names the tier
-def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int, num_kv_heads: int,
-                head_dim: int, weights: str = "", packed_linear: bool = False) -> str:
-    """Names what the KV depends on: the same model, weights (``weights_digest``), dtype,
-    tokenizer, geometry and linear kernels (oneDNN-packed linears change the KV's last bits),
-    or nothing."""
-    h = hashlib.sha1(f"{model_name}|{dtype}|{num_layers}|{num_kv_heads}|{head_dim}|".encode())
-    h.update(f"weights={weights}|packed_linear={int(bool(packed_linear))}|".encode())
-    vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []
-    h.update(repr(vocab).encode("utf-8", "surrogatepass"))
-    h.update(str(getattr(tokenizer, "chat_template", "")).encode("utf-8", "surrogatepass"))
-    return h.hexdigest()[:16]
-
-
-def weights_digest(files: Sequence[Path], model: torch.nn.Module | None = None, memo: Path | None = None) -> str:
-    """A digest of the model's weights: of the ``files`` they were loaded from (each file's digest
-    kept in ``memo``, a JSON file, under its path, size and mtime_ns, so a start hashes the
-    weights only when they changed: about 1 s for 540 MB here), or, without files, of the
-    ``model``'s tensors as loaded."""
-    if files:
-        table = _read_memo(memo)
-        h = hashlib.sha256()
-        changed = False
-        for path in sorted(Path(p) for p in files):
-            st = path.stat()
-            entry = table.get(str(path))
-            if isinstance(entry, list) and entry[:2] == [st.st_size, st.st_mtime_ns] and len(entry) == 3:
-                digest = str(entry[2])
-            else:
-                digest = _file_digest(path)
-                table[str(path)] = [st.st_size, st.st_mtime_ns, digest]
-                changed = True
-            h.update(f"{path.name}|{digest}|".encode())
-        if changed and memo is not None:
-            _write_memo(memo, table)
-        return h.hexdigest()[:32]
-    if model is None:
-        return ""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().to("cpu").contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{t.numel()}|".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()[:32]
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _read_memo(memo: Path | None) -> dict:
-    if memo is None:
-        return {}
-    try:
-        table = json.loads(memo.read_text())
-        return table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_memo(memo: Path, table: dict) -> None:
-    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(table))
-        os.replace(tmp, memo)
-    except OSError as exc:  # the next start hashes again
-        tmp.unlink(missing_ok=True)
-        log.info("KV tier: could not keep the weights' digest in %s (%s)", memo, exc)

@@ -27,7 +27,7 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.radix_tree import MatchResult, Node, RadixTree
 from engine.kvcache.request_kv import RequestKV
 from engine.kvcache.request_slots import RequestSlots, SlotLedger
-from engine.kvcache.second_tier import SecondTier
+from engine.kvcache.second_tier import SecondTier, path_of
 from engine.snapshot_view import for_viewer, node_infos, with_text
 from engine.types import PUBLIC, CacheKey, TreeSnapshot
 
@@ -126,7 +126,7 @@ class RadixCache(SlotLedger):
         are free. Call with the lock held, before anything reuses the slots."""
         if self.tier is not None:
             for node in removed:
-                path, slots = self._path_of(node)
+                path, slots = path_of(node, self.tree.root)
                 self.tier.spill(path, slots, len(path.ids) - len(node.key), self.pool)
             self.tier.settle()
         self.pool.free(freed)
@@ -161,23 +161,6 @@ class RadixCache(SlotLedger):
         held = self.tree.match(key, max_len=length, touch=False)
         assert held.length == length, "split past the match"
         return self.tree.insert(key.prefix(length), held.values, touch=False).node  # a split is no use
-
-    def _path_of(self, node: Node) -> tuple[CacheKey, list]:
-        """The path from the root to the end of ``node`` and its slots (its ancestors may be
-        removed in the same eviction: their links and slots are intact until the slots are freed)."""
-        chain = []
-        while node is not None and node is not self.tree.root:
-            chain.append(node)
-            node = node.parent
-        ids, slots, public, namespace = [], [], 0, PUBLIC
-        for n in reversed(chain):
-            ids.extend(n.key)
-            slots.extend(n.value)
-            if n.namespace == PUBLIC:
-                public += len(n.key)
-            else:
-                namespace = n.namespace
-        return CacheKey(tuple(ids), namespace, public), slots
 
     # ------------------------------------------------------------- second tier
     def _load(self, key: CacheKey, cached: int, max_len: int) -> tuple[int, float]:
@@ -239,7 +222,7 @@ class RadixCache(SlotLedger):
         with self._lock:
             before = self.tier.store.stored_chunks
             for node in self.tree.nodes():
-                path, slots = self._path_of(node)
+                path, slots = path_of(node, self.tree.root)
                 self.tier.spill(path, slots, len(path.ids) - len(node.key), self.pool)
             self.tier.save_paths()
             return self.tier.store.stored_chunks - before

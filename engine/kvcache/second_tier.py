@@ -34,7 +34,7 @@ import torch
 
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkStore, chunk_key
-from engine.kvcache.radix_tree import RadixTree
+from engine.kvcache.radix_tree import Node, RadixTree
 from engine.kvcache.spilled_tree import SpilledTree
 from engine.types import PUBLIC, CacheKey, NodeInfo
 
@@ -181,3 +181,21 @@ class SecondTier:
                     tier_loaded_tokens=self.loaded_tokens, tier_spilled_tokens=self.spilled_tokens,
                     tier_bytes_read=store.bytes_read, tier_bytes_written=store.bytes_written, tier_kind=store.kind)
 
+
+def path_of(node: Node, root: Node) -> tuple[CacheKey, list]:
+    """The path from ``root`` to the end of ``node`` and its slots: the key the tier spills it under
+    (its ancestors may be removed in the same eviction: their links and slots are intact until the
+    slots are freed)."""
+    chain = []
+    while node is not None and node is not root:
+        chain.append(node)
+        node = node.parent
+    ids, slots, public, namespace = [], [], 0, PUBLIC
+    for n in reversed(chain):
+        ids.extend(n.key)
+        slots.extend(n.value)
+        if n.namespace == PUBLIC:
+            public += len(n.key)
+        else:
+            namespace = n.namespace
+    return CacheKey(tuple(ids), namespace, public), slots

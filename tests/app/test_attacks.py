@@ -146,8 +146,8 @@ def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
     stay pinned: the other visitor keeps at least half of their cached prompt."""
     import random
 
-    from components.chat_panel import build_request, chat_messages
     from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS, SYSTEM_PRESETS
+    from components.panels.chat_panel import build_request, chat_messages
 
     engine = Engine(tiny_runner, isolation=True, budget_bytes=800 * tiny_runner.kv_bytes_per_token,
                     max_new_tokens_cap=4)
@@ -185,7 +185,7 @@ def test_work_for_a_result_stream_never_opened_is_stopped(tiny_runner):
     import time
     import uuid
 
-    from components.hardening import UNREAD_LIMIT
+    from components.panels.hardening import UNREAD_LIMIT
 
     cap = 4 * UNREAD_LIMIT
     engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=cap)

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from components.chat_panel import chat_messages
 from components.chat_presets import SYSTEM_PRESETS
+from components.panels.chat_panel import chat_messages
 from components.session import public_len
 from components.warm_start import chat_default, warm_start
 from engine.engine import Engine

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 import app
-from components.chat_panel import build_request, chat_messages
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
+from components.panels.chat_panel import build_request, chat_messages
 from components.session import public_len, sub_namespace, visitor_namespace
 from engine.engine import Engine
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
@@ -209,7 +209,7 @@ def test_hidden_nodes_do_not_tell_which_prompt_another_visitor_sent(tiny_runner)
     hidden node named the one another visitor clicked in 6 of 6 trials. Now the other visitor's
     snapshot (and the cache figures shown to them) are identical whichever was sent."""
     from components.chat_presets import STARTER_QUESTIONS
-    from components.tree_figures import snapshot_summary, tree_figure
+    from components.views.tree_figures import snapshot_summary, tree_figure
 
     views, summaries = [], []
     for question in STARTER_QUESTIONS:

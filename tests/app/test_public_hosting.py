@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from components.demo import launch_kwargs
-from components.hardening import clean, sanitized
+from components.panels.hardening import clean, sanitized
 from engine.engine import Engine
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
@@ -97,7 +97,7 @@ def test_no_prompt_data_written_to_disk(app_url):
 
 def test_text_utf8_cannot_encode_never_breaks_a_reply(app_url):
     """JSON can carry lone surrogates and a browser can send them; echoed unchanged they would
-    make Gradio's serializer fail and drop the visitor's stream (components/hardening.py)."""
+    make Gradio's serializer fail and drop the visitor's stream (components/panels/hardening.py)."""
     url, engine = app_url
     client = visitor(url)
     history = [{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]},

@@ -285,7 +285,7 @@ def test_a_backend_without_cache_reporting_says_so(tokenizer):
 
 
 def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, tiny_runner, tokenizer):
-    from engine.lab.ordering_runs import LabPrompt, Variant, run_lab_to_end
+    from analysis.lab.ordering_runs import LabPrompt, Variant, run_lab_to_end
 
     _, url = backend
     remote = remote_for(url, tokenizer)

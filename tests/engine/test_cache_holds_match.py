@@ -14,7 +14,7 @@ import torch
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore
 from engine.kvcache.radix_cache import RadixCache
-from engine.kvcache.second_tier import SecondTier
+from engine.kvcache.second_tier import SecondTier, path_of
 from engine.types import CacheKey
 
 
@@ -32,7 +32,7 @@ def _kv(runner, ids):
 def _assert_tree_kv_exact(runner, cache):
     """Every cached slot holds the KV a no-cache prefill of its path gives (fp32)."""
     for node in cache.tree.nodes():
-        path, slots = cache._path_of(node)
+        path, slots = path_of(node, cache.tree.root)
         ref = _kv(runner, list(path.ids))
         k, v = ref.k[:, :, :len(slots)], ref.v[:, :, :len(slots)]
         got_k = torch.empty_like(k)

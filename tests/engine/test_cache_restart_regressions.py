@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kvcache.kv_tier import CHUNK_TOKENS
+from engine.kvcache.second_tier import path_of
 from engine.types import CacheKey
 from tests.engine.test_cache_stateful import _close_cache, _new_cache, _reference, _scratch, _tier_folder, ref_kv
 
@@ -44,7 +45,7 @@ def _assert_tree_is_reference(cache) -> None:
     """Every slot of the tree is in range and holds the reference KV of its token."""
     cache.check_invariants()
     for node in cache.tree.nodes():
-        path, slots = cache._path_of(node)
+        path, slots = path_of(node, cache.tree.root)
         assert all(0 <= s < cache.pool.capacity for s in slots), f"node {node.id} holds slots {slots}"
         idx = torch.tensor(slots, dtype=torch.long)
         k = torch.stack([layer.index_select(1, idx) for layer in cache.pool.k])

@@ -79,7 +79,7 @@ def test_attachments_live_with_their_engine(local, tiny_runner):
 def test_panels_ask_capabilities_not_the_class():
     """No panel, lab module or HTTP route reaches into a local engine's parts or probes the engine's type."""
     offenders = []
-    for p in sorted([*(ROOT / "components").rglob("*.py"), *(ROOT / "engine" / "lab").glob("*.py"), ROOT / "app.py",
+    for p in sorted([*(ROOT / "components").rglob("*.py"), *(ROOT / "analysis" / "lab").glob("*.py"), ROOT / "app.py",
                      *(ROOT / "server").glob("*.py")]):  # server/remote/ is an engine itself
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "engine" \

@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from analysis.replay.sim_cache import SimCache
 from engine.kvcache.eviction import LFU, LRU, POLICIES, EvictionPolicy, make_policy
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.radix_tree import RadixTree
-from engine.replay.sim_cache import SimCache
 from engine.types import PUBLIC, CacheKey
 
 ALL = sorted(POLICIES)
@@ -61,8 +61,8 @@ def test_the_flag_and_its_env_var_reach_the_engine(tiny_runner, monkeypatch):
 
 
 def test_the_ui_states_the_policy_it_reads_from_the_engine(tiny_runner):
-    from components.info_panel import eviction_sentence
-    from components.memory_panel import budget_note
+    from components.panels.info_panel import eviction_sentence
+    from components.panels.memory_panel import budget_note
     from engine.engine import Engine
 
     for name in ALL:
@@ -276,7 +276,7 @@ def test_the_replay_simulates_the_policy_it_is_given(tokenizer):
     """``tools/replay.py --eviction-policy`` reaches the simulated cache."""
     import json
 
-    from engine.replay.simulate import model_geometry, simulate_lines
+    from analysis.replay.simulate import model_geometry, simulate_lines
 
     geometry = model_geometry(dtype="float32", device="cpu")
     system = "You are a helpful assistant who answers questions about the radix cache. " * 3

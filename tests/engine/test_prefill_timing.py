@@ -10,8 +10,7 @@ import threading
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.prefill_timing import (
+from analysis.prefill_timing import (
     GROWTH_NAMESPACE,
     PrefillPair,
     PrefillTimer,
@@ -20,6 +19,7 @@ from engine.prefill_timing import (
     default_policy,
     timer_for,
 )
+from engine.engine import Engine
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.lab.cost_estimate import PricingRules, billed_cached_tokens, estimate_cost
+from analysis.lab.cost_estimate import PricingRules, billed_cached_tokens, estimate_cost
 from engine.types import EngineError
 
 RULES = PricingRules(input_usd_per_mtok=2.0, cached_fraction=0.5, min_cacheable_tokens=1024, increment_tokens=128)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.lab.granularity import compare_granularity, simulate_blocks, tokens_lost_to_alignment
+from analysis.lab.granularity import compare_granularity, simulate_blocks, tokens_lost_to_alignment
 
 # Small alphabets make shared prefixes likely; sequences of up to 200 tokens.
 traces = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=200), min_size=1, max_size=12)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.lab.presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS, scheduling_queue
-from components.lab.tab import custom_variants
+from analysis.lab.ordering_runs import run_lab_to_end
+from analysis.lab.template_lint import lint_template, parse_values
+from components.lab_presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS, scheduling_queue
+from components.panels.lab.tab import custom_variants
 from engine.engine import Engine
-from engine.lab.ordering_runs import run_lab_to_end
-from engine.lab.template_lint import lint_template, parse_values
 
 
 @pytest.fixture(scope="module")

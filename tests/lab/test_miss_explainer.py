@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.lab.miss_explainer import common_prefix_len, explain_miss
+from analysis.lab.miss_explainer import common_prefix_len, explain_miss
 
 
 def dec(ids) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.lab.presets import PRESETS
+from analysis.lab.granularity import simulate_blocks
+from analysis.lab.ordering_runs import LabPrompt, Variant, lab_request, run_lab, run_lab_to_end
+from components.lab_presets import PRESETS
 from engine.engine import Engine
-from engine.lab.granularity import simulate_blocks
-from engine.lab.ordering_runs import LabPrompt, Variant, lab_request, run_lab, run_lab_to_end
 from engine.types import EngineError, GenerationRequest
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.lab.presets import scheduling_queue
-from engine.engine import Engine
-from engine.lab.request_order_demo import (
+from analysis.lab.request_order_demo import (
     FCFS,
     LPM,
     MAX_DEMO_TOKENS,
@@ -16,6 +14,8 @@ from engine.lab.request_order_demo import (
     demo_pool_bytes,
     request_order_demo_for,
 )
+from components.lab_presets import scheduling_queue
+from engine.engine import Engine
 from engine.types import EngineBusy, EngineError
 
 
@@ -85,8 +85,8 @@ def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner):
     import gc
     import weakref
 
-    from components.format import fmt_bytes
-    from components.memory_panel import memory_markdown
+    from components.panels.memory_panel import memory_markdown
+    from components.views.format import fmt_bytes
 
     facade = Engine(tiny_runner)
     lab = request_order_demo_for(facade)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.lab.template_lint import (
+from analysis.lab.template_lint import (
     TemplateError,
     lint_template,
     parse_values,
@@ -79,7 +79,7 @@ def test_parse_values():
 
 
 def test_size_limits():
-    from engine.lab.template_lint import MAX_TEMPLATE_CHARS, MAX_VALUE_ROWS, MAX_VALUES_CHARS
+    from analysis.lab.template_lint import MAX_TEMPLATE_CHARS, MAX_VALUE_ROWS, MAX_VALUES_CHARS
 
     with pytest.raises(TemplateError, match="limit"):
         lint_template("x" * (MAX_TEMPLATE_CHARS + 1))
@@ -102,7 +102,7 @@ def _guarded_counter(limit_chars: int = 100_000):
 def test_amplification_is_refused_before_rendering():
     """The attack: 2,000 occurrences of {a} times a 9,900-character value is 20 million characters
     per request from inputs a few kilobytes long; refused before rendering or counting."""
-    from engine.lab.template_lint import MAX_PLACEHOLDERS, MAX_RENDERED_CHARS, MAX_RENDERED_TOTAL_CHARS
+    from analysis.lab.template_lint import MAX_PLACEHOLDERS, MAX_RENDERED_CHARS, MAX_RENDERED_TOTAL_CHARS
 
     rows = [{"a": "x" * 9_900}, {"a": "y" * 9_900}]
     with pytest.raises(TemplateError, match="limit"):
@@ -121,7 +121,7 @@ def test_amplification_is_refused_before_rendering():
 
 
 def test_custom_lab_runs_are_bounded_before_rendering():
-    from components.lab.tab import custom_variants
+    from components.panels.lab.tab import custom_variants
 
     values = "\n".join(json.dumps({"a": c * 9_000}) for c in "xy")
     with pytest.raises(TemplateError, match="limit"):

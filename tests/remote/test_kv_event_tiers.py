@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from components.memory_panel import memory_markdown
+from components.panels.memory_panel import memory_markdown
 from engine.engine import Engine
 from engine.kvcache.kv_events import MEDIUM_STORAGE, block_hash
 from engine.kvcache.kv_tier import CHUNK_TOKENS

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.memory_panel import memory_markdown
-from components.overview_panel import key_numbers_html
-from components.tree_figures import tree_figure
-from components.tree_panel import REMOTE_EVENTS_NOTE, remote_note
+from components.panels.memory_panel import memory_markdown
+from components.panels.overview_panel import key_numbers_html
+from components.panels.tree_panel import REMOTE_EVENTS_NOTE, remote_note
+from components.views.tree_figures import tree_figure
 from engine.types import EngineError
 from server.metrics import EngineMetrics
 from server.remote.engine import RemoteEngine

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.replay.log_formats import LogLineError, LogOrder, parse_line, read_log
+from analysis.replay.log_formats import LogLineError, LogOrder, parse_line, read_log
 
 SYS = {"role": "system", "content": "Be brief."}
 

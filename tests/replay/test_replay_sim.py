@@ -8,11 +8,11 @@ import random
 
 import pytest
 
+from analysis.lab.granularity import compare_granularity
+from analysis.replay.replay_stats import Series, summary_text
+from analysis.replay.sim_cache import SimCache
+from analysis.replay.simulate import ModelGeometry, PromptEncoder, simulate_lines
 from engine.kvcache.radix_tree import RadixTree, common_prefix_len
-from engine.lab.granularity import compare_granularity
-from engine.replay.replay_stats import Series, summary_text
-from engine.replay.sim_cache import SimCache
-from engine.replay.simulate import ModelGeometry, PromptEncoder, simulate_lines
 from engine.types import CacheKey
 
 GEOMETRY = ModelGeometry("test", kv_bytes_per_token=1000, max_context=8192, dtype="float32")
@@ -176,7 +176,7 @@ def test_skipped_lines_are_reported_and_the_replay_goes_on(tokenizer):
 
 
 def test_prompt_encoder_memo_equals_whole_tokenization(tokenizer, tiny_runner):
-    from engine.replay.log_formats import parse_line
+    from analysis.replay.log_formats import parse_line
 
     enc = PromptEncoder(tokenizer, 8192)
     records = [r for line in [
@@ -190,7 +190,7 @@ def test_prompt_encoder_memo_equals_whole_tokenization(tokenizer, tiny_runner):
 
 
 def test_budget_in_tokens_comes_from_the_config_without_weights():
-    from engine.replay.simulate import model_geometry
+    from analysis.replay.simulate import model_geometry
 
     g = model_geometry(dtype="float32", device="cpu")
     assert (g.kv_bytes_per_token, g.max_context) == (2 * 30 * 3 * 64 * 4, 8192)  # SmolLM2-135M, fp32

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from analysis.replay.sim_cache import SimCache
+from analysis.replay.simulate import ModelGeometry, model_geometry, simulate_lines
 from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
-from engine.replay.sim_cache import SimCache
-from engine.replay.simulate import ModelGeometry, model_geometry, simulate_lines
 from engine.types import GenerationRequest, SamplingParams
 from tests.engine.test_batching_exact import rand_ids
 from tests.helpers_app import assert_clean
@@ -145,8 +145,8 @@ def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, 
     """Real-model mode hands the tier to the engine; each request's line says its tier tokens."""
     import io
 
-    from engine.replay.log_formats import LogRecord
-    from engine.replay.replay_stats import ReplayStats
+    from analysis.replay.log_formats import LogRecord
+    from analysis.replay.replay_stats import ReplayStats
     from tools.replay import replay_on_engine
 
     bpt = tiny_runner.kv_bytes_per_token

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.lab.template_lint import lint_template
-from engine.replay.template_infer import infer_template
+from analysis.lab.template_lint import lint_template
+from analysis.replay.template_infer import infer_template
 
 STATIC = "You are the support assistant of ACME Networks. Answer in two sentences and never promise refunds."
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.replay.synthetic_log import generate
+from analysis.replay.synthetic_log import generate
 from tools.replay import main, parse_ttl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,8 +152,8 @@ def test_measured_replay_on_the_real_model_writes_its_report(tmp_path, capsys):
 def test_replay_honours_the_loop_guard(tiny_runner):
     """``--no-repeat-ngram`` / ``--repetition-penalty`` reach the engine: the replayed answer is the
     one a direct run with the same guard gives, and the guard changes the request's sampling."""
+    from analysis.replay.log_formats import LogRecord
     from engine.engine import Engine
-    from engine.replay.log_formats import LogRecord
     from engine.types import GenerationRequest, SamplingParams
     from tools.replay import to_request
 

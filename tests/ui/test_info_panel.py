@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.info_panel import engine_line, info_markdown
-from components.overview_panel import build_overview_panel
+from components.panels.info_panel import engine_line, info_markdown
+from components.panels.overview_panel import build_overview_panel
 from engine.engine import Engine
 
 

@@ -9,13 +9,13 @@ import re
 import gradio as gr
 import pytest
 
-from components.format import ratio_words
-from components.lab import figures as figs
-from components.lab import markdown as views
-from components.lab.presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS
-from components.lab.tab import build_ordering_lab, cost_view, custom_variants, granularity_rows
+from analysis.lab.ordering_runs import run_lab_to_end
+from components.lab_presets import CUSTOM_TEMPLATE, CUSTOM_VALUES, PRESETS
+from components.panels.lab.tab import build_ordering_lab, cost_view, custom_variants, granularity_rows
+from components.views.format import ratio_words
+from components.views.lab import figures as figs
+from components.views.lab import markdown as views
 from engine.engine import Engine
-from engine.lab.ordering_runs import run_lab_to_end
 from engine.types import EngineError
 from tests.helpers_app import free_port, wait_idle
 

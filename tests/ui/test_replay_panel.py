@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from components.replay_panel import MAX_CHARS, MAX_LINES, example_log, simulate_pasted
-from components.replay_report import causes_html, headline_html, report_figures, scoped
+from components.panels.replay_panel import MAX_CHARS, MAX_LINES, example_log, simulate_pasted
+from components.views.replay_report import causes_html, headline_html, report_figures, scoped
 from engine.engine import Engine
 from engine.types import EngineError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from components.scheduler_panel import scheduler_markdown, timeline_figure
+from components.panels.scheduler_panel import scheduler_markdown, timeline_figure
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 

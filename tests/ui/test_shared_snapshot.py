@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from components import live
-from components.live import shared_snapshot
-from components.tree_panel import snapshot_summary_for
+from components.panels import live
+from components.panels.live import shared_snapshot
+from components.panels.tree_panel import snapshot_summary_for
 from engine.engine import Engine
 from engine.snapshot_view import for_viewer
 from engine.types import PUBLIC, GenerationRequest, SamplingParams, TreeSnapshot
@@ -87,9 +87,9 @@ def test_viewers_share_one_walk_per_tick(engine, monkeypatch):
 def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch):
     """``engine.stats(viewer)`` walks the tree for every visitor; the side cards and the memory tab
     read the cache's figures off the shared snapshot instead (the same figures)."""
-    from components.live import cache_figures
-    from components.memory_panel import memory_markdown
-    from components.overview_panel import key_numbers_html
+    from components.panels.live import cache_figures
+    from components.panels.memory_panel import memory_markdown
+    from components.panels.overview_panel import key_numbers_html
 
     walks: list[str | None] = []
     real = engine.cache.snapshot
@@ -117,7 +117,7 @@ def test_open_tabs_share_one_figure_per_change(engine):
     """N sessions with the tree tab open draw one figure per snapshot, not one each."""
     from types import SimpleNamespace
 
-    from components.tree_panel import tree_figure_for
+    from components.panels.tree_panel import tree_figure_for
 
     live.forget(engine)
     shared = Engine(engine.runner, max_new_tokens_cap=4)  # a shared cache: every session sees the same tree

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from components.chat_panel import respond
+from analysis.prefill_timing import GrowthCurve, GrowthPoint, PrefillPair, PrefillTiming
 from components.chat_presets import (
     CATALOGUE_SYSTEM,
     HANDBOOK_SYSTEM,
@@ -18,12 +18,12 @@ from components.chat_presets import (
     SYSTEM_PRESETS,
     default_scenario,
 )
-from components.growth_panel import curve_markdown
-from components.overview_panel import key_numbers_html
-from components.timing_view import speed_card, turn_markdown
+from components.panels.chat_panel import respond
+from components.panels.growth_panel import curve_markdown
+from components.panels.overview_panel import key_numbers_html
+from components.views.timing_view import speed_card, turn_markdown
 from components.warm_start import chat_default, shipped_prefixes, warm_note, warm_start
 from engine.engine import Engine
-from engine.prefill_timing import GrowthCurve, GrowthPoint, PrefillPair, PrefillTiming
 from engine.types import GenerationRequest
 
 
@@ -104,9 +104,9 @@ def test_growth_panel_words():
 def test_the_history_panels_count_the_chats_paired_timing(engine):
     """The chat measures its no-reuse figure as a pair after the answer (not in the batch); the
     latency tab and the memory tab's "prefill time saved" read that pair back, not a blank."""
-    from components.common import playground_history
-    from components.latency_panel import latency_summary
-    from components.memory_panel import memory_markdown
+    from components.panels.common import playground_history
+    from components.panels.latency_panel import latency_summary
+    from components.panels.memory_panel import memory_markdown
 
     warm_start(engine)
     first = chat_default(engine)
@@ -121,7 +121,7 @@ def test_the_history_panels_count_the_chats_paired_timing(engine):
 def test_side_cards_show_the_answer_while_its_paired_timing_runs(engine):
     """The share card fills as soon as the answer ends; the speed card says the timing is under way
     (it used to stay blank for the whole timing, 25 s on a 2,300-token prompt on this CPU)."""
-    from components.timing_view import PENDING, timing_pending
+    from components.views.timing_view import PENDING, timing_pending
 
     first = chat_default(engine)
     warm_start(engine)

@@ -17,9 +17,10 @@ import random
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
-from components.tree_bench import Traffic, traffic_snapshot
-from components.tree_figures import COLORBAR_PX, LABEL_WIDTH_PX, tree_figure
-from components.tree_marks import node_places, request_path, stable_layout, visual_tree
+from components.views.tree_bench import Traffic, traffic_snapshot
+from components.views.tree_figures import COLORBAR_PX, LABEL_WIDTH_PX, tree_figure
+from components.views.tree_marks import request_path, visual_tree
+from components.views.tree_places import node_places, stable_layout
 from engine.engine import Engine
 from engine.kvcache.radix_tree import RadixTree
 from engine.types import CacheKey, GenerationRequest, SamplingParams, TreeSnapshot

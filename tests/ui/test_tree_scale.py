@@ -1,7 +1,7 @@
-"""The tree view on big trees shaped like real traffic (components.tree_bench's simulated chats on a real
+"""The tree view on big trees shaped like real traffic (components.views.tree_bench's simulated chats on a real
 RadixTree): 2,000 and 5,000 nodes, both views, chains collapsed or not, a highlighted path, other visitors'
 hidden nodes (also with the coarse fields a public server gives them). Nothing is timed here; the timings
-are printed by ``python -m components.tree_bench``."""
+are printed by ``python -m components.views.tree_bench``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import gradio as gr
 import plotly.graph_objects as go
 import pytest
 
-from components.live import REFRESH_FAILED, _quiet
-from components.tree_bench import last_request, simulate_traffic, traffic_snapshot
-from components.tree_figures import tree_figure
-from components.tree_marks import COMPUTED, REUSED, VisualNode, layout, request_path, visual_tree
+from components.panels.live import REFRESH_FAILED, _quiet
+from components.views.tree_bench import last_request, simulate_traffic, traffic_snapshot
+from components.views.tree_figures import tree_figure
+from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, request_path, visual_tree
 from engine.types import TreeSnapshot
 
 
@@ -128,7 +128,7 @@ def test_a_failing_refresh_says_so_on_the_panel_in_one_line(caplog):
 
 
 def test_the_tree_tab_shows_its_refresh_status(tiny_runner):
-    from components.tree_panel import build_tree_panel
+    from components.panels.tree_panel import build_tree_panel
     from engine.engine import Engine
 
     with gr.Blocks() as demo:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from components.tree_figures import SPILLED_LINE, snapshot_summary, tree_figure
+from components.views.tree_figures import SPILLED_LINE, snapshot_summary, tree_figure
 from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot

@@ -11,11 +11,11 @@ import pytest
 
 from components.chat_presets import FEW_SHOT_PRESETS
 from components.demo import build_demo
-from components.fewshot_panel import parse_examples, shuffled
-from components.info_panel import info_markdown
-from components.latency_panel import latency_summary
-from components.memory_panel import memory_markdown
-from components.overview_panel import key_numbers_html
+from components.panels.fewshot_panel import parse_examples, shuffled
+from components.panels.info_panel import info_markdown
+from components.panels.latency_panel import latency_summary
+from components.panels.memory_panel import memory_markdown
+from components.panels.overview_panel import key_numbers_html
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 from tests.helpers_app import flat_text, launched_app, visitor
@@ -125,8 +125,8 @@ def test_chat_history_is_per_visitor(engine):
 
 
 def test_a_handler_sees_only_its_own_namespace_in_isolation(tiny_runner):
+    from components.panels.tree_panel import tree_figure_for
     from components.session import visitor_namespace
-    from components.tree_panel import tree_figure_for
 
     iso = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
     a, b = SimpleNamespace(session_hash="a"), SimpleNamespace(session_hash="b")
@@ -139,7 +139,7 @@ def test_a_handler_sees_only_its_own_namespace_in_isolation(tiny_runner):
 
 
 def test_a_failing_refresh_keeps_the_picture_and_shows_no_error():
-    from components.live import _quiet
+    from components.panels.live import _quiet
 
     def broken(seen, request=None):
         raise RuntimeError("boom")
@@ -149,7 +149,7 @@ def test_a_failing_refresh_keeps_the_picture_and_shows_no_error():
 
 
 def test_absurd_slider_values_are_clamped(engine):
-    from components.chat_panel import build_request, clamp_int
+    from components.panels.chat_panel import build_request, clamp_int
 
     assert [clamp_int(v, 7, 1, 10) for v in (None, "x", float("nan"), -5, 1e12, "3", 4.9)] == [7, 7, 7, 1, 10, 3, 4]
     req = build_request(engine, [{"role": "user", "content": "hi"}], float("inf"), "yes", None, tag="t")

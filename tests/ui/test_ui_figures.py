@@ -7,9 +7,9 @@ import random
 import plotly.graph_objects as go
 import pytest
 
-from components.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
-from components.tree_figures import snapshot_summary, tree_figure
-from components.tree_marks import COMPUTED, REUSED, request_path, visual_tree
+from components.views.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
+from components.views.tree_figures import snapshot_summary, tree_figure
+from components.views.tree_marks import COMPUTED, REUSED, request_path, visual_tree
 from engine.engine import Engine
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 
@@ -158,7 +158,7 @@ def test_charts_from_real_history(engine):
 def test_the_growth_curves_filler_says_what_it_is(engine):
     """While the Latency tab's curve is measured, its filler is in the tree: labelled as the app's own
     measurement, never shown as if a visitor had asked it."""
-    from engine.prefill_timing import GROWTH_NAMESPACE
+    from analysis.prefill_timing import GROWTH_NAMESPACE
 
     run(engine, list(range(200, 260)), namespace=GROWTH_NAMESPACE)
     fig = tree_figure(engine.snapshot())

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from components.chat_panel import IDLE_NUMBERS, on_preset, respond, stop_running
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET
-from components.common import long_prompt_note, metrics_markdown, playground_history, status_markdown
-from components.format import clamp_int, fmt_ms, plural, ratio_words, reuse_words
-from components.overview_panel import key_numbers_html
+from components.panels.chat_panel import IDLE_NUMBERS, on_preset, respond, stop_running
+from components.panels.common import long_prompt_note, metrics_markdown, playground_history, status_markdown
+from components.panels.overview_panel import key_numbers_html
 from components.session import visitor_namespace
+from components.views.format import clamp_int, fmt_ms, plural, ratio_words, reuse_words
 from engine.engine import Engine
 from engine.types import GenerationEvent, GenerationRequest, SamplingParams
 
@@ -112,7 +112,7 @@ def test_a_new_system_prompt_starts_a_new_chat_with_fitting_starters(engine):
 def test_cached_line_says_which_tier_the_cached_tokens_came_from():
     from types import SimpleNamespace
 
-    from components.format import cached_line
+    from components.views.format import cached_line
 
     m = SimpleNamespace(cached_tokens=2300, prompt_tokens=2320, computed_tokens=20, tier_tokens=2240, tier_load_ms=180.0)
     line = cached_line(m)

@@ -1,0 +1,400 @@
+"""Prefill timed fairly: with and without reuse, back to back, on the compute thread.
+
+Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on what a timing may cost, the
+memo of no-reuse figures for long shipped prefixes, the warm start of shipped prefixes (``warm``) and the
+growth curve (prefill time against cached length, ``growth_curve``). Knows nothing about the UI, presets or
+visitors: callers hand it cache keys and token ids.
+
+Analysis outside the serving core, the one part that cannot work through ``EngineAPI`` alone: it drives
+the engine's ``runner`` (buffers, ``forward_last``, the compute thread) and ``cache`` (``match_len``,
+``copy_prefix``) as attributes (it imports only ``engine.types``; a remote engine has no timer). Its policy
+and records live in ``prefill_records.py``, re-exported here.
+
+The live figure of a request is taken inside a batched step, while other requests decode and a browser may
+redraw on the same cores; its no-reuse baseline ran later, on a quieter machine. Here both sides run under
+the same conditions, one right after the other, on the runner's compute thread::
+
+    reuse:     empty buffer <- copy_prefix(key, cached)   forward ids[cached:n]
+    no reuse:  empty buffer                               forward ids[0:n]
+
+Both sides run the same forward (``runner.forward_last`` on a request buffer), ``block_tokens`` at a time;
+each block is its own compute-thread call, so the scheduler's steps (other visitors' streams) run between
+blocks and no call holds the model for long. Only the calls are timed: the time others' steps take in between
+is not counted on either side. Pairs alternate which side goes first, the no-reuse side first (whatever still
+runs when a timing starts lands on the long side, not on the short one it would swamp). The reuse side is a
+fraction of the other and a burst of someone else's work swamps it, so its figure in a pair is the median of
+``reuse_runs`` runs in a row. The pair shown is the median pair by ratio. Nothing here changes the cache:
+``copy_prefix`` reads it (no hit, no access time, no lock), and the scratch buffers are dropped.
+
+The growth curve is background work: it starts with the app, for nobody in particular, so it yields to
+visitors. Before each of its compute calls (blocks of at most ``BACKGROUND_BLOCK_TOKENS``) it waits until no
+request waits or runs (``engine.busy()``) and no visitor's paired timing is under way or waiting, for
+``QUIET_S`` in a row. A visitor's first request after a start then waits at most for one such block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+
+from analysis.prefill_records import (
+    GrowthCurve,
+    GrowthPoint,
+    PrefillPair,
+    PrefillTiming,
+    TimingPolicy,
+    WarmPrefix,
+    _median,
+    _median_pair,
+    default_policy,
+)
+from engine.types import CacheKey, EngineError, EngineFault
+
+__all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
+           "WarmPrefix", "default_policy", "timer_for"]
+
+GROWTH_NAMESPACE = "growth-curve"  # the curve's filler lives here while it is measured, then is cleared
+GROWTH_LENGTHS = (256, 512, 1024, 2048, 4096)
+GROWTH_SUFFIX_TOKENS = 32  # the "question" after the cached part, as in a chat turn
+BACKGROUND_BLOCK_TOKENS = 256  # the longest compute call of background work (the growth curve)
+QUIET_S = 0.1  # background work starts a call only after visitors left the engine idle this long
+
+
+class PrefillTimer:
+    """Fair prefill timings on one engine (``timer_for(engine)``; ``Engine.prefill_timer()``).
+
+    Uses only the engine's ``runner`` (``new_request_kv``, ``forward_last``, ``compute``,
+    ``synchronize``), ``cache`` (``match_len``, ``copy_prefix``), ``prefill`` and
+    ``clear_cache``. Timings run one at a time (a second waits up to ``policy.wait_s``)."""
+
+    def __init__(self, engine, policy: TimingPolicy | None = None) -> None:
+        self.engine = engine
+        self.runner, self.cache = engine.runner, engine.cache
+        self.isolation = bool(getattr(engine, "isolation", False))
+        self.policy = policy or default_policy(self.runner.device.type, self.isolation)
+        self._busy = threading.Lock()  # one visitor's timing at a time: their buffers and their fairness
+        self._curve_lock = threading.Lock()  # one growth curve at a time
+        self._foreground = 0  # visitors' timings under way or waiting: background work waits for them
+        self._foreground_lock = threading.Lock()
+        self._scratch_bytes = 0  # scratch KV buffers alive now (outside the cache budget)
+        self.peak_scratch_bytes = 0
+        self._memo: OrderedDict[tuple, tuple[float, float, int]] = OrderedDict()  # -> (full ms, when, runs)
+        self._memo_lock = threading.Lock()
+        self._curve = GrowthCurve()
+        self.warmed: tuple[WarmPrefix, ...] = ()
+        self._by_request: OrderedDict[int, PrefillTiming] = OrderedDict()  # request id -> its paired timing
+
+    # ------------------------------------------------------- yielding
+    def stopping(self) -> bool:
+        """The app is shutting down (the compute thread stopped): background work ends quietly."""
+        return self.runner.compute.stopped
+
+    def _visitors_busy(self) -> bool:
+        busy = getattr(self.engine, "busy", None)
+        return self._foreground > 0 or bool(busy is not None and busy())
+
+    def _wait_for_quiet(self) -> None:
+        """Background work: return once visitors have left the engine idle for ``QUIET_S``; an
+        ``EngineFault`` if the process shuts down meanwhile."""
+        quiet_since = None
+        while True:
+            if self.stopping():
+                raise EngineFault("the app is shutting down")
+            now = time.monotonic()
+            if self._visitors_busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                return
+            time.sleep(0.02)
+
+    def _foreground_add(self, n: int) -> None:
+        with self._foreground_lock:
+            self._foreground += n
+
+    # ------------------------------------------------------- scratch KV
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch KV the timings hold now: buffers outside the cache budget."""
+        return self._scratch_bytes
+
+    @property
+    def scratch_bound_bytes(self) -> int:
+        """The most scratch KV there can be at once: one buffer of the longest prompt for a
+        visitor's timing (they run one at a time) and one for the growth curve (the only
+        background work), each at most the prompt cap."""
+        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        curve = min(self.runner.max_context, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
+        return (int(cap) + curve) * self.runner.kv_bytes_per_token
+
+    @contextmanager
+    def _scratch(self, n: int) -> Iterator:
+        """A scratch KV buffer for ``n`` tokens, counted while it lives."""
+        nbytes = int(n) * self.runner.kv_bytes_per_token
+        with self._foreground_lock:
+            self._scratch_bytes += nbytes
+            self.peak_scratch_bytes = max(self.peak_scratch_bytes, self._scratch_bytes)
+        try:
+            yield self.runner.new_request_kv(n)
+        finally:
+            with self._foreground_lock:
+                self._scratch_bytes -= nbytes
+
+    # ---------------------------------------------------------- one prompt
+    def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int]:
+        """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
+        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused).
+        ``background``: blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when
+        visitors leave the engine idle."""
+        with self._scratch(len(key.ids)) as kv:  # allocated outside the timed part, on both sides alike
+            return self._timed_prefill_into(kv, key, cached, background)
+
+    def _timed_prefill_into(self, kv, key: CacheKey, cached: int, background: bool) -> tuple[float, int]:
+        runner, ids, n = self.runner, key.ids, len(key.ids)
+        block = max(1, self.policy.block_tokens)
+        if background:
+            block = min(block, BACKGROUND_BLOCK_TOKENS)
+
+        def first() -> tuple[float, int, int]:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            reused = self.cache.copy_prefix(key, cached, kv) if cached > 0 else 0
+            stop = min(n, reused + block)
+            runner.forward_last(ids[reused:stop], kv)
+            runner.synchronize()
+            return (time.perf_counter() - t0) * 1000, reused, stop
+
+        def more(start: int, stop: int) -> float:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            runner.forward_last(ids[start:stop], kv)
+            runner.synchronize()
+            return (time.perf_counter() - t0) * 1000
+
+        if background:
+            self._wait_for_quiet()
+        ms, reused, pos = runner.compute.call(first)
+        while pos < n:
+            stop = min(n, pos + block)
+            if background:
+                self._wait_for_quiet()
+            ms += runner.compute.call(more, pos, stop)
+            pos = stop
+        return ms, reused
+
+    def _memo_key(self, key: CacheKey) -> tuple | None:
+        floor = self.policy.memo_min_tokens
+        if floor is None or key.public_len < floor:
+            return None
+        digest = hashlib.sha256(repr(key.ids[: key.public_len]).encode()).hexdigest()[:16]
+        return (digest, key.public_len, len(key.ids))
+
+    def _memo_get(self, mk: tuple | None) -> tuple[float, float, int] | None:
+        if mk is None:
+            return None
+        with self._memo_lock:
+            hit = self._memo.get(mk)
+            if hit is not None:
+                self._memo.move_to_end(mk)
+            return hit
+
+    def _memo_put(self, mk: tuple | None, value: tuple[float, float, int]) -> None:
+        if mk is None:
+            return
+        with self._memo_lock:
+            self._memo[mk] = value
+            while len(self._memo) > self.policy.memo_size:
+                self._memo.popitem(last=False)
+
+    MAX_REQUEST_TIMINGS = 1000  # paired timings kept by request id (the history panels read them back)
+
+    def time_request(self, request_id: int, key: CacheKey, cached_tokens: int) -> PrefillTiming:
+        """``time_pairs`` for a finished request, kept under its id (when both sides were measured)
+        so the history's panels can show the paired figures the request's card shows."""
+        timing = self.time_pairs(key, cached_tokens)
+        if timing.reuse_ms is not None and timing.full_ms is not None:
+            with self._memo_lock:
+                self._by_request[request_id] = timing
+                while len(self._by_request) > self.MAX_REQUEST_TIMINGS:
+                    self._by_request.popitem(last=False)
+        return timing
+
+    def timings_of(self, request_ids: Iterable[int]) -> dict[int, PrefillTiming]:
+        """The paired timings ``time_request`` kept for those of ``request_ids`` that have one."""
+        with self._memo_lock:
+            return {rid: self._by_request[rid] for rid in request_ids if rid in self._by_request}
+
+    def time_pairs(self, key: CacheKey, cached_tokens: int, pairs: int | None = None) -> PrefillTiming:
+        """Time ``key.ids`` with reuse of its first ``cached_tokens`` cached tokens (what the
+        request itself reused; fewer if some were evicted since) and without, back to back,
+        ``pairs`` times (default ``policy.pairs``) within the policy's token bound."""
+        n = len(key.ids)
+        if n == 0:
+            raise EngineError("nothing to time: the prompt is empty")
+        cached = max(0, min(int(cached_tokens), n - 1, self.cache.match_len(key)))
+        base = PrefillTiming(prompt_tokens=n, cached_tokens=cached, block_tokens=self.policy.block_tokens)
+        if cached == 0:
+            return replace(base, skipped="nothing of this prompt is cached now, so both sides would compute "
+                                         "every token")
+        wanted = max(1, pairs or self.policy.pairs)
+        mk = self._memo_key(key)
+        memo = self._memo_get(mk)
+        reps = max(1, self.policy.reuse_runs)
+        per_pair = reps * (n - cached) + (0 if memo else n)
+        runs = min(wanted, self.policy.max_tokens // per_pair)
+        if runs < 1:
+            return replace(base, skipped=f"one pair would run {per_pair:,} tokens through the model, over the "
+                                         f"{self.policy.max_tokens:,} a timing may cost here")
+        self._foreground_add(1)  # the growth curve pauses from now on
+        try:
+            return self._time_pairs(key, base, cached, runs, reps, memo, mk)
+        finally:
+            self._foreground_add(-1)
+
+    def _time_pairs(self, key: CacheKey, base: PrefillTiming, cached: int, runs: int, reps: int,
+                    memo: tuple[float, float, int] | None, mk: tuple | None) -> PrefillTiming:
+        if not self._busy.acquire(timeout=self.policy.wait_s):
+            return replace(base, skipped="other timings were running; try again in a moment")
+        copied = cached
+
+        def reuse_side() -> float:
+            nonlocal copied
+            times = []
+            for _ in range(reps):
+                ms, copied = self._timed_prefill(key, cached)
+                times.append(ms)
+            return _median(times)
+
+        try:
+            done: list[PrefillPair] = []
+            for i in range(runs):
+                if memo:
+                    reuse_ms, full_ms = reuse_side(), memo[0]
+                elif i % 2 == 0:  # alternate which side goes first: drift lands on both
+                    full_ms = self._timed_prefill(key, 0)[0]
+                    reuse_ms = reuse_side()
+                else:
+                    reuse_ms = reuse_side()
+                    full_ms = self._timed_prefill(key, 0)[0]
+                done.append(PrefillPair(reuse_ms, full_ms))
+        finally:
+            self._busy.release()
+        best = _median_pair(done)
+        if memo:
+            full_ms, measured_at, full_runs = memo
+            return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=_median([p.reuse_ms for p in done]),
+                           full_ms=full_ms, full_measured_at=measured_at, full_from_memo=True, full_runs=full_runs,
+                           reuse_runs=reps)
+        now = time.time()
+        self._memo_put(mk, (_median([p.full_ms for p in done]), now, len(done)))
+        return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=best.reuse_ms, full_ms=best.full_ms,
+                       full_measured_at=now, full_runs=len(done), reuse_runs=reps)
+
+    # ---------------------------------------------------------- warm start
+    def warm(self, prefixes: Sequence[tuple[str, CacheKey]]) -> tuple[WarmPrefix, ...]:
+        """Put shipped prefixes in the cache before anyone asks (``engine.prefill``, one call per
+        prefix: meant for start-up, before visitors arrive). Each ``(label, key)`` should be the
+        exact key a request will use (its ids, namespace and ``public_len``). Prefixes already
+        cached cost nothing; longer than the engine's prompt cap are skipped."""
+        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        # On a public deployment shipped content is never evicted for a visitor, so it may hold at
+        # most half the pool: a small budget must still leave visitors room to be answered.
+        shipped_cap = self.cache.pool.capacity // 2 if self.isolation else None
+        out = []
+        for label, key in prefixes:
+            n = len(key.ids)
+            if shipped_cap is not None and self.cache.num_tokens + n - self.cache.match_len(key) > shipped_cap:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped="shipped content may take at most half the cache "
+                                      "on a shared deployment"))
+                continue
+            if n < 2:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped="too short"))
+                continue
+            if n > cap:
+                out.append(WarmPrefix(label, n, 0, 0.0, skipped=f"{n:,} tokens, over the {cap:,}-token prompt cap"))
+                continue
+            if self.cache.match_len(key) >= n:
+                out.append(WarmPrefix(label, n, 0, 0.0))
+                continue
+            with self._scratch(n) as kv:
+                result = self.engine.prefill(key, kv)
+            out.append(WarmPrefix(label, n, n - result.cached_tokens, result.prefill_ms,
+                                  skipped=None if result.inserted_tokens or self.cache.match_len(key) >= n
+                                  else "the cache had no room for it"))
+        self.warmed = tuple(out)
+        return self.warmed
+
+    # -------------------------------------------------------- growth curve
+    @property
+    def curve(self) -> GrowthCurve:
+        return self._curve
+
+    def growth_curve(self, filler_ids: Sequence[int], lengths: Sequence[int] = GROWTH_LENGTHS,
+                     suffix_tokens: int = GROWTH_SUFFIX_TOKENS, pairs: int = 1,
+                     on_point: Callable[[GrowthCurve], None] | None = None) -> GrowthCurve:
+        """Measure prefill with and without reuse at each cached length (``suffix_tokens`` more
+        tokens computed after it), on ``filler_ids`` cached in a namespace of its own
+        (``GROWTH_NAMESPACE``, cleared afterwards). Lengths that do not fit the model's context
+        or the filler are left out. The result is kept (``curve``) until measured again."""
+        fits = min(self.runner.max_context, len(filler_ids)) - suffix_tokens
+        lengths = tuple(sorted({int(n) for n in lengths if 0 < int(n) <= fits}))
+        info = self.engine.info()
+        curve = GrowthCurve(state="running", device=info.device, dtype=info.dtype, started_at=time.time(),
+                            lengths=lengths)
+        if not lengths:
+            self._curve = replace(curve, state="failed", error="no length fits this model's context")
+            return self._curve
+        if not self._curve_lock.acquire(blocking=False):
+            return self._curve  # one is being measured
+        self._curve = curve
+        ids = tuple(int(t) for t in filler_ids[: lengths[-1] + suffix_tokens])
+        try:
+            self._cache_filler(ids[: lengths[-1]])
+            points = []
+            for n in lengths:
+                key = CacheKey(ids[: n + suffix_tokens], GROWTH_NAMESPACE, 0)
+                runs, reused = [], n
+                for i in range(max(1, pairs)):
+                    order = (n, 0) if i % 2 == 0 else (0, n)
+                    sides = {c: self._timed_prefill(key, c, background=True) for c in order}
+                    runs.append(PrefillPair(sides[n][0], sides[0][0]))
+                    reused = min(reused, sides[n][1])
+                best = _median_pair(runs)
+                points.append(GrowthPoint(n, suffix_tokens, best.reuse_ms, best.full_ms, len(runs), reused))
+                self._curve = replace(curve, points=tuple(points))
+                if on_point is not None:
+                    on_point(self._curve)
+            self._curve = replace(curve, state="done", points=tuple(points), finished_at=time.time())
+        except Exception as exc:  # a curve is a figure: report it, never take the app down
+            self._curve = replace(curve, state="failed", error=f"{type(exc).__name__}: {exc}"[:200],
+                                  finished_at=time.time())
+        finally:
+            self._curve_lock.release()
+            try:
+                self.engine.clear_cache(GROWTH_NAMESPACE)
+            except EngineFault:  # the process is shutting down: the cache goes with it
+                pass
+        return self._curve
+
+    def _cache_filler(self, ids: tuple[int, ...]) -> None:
+        """Cache ``ids`` in ``GROWTH_NAMESPACE`` one block at a time (each ``engine.prefill`` computes
+        only what the previous one left), so no call holds the model for long."""
+        block = max(1, min(self.policy.block_tokens, BACKGROUND_BLOCK_TOKENS))
+        for stop in (*range(block, len(ids), block), len(ids)):
+            key = CacheKey(ids[:stop], GROWTH_NAMESPACE, 0)
+            self._wait_for_quiet()
+            with self._scratch(stop) as kv:
+                self.engine.prefill(key, kv)
+        if self.cache.match_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
+            raise EngineError("the cache had no room for the curve's filler")
+
+
+def timer_for(engine) -> PrefillTimer:
+    """The engine's one ``PrefillTimer`` (made on first use; its memo and curve are kept)."""
+    return engine.attachment("prefill_timer", lambda: PrefillTimer(engine))

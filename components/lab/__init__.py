@@ -1,1 +1,0 @@
-"""The prompt-ordering lab's tab: its builder, preset content, figures and Markdown."""

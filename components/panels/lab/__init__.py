@@ -1,0 +1,1 @@
+"""The prompt-ordering lab's tab: its builder and wiring (figures and Markdown in ``components.views.lab``)."""

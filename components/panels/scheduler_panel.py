@@ -1,0 +1,154 @@
+"""Scheduler panel: what the engine ran, forward by forward, for everyone at once.
+
+A timeline of the last forwards from ``EngineAPI.step_log``: one row per request,
+one bar per forward it took part in (coloured by what it did there: a prefill
+chunk, a decode token or a no-reuse baseline chunk), so a forward that served
+many requests reads as a column of bars sharing a time span. The viewer's own requests are drawn solid and the others faded: in
+isolation mode these are the requests of the viewer's namespace; on a shared
+(non-isolated) engine everyone shares one namespace, so it is the request of
+the viewer's last answer. Beside it: requests running and waiting, the decode
+batch size, output tokens per second. Knows only the engine's plain data.
+
+In isolation mode other visitors' sizes follow the tree's rule (``engine.kvcache.prefix_cache``):
+every token figure that includes another visitor's tokens (a forward they took part in, the
+totals over the shown forwards, the KV held by running requests) shows only the
+``HIDDEN_BUCKET_TOKENS`` bucket it fits in, so the timeline is no hit or prompt-length
+oracle. Only a figure made of the viewer's own work alone is exact.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from components.panels.live import KEEP_ZOOM, LiveView
+from components.session import own_namespace
+from components.views.format import fmt_tokens
+from engine.api import EngineAPI
+from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, is_own
+from engine.types import RequestMetrics, StepRecord
+
+SHOWN_FORWARDS = 120
+COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6", "baseline": "#94a3b8"}
+LABELS = {"prefill": "prefill chunk", "decode": "batched decode", "baseline": "no-reuse baseline"}
+REMOTE_EMPTY = "Remote server: it schedules its own requests, so there are no forwards of this app's to show."
+
+
+def _is_mine(rec: StepRecord, i: int, namespace: str | None, my_ids: set[int]) -> bool:
+    if rec.request_ids[i] in my_ids:
+        return True
+    return namespace is not None and is_own(namespace, rec.namespaces[i])
+
+
+def _exact(rec: StepRecord, namespace: str | None, my_ids: set[int]) -> bool:
+    """May the viewer see this forward's token counts exactly? With isolation off
+    (``namespace`` None) everything is shared; with it on, only forwards of their own alone."""
+    return namespace is None or all(_is_mine(rec, i, namespace, my_ids) for i in range(len(rec.request_ids)))
+
+
+def _tokens(n: int, exact: bool) -> str:
+    return fmt_tokens(n, exact, HIDDEN_BUCKET_TOKENS)
+
+
+def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
+                    my_ids: set[int] | frozenset[int] = frozenset(), empty_text: str | None = None) -> go.Figure:
+    """Bars per (request, forward): x is wall time in seconds before the last forward ended.
+    With ``namespace`` (isolation mode), a forward shared with others shows coarse token counts."""
+    fig = go.Figure()
+    if not steps:
+        fig.add_annotation(text=empty_text or "No forwards yet: send a chat message and watch it run.", showarrow=False,
+                           x=0.5, y=0.5, xref="paper", yref="paper")
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        fig.update_layout(height=320, margin=dict(l=10, r=10, t=30, b=10))
+        return fig
+    end = steps[-1].finished_at
+    order: list[int] = []
+    for rec in steps:
+        for rid in rec.request_ids:
+            if rid not in order:
+                order.append(rid)
+    series: dict[tuple[str, bool], dict[str, list]] = {}
+    my_ids = set(my_ids)
+    for rec in steps:
+        start = rec.finished_at - rec.duration_ms / 1000 - end
+        exact = _exact(rec, namespace, my_ids)
+        computed, cached = _tokens(rec.computed_tokens, exact), _tokens(rec.cached_tokens, exact)
+        for i, rid in enumerate(rec.request_ids):
+            mine = _is_mine(rec, i, namespace, my_ids)
+            kind = "baseline" if rec.kind == "baseline" else "prefill" if rid in rec.prefill_request_ids else "decode"
+            s = series.setdefault((kind, mine), dict(x=[], base=[], y=[], text=[]))
+            s["x"].append(max(rec.duration_ms / 1000, 1e-3))
+            s["base"].append(start)
+            s["y"].append(f"#{rid}")
+            from_cache = f", {cached} from cache" if rec.cached_tokens else ""
+            s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[kind]} in step "
+                             f"{rec.step_id}, one forward for {rec.batch_size} request(s)<br>"
+                             f"{computed} tokens computed in it{from_cache}<br>{rec.duration_ms:.0f} ms")
+    for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        fig.add_trace(go.Bar(
+            x=s["x"], base=s["base"], y=s["y"], orientation="h", hovertext=s["text"], hoverinfo="text",
+            name=f"{LABELS[kind]}{' (yours)' if mine else ''}", marker_color=COLORS[kind],
+            marker_opacity=1.0 if mine else 0.35, marker_line_width=1 if mine else 0,
+            marker_line_color="#0f172a"))
+    fig.update_layout(barmode="overlay", height=max(260, 40 + 18 * len(order)), bargap=0.25,
+                      margin=dict(l=10, r=10, t=50, b=10), uirevision="scheduler",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
+                      xaxis_title="seconds before now (last forward shown)")
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed([f"#{r}" for r in order])),
+                     title="request")
+    return fig
+
+
+def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: str | None = None,
+                       my_ids: set[int] | frozenset[int] = frozenset()) -> str:
+    """The figures beside the timeline; with ``namespace`` (isolation mode) token figures that
+    include other visitors' work are coarse."""
+    s = engine.stats()
+    decodes = [r for r in steps if r.kind == "decode"]
+    mean_batch = sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0
+    exact = all(_exact(r, namespace, set(my_ids)) for r in steps)
+    computed = _tokens(sum(r.computed_tokens for r in steps), exact)
+    cached = _tokens(sum(r.cached_tokens for r in steps), exact)
+    reserved = f"{s.running_bytes / 2**20:.1f} MiB"
+    bpt = engine.info().kv_bytes_per_token
+    if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
+        tokens = -(-s.running_bytes // bpt)
+        reserved = f"≤{-(-tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS * bpt / 2**20:.1f} MiB"
+    return "\n".join([
+        "| scheduler right now | |", "|---|---|",
+        f"| requests running | **{s.running}** (at most {s.max_batch} in a batch) |",
+        f"| requests waiting | **{s.waiting}** |",
+        f"| output tokens/s, everyone | **{s.tokens_per_s:.1f}** (last 10 s) |",
+        f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
+        f"over the last {len(decodes)} decodes |",
+        f"| tokens in the shown forwards | {computed} computed, {cached} served from the cache |",
+        f"| KV held for running requests | {reserved} of the {s.budget_bytes / 2**20:.0f} MiB budget (their own "
+        "tokens: cached prefixes are read in place, never copied) |",
+    ])
+
+
+def build_scheduler_panel(engine: EngineAPI, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
+    gr.Markdown("Every forward the engine ran, newest at the right. Requests run **together**: one forward is a "
+                "column of bars, a decode token (blue) for each answering request and prompt **chunks** (orange) "
+                "for new ones, so a long prompt never stops anyone's stream. Your requests are drawn solid.",
+                elem_classes=["legend"])
+    with gr.Row():
+        with gr.Column(scale=3):
+            plot = gr.Plot(show_label=False, elem_id="scheduler-plot", elem_classes=[KEEP_ZOOM])
+        with gr.Column(scale=2):
+            table = gr.Markdown(scheduler_markdown(engine, [], "" if engine.isolation else None))
+
+    remote = not engine.capabilities.scheduler_steps
+    empty = REMOTE_EMPTY if remote else None
+
+    def refresh(last: RequestMetrics | None, request: gr.Request):
+        steps = engine.step_log(SHOWN_FORWARDS)
+        ns = own_namespace(request, engine)
+        my_ids = {last.request_id} if isinstance(last, RequestMetrics) else set()
+        return timeline_figure(steps, ns, my_ids, empty), scheduler_markdown(engine, steps, ns, my_ids)
+
+    inputs = [last_metrics] if last_metrics is not None else [gr.State(None)]
+    live = LiveView(gr.Timer(1.0, active=active), refresh, inputs, [plot, table])
+    live.refresh_on(live.timer.tick)
+    return live

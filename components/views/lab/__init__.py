@@ -1,0 +1,1 @@
+"""The prompt-ordering lab's pure views: lab results in, figures and Markdown out."""
