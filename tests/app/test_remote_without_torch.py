@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The local core, and its torch-free parts remote mode may load (the packages' __init__ files import nothing).
 LOCAL_CORE = ("engine.engine", "engine.tier_setup", "engine.kvcache", "engine.scheduler", "engine.model")
-TORCH_FREE = {"engine.kvcache", "engine.kvcache.radix_tree", "engine.kvcache.chunks", "engine.scheduler",
+TORCH_FREE = {"engine.kvcache", "engine.kvcache.radix_tree", "engine.kvcache.eviction", "engine.kvcache.chunks", "engine.scheduler",
               "engine.scheduler.config", "engine.model", "engine.model.hub"}
 
 CHILD = """
