@@ -432,7 +432,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.persist()
         same_folder = fair == self.fair and self.cache.tier is not None
         on_disk = {p.stem for p in self._chunk_files()}
-        drawn = set(self.cache.tier.spilled.leaf_paths()) if self.cache.tier is not None else set()
+        drawn = _reachable_from_disk(self.cache.tier) if self.cache.tier is not None else set()
         old_bytes = self.cache.tier.store.bytes_in_use if self.cache.tier is not None else 0
         _close_cache(self.cache)
         self.cache = _new_cache(self.folder, budget, fair, tier)
@@ -570,6 +570,21 @@ class CorruptingCacheMachine(CacheMachine):
     """The same, with the tier's files damaged on disk now and then."""
 
     corrupt_files = True
+
+
+def _reachable_from_disk(tier) -> set[CacheKey]:
+    """The spilled paths as a new process can draw them: each cut before its first chunk the store
+    lacks (a chunk drawn while the pool held the part above it is unreachable once the pool is
+    gone: ``clear`` drops pool KV without spilling it), and those that became a prefix of another
+    left out. What a clean restart must draw again."""
+    cut = set()
+    for path in tier.spilled.leaf_paths():
+        end = 0
+        while end + CHUNK_TOKENS <= len(path.ids) and tier.key_of(path, end + CHUNK_TOKENS) in tier.store:
+            end += CHUNK_TOKENS
+        if end:
+            cut.add(CacheKey(path.ids[:end], path.namespace, min(path.public_len, end)))
+    return {p for p in cut if not any(len(q.ids) > len(p.ids) and q.ids[:len(p.ids)] == p.ids for q in cut)}
 
 
 def _settings(examples: int, steps: int) -> settings:
