@@ -48,6 +48,11 @@ class EngineFault(EngineError):
     500 ``server_error`` for it (503 for ``EngineBusy``), never 400."""
 
 
+class OutOfMemoryFault(EngineFault):
+    """A forward ran out of device memory. The scheduler then runs that forward's requests one
+    by one, so only a request that fails alone fails."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64

@@ -39,8 +39,9 @@ values and their log-sum-exp. A prefill chunk's causal rule goes to it as a rule
 (``Causal``), never as a dense mask repeated over the folded heads; under a backend
 that caps its workspace, decode rows are read in calls whose gathered KV fits the cap.
 
-Out of device memory inside attention, the forward fails with ``EngineFault``
-(its rows fail; the scheduler releases their own slots). Attention writes nothing:
+Out of device memory inside attention, the forward fails with ``OutOfMemoryFault``
+(an ``EngineFault``); the scheduler then runs its rows one by one, and only a row that
+fails alone fails (``engine.scheduler.batch.forward``). Attention writes nothing:
 the new tokens' KV went to their own slots before, and shared slots are only read,
 so the cache is as it was.
 """
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.attention import AttentionBackend, Causal, choose_backend
-from engine.types import EngineFault
+from engine.types import OutOfMemoryFault
 
 SHARED_MIN_TOKENS = 16  # a shorter common prefix is not worth a call of its own
 # A shared prefix is read run by run (views of the pool, merged by log-sum-exp), so a prefix the
@@ -250,8 +251,8 @@ class PagedPlan:
             pass  # raised below, outside this block: the failed call's tensors are not kept alive
         cap = self.backend.workspace_cap_bytes
         bound = f"workspace at most {cap >> 20} MiB" if cap is not None else "workspace not capped"
-        raise EngineFault(f"out of {self.device.type} memory in attention ({self.backend.name}, {bound}) over "
-                          f"{self.total} tokens: this forward's requests fail, the cache is unchanged")
+        raise OutOfMemoryFault(f"out of {self.device.type} memory in attention ({self.backend.name}, {bound}) over "
+                          f"{self.total} tokens (the cache is unchanged)")
 
     def _attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
                    scale: float) -> torch.Tensor:

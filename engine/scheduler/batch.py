@@ -26,6 +26,7 @@ from engine.kvcache.prefix_cache import RequestSlots
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
 from engine.scheduler.request import Request, State
+from engine.types import OutOfMemoryFault
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Batch:
 class Output:
     logits: torch.Tensor | None  # a row per segment; None when the forward failed
     duration_ms: float = 0.0
-    error: BaseException | None = None
+    error: BaseException | None = None  # the whole forward failed: every row fails
+    row_errors: dict[int, BaseException] | None = None  # these rows failed alone; the others' logits stand
 
 
 def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tuple[list[Batch], int]:
@@ -107,12 +109,35 @@ def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tup
 
 
 def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
-    """Run ``batch`` through the model; a failure comes back as ``Output.error`` (its rows fail)."""
+    """Run ``batch`` through the model; a failure comes back as ``Output.error`` (its rows fail).
+    Out of device memory with several rows: each row runs again alone, and only the rows that
+    fail alone fail (``Output.row_errors``); a lone run rewrites only that row's own slots."""
     segments = batch.segments()
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         logits = runner.forward_paged(pool, segments)
         runner.synchronize()
         return Output(logits, (time.perf_counter() - t0) * 1000)
+    except OutOfMemoryFault as exc:
+        if len(segments) < 2:
+            return Output(None, error=exc)
     except Exception as exc:
         return Output(None, error=exc)
+    return _one_by_one(runner, pool, segments, t0)
+
+
+def _one_by_one(runner: ModelRunner, pool: KVPool, segments: list[PagedSegment], t0: float) -> Output:
+    rows: list[torch.Tensor | None] = []
+    errors: dict[int, BaseException] = {}
+    for i, seg in enumerate(segments):
+        try:
+            rows.append(runner.forward_paged(pool, [seg])[0])
+        except Exception as exc:
+            rows.append(None)
+            errors[i] = exc
+    if len(errors) == len(segments):
+        return Output(None, error=errors[0])
+    like = next(r for r in rows if r is not None)
+    logits = torch.stack([r if r is not None else torch.zeros_like(like) for r in rows])
+    runner.synchronize()
+    return Output(logits, (time.perf_counter() - t0) * 1000, row_errors=errors)

@@ -40,6 +40,16 @@ class Postprocess:
             for r in batch.rows:
                 self.fail(r, out.error)
             return
+        if out.row_errors:  # out of memory, then run row by row: only the rows that failed alone fail
+            for i, r in enumerate(batch.rows):
+                if i in out.row_errors:
+                    self.fail(r, out.row_errors[i])
+            keep = [i for i in range(len(batch.rows)) if i not in out.row_errors]
+            chunks = tuple(c for i, c in enumerate(batch.chunks) if i not in out.row_errors)
+            decoding = tuple(r for i, r in enumerate(batch.decoding, start=len(batch.chunks))
+                             if i not in out.row_errors)
+            assert out.logits is not None
+            batch, out = Batch(batch.kind, chunks, decoding), Output(out.logits[keep], out.duration_ms)
         if batch.kind == "baseline":
             c = batch.chunks[0]
             whole = c.request.complete_baseline_chunk(c.start, c.num_tokens, out.duration_ms)

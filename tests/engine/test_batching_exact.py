@@ -212,3 +212,44 @@ def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
     for r, m in zip(requests, metrics, strict=True):
         assert m.output_ids == alone.run(r).output_ids
     assert max(m.batch_size_max for m in metrics) >= 3
+
+
+def test_out_of_memory_fails_only_the_request_that_needs_it(tiny_runner, lone, monkeypatch):
+    """Issue 28: an out-of-memory error in a packed forward used to fail every row of it. Now the
+    rows run again one by one; only a request that runs out of memory alone fails (a clear
+    ``EngineFault``), the others' answers equal lone runs, and the cache stays consistent."""
+    from engine.model.attention.cpu_sdpa import CpuSdpaBackend
+    from engine.types import EngineFault
+
+    class OutOfMemoryOverLongContexts(CpuSdpaBackend):
+        """The CPU kernel, out of memory whenever one call reads more than ``limit`` keys."""
+
+        def __init__(self, limit: int) -> None:
+            self.limit, self.failed = limit, 0
+
+        def attend(self, q, k, v, scale, mask=None, causal=None):
+            if k.shape[-2] > self.limit:
+                self.failed += 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 600.00 MiB")
+            return super().attend(q, k, v, scale, mask=mask, causal=causal)
+
+    vocab = len(tiny_runner.text.tokenizer)
+    short = [req(rand_ids(40 + i, 12 + i, vocab), n=6) for i in range(3)]
+    long = req(rand_ids(50, 120, vocab), n=6)
+    expected = [lone(r) for r in short]
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    fault = OutOfMemoryOverLongContexts(limit=60)
+    monkeypatch.setattr(tiny_runner, "attention", fault)
+    with engine.runner.lock:
+        handles = [engine.submit(r) for r in [*short, long]]
+    events = [list(h) for h in handles[:3]]
+    with pytest.raises(EngineFault, match="out of cpu memory"):
+        list(handles[3])
+    monkeypatch.undo()
+    for evs, want in zip(events, expected, strict=True):
+        assert evs[-1].metrics is not None and evs[-1].metrics.output_ids == want
+    assert fault.failed >= 2  # the packed forward, then the long request alone
+    wait_idle(engine)
+    assert_clean(engine)
+    assert engine.cache.running_tokens == 0
+    assert engine.run(long).output_ids == lone(long)  # with memory again, the same request runs exactly
