@@ -193,7 +193,7 @@ def server_routes(engine, api_key: str | None = None, max_per_client: int | None
 
     if engine.capabilities.remote:  # the backend serves its own API; /metrics adds what its events say
         return metrics_routes(EngineMetrics(lambda: engine))
-    publisher = getattr(engine, "kv_events", None)  # the local engine's own KV-event stream, if any
+    publisher = engine.kv_events  # the local engine's own KV-event stream (None without --kv-events-config)
     sources = {"0": publisher.config} if publisher is not None and publisher.config else None
     return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None, max_per_client=max_per_client,
                                 kv_event_sources=sources))
