@@ -60,12 +60,14 @@ class EventQueue:
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
                 pass
 
-    def get(self) -> object:
-        """The next item; blocks the calling thread until there is one."""
+    def get_all(self) -> list:
+        """Every item queued now (at least one); blocks the calling thread while there is none."""
         with self._cond:
             while not self._items:
                 self._cond.wait()
-            return self._items.popleft()
+            items = list(self._items)
+            self._items.clear()
+            return items
 
     def qsize(self) -> int:
         with self._cond:
@@ -104,27 +106,47 @@ class RequestHandle:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def __iter__(self) -> Iterator[GenerationEvent]:
+    def batches(self) -> Iterator[list[GenerationEvent]]:
+        """The events in batches: everything queued by the time the consumer asks (a consumer
+        slower than the engine, such as a page redrawing its answer, takes several at once and
+        skips none). An error event is raised after the events before it."""
         try:
             while True:
-                item = self.events.get()
-                if item is END_OF_STREAM:
+                events, end = _split(self.events.get_all())
+                if events:
+                    yield events
+                if end is not None:
+                    _finish(end)
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
         finally:
             self.cancel()  # a consumer that stops listening stops the work
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        for events in self.batches():
+            yield from events
 
     async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         """The same events on an event loop, without a thread (see the module docstring)."""
         try:
             while True:
-                for item in await self.events.get_batch():
-                    if item is END_OF_STREAM:
-                        return
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
+                events, end = _split(await self.events.get_batch())
+                for event in events:
+                    yield event
+                if end is not None:
+                    _finish(end)
+                    return
         finally:
             self.cancel()
+
+
+def _split(items: list) -> tuple[list[GenerationEvent], object | None]:
+    """(the events before the stream's end, the end: ``END_OF_STREAM``, an exception, or None)."""
+    for i, item in enumerate(items):
+        if item is END_OF_STREAM or isinstance(item, BaseException):
+            return items[:i], item
+    return items, None
+
+
+def _finish(end: object) -> None:
+    if isinstance(end, BaseException):
+        raise end

@@ -132,13 +132,14 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
     started = time.monotonic()
     text, got_metrics = "", False
     try:
-        for event in handle:
-            text = event.text
-            if event.done and event.metrics is not None:
+        for events in handle.batches():  # one redraw per batch: the page skips no text, only redraws
+            last = events[-1]
+            text = last.text
+            if last.done and last.metrics is not None:
                 got_metrics = True
-                yield text, "", event.metrics
+                yield text, "", last.metrics
             else:
-                yield text, status_markdown(event, time.monotonic() - started), None
+                yield text, status_markdown(last, time.monotonic() - started), None
     finally:
         RUNNING.finished(request, panel, handle)
     if not got_metrics and handle.cancelled.is_set():
