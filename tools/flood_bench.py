@@ -201,20 +201,8 @@ def _flood(engine, http: httpx.Client, scale: Scale, salted: bool, result: Scena
                 body["cache_salt"] = f"bench-{q}-{i}"
             statuses.append(_post(http, "flooder", body).status_code)
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(scale.flood)]
-        for t in threads:
-            t.start()
-        while len(statuses) < scale.flood - cap and any(t.is_alive() for t in threads):
-            time.sleep(0.01)  # the flood is in: its excess refused, the rest queued
-        first = ask(http, "visitor", f"Question {q}: {QUESTION}", scale.max_new_tokens, result.refused)
-        if first is not None:
-            result.first_text_s.append(first)
-        for t in threads:
-            t.join()
-        for s in statuses:
-            result.flood_status[s] = result.flood_status.get(s, 0) + 1
-        log(f"  question {q + 1}: first text {first:.2f} s" if first is not None else f"  question {q + 1}: refused")
-        _wait_idle(engine)
+        _visitor_asks_during(engine, http, scale, result, log, q, one, scale.flood, statuses,
+                             lambda s=statuses: len(s) >= scale.flood - cap)  # the excess refused, the rest queued
 
 
 def _long(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log) -> None:
@@ -226,20 +214,28 @@ def _long(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log)
                     "max_tokens": scale.max_new_tokens, "temperature": 0}
             statuses.append(_post(http, "long", body).status_code)
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(2)]
-        for t in threads:
-            t.start()
-        while engine.stats().running == 0 and any(t.is_alive() for t in threads):
-            time.sleep(0.01)  # the long prompts are under way
-        first = ask(http, "visitor", f"Question {q}: {QUESTION}", scale.max_new_tokens, result.refused)
-        if first is not None:
-            result.first_text_s.append(first)
-        for t in threads:
-            t.join()
-        for s in statuses:
-            result.flood_status[s] = result.flood_status.get(s, 0) + 1
-        log(f"  question {q + 1}: first text {first:.2f} s" if first is not None else f"  question {q + 1}: refused")
-        _wait_idle(engine)
+        _visitor_asks_during(engine, http, scale, result, log, q, one, 2, statuses,
+                             lambda: engine.stats().running > 0)  # the long prompts are under way
+
+
+def _visitor_asks_during(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log, q: int,
+                         send, senders: int, statuses: list[int], under_way) -> None:
+    """Start ``senders`` threads of ``send(i)``; once ``under_way()``, the visitor asks question
+    ``q`` and its first-text time is recorded; then the senders' statuses, and an idle engine."""
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(senders)]
+    for t in threads:
+        t.start()
+    while not under_way() and any(t.is_alive() for t in threads):
+        time.sleep(0.01)
+    first = ask(http, "visitor", f"Question {q}: {QUESTION}", scale.max_new_tokens, result.refused)
+    if first is not None:
+        result.first_text_s.append(first)
+    for t in threads:
+        t.join()
+    for s in statuses:
+        result.flood_status[s] = result.flood_status.get(s, 0) + 1
+    log(f"  question {q + 1}: first text {first:.2f} s" if first is not None else f"  question {q + 1}: refused")
+    _wait_idle(engine)
 
 
 def format_results(results: list[ScenarioResult]) -> str:

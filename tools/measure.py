@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
+from collections.abc import Callable
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -44,3 +47,14 @@ def offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_clients(client: Callable[[], None], n: int, daemon: bool = False) -> float:
+    """Run ``client`` on ``n`` threads at once (a closed loop's streams); seconds until all end."""
+    threads = [threading.Thread(target=client, daemon=daemon) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

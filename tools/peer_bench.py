@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 
-from tools.measure import percentile
+from tools.measure import percentile, run_clients
 from tools.serve_bench import SYSTEM, chat_requests, policy_manual
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,13 +153,7 @@ def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], s
                     errors.append(exc)
                     return
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, streams, daemon=True)
     if errors:
         raise errors[0]
     return Row(server, streams, tuple(r for r in results if r is not None), wall, system_tokens)

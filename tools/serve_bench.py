@@ -49,7 +49,7 @@ from engine.model.compute_thread import in_fresh_thread
 from engine.model.packed_linear import unpack_linears
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
-from tools.measure import percentile, rss_bytes
+from tools.measure import percentile, rss_bytes, run_clients
 
 SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
           "three friendly sentences. Returns: unused items within 30 days with a receipt; used tents and sleeping "
@@ -162,13 +162,7 @@ def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: 
                     outputs[i] = event.metrics.output_ids
             ttfts[i] = ((first or time.perf_counter()) - t0) * 1000
 
-    threads = [threading.Thread(target=client) for _ in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, streams)
     growth = rss.stop()
     engine.close()
     return wall, ttfts, outputs, growth
