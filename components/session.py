@@ -1,23 +1,18 @@
-"""Visitor identity and what may be shared: the server sets each visitor's cache
-namespace from a secret salt, the address the page is served to and Gradio's session
-hash; a client cannot choose it.
+"""Visitor identity on the page and what the page ships for everyone to share.
 
-Privacy rules in isolation mode (on by default on Spaces):
+Owns: who a page request comes from (``page_visitor``: the address the page is served to,
+``server.request_guard.connection_origin``, the same rule the API's per-client limits count
+by, and Gradio's session hash; a client cannot choose either), the page's secret salt, the
+shipped blocks' token ids (preset system prompts and few-shot sets, tokenized once per engine)
+and the running requests Stop cancels. The keying rules themselves (isolation, the
+``v-<owner>/s-<session>`` namespace, a namespace of its own without a session, only *whole*
+shipped blocks public) are ``engine.cache_keys.KeyRules``, which the HTTP API keys by too:
+``page_key`` is a page request's cache key, ``visitor_namespace`` and ``public_len`` its parts.
 
-- a visitor's text is cached under ``v-<hmac(salt, origin)>/s-<hmac(salt, session)>``: the
-  session (a page tab) is the namespace, so no other visitor, nor another tab, gets a cache
-  hit on it (a hit is visible in time to first token), and sees only its own in the views;
-- the part before ``/`` is the visitor's *owner*: the address the page is served to
-  (``server.request_guard.connection_origin``, the same rule the API's per-client limits
-  count by). Fair shares of the cache and the scheduler's turns count per owner, so tabs or
-  invented session hashes from one address cannot multiply a share, just as ``cache_salt``
-  values cannot for an API client;
-- a request with no session gets a namespace of its own, never the shared one;
-- a panel that needs several namespaces per visitor (one per ordering variant) uses
-  ``sub_namespace``, which stays inside the visitor's own;
-- only whole blocks of content shipped with the app (preset system prompts and
-  few-shot sets) are public: a prompt that merely starts like a preset shares
-  nothing, or the point where it diverges would show in the public tree.
+A panel that needs several namespaces per visitor (one per ordering variant) uses
+``sub_namespace``, which stays inside the visitor's own. Fair shares of the cache and the
+scheduler's turns count per owner (the part before ``/``), so tabs or invented session hashes
+from one address cannot multiply a share, just as ``cache_salt`` values cannot for an API client.
 """
 
 from __future__ import annotations
@@ -26,24 +21,36 @@ import secrets
 import threading
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
+from components.panels.engine_state import engine_state
 from engine.api import EngineAPI
-from engine.namespaces import secret_name
-from engine.types import PUBLIC
+from engine.cache_keys import KeyRules, Visitor
+from engine.types import CacheKey
 from server.request_guard import connection_origin
 
 _SALT = secrets.token_bytes(16)  # per server process, never sent to a client
 
 
+def page_visitor(request) -> Visitor:
+    """Who sends a page request, as the server saw it: the address and Gradio's session hash."""
+    session = getattr(request, "session_hash", None) if request is not None else None
+    return Visitor.page(origin_of(request) if session else "", session)
+
+
+def _rules(engine: EngineAPI | None, shipped: tuple[tuple[int, ...], ...] = ()) -> KeyRules:
+    """The page's keying for ``engine`` (isolating when there is none to ask)."""
+    return KeyRules(engine is None or bool(engine.isolation), _SALT, shipped)
+
+
 def visitor_namespace(request, engine: EngineAPI | None = None) -> str:
     """A private namespace for this visitor's session, inside its owner (its address);
     ``PUBLIC`` (everything shared) when the engine does not isolate visitors."""
-    if engine is not None and not engine.isolation:
-        return PUBLIC
-    session = getattr(request, "session_hash", None) if request is not None else None
-    if not session:  # nothing to tell this caller apart by: share nothing with anyone
-        return "v-anon-" + secrets.token_hex(6)
-    owner = secret_name("v-", _SALT, "origin\0" + origin_of(request), 12)
-    return f"{owner}/{secret_name('s-', _SALT, str(session), 12)}"
+    return _rules(engine).namespace(page_visitor(request))
+
+
+def page_key(engine: EngineAPI, ids: list[int], request) -> CacheKey:
+    """The cache key ``ids`` get when this visitor sends them from the page (``KeyRules.key``):
+    the visitor's namespace and the shipped blocks' shareable length."""
+    return _rules(engine, _public_prefixes(engine)).key(ids, page_visitor(request))
 
 
 def origin_of(request) -> str:
@@ -64,8 +71,8 @@ def sub_namespace(request, engine: EngineAPI | None, name: str) -> str:
 
 
 def _public_prefixes(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
-    """The shipped blocks' token ids, tokenized once per engine (kept by the engine)."""
-    return engine.attachment("session.public_prefixes", lambda: _tokenize_shipped(engine))
+    """The shipped blocks' token ids, tokenized once per engine (kept by the page, ``engine_state``)."""
+    return engine_state(engine, "session.public_prefixes", lambda: _tokenize_shipped(engine))
 
 
 def _tokenize_shipped(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
@@ -85,8 +92,7 @@ def _tokenize_shipped(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
 def public_len(engine: EngineAPI, ids: list[int]) -> int:
     """Tokens of ``ids`` that are content shipped with the app (shareable): the longest
     shipped block that ``ids`` starts with in full, else 0."""
-    ids = tuple(ids)
-    return max((len(p) for p in _public_prefixes(engine) if ids[: len(p)] == p), default=0)
+    return _rules(engine, _public_prefixes(engine)).public_len(ids)
 
 
 def own_namespace(request, engine: EngineAPI) -> str | None:

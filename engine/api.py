@@ -27,9 +27,13 @@ Contract, for both implementations:
 - ``prefill_timer()`` is None where ``capabilities.prefill_timing`` is False; ``spawn`` raises
   ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
   ``capabilities.scheduler_steps`` is False.
-- ``attachment(name, make)``: state another layer keeps per engine (a shared tree snapshot,
-  a demo engine), made once by ``make`` and owned by the engine, so it lives and dies with it
-  (no module-level tables keyed by ``id(engine)``).
+- ``cache_key(ids, request)`` is the request's key as the engine caches it: the namespace and
+  shareable length server code set on the request, by ``engine.cache_keys.KeyRules`` (the page
+  and the HTTP API key by the same rules), the length clamped to ``ids``.
+- ``attachment(name, make)``: state the analysis keeps per engine (the prefill timer, the
+  request-order demo's engine), made once by ``make`` and owned by the engine, so it lives and
+  dies with it. The page keeps its own per-engine objects (figure memos, shared snapshots, the
+  shipped blocks' ids) on its side, not here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every engine facade shares, torch-free: the local engine and the remote one both build on it.
 
 Owns: ``FacadeBase`` (validating and tokenizing a request, ``generate``/``run`` over
-``submit``, the text side for the UI and the lab, the request records and attachments,
+``submit``, the text side for the UI and the lab, the request records, the analysis's attachments,
 and ``stats``), ``RunningTotals`` (the sums over finished requests) and ``engine_stats``,
 the one place an ``EngineStats`` is built: from running totals and the cache's figures now,
 whether the cache is this process's (``engine.engine.Engine``), a remote server's
@@ -144,7 +144,7 @@ class FacadeBase:
 
     # ------------------------------------------------------------- records
     def attachment(self, name: str, make: Callable[[], T]) -> T:
-        """State another layer keeps per engine (``engine.api``): made once by ``make``, owned here."""
+        """State the analysis keeps per engine (``engine.api``): made once by ``make``, owned here."""
         with self._attachments_lock:
             if name not in self._attachments:
                 self._attachments[name] = make()
@@ -159,8 +159,9 @@ class FacadeBase:
 
     # ------------------------------------------------------------- requests
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:
-        """The request's namespace is set by server code (the UI passes ``PUBLIC``
-        unless isolation is on; the ordering lab uses one namespace per variant)."""
+        """The request's namespace and shareable length are set by server code
+        (``engine.cache_keys.KeyRules`` for the page and the API; the ordering lab uses one
+        namespace per variant), clamped here to ``ids``."""
         return request_key(ids, request)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:

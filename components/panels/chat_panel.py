@@ -32,7 +32,7 @@ from components.panels.common import (
     status_markdown,
     warn,
 )
-from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, public_len, visitor_namespace
+from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_key
 from components.views.format import clamp_int, plural
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
@@ -100,9 +100,9 @@ def build_request(engine: EngineAPI, messages: list[dict], max_new_tokens, measu
     The no-reuse measurement is left off above ``BASELINE_MAX_TOKENS`` (see ``baseline_skipped``)."""
     ids = engine.prompt_ids(GenerationRequest(messages=tuple(messages)))
     measure = bool(measure_baseline) and len(ids) <= BASELINE_MAX_TOKENS
+    key = page_key(engine, ids, request)  # the one key rule (engine.cache_keys), as the warm start keys
     return GenerationRequest(prompt_ids=tuple(ids), sampling=sampling_for(engine, max_new_tokens, loop_guard),
-                             measure_baseline=measure, namespace=visitor_namespace(request, engine),
-                             public_len=public_len(engine, ids), tag=tag)
+                             measure_baseline=measure, namespace=key.namespace, public_len=key.public_len, tag=tag)
 
 
 def baseline_skipped(asked, req: GenerationRequest) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from components.panels.engine_state import engine_state
 from engine.api import EngineAPI
 from engine.snapshot_view import for_viewer, namespaces_of, owns_any
 from engine.types import TreeSnapshot
@@ -168,7 +169,7 @@ STRANGER = "\x00stranger"  # the view of every viewer who owns nothing in the tr
 MAX_VIEWS = 1024  # derived views kept per snapshot; past that, derived again (cheap, no lock)
 
 class _SharedSlot:
-    """The engine's current shared snapshot (an ``engine.attachment``, so it lives with the engine)."""
+    """The engine's current shared snapshot (kept per engine by ``engine_state``, so it dies with the engine)."""
 
     def __init__(self) -> None:
         self.shared: _Shared | None = None
@@ -177,7 +178,7 @@ class _SharedSlot:
 
 
 def _slot(engine: EngineAPI) -> _SharedSlot:
-    return engine.attachment("live.shared_snapshot", _SharedSlot)
+    return engine_state(engine, "live.shared_snapshot", _SharedSlot)
 
 
 def forget(engine: EngineAPI) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from components.panels.engine_state import engine_state
 from components.panels.live import KEEP_ZOOM, LiveView, drawn, engine_signature, shared_snapshot, status_line, unchanged
 from components.session import visitor_namespace
 from components.views.tree_figures import snapshot_summary, tree_figure
@@ -66,7 +67,7 @@ def tree_figure_for(engine: EngineAPI, request: gr.Request | None, metrics: Requ
     owns = viewer if engine.isolation else None
     key = (owns, metrics.request_id if metrics is not None else None, color_by, view, collapse,
            tuple(sorted(kw.items())))
-    return engine.attachment("tree_panel.figures", SnapshotMemo).get(snap, key, lambda: tree_figure(
+    return engine_state(engine, "tree_panel.figures", SnapshotMemo).get(snap, key, lambda: tree_figure(
         snap, request_path(snap, metrics), color_by=color_by, view=view, viewer_owns=owns, collapse_chains=collapse,
         **kw))
 
@@ -138,5 +139,5 @@ def snapshot_summary_for(engine: EngineAPI, viewer: str) -> dict:
     object (``shared_snapshot`` hands every stranger one view, and each visitor the same one
     until the tree changes)."""
     snap = shared_snapshot(engine, viewer)
-    return engine.attachment("tree_panel.summaries", SnapshotMemo).get(snap, ("summary",),
-                                                                      lambda: snapshot_summary(snap))
+    return engine_state(engine, "tree_panel.summaries", SnapshotMemo).get(snap, ("summary",),
+                                                                         lambda: snapshot_summary(snap))

@@ -1,0 +1,170 @@
+"""One keying for the page and the HTTP API (``engine.cache_keys``), and the page's per-engine
+objects kept on the page's side (``components.panels.engine_state``).
+
+The rules are checked against the formulas the page and the API used before they shared one
+home (so the names, and what shares with what, did not change); then, for a table of visitors,
+salts and both isolation settings, the page's key (``page_key``, and what ``build_request``
+sends) and the API's (what the route sends, as the engine keys it) both equal ``KeyRules.key``.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from components import session
+from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
+from components.panels.chat_panel import build_request, chat_messages
+from components.panels.engine_state import _STATE, engine_state
+from components.session import page_key
+from components.warm_start import shipped_prefixes
+from engine.cache_keys import KeyRules, Visitor, shipped_part
+from engine.engine import Engine
+from engine.namespaces import owner_of, secret_name
+from engine.types import PUBLIC, CacheKey, GenerationRequest
+from server.cache_scope import CacheScope
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = b"k" * 16
+HEX = "[0-9a-f]"
+
+
+# ----------------------------------------------------------------- the rules, as they were
+def test_page_rules_are_the_ones_the_page_had():
+    on, off = KeyRules(True, SECRET), KeyRules(False, SECRET)
+    tab = Visitor.page("10.0.0.1", "sess")
+    assert on.namespace(tab) == (secret_name("v-", SECRET, "origin\0" + "10.0.0.1", 12) + "/"
+                                 + secret_name("s-", SECRET, "sess", 12))
+    assert off.namespace(tab) == PUBLIC
+    anon = [on.namespace(Visitor.page("10.0.0.1", s)) for s in (None, "", None)]
+    assert len(set(anon)) == 3 and all(re.fullmatch(f"v-anon-{HEX}{{12}}", a) for a in anon)
+    assert on.store(tab) and off.store(tab) and on.store(Visitor.page("", None))
+
+
+def test_api_rules_are_the_ones_the_api_had():
+    on, off = KeyRules(True, SECRET), KeyRules(False, SECRET)
+    salted = secret_name("salt-", SECRET, "team", 16)
+    owner = secret_name("api-", SECRET, "client\0" + "key-1", 12)
+    assert off.namespace(Visitor.api("key-1", None)) == PUBLIC
+    assert off.namespace(Visitor.api("key-1", "team")) == off.namespace(Visitor.api("key-2", "team")) == salted
+    assert on.namespace(Visitor.api("key-1", "team")) == f"{owner}/{salted}"
+    assert on.owner(Visitor.api("key-1", None)) == owner
+    anon = [on.namespace(Visitor.api("key-1", None)) for _ in range(2)]
+    assert anon[0] != anon[1] and all(re.fullmatch(re.escape(owner) + f"/anon-{HEX}{{16}}", a) for a in anon)
+    assert not on.store(Visitor.api("key-1", None)) and on.store(Visitor.api("key-1", "team"))
+    assert off.store(Visitor.api("key-1", None))
+    scope = CacheScope(True, secret=SECRET)  # the API's wrapper answers the same
+    assert scope.namespace("team", "key-1") == f"{owner}/{salted}" and scope.client_owner("key-1") == owner
+    assert CacheScope(True).namespace("team") != scope.namespace("team")  # a secret per scope, as before
+
+
+def test_only_whole_shipped_blocks_are_shareable():
+    rules = KeyRules(True, SECRET, shipped=((1, 2, 3), (1, 2, 3, 4, 5), (9, 9)))
+    tab = Visitor.page("10.0.0.1", "sess")
+    for ids, shared in (([1, 2, 3, 4, 5, 6], 5), ([1, 2, 3, 4], 3), ([1, 2], 0), ([9, 9], 2), ([7, 1, 2, 3], 0)):
+        key = rules.key(ids, tab)
+        assert key == CacheKey(tuple(ids), rules.namespace(tab), shared)
+    assert shipped_part(rules.key([1, 2, 3, 4, 5, 6], tab)) == CacheKey((1, 2, 3, 4, 5), PUBLIC, 5)
+    assert shipped_part(rules.key([7], tab)) is None
+    assert KeyRules(True, SECRET).key([1, 2, 3], tab).public_len == 0  # the API is handed no blocks
+
+
+# ----------------------------------------------------------------- page and API agree
+CASES = [  # (address, session, cache_salt)
+    ("10.0.0.1", "tab-a", None),
+    ("10.0.0.1", "tab-b", "team"),
+    ("10.0.0.2", "tab-a", "team"),
+    ("10.0.0.2", "tab-c", "other"),
+    ("10.0.0.1", None, None),
+]
+
+
+def _same(got: CacheKey, want: CacheKey, random_part: bool) -> None:
+    """Equal; or, where the rules draw a fresh namespace, equal but for it (same owner kind)."""
+    if not random_part:
+        assert got == want
+        return
+    assert (got.ids, got.public_len) == (want.ids, want.public_len) and got.namespace != want.namespace
+    assert owner_of(got.namespace).split("-")[0] == owner_of(want.namespace).split("-")[0]
+
+
+@pytest.mark.parametrize("isolation", [True, False])
+def test_page_and_api_key_through_the_one_function(tiny_runner, isolation):
+    engine = Engine(tiny_runner, isolation=isolation, max_new_tokens_cap=4)
+    scope = CacheScope(isolation, secret=SECRET)
+    try:
+        for msgs in (chat_messages(SYSTEM_PRESETS["Pirate"], [], "hi"), chat_messages("Be terse.", [], "hi")):
+            ids = engine.prompt_ids(GenerationRequest(messages=tuple(msgs)))
+            page_rules = KeyRules(isolation, session._SALT, session._public_prefixes(engine))
+            for origin, sess, salt in CASES:
+                tab = SimpleNamespace(session_hash=sess, client=SimpleNamespace(host=origin), headers={})
+                want = page_rules.key(ids, Visitor.page(origin, sess))
+                built = build_request(engine, msgs, 2, False, tab, tag="chat")
+                for got in (page_key(engine, ids, tab), engine.cache_key(list(built.prompt_ids), built)):
+                    _same(got, want, random_part=isolation and not sess)
+                # The API: what the route sends (namespace, store), as the engine keys it.
+                visitor = Visitor.api(origin, salt)
+                sent = GenerationRequest(prompt_ids=tuple(ids), namespace=scope.namespace(salt, origin),
+                                         store=scope.store(salt))
+                _same(engine.cache_key(ids, sent), scope.rules.key(ids, visitor), random_part=isolation and not salt)
+                assert sent.store == scope.rules.store(visitor)
+        assert page_key(engine, ids, None).public_len == 0  # the custom prompt shares nothing
+    finally:
+        engine.close()
+
+
+def test_warm_start_keys_the_shipped_part_of_the_page_key(tiny_runner):
+    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+    try:
+        keys = dict(shipped_prefixes(engine))
+        preset = FEW_SHOT_PRESETS["Sentiment"]
+        msgs = [{"role": "user", "content": few_shot_prompt(preset["instruction"], preset["examples"], "?")}]
+        ids = engine.prompt_ids(GenerationRequest(messages=tuple(msgs)))
+        tab = SimpleNamespace(session_hash="tab-a", client=SimpleNamespace(host="10.0.0.1"), headers={})
+        assert keys["few-shot set “Sentiment”"] == shipped_part(page_key(engine, ids, tab))
+        assert all(k.namespace == PUBLIC and k.public_len == len(k.ids) > 0 for k in keys.values())
+    finally:
+        engine.close()
+
+
+def test_the_keying_callers_compute_no_namespace_of_their_own():
+    """``session``, ``warm_start`` and ``cache_scope`` hand visitors to ``engine.cache_keys``."""
+    for rel in ("components/session.py", "components/warm_start.py", "server/cache_scope.py"):
+        names = {n.id for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.Attribute)}
+        assert not names & {"secret_name", "PUBLIC", "token_hex"}, rel
+
+
+# ----------------------------------------------------------------- the page's per-engine objects
+def test_the_page_keeps_its_objects_out_of_the_engine():
+    offenders = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in sorted((ROOT / "components").rglob("*.py"))
+                 for n in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(n, ast.Attribute) and n.attr == "attachment"]
+    assert not offenders, offenders
+
+
+def test_engine_state_is_one_object_per_engine_and_dies_with_it(tiny_runner):
+    engine, other = Engine(tiny_runner), Engine(tiny_runner)
+    try:
+        made = []
+        first = engine_state(engine, "test.memo", lambda: made.append(1) or object())
+        assert engine_state(engine, "test.memo", lambda: made.append(1) or object()) is first and made == [1]
+        assert engine_state(other, "test.memo", object) is not first
+    finally:
+        engine.close()
+        other.close()
+
+    class Holder:  # any weakly referable key: the registry knows nothing of what an engine is
+        pass
+
+    key = Holder()
+    engine_state(key, "test.memo", object)  # type: ignore[arg-type]
+    assert any(isinstance(k, Holder) for k in list(_STATE.keys()))
+    del key
+    gc.collect()
+    assert not any(isinstance(k, Holder) for k in list(_STATE.keys()))
