@@ -87,7 +87,8 @@ def wait_idle(engine: Engine, timeout_s: float = 120.0) -> None:
     while quiet < 3:
         if time.monotonic() > deadline:
             raise TimeoutError("the engine did not become idle")
-        busy = engine.stats().queue_depth > 0 or engine.runner.lock.locked()
+        # busy(): also a request the worker took from the inbox but has not scheduled yet
+        busy = engine.busy() or engine.stats().queue_depth > 0 or engine.runner.lock.locked()
         quiet = 0 if busy else quiet + 1
         time.sleep(0.05)
 
