@@ -13,6 +13,12 @@ from engine.model.packed_linear import ENV_SWITCH, PackedLinear, can_pack, pack_
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def _float32_packs_too(monkeypatch):
+    """These tests pack float32 layers: switched on as ``RADIX_PACKED_LINEAR=1`` does (the default packs bf16 only)."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+
+
 def _mlp(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(24, 48), nn.ReLU(), nn.Linear(48, 16, bias=False)).to(dtype)
@@ -66,9 +72,18 @@ def test_gradients_fall_back_to_plain_linear():
     assert x.grad is not None
 
 
-def test_runner_packs_the_tiny_model(tiny_runner):
-    assert tiny_runner.packed_linears > 0
-    assert isinstance(tiny_runner.model.lm_head, PackedLinear)
+def test_float32_is_not_packed_by_default_bf16_is(monkeypatch, tiny_runner):
+    """Measured: MKL's plain float32 product is as fast as the packed one at any batch size and
+    faster for one row, so by default only bfloat16 layers are packed (where the CPU has bf16)."""
+    from engine.model.packed_linear import _packing_works, packed_dtypes
+
+    monkeypatch.delenv(ENV_SWITCH)
+    assert packed_dtypes() == (torch.bfloat16,)
+    assert not can_pack(_mlp()) and pack_linears(_mlp()) == 0
+    assert tiny_runner.packed_linears == 0 and type(tiny_runner.model.lm_head) is nn.Linear
+    assert can_pack(_mlp(torch.bfloat16)) == _packing_works(torch.bfloat16)
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert packed_dtypes() == () and not can_pack(_mlp(torch.bfloat16))
 
 
 def test_not_packed_where_a_packed_product_fails(monkeypatch):
