@@ -35,6 +35,7 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread
+from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
@@ -125,6 +126,9 @@ class ModelRunner:
         # forward_paged's attention kernel, chosen once (by device; RADIX_ATTENTION_BACKEND overrides).
         self.attention: AttentionBackend = choose_backend(self.device)
         self.can_batch = self._enable_batching()
+        # forward_paged's own layer-by-layer forward where the model is a Llama-family decoder and it
+        # checks out bit for bit against transformers' forward (engine.model.decoder_stack).
+        self.stack: DecoderStack | None = self.compute.call(self._check_stack) if self.can_batch else None
         self.compute.call(self._warm_up)
 
     @torch.inference_mode()
@@ -151,6 +155,28 @@ class ModelRunner:
         except Exception:  # an architecture that does not take registered attention
             return False
         return self.model.config._attn_implementation == ROWS_ATTENTION
+
+    @torch.inference_mode()
+    def _check_stack(self) -> DecoderStack | None:
+        """The decoder stack, if this model has one and it computes exactly what transformers'
+        forward computes on a probe: a prefill, then a decode row and a prefill chunk sharing it."""
+        stack = DecoderStack.build(self.model)
+        if stack is None:
+            return None
+        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                      40 * self.kv_bytes_per_token)
+        prefix = pool.alloc(20)
+        probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
+                  [PagedSegment([7], 20, prefix + pool.alloc(1)), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))]]
+        try:
+            for segments in probes:
+                plain = self._paged(pool, segments, False, None)
+                direct = self._paged(pool, segments, False, stack)
+                if not torch.equal(plain, direct):
+                    return None
+        except Exception:  # a layer that only looked like one this forward knows
+            return None
+        return stack
 
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""
@@ -250,18 +276,28 @@ class ModelRunner:
             raise EngineError("every_position takes one segment")
         if not self.can_batch:
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
+        return self._paged(pool, segments, every_position, self.stack)
+
+    def _paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
+               stack: DecoderStack | None) -> torch.Tensor:
+        """``forward_paged``'s body: through ``stack`` when given, else through transformers'
+        forward with the pool-reading attention registered in its place."""
         plan = PagedPlan(segments, self.device, self.attention)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
-        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
-        _batch.paged = (plan, pool)
-        try:
-            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                             cache=PoolWriteCache(pool, plan.write_index), use_cache=True, logits_to_keep=last)
-        finally:
-            _batch.paged = None
-        logits = out.logits[0].float()
+        if stack is not None:
+            logits = stack.forward(input_ids, positions, plan.write_index, pool.k, pool.v, plan.attention,
+                                   last)[0].float()
+        else:
+            mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
+            _batch.paged = (plan, pool)
+            try:
+                out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                                 cache=PoolWriteCache(pool, plan.write_index), use_cache=True, logits_to_keep=last)
+            finally:
+                _batch.paged = None
+            logits = out.logits[0].float()
         if every_position:
             return logits
         back = torch.empty_like(logits)

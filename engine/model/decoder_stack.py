@@ -1,0 +1,127 @@
+"""The scheduler's forward for Llama-family decoders, written out layer by layer over the pool.
+
+Owns: ``DecoderStack``, a forward of the whole decoder (embeddings, every layer, the final
+norm, the LM head) that calls the model's own modules and functions in the order
+transformers calls them, with the KV written straight to its pool slots and attention read
+through the step's ``PagedPlan``. Knows nothing about requests or the tree: the runner hands
+it the plan's token ids, positions and the rows to keep.
+
+Why: on a CPU a decode step for one or a few requests is short (tens of milliseconds), and
+transformers' generic machinery around each layer (keyword plumbing, output capturing,
+cache objects, mask creation, the attention registry, per-module hooks) is a measurable
+part of it. Here each layer is a dozen direct calls: the same kernels on the same tensors,
+so the logits are bit-identical to the transformers path (checked at start by the runner on
+a probe forward, ``ModelRunner._check_stack``; any difference, and the runner keeps the
+transformers path).
+
+Which models: a causal LM whose ``model.layers`` are decoder layers with ``self_attn``
+(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, no per-head norms), ``mlp`` (``gate_proj``,
+``up_proj``, ``down_proj``, ``act_fn``), ``input_layernorm`` and
+``post_attention_layernorm``, a ``rotary_emb`` on the model, and ``apply_rotary_pos_emb``
+in its modeling module: Llama, Mistral (without a sliding window), Qwen2 and their kin.
+``DecoderStack.build`` returns None for anything else, and the runner keeps transformers'
+forward. ``RADIX_DECODER_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
+
+
+class _Layer:
+    """One decoder layer's parts, looked up once (their ``forward`` methods: no module hooks)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = attn.layer_idx
+        self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.q, self.k, self.v, self.o = (attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward,
+                                          attn.o_proj.forward)
+        self.gate, self.up, self.down, self.act = (mlp.gate_proj.forward, mlp.up_proj.forward,
+                                                   mlp.down_proj.forward, mlp.act_fn)
+        self.scaling = float(attn.scaling)
+        self.head_dim = int(attn.head_dim)
+
+
+class DecoderStack:
+    """A direct forward of a Llama-family decoder (module docstring)."""
+
+    def __init__(self, model: nn.Module, rotate: Callable) -> None:
+        inner = model.model
+        self.embed = inner.embed_tokens.forward
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm.forward
+        self.head = model.lm_head.forward
+        self.rotate = rotate
+        self.layers = [_Layer(layer) for layer in inner.layers[: model.config.get_text_config().num_hidden_layers]]
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecoderStack | None:
+        """The stack for ``model``, or None when it is not a decoder this forward knows."""
+        if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+            return None
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or not layers or getattr(model, "lm_head", None) is None:
+            return None
+        for name in ("embed_tokens", "rotary_emb", "norm"):
+            if getattr(inner, name, None) is None:
+                return None
+        rotate = getattr(sys.modules.get(type(layers[0].self_attn).__module__), "apply_rotary_pos_emb", None)
+        if rotate is None or not all(cls._knows(layer) for layer in layers):
+            return None
+        cfg = model.config.get_text_config()
+        if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "embedding_multiplier", None):
+            return None
+        return cls(model, rotate)
+
+    @staticmethod
+    def _knows(layer: nn.Module) -> bool:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return False
+        if any(getattr(attn, n, None) is None for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
+            return False
+        if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+            return False  # per-head norms (Qwen3, OLMo 2): another layer shape
+        if any(getattr(mlp, n, None) is None for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return False
+        extra = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        names = {n for n, _ in layer.named_children()}
+        return names == extra  # any other part (a pre-feedforward norm, a router) is not this layer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
+                k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
+                keep: torch.Tensor | int) -> torch.Tensor:
+        """Logits of the kept rows: ``input_ids``/``positions`` ``[1, T]``; token ``i``'s KV goes to
+        slot ``write_index[i]`` of every layer's ``k_pool``/``v_pool`` ``[Hkv, S, D]``;
+        ``attend(k_layer, v_layer, query [1, Hq, T, D], scale) -> [1, T, Hq, D]`` reads them (the
+        plan's attention); ``keep`` is transformers' ``logits_to_keep`` (0: every row, or the rows'
+        indices). Returns ``[1, kept, vocab]`` in the model's dtype."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, positions)
+        shape = h.shape[:-1]
+        for layer in self.layers:
+            x = layer.norm1(h)
+            view = (*shape, -1, layer.head_dim)
+            q = layer.q(x).view(view).transpose(1, 2)
+            k = layer.k(x).view(view).transpose(1, 2)
+            v = layer.v(x).view(view).transpose(1, 2)
+            q, k = self.rotate(q, k, cos, sin)
+            k_pool[layer.index].index_copy_(1, write_index, k[0])
+            v_pool[layer.index].index_copy_(1, write_index, v[0])
+            a = attend(k_pool[layer.index], v_pool[layer.index], q, layer.scaling)
+            h = h + layer.o(a.reshape(*shape, -1).contiguous())
+            x = layer.norm2(h)
+            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+        h = self.norm(h)
+        if not (isinstance(keep, int) and keep == 0):
+            h = h[:, keep]
+        return self.head(h)
