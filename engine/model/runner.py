@@ -346,6 +346,13 @@ class ModelRunner:
             return "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
         return "PyTorch's default"
 
+    @property
+    def forward_kind(self) -> str:
+        """What runs the scheduler's forward, in words (for the engine info)."""
+        if self.stack is not None:
+            return "decoder stack: the model's layers called directly (RADIX_DECODER_STACK=0 for transformers' forward)"
+        return "transformers' forward" + ("" if self.can_batch else ", one request per forward")
+
     def close(self, timeout_s: float = 30.0) -> None:
         """End the compute thread (after the calls queued before), for command lines that build
         runners one after another: its OpenMP pool goes with it. The runner cannot run after this."""

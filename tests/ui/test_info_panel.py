@@ -26,13 +26,12 @@ def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
     assert line.value == engine_line(engine) and "tiny-random-llama" in line.value and "bfloat16" in line.value
 
 
-def test_the_linear_kernels_are_named(tiny_runner, tiny_runner_bf16):
-    """fp32 (and bf16 where the CPU has native bf16) on an x86 CPU multiplies through oneDNN-packed
-    weights; the info tab says which."""
-    from engine.model.packed_linear import can_pack
-
+def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_bf16):
+    """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights, fp32 through
+    PyTorch's default; both run the decoder stack (a Llama); the info tab says which."""
     packed = "| linear layers | oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
-    if can_pack(tiny_runner.model) or tiny_runner.packed_linears:
-        assert packed in info_markdown(Engine(tiny_runner))
+    fp32 = info_markdown(Engine(tiny_runner))
+    assert "| linear layers | PyTorch's default |" in fp32 and tiny_runner.packed_linears == 0
+    assert "| forward | decoder stack: the model's layers called directly" in fp32
     bf16 = info_markdown(Engine(tiny_runner_bf16))
     assert (packed in bf16) if tiny_runner_bf16.packed_linears else ("| linear layers | PyTorch's default |" in bf16)
