@@ -23,8 +23,8 @@ One request's context, in token positions, split in two segments::
   new ones. Requests decoding one token are batched into one call over their
   rests (gathered and padded: rests are short); prefill chunks take one each.
 
-The two partial results merge exactly by log-sum-exp:
-``m = max(l1, l2)``, ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``.
+The partial results (the rest, and each run of the shared prefix) merge exactly by their
+log-sum-exps, all in one pass: ``m = max_i l_i``, ``out = sum_i o_i e^(l_i-m) / sum_i e^(l_i-m)``.
 
 Grouped-query heads: query head ``h`` reads KV head ``h // g`` (``g`` query
 heads per KV head, as transformers' ``repeat_kv`` lays them out). Instead of
@@ -76,12 +76,16 @@ class PagedSegment:
     runs: Sequence[tuple[int, int, int]] | None = None
 
 
-def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Combine two attentions of the same queries over disjoint key sets (float32).
-    ``o`` [..., M, D], ``l`` [..., M]; ``l1`` may be -inf (no keys there), ``l2`` never."""
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m).unsqueeze(-1), torch.exp(l2 - m).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Combine attentions of the same queries over disjoint key sets, all at once (float32).
+    ``outs[i]`` [..., M, D], ``lses[i]`` [..., M]; a part may have ``lse = -inf`` (no keys
+    there), but not every part. One pass over all parts: fewer small ops than merging pairwise."""
+    stacked = torch.stack(list(lses))
+    w = torch.exp(stacked - stacked.amax(0)).unsqueeze(-1)
+    total = outs[0].float() * w[0]
+    for i in range(1, len(outs)):
+        total += outs[i].float() * w[i]
+    return total / w.sum(0)
 
 
 def leading_runs(runs: Sequence[tuple[int, int, int]], cap: int) -> tuple[tuple[int, int], ...]:
@@ -282,13 +286,12 @@ class PagedPlan:
         for start, end, runs in self.groups:
             n = end - start
             qs = q[:, start:end].reshape(1, hkv, g * n, d)
-            o_acc, l_acc = out[:, start:end], lse[:, start:end]
+            outs, lses = [out[:, start:end]], [lse[:, start:end]]
             for first, length in runs:
                 ks = k_layer[:, first:first + length].unsqueeze(0)
                 vs = v_layer[:, first:first + length].unsqueeze(0)
                 os_, ls = attend(qs, ks, vs, scale)
-                ls = ls.reshape(hq, n)
-                o_acc = merge(os_.reshape(hq, n, d), ls, o_acc, l_acc)
-                l_acc = torch.logaddexp(ls, l_acc)
-            out[:, start:end] = o_acc
+                outs.append(os_.reshape(hq, n, d))
+                lses.append(ls.reshape(hq, n))
+            out[:, start:end] = merge(outs, lses)
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0)
