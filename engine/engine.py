@@ -284,9 +284,10 @@ class Engine(FacadeBase):
                     return
                 if idle and self._queue.empty():
                     break
-                # Locks are not fair: pause a moment so that other engines sharing the runner (and
-                # anyone else waiting on its lock) get their turn between our steps.
-                time.sleep(0.001)
+                # Locks are not fair: when other engines sharing the runner (or anyone else) wait
+                # for its lock, pause a moment so that they get their turn between our steps.
+                if self.runner.lock.waiting:
+                    time.sleep(0.001)
 
     def _take(self, pending: list[RequestHandle]) -> None:
         """Move the inbox into the scheduler's waiting list."""

@@ -55,6 +55,48 @@ def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _unbox(box)
 
 
+class TurnLock:
+    """A lock that knows whether another thread waits for it: a loop that takes it step after step
+    (an engine's worker) pauses between its steps only when someone does (another engine sharing
+    the runner), instead of after every step. Use as a ``threading.Lock`` (``with``, ``acquire``,
+    ``release``, ``locked``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()  # guards ``_waiting``
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> bool:
+        """Some other thread is blocked in ``acquire`` right now."""
+        return self._waiting > 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        with self._count:
+            self._waiting += 1
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class ComputeThread:
     """A daemon thread that runs submitted calls one at a time, in submission order."""
 

@@ -34,7 +34,7 @@ import torch
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV, RowsCache
 from engine.model.attention import AttentionBackend, choose_backend
-from engine.model.compute_thread import ComputeThread
+from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
 from engine.model.packed_linear import PackedLinear, pack_linears
@@ -122,7 +122,7 @@ class ModelRunner:
         # The text half (template, encode, decode, eos): no forward, so remote mode has it too.
         self.text = TextCodec(loaded.tokenizer, vocab_size=int(self.model.get_input_embeddings().num_embeddings),
                               model_eos=getattr(self.model.generation_config, "eos_token_id", None))
-        self.lock = threading.Lock()  # one forward at a time, whichever engine asks
+        self.lock = TurnLock()  # one forward at a time, whichever engine asks
         # forward_paged's attention kernel, chosen once (by device; RADIX_ATTENTION_BACKEND overrides).
         self.attention: AttentionBackend = choose_backend(self.device)
         self.can_batch = self._enable_batching()
