@@ -15,11 +15,6 @@ cached prefix) and then only appended to, so the prefix is copied exactly once.
 
 Buffer layout: ``k[layer, kv_head, token, head_dim]``, the pool's layout, so
 pool <-> buffer copies are plain slice copies.
-
-``RowsCache`` is the cache object of a packed forward (several requests' new
-tokens in one sequence): request ``i``'s slice of the new keys and values is
-appended to its own ``RequestKV``; the model runner's per-request attention then
-reads each buffer. No KV is gathered or padded.
 """
 
 from __future__ import annotations
@@ -128,20 +123,6 @@ class _PassThroughLayer(DynamicLayer):
         raise NotImplementedError("these forwards' caches are never cropped")
 
 
-class _RowsLayer(_PassThroughLayer):
-    """One layer of a packed forward: hands each request's slice of the new KV to its buffer."""
-
-    def __init__(self, kvs: list[RequestKV], lens: list[int], layer_idx: int) -> None:
-        super().__init__()
-        self._kvs, self._lens, self._idx = kvs, lens, layer_idx
-
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        start = 0
-        for kv, n in zip(self._kvs, self._lens, strict=True):
-            kv.layers[self._idx].update(key_states[:, :, start:start + n], value_states[:, :, start:start + n])
-            start += n
-
-
 class _PoolWriteLayer(_PassThroughLayer):
     """One layer of a forward over the pool: the pack's new keys and values go to their slots."""
 
@@ -160,12 +141,3 @@ class PoolWriteCache(Cache):
 
     def __init__(self, pool, write_index: torch.Tensor) -> None:
         super().__init__(layers=[_PoolWriteLayer(pool, write_index, i) for i in range(pool.num_layers)])
-
-
-class RowsCache(Cache):
-    """A packed forward's cache: request ``i`` owns the next ``lens[i]`` tokens of the pack and
-    its KV goes to ``kvs[i]``; the requests' lengths may differ."""
-
-    def __init__(self, kvs, lens) -> None:
-        kvs, lens = list(kvs), list(lens)
-        super().__init__(layers=[_RowsLayer(kvs, lens, i) for i in range(len(kvs[0].layers))])

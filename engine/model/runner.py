@@ -9,17 +9,16 @@ text half as ``text`` (``engine.text.codec.TextCodec``: template, encode, decode
 and does no text itself. Knows nothing about the radix tree, the pool's policy or the
 scheduler: it is handed token ids and buffers.
 
-Batched forwards (``forward_packed``; ``decode_batch`` is its one-token case):
-several requests' new tokens (decode tokens and prefill chunks alike) packed
-into one ``[1, total]`` sequence, each token with its own position. Everything
-but attention (embeddings, projections, MLP, logits) runs once over the pack,
-which is where the time goes on a CPU (the weights are read once per forward).
-Attention runs per request on that request's own buffer (``_rows_attention``,
-registered with transformers' ``AttentionInterface``): no padding, no copy of
-anyone's KV, and each request attends with the SDPA call a lone forward makes,
-so a batched answer equals a lone one (fp32). Outside a batched forward the same
-registered function is plain SDPA with SDPA's masks: single-request paths are
-unchanged.
+The scheduler's forward is ``forward_paged``: several requests' new tokens (decode
+tokens and prefill chunks alike) packed into one ``[1, total]`` sequence, each token with
+its own position, every request's KV in the pool. Everything but attention (embeddings,
+projections, MLP, logits) runs once over the pack, which is where the time goes on a CPU
+(the weights are read once per forward); attention reads each request's slots in the pool
+(``engine.model.paged_attention``: a shared prefix once for all). A Llama-family model runs
+it through ``engine.model.decoder_stack`` (its own layers called directly), any other
+batchable model through transformers' forward with that attention registered in its place
+(``_paged_attention``). The other paths are single-request: ``forward``/``forward_last`` on a
+scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (no reuse).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kvcache.kv_pool import KVPool
-from engine.kvcache.request_kv import PoolWriteCache, RequestKV, RowsCache
+from engine.kvcache.request_kv import PoolWriteCache, RequestKV
 from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
@@ -42,54 +41,32 @@ from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.text.codec import TextCodec
 from engine.types import EngineError
 
-ROWS_ATTENTION = "radix_rows"
-_batch = threading.local()  # the buffers of the batched forward running on this thread, if any
+PAGED_ATTENTION = "radix_paged"
+_batch = threading.local()  # the plan and pool of the paged forward running on this thread, if any
 
 
-def _rows_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, except inside a batched forward: in ``forward_paged`` every request attends over
-    its slots in the pool (``engine.model.paged_attention``: a shared prefix read once for all);
-    in ``forward_packed`` the packed tokens are split back into their requests and each
-    attends over its own ``RequestKV`` buffer."""
+def _paged_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA, except inside ``forward_paged`` through transformers' forward: there every request
+    attends over its slots in the pool (``engine.model.paged_attention``: a shared prefix read
+    once for all). Outside it, plain SDPA with SDPA's masks: single-request paths are unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     paged = getattr(_batch, "paged", None)
-    if paged is not None:
-        if not plain:
-            raise EngineError("this model's attention (soft-capping or position bias) cannot read the KV pool")
-        plan, pool = paged
-        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        return plan.attention(pool.k[module.layer_idx], pool.v[module.layer_idx], query, scale), None
-    kvs = getattr(_batch, "kvs", None)
-    if kvs is None:
+    if paged is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layer, outs, start = module.layer_idx, [], 0
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
-    scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
-    for kv, n, mask in zip(kvs, _batch.lens, _batch.masks, strict=True):
-        row = kv.layers[layer]
-        q = query[:, :, start:start + n]
-        if mask is None and plain:
-            # One new token, no mask: the very call sdpa_attention_forward makes for it,
-            # without its per-call checks and transposes (this runs layers x requests times).
-            extra = {"enable_gqa": True} if gqa else {}
-            out = torch.nn.functional.scaled_dot_product_attention(q, row.keys, row.values, dropout_p=dropout,
-                                                                   scale=scale, **extra)
-        else:
-            out, _ = sdpa_attention_forward(module, q, row.keys, row.values, mask, **kwargs)
-            out = out.transpose(1, 2)
-        outs.append(out)
-        start += n
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise EngineError("this model's attention (soft-capping or position bias) cannot read the KV pool")
+    plan, pool = paged
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    return plan.attention(pool.k[module.layer_idx], pool.v[module.layer_idx], query, scale), None
 
 
-def _register_rows_attention() -> None:
+def _register_paged_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(ROWS_ATTENTION, _rows_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ROWS_ATTENTION, sdpa_mask)
+    AttentionInterface.register(PAGED_ATTENTION, _paged_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PAGED_ATTENTION, sdpa_mask)
 
 
 def _on_compute_thread(method):
@@ -139,7 +116,7 @@ class ModelRunner:
         return out.cache.layers
 
     def _enable_batching(self) -> bool:
-        """Switch the model to the row-wise attention, where that is exact: SDPA models
+        """Switch the model to the pool-reading attention, where that is exact: SDPA models
         with full attention in every layer (no sliding window, no logit soft-capping).
         Others decode one request per forward (still scheduled together)."""
         cfg = self.model.config.get_text_config(decoder=True)
@@ -147,14 +124,14 @@ class ModelRunner:
             return False
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
             return False
-        if self.model.config._attn_implementation not in ("sdpa", ROWS_ATTENTION):
+        if self.model.config._attn_implementation not in ("sdpa", PAGED_ATTENTION):
             return False
         try:
-            _register_rows_attention()
-            self.model.set_attn_implementation(ROWS_ATTENTION)
+            _register_paged_attention()
+            self.model.set_attn_implementation(PAGED_ATTENTION)
         except Exception:  # an architecture that does not take registered attention
             return False
-        return self.model.config._attn_implementation == ROWS_ATTENTION
+        return self.model.config._attn_implementation == PAGED_ATTENTION
 
     @torch.inference_mode()
     def _check_stack(self) -> DecoderStack | None:
@@ -185,9 +162,6 @@ class ModelRunner:
         self.forward_last(ids[:8], kv)
         self.forward_last(ids[8:], kv)
         self.baseline_prefill(ids)
-        other = self.new_request_kv(4)
-        self.forward_last(ids[:3], other)
-        self.forward_packed([([1], kv), ([2, 3], other)])
 
     # ---------------------------------------------------------------- running
     def new_request_kv(self, capacity: int) -> RequestKV:
@@ -220,46 +194,6 @@ class ModelRunner:
         out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[0, -1].float()
-
-    def decode_batch(self, tokens: Sequence[int], kvs: Sequence[RequestKV]) -> torch.Tensor:
-        """One new token per request: ``tokens[i]`` runs after the ``kvs[i].length`` tokens in
-        ``kvs[i]`` (lengths may differ). Returns fp32 logits ``[len(tokens), vocab]``. For tests
-        (batched decode compared with lone decodes); the scheduler's decode rows go through
-        ``forward_paged``."""
-        if len(tokens) != len(kvs) or not tokens:
-            raise EngineError("decode_batch needs one token per buffer")
-        return self.forward_packed([([t], kv) for t, kv in zip(tokens, kvs, strict=True)])
-
-    @_on_compute_thread
-    @torch.inference_mode()
-    def forward_packed(self, segments: Sequence[tuple[Sequence[int], RequestKV]]) -> torch.Tensor:
-        """Several requests' new tokens in one forward: ``segments[i] = (ids, kv)`` runs ``ids``
-        after the ``kv.length`` tokens already in ``kv`` and appends their KV there (a decode
-        token, or a prefill chunk). The tokens are packed into one ``[1, total]`` sequence
-        with each token's own position; attention is per request. Returns fp32 logits of each
-        segment's last token: ``[len(segments), vocab]``. One segment, or a model without
-        row-wise attention, takes the single-request path per segment."""
-        segments = [(list(ids), kv) for ids, kv in segments]
-        if not segments or any(not ids for ids, _ in segments):
-            raise EngineError("nothing to compute: every segment needs at least one token")
-        if len(segments) == 1 or not self.can_batch:
-            return torch.stack([self.forward_last(ids, kv) for ids, kv in segments])
-        lens = [len(ids) for ids, _ in segments]
-        kvs = [kv for _, kv in segments]
-        input_ids = torch.tensor([[t for ids, _ in segments for t in ids]], device=self.device)
-        positions = torch.tensor([[p for ids, kv in segments for p in range(kv.length, kv.length + len(ids))]],
-                                 device=self.device)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        # A 4D mask is taken as given (no mask is built); the row-wise attention makes its own.
-        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        _batch.kvs, _batch.lens, _batch.masks = kvs, lens, [self._chunk_mask(kv.length, n) for kv, n in
-                                                            zip(kvs, lens, strict=True)]
-        try:
-            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                             cache=RowsCache(kvs, lens), use_cache=True, logits_to_keep=last)
-        finally:
-            _batch.kvs = _batch.lens = _batch.masks = None
-        return out.logits[0].float()
 
     @_on_compute_thread
     @torch.inference_mode()
@@ -315,14 +249,6 @@ class ModelRunner:
         logits = self.forward_last(s.ids, kv)  # already on the compute thread: runs in place
         pool.write_from(s.slots[s.past:s.past + n], kv.k[:, :, s.past:s.past + n], kv.v[:, :, s.past:s.past + n])
         return logits
-
-    def _chunk_mask(self, past: int, n: int) -> torch.Tensor | None:
-        """Boolean mask ``[1, 1, n, past + n]`` of ``n`` new tokens after ``past`` cached ones:
-        causal among the new tokens, everything before them visible. None for one token."""
-        if n == 1:
-            return None
-        pos = torch.arange(past + n, device=self.device)
-        return (pos[None, :] <= pos[past:, None]).view(1, 1, n, past + n)
 
     @_on_compute_thread
     @torch.inference_mode()

@@ -29,52 +29,65 @@ def together(engine: Engine, requests) -> list:
     return [list(h)[-1].metrics for h in handles]
 
 
-def test_decode_batch_rows_join_and_leave_exact(tiny_runner):
-    """Rows of different lengths and different cached prefixes, joining and leaving between
-    steps: every row's logits equal a from-scratch forward of its tokens (1e-4)."""
+def _pool(runner, tokens: int):
+    from engine.kvcache.kv_pool import KVPool
+
+    return KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                  tokens * runner.kv_bytes_per_token)
+
+
+def test_paged_rows_join_and_leave_exact(tiny_runner):
+    """The scheduler's forward over the pool: rows of different lengths, some reading a shared
+    prefix in place, joining and leaving between steps: every row's logits equal a
+    from-scratch forward of its tokens (1e-4)."""
+    from engine.model.paged_attention import PagedSegment
+
     vocab = len(tiny_runner.text.tokenizer)
+    pool = _pool(tiny_runner, 400)
     shared = rand_ids(1, 20, vocab)
+    prefix = pool.alloc(len(shared))
+    tiny_runner.forward_paged(pool, [PagedSegment(shared, 0, prefix)])
     prompts = [rand_ids(2, 5, vocab), shared + rand_ids(3, 9, vocab), shared + rand_ids(4, 31, vocab),
                rand_ids(5, 60, vocab)]
-    engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
-    engine.run(req(shared + [7], 1))  # rows 1 and 2 reuse a cached prefix
-    kvs, seqs = [], []
+    slots, seqs = [], []
     for i, p in enumerate(prompts):
-        kv = tiny_runner.new_request_kv(len(p) + 8)
-        res = engine.prefill(engine.cache_key(p, req(p)), kv)
-        assert (res.cached_tokens > 0) == (i in (1, 2))
-        kvs.append(kv)
+        base = prefix if i in (1, 2) else []
+        own = base + pool.alloc(len(p) - len(base) + 8)
+        tiny_runner.forward_paged(pool, [PagedSegment(p[len(base):], len(base), own)])
+        slots.append(own)
         seqs.append(list(p))
     schedule = [[0, 1], [0, 1, 2], [1, 2, 3], [2, 3], [0, 2, 3], [3]]
     for step, rows in enumerate(schedule):
         tokens = [11 + step + r for r in rows]
-        logits = tiny_runner.decode_batch(tokens, [kvs[r] for r in rows])
+        logits = tiny_runner.forward_paged(pool, [PagedSegment([t], len(seqs[r]), slots[r])
+                                                  for t, r in zip(tokens, rows, strict=True)])
         for i, r in enumerate(rows):
             seqs[r].append(tokens[i])
             ref, _ = tiny_runner.baseline_prefill(seqs[r])
             assert torch.allclose(logits[i], ref, atol=1e-4), (step, r, (logits[i] - ref).abs().max())
-            assert kvs[r].length == len(seqs[r])
-    engine.check_invariants()
 
 
 def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
-    """One packed forward holding a fresh prompt, a second chunk of a prompt, and decode tokens:
-    each segment's logits equal a from-scratch forward, and the KV it wrote serves later steps."""
+    """One forward over the pool holding a fresh prompt, a second chunk of a prompt, and decode
+    tokens: each segment's logits equal a from-scratch forward, and the KV it wrote serves later steps."""
+    from engine.model.paged_attention import PagedSegment
+
     vocab = len(tiny_runner.text.tokenizer)
+    pool = _pool(tiny_runner, 300)
     seqs = [rand_ids(80 + i, n, vocab) for i, n in enumerate((12, 30, 7, 19))]
-    kvs = [tiny_runner.new_request_kv(64) for _ in seqs]
-    tiny_runner.forward_last(seqs[1][:10], kvs[1])  # a prompt half prefilled
-    tiny_runner.forward_last(seqs[2], kvs[2])  # two requests decoding
-    tiny_runner.forward_last(seqs[3], kvs[3])
+    slots = [pool.alloc(64) for _ in seqs]
+    tiny_runner.forward_paged(pool, [PagedSegment(seqs[1][:10], 0, slots[1])])  # a prompt half prefilled
+    tiny_runner.forward_paged(pool, [PagedSegment(seqs[2], 0, slots[2])])  # two requests decoding
+    tiny_runner.forward_paged(pool, [PagedSegment(seqs[3], 0, slots[3])])
     fed = [list(seqs[0]), list(seqs[1]), seqs[2] + [5], seqs[3] + [6]]
-    segments = [(seqs[0], kvs[0]), (seqs[1][10:], kvs[1]), ([5], kvs[2]), ([6], kvs[3])]
+    segments = [PagedSegment(seqs[0], 0, slots[0]), PagedSegment(seqs[1][10:], 10, slots[1]),
+                PagedSegment([5], len(seqs[2]), slots[2]), PagedSegment([6], len(seqs[3]), slots[3])]
     for _ in range(3):
-        logits = tiny_runner.forward_packed(segments)
+        logits = tiny_runner.forward_paged(pool, segments)
         for i, seq in enumerate(fed):
             ref, _ = tiny_runner.baseline_prefill(seq)
             assert torch.allclose(logits[i], ref, atol=1e-4), (i, (logits[i] - ref).abs().max())
-            assert kvs[i].length == len(seq)
-        segments = [([7 + i], kv) for i, kv in enumerate(kvs)]
+        segments = [PagedSegment([7 + i], len(seq), slots[i]) for i, seq in enumerate(fed)]
         fed = [seq + [7 + i] for i, seq in enumerate(fed)]
 
 
