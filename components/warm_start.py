@@ -1,7 +1,7 @@
 """Shipped prefixes in the cache before the first visitor, and the growth curve's filler.
 
 Owns which shipped blocks are warmed (every system preset and few-shot set, as the chat
-and few-shot panels will send them, keyed by the same ``components.session.page_key``), the
+and few-shot panels will send them, keyed by the engine for any page visitor, as those requests are), the
 page's sentence about it, which document the chat opens on for this engine's device,
 and the text the growth curve measures on. The timing itself is
 ``analysis.prefill_timing``; this module only hands it keys and ids.
@@ -14,7 +14,7 @@ import threading
 import time
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
-from components.session import page_key
+from components.session import page_keyed
 from components.views.format import fmt_ms, plural
 from engine.cache_keys import shipped_part
 from engine.types import CacheKey, EngineError, GenerationRequest
@@ -27,8 +27,7 @@ GROWTH_PAIRS = {"cpu": 1}  # pairs per length: one on a CPU (the curve costs ~25
 def _public_key(engine, messages: list[dict]) -> CacheKey | None:
     """The shipped part of the request ``messages`` would make, keyed as that request keys it
     (any visitor's: the shipped part is everyone's)."""
-    ids = engine.prompt_ids(GenerationRequest(messages=tuple(messages)))
-    return shipped_part(page_key(engine, ids, None))
+    return shipped_part(page_keyed(engine, GenerationRequest(messages=tuple(messages)), None).key)
 
 
 def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:

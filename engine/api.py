@@ -27,9 +27,20 @@ Contract, for both implementations:
 - ``prefill_timer()`` is None where ``capabilities.prefill_timing`` is False; ``spawn`` raises
   ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
   ``capabilities.scheduler_steps`` is False.
+- The engine owns cache keys. ``key_for(request, visitor, sub=None)`` tokenizes once (as
+  ``prompt_ids``) and keys the prompt for a ``Visitor`` by the engine's own
+  ``engine.cache_keys.KeyRules`` (its isolation, its secret, the shipped blocks): a
+  ``KeyedPrompt`` with the key (namespace and shareable length), ``store`` and ``matched_len``,
+  the tokens the engine would reuse if it ran now (at most all but the last). Locally that is
+  the radix cache's memory match (the second tier may add more when it runs, and another
+  request may change it meanwhile); remotely it is what the remote engine knows: its shadow
+  tree of what this dashboard sent, not the server's own cache. ``keyed.request(base)`` is the
+  request to submit. ``namespace_for(visitor, sub)`` is the namespace alone; ``share_blocks``
+  registers the page's shipped blocks (texts the engine tokenizes). The page and the HTTP API
+  both key through these, so they cannot disagree.
 - ``cache_key(ids, request)`` is the request's key as the engine caches it: the namespace and
-  shareable length server code set on the request, by ``engine.cache_keys.KeyRules`` (the page
-  and the HTTP API key by the same rules), the length clamped to ``ids``.
+  shareable length set on the request (by ``key_for``, or the lab's own variants), the length
+  clamped to ``ids``.
 - ``attachment(name, make)``: state the analysis keeps per engine (the prefill timer, the
   request-order demo's engine), made once by ``make`` and owned by the engine, so it lives and
   dies with it. The page keeps its own per-engine objects (figure memos, shared snapshots, the
@@ -42,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from engine.cache_keys import KeyedPrompt, Visitor
 from engine.handle import RequestHandle
 from engine.scheduler.config import BASELINE_MAX_TOKENS  # noqa: F401  (the no-reuse timing cutoff the page states)
 from engine.types import (
@@ -95,6 +107,11 @@ class EngineAPI(Protocol):
     def run(self, request: GenerationRequest) -> RequestMetrics: ...
     def prompt_ids(self, request: GenerationRequest) -> list[int]: ...
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey: ...
+
+    # keys (the engine owns them: the page and the API hand it a request and a visitor)
+    def key_for(self, request: GenerationRequest, visitor: Visitor, sub: str | None = None) -> KeyedPrompt: ...
+    def namespace_for(self, visitor: Visitor, sub: str | None = None) -> str: ...
+    def share_blocks(self, texts: Sequence[str]) -> int: ...
 
     # text (the model's tokenizer and chat template)
     def encode(self, text: str) -> list[int]: ...

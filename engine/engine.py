@@ -164,6 +164,10 @@ class Engine(FacadeBase):
         other namespaces' nodes as shape and size only."""
         return self.cache.snapshot(self.text.decode, viewer=viewer if self.isolation else None)
 
+    def _matched_len(self, key: CacheKey) -> int:
+        """The radix cache's memory match now (the cache's own lock; the tree is not touched)."""
+        return self.cache.match_len(key)
+
     def _cache_figures(self) -> dict[str, object]:
         cache, sched, waiting = self.cache, self.scheduler, self._waiting()
         return dict(cache_bytes=cache.bytes_in_use, budget_bytes=cache.budget_bytes, cached_tokens_now=cache.num_tokens,

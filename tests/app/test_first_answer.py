@@ -17,7 +17,7 @@ import pytest
 
 from components.chat_presets import SYSTEM_PRESETS
 from components.panels.chat_panel import chat_messages
-from components.session import public_len
+from components.session import page_keyed
 from components.warm_start import chat_default, warm_start
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
@@ -31,7 +31,8 @@ QUESTION = ("Here are my notes from this week's support shifts; which of them sh
 def _first_text_s(engine: Engine, visitor: str) -> float:
     msgs = chat_messages(SYSTEM_PRESETS[chat_default(engine)], [], QUESTION)
     ids = engine.prompt_ids(GenerationRequest(messages=tuple(msgs)))
-    req = GenerationRequest(prompt_ids=tuple(ids), namespace=visitor, public_len=public_len(engine, ids),
+    shared = page_keyed(engine, GenerationRequest(prompt_ids=tuple(ids)), None).key.public_len
+    req = GenerationRequest(prompt_ids=tuple(ids), namespace=visitor, public_len=shared,
                             sampling=SamplingParams(max_new_tokens=4), tag="chat")
     t0 = time.perf_counter()
     for event in engine.generate(req):
