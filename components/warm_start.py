@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
 from components.session import page_keyed
 from components.views.format import fmt_ms, plural
@@ -57,8 +58,8 @@ def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
 
 def warm_start(engine) -> tuple:
     """Prefill every shipped block into the cache now (before the page is served); returns the
-    ``WarmPrefix`` results, which the page reads back through ``engine.prefill_timer().warmed``."""
-    timer = engine.prefill_timer()
+    ``WarmPrefix`` results, which the page reads back through ``timer_for(engine).warmed``."""
+    timer = timer_for(engine)
     if timer is None:  # remote mode: the backend owns its cache
         return ()
     t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def warm_start(engine) -> tuple:
 
 def warm_note(engine) -> str:
     """The page's sentence about the warm start ("" when nothing was warmed)."""
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     warmed = [w for w in (timer.warmed if timer else ()) if not w.skipped]
     if not warmed:
         return ""
@@ -108,7 +109,7 @@ def start_growth_curve(engine) -> threading.Thread | None:
     remote mode or while one is already running."""
     from analysis.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
 
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     if timer is None or timer.curve.state == "running":
         return None
     device = str(engine.info().device).split(":")[0]

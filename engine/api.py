@@ -24,7 +24,7 @@ Contract, for both implementations:
   ``capabilities.settable_budget`` is False.
 - ``persist_cache()`` writes the cache to the second tier (0 where ``capabilities.second_tier``
   is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
-- ``prefill_timer()`` is None where ``capabilities.prefill_timing`` is False; ``spawn`` raises
+- ``spawn`` raises
   ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
   ``capabilities.scheduler_steps`` is False.
 - The engine owns cache keys. ``key_for(request, visitor, sub=None)`` tokenizes once (as
@@ -41,17 +41,16 @@ Contract, for both implementations:
 - ``cache_key(ids, request)`` is the request's key as the engine caches it: the namespace and
   shareable length set on the request (by ``key_for``, or the lab's own variants), the length
   clamped to ``ids``.
-- ``attachment(name, make)``: state the analysis keeps per engine (the prefill timer, the
-  request-order demo's engine), made once by ``make`` and owned by the engine, so it lives and
-  dies with it. The page keeps its own per-engine objects (figure memos, shared snapshots, the
-  shipped blocks' ids) on its side, not here.
+- The engine keeps no one else's state: the analysis (``analysis.per_engine``: the prefill
+  timer, the request-order demo) and the page (``components.panels.engine_state``) keep their
+  per-engine objects on their side, and the engine imports neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine.cache_keys import KeyedPrompt, Visitor
 from engine.handle import RequestHandle
@@ -67,8 +66,6 @@ from engine.types import (
     TreeSnapshot,
 )
 
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -76,7 +73,7 @@ class Capabilities:
 
     local_cache: bool  # the KV cache lives in this process: its bytes, budget and gauges are real
     settable_budget: bool  # set_budget works (and a person may change the budget from the page)
-    prefill_timing: bool  # prefill_timer() times prefill with and without reuse, block by block
+    prefill_timing: bool  # analysis.prefill_timing.timer_for times prefill with and without reuse, block by block
     private_engines: bool  # spawn() gives a small engine of its own on the same model (request-order demo)
     scheduler_steps: bool  # step_log() shows this process's forwards (the Scheduler tab)
     remote: bool = False  # a client of another server (``info().backend`` names it)
@@ -140,7 +137,6 @@ class EngineAPI(Protocol):
     def clear_cache(self, namespace: str | None = None) -> int: ...
     def set_budget(self, budget_bytes: int) -> int: ...
     def check_invariants(self) -> None: ...
-    def prefill_timer(self) -> Any: ...
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI: ...
     def close(self) -> None:
         """Stop once the requests already submitted are done; its memory and files are let go."""
@@ -148,4 +144,3 @@ class EngineAPI(Protocol):
     def configure_scheduler(self, **changes: Any) -> None: ...
     def persist_cache(self) -> int | None: ...
     def backend_metrics(self) -> dict[str, float]: ...
-    def attachment(self, name: str, make: Callable[[], T]) -> T: ...

@@ -392,10 +392,3 @@ class Engine(FacadeBase):
                 batch_size_mean=sum(sizes) / len(sizes), prefill_chunks=max(1, t.prefill_chunks),
                 prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms)
             return self._add_record(m)
-
-    def prefill_timer(self):
-        """Fair prefill timings on this engine (``analysis.prefill_timing.PrefillTimer``): with and
-        without reuse back to back, the warm start of shipped prefixes, the growth curve. One per engine."""
-        from analysis.prefill_timing import timer_for
-
-        return timer_for(self)

@@ -3,7 +3,7 @@
 Owns: ``FacadeBase`` (validating and tokenizing a request, keying it for a visitor
 (``key_for``, by the engine's ``engine.cache_keys.KeyRules``: its secret and the shipped blocks
 the page shares), ``generate``/``run`` over ``submit``, the text side for the UI and the lab, the
-request records, the analysis's attachments, and ``stats``), ``RunningTotals`` (the sums over finished requests) and ``engine_stats``,
+request records and ``stats``), ``RunningTotals`` (the sums over finished requests) and ``engine_stats``,
 the one place an ``EngineStats`` is built: from running totals and the cache's figures now,
 whether the cache is this process's (``engine.engine.Engine``), a remote server's
 (``server.remote.engine.RemoteEngine``) or one viewer's view of either.
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from engine import validation
 from engine.cache_keys import KeyedPrompt, KeyRules, Visitor
@@ -36,8 +35,6 @@ from engine.types import (
     RequestMetrics,
     TreeSnapshot,
 )
-
-T = TypeVar("T")
 
 # The secret cache-key names are made with: one per process (never sent to a client), so a
 # visitor's namespace is the same on every engine of this process, as the page's always was.
@@ -112,8 +109,6 @@ class FacadeBase:
 
     def _start_records(self, history_size: int, lock: Any) -> None:
         self._records_lock = lock
-        self._attachments: dict[str, object] = {}
-        self._attachments_lock = threading.Lock()
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = RunningTotals()
         self._key_secret = _KEY_SECRET
@@ -152,13 +147,6 @@ class FacadeBase:
         raise NotImplementedError
 
     # ------------------------------------------------------------- records
-    def attachment(self, name: str, make: Callable[[], T]) -> T:
-        """State the analysis keeps per engine (``engine.api``): made once by ``make``, owned here."""
-        with self._attachments_lock:
-            if name not in self._attachments:
-                self._attachments[name] = make()
-            return self._attachments[name]  # type: ignore[return-value]
-
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._records_lock:
             items = list(self.history)

@@ -22,6 +22,7 @@ from functools import partial
 
 import gradio as gr
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
 from components.panels.common import (
     MODEL_NOTE,
@@ -148,7 +149,7 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
 
 def paired_timer(engine: EngineAPI):
     """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
-    return engine.prefill_timer()
+    return timer_for(engine)
 
 
 def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,

@@ -354,10 +354,6 @@ class RemoteEngine(FacadeBase):
             self.tree.check_invariants()
         self.blocks.check_invariants()
 
-    def prefill_timer(self) -> None:
-        """The backend's prefill cannot be timed from here block by block."""
-        return None
-
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "
                           "model.")

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import SYSTEM_PRESETS
 from components.panels.chat_panel import chat_messages
 from components.session import page_keyed
@@ -79,7 +80,7 @@ def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_
     with launched_app(engine) as url, httpx.Client(base_url=url, timeout=300) as http:
         curve = start_growth_curve(engine)
         assert curve is not None
-        timer = engine.prefill_timer()
+        timer = timer_for(engine)
         try:
             assert held.wait(120), "the growth curve did not start"
             with http.stream("POST", "v1/completions", json=question) as reply:
@@ -115,7 +116,7 @@ def test_first_answer_right_after_start_is_as_fast_as_on_an_idle_app(real_runner
     engine = Engine(real_runner, isolation=True, max_new_tokens_cap=16)
     warm_start(engine)
     idle = sorted(_first_text_s(engine, f"v-idle-{i}") for i in range(3))
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     curve = threading.Thread(target=timer.growth_curve, args=(growth_filler(engine, 1100),),
                              kwargs={"lengths": (512, 1024)}, daemon=True)
     curve.start()
