@@ -12,6 +12,8 @@ from components.session import page_keyed, page_visitor, share_page_blocks, sub_
 from engine.cache_keys import Visitor
 from engine.engine import Engine
 from engine.types import PUBLIC, GenerationRequest, SamplingParams
+from server.remote.engine import RemoteEngine
+from tests.helpers_app import launched_app
 
 
 def tab(session: str, origin: str = "10.0.0.1") -> SimpleNamespace:
@@ -80,14 +82,13 @@ def test_build_request_is_the_engines_key(tiny_runner):
 def test_a_remote_engine_keys_alike_and_matches_what_it_sent(tokenizer, tiny_runner):
     """The remote engine keys by the same rules; its matched length is its shadow tree's (what
     this dashboard sent), which here the backend (this app's engine, not isolating) reuses too."""
-    from tests.app.test_remote import remote_for  # noqa: PLC0415  (its backend helpers)
-    from tests.helpers_app import launched_app
 
     backend = Engine(tiny_runner, budget_bytes=32 * 2**20, max_new_tokens_cap=8)
     local = Engine(tiny_runner, max_new_tokens_cap=8)
     try:
         with launched_app(backend) as url:
-            remote = remote_for(url, tokenizer, key=None)
+            remote = RemoteEngine(url, "", tokenizer, max_new_tokens_cap=16)
+            remote.check_backend()
             try:
                 for eng in (remote, local):
                     share_page_blocks(eng)
