@@ -24,9 +24,9 @@ Contract, for both implementations:
   ``capabilities.settable_budget`` is False.
 - ``persist_cache()`` writes the cache to the second tier (0 where ``capabilities.second_tier``
   is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
-- ``spawn`` raises
-  ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
-  ``capabilities.scheduler_steps`` is False.
+- ``spawn`` raises ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log``
+  is empty where ``capabilities.scheduler_steps`` is False. Prefill timing is the analysis's
+  (``analysis.prefill_timing.timer_for``, None where ``capabilities.prefill_timing`` is False).
 - The engine owns cache keys. ``key_for(request, visitor, sub=None)`` tokenizes once (as
   ``prompt_ids``) and keys the prompt for a ``Visitor`` by the engine's own
   ``engine.cache_keys.KeyRules`` (its isolation, its secret, the shipped blocks): a
@@ -73,7 +73,7 @@ class Capabilities:
 
     local_cache: bool  # the KV cache lives in this process: its bytes, budget and gauges are real
     settable_budget: bool  # set_budget works (and a person may change the budget from the page)
-    prefill_timing: bool  # analysis.prefill_timing.timer_for times prefill with and without reuse, block by block
+    prefill_timing: bool  # analysis.prefill_timing.timer_for can time prefill with and without reuse
     private_engines: bool  # spawn() gives a small engine of its own on the same model (request-order demo)
     scheduler_steps: bool  # step_log() shows this process's forwards (the Scheduler tab)
     remote: bool = False  # a client of another server (``info().backend`` names it)

@@ -2,15 +2,17 @@
 
 Owns: ``FacadeBase`` (validating and tokenizing a request, keying it for a visitor
 (``key_for``, by the engine's ``engine.cache_keys.KeyRules``: its secret and the shipped blocks
-the page shares), ``generate``/``run`` over ``submit``, the text side for the UI and the lab, the
-request records and ``stats``), ``RunningTotals`` (the sums over finished requests) and ``engine_stats``,
+the page shares), ``generate``/``run`` over ``submit``, the text side for the UI and the lab,
+the request records and ``stats``), ``RunningTotals`` (the sums over finished requests) and
+``engine_stats``,
 the one place an ``EngineStats`` is built: from running totals and the cache's figures now,
 whether the cache is this process's (``engine.engine.Engine``), a remote server's
 (``server.remote.engine.RemoteEngine``) or one viewer's view of either.
 
 Knows nothing about torch, the model, the pool or the scheduler: a subclass says what its
 cache holds (``_cache_figures``), how much of a key it holds now (``_matched_len``), how a
-viewer sees it (``_view``) and what waits (``_waiting``). So remote mode, which builds on this module, loads none of the local core.
+viewer sees it (``_view``) and what waits (``_waiting``). So remote mode, which builds on this
+module, loads none of the local core.
 """
 
 from __future__ import annotations
