@@ -6,5 +6,6 @@ It works through the engine's public modules (``engine.api``, ``engine.types``, 
 tree, the eviction policy, the tier's chunk size). What it still reaches into, and why, is named in
 each module's docstring: the prefill timer drives the local engine's runner and cache; the replay
 reads a model's KV geometry through ``engine.model.loader`` (inside a function). The serving core
-imports none of it (tests/test_layering.py), except ``Engine.prefill_timer()``, which builds the
-timer on first call."""
+imports none of it, not even inside a function (tests/test_layering.py): what the analysis keeps
+per engine (``prefill_timing.timer_for``, the request-order demo) it keeps itself, in
+``per_engine``."""

@@ -1,35 +1,28 @@
 """Prefill timed fairly: with and without reuse, back to back, on the compute thread.
 
 Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on what a timing may cost, the
-memo of no-reuse figures for long shipped prefixes, the warm start of shipped prefixes (``warm``) and the
-growth curve (prefill time against cached length, ``growth_curve``). Knows nothing about the UI, presets or
-visitors: callers hand it cache keys and token ids.
+memo of no-reuse figures for long shipped prefixes, the warm start of shipped prefixes (``warm``), the growth
+curve (prefill time against cached length, ``growth_curve``) and ``timer_for``, one timer per engine kept
+here (``analysis.per_engine``), never by the engine. Knows nothing about the UI, presets or visitors.
 
-Analysis outside the serving core, the one part that cannot work through ``EngineAPI`` alone: it drives
-the engine's ``runner`` (buffers, ``forward_last``, the compute thread) and ``cache`` (``match_len``,
-``copy_prefix``) as attributes (it imports only ``engine.types``; a remote engine has no timer). Its policy
-and records live in ``prefill_records.py``, re-exported here.
+The one part of the analysis that cannot work through ``EngineAPI`` alone: it drives the local engine's
+``runner`` and ``cache`` as attributes; an engine without ``capabilities.prefill_timing`` (remote) has no
+timer. Its policy and records live in ``prefill_records.py``, re-exported here.
 
-The live figure of a request is taken inside a batched step, while other requests decode and a browser may
-redraw on the same cores; its no-reuse baseline ran later, on a quieter machine. Here both sides run under
-the same conditions, one right after the other, on the runner's compute thread::
+A request's live figure is taken inside a batched step, its no-reuse baseline later, on a quieter machine.
+Here both sides run under the same conditions, one right after the other, on the runner's compute thread::
 
     reuse:     empty buffer <- copy_prefix(key, cached)   forward ids[cached:n]
     no reuse:  empty buffer                               forward ids[0:n]
 
-Both sides run the same forward (``runner.forward_last`` on a request buffer), ``block_tokens`` at a time;
-each block is its own compute-thread call, so the scheduler's steps (other visitors' streams) run between
-blocks and no call holds the model for long. Only the calls are timed: the time others' steps take in between
-is not counted on either side. Pairs alternate which side goes first, the no-reuse side first (whatever still
-runs when a timing starts lands on the long side, not on the short one it would swamp). The reuse side is a
-fraction of the other and a burst of someone else's work swamps it, so its figure in a pair is the median of
-``reuse_runs`` runs in a row. The pair shown is the median pair by ratio. Nothing here changes the cache:
-``copy_prefix`` reads it (no hit, no access time, no lock), and the scratch buffers are dropped.
+Both sides run ``runner.forward_last`` on a request buffer, ``block_tokens`` at a time, each block its own
+compute-thread call, so other visitors' steps run between blocks; only the calls are timed. Pairs alternate
+which side goes first, no-reuse first (whatever still runs lands on the long side). The reuse side's figure
+is the median of ``reuse_runs`` runs in a row, the pair shown the median pair by ratio. Nothing here changes
+the cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the scratch buffers are dropped.
 
-The growth curve is background work: it starts with the app, for nobody in particular, so it yields to
-visitors. Before each of its compute calls (blocks of at most ``BACKGROUND_BLOCK_TOKENS``) it waits until no
-request waits or runs (``engine.busy()``) and no visitor's paired timing is under way or waiting, for
-``QUIET_S`` in a row. A visitor's first request after a start then waits at most for one such block.
+The growth curve is background work, so it yields: each call (``BACKGROUND_BLOCK_TOKENS`` at most) waits
+for ``QUIET_S`` with no request (``engine.busy()``) and no visitor's timing under way.
 """
 
 from __future__ import annotations
@@ -37,11 +30,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
+from analysis.per_engine import per_engine
 from analysis.prefill_records import (
     GrowthCurve,
     GrowthPoint,
@@ -66,14 +61,11 @@ QUIET_S = 0.1  # background work starts a call only after visitors left the engi
 
 
 class PrefillTimer:
-    """Fair prefill timings on one engine (``timer_for(engine)``; ``Engine.prefill_timer()``).
-
-    Uses only the engine's ``runner`` (``new_request_kv``, ``forward_last``, ``compute``,
-    ``synchronize``), ``cache`` (``match_len``, ``copy_prefix``), ``prefill`` and
-    ``clear_cache``. Timings run one at a time (a second waits up to ``policy.wait_s``)."""
+    """Fair prefill timings on one engine (``timer_for(engine)``), held weakly. Uses its ``runner``, ``cache``,
+    ``prefill`` and ``clear_cache``. Timings run one at a time (a second waits up to ``policy.wait_s``)."""
 
     def __init__(self, engine, policy: TimingPolicy | None = None) -> None:
-        self.engine = engine
+        self._engine = weakref.ref(engine)  # kept per engine by ``per_engine``: never keeps it alive
         self.runner, self.cache = engine.runner, engine.cache
         self.isolation = bool(getattr(engine, "isolation", False))
         self.policy = policy or default_policy(self.runner.device.type, self.isolation)
@@ -88,6 +80,13 @@ class PrefillTimer:
         self._curve = GrowthCurve()
         self.warmed: tuple[WarmPrefix, ...] = ()
         self._by_request: OrderedDict[int, PrefillTiming] = OrderedDict()  # request id -> its paired timing
+
+    @property
+    def engine(self):
+        engine = self._engine()
+        if engine is None:
+            raise EngineFault("the engine this timer measured is gone")
+        return engine
 
     # ------------------------------------------------------- yielding
     def stopping(self) -> bool:
@@ -126,9 +125,8 @@ class PrefillTimer:
 
     @property
     def scratch_bound_bytes(self) -> int:
-        """The most scratch KV there can be at once: one buffer of the longest prompt for a
-        visitor's timing (they run one at a time) and one for the growth curve (the only
-        background work), each at most the prompt cap."""
+        """The most scratch KV there can be at once: one buffer of the longest prompt for a visitor's
+        timing (one at a time) and one for the growth curve (the only background work)."""
         cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
         curve = min(self.runner.max_context, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
         return (int(cap) + curve) * self.runner.kv_bytes_per_token
@@ -395,6 +393,8 @@ class PrefillTimer:
             raise EngineError("the cache had no room for the curve's filler")
 
 
-def timer_for(engine) -> PrefillTimer:
-    """The engine's one ``PrefillTimer`` (made on first use; its memo and curve are kept)."""
-    return engine.attachment("prefill_timer", lambda: PrefillTimer(engine))
+def timer_for(engine) -> PrefillTimer | None:
+    """The engine's one ``PrefillTimer`` (made on first use; its memo and curve are kept); None where
+    ``capabilities.prefill_timing`` is False (remote: the backend's prefill cannot be timed from here)."""
+    timed = engine.capabilities.prefill_timing
+    return per_engine(engine, "prefill_timer", lambda: PrefillTimer(engine)) if timed else None

@@ -23,6 +23,7 @@ from components.panels.overview_panel import build_overview_panel
 from components.panels.replay_panel import build_replay_panel
 from components.panels.scheduler_panel import build_scheduler_panel
 from components.panels.tree_panel import build_tree_panel
+from components.session import share_page_blocks
 from engine.api import EngineAPI
 from server.request_guard import guard_middleware
 
@@ -87,6 +88,7 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
 
 
 def build_demo(engine: EngineAPI) -> gr.Blocks:
+    share_page_blocks(engine)  # the presets everyone may share, handed to the engine that keys by them
     live: dict[str, list[LiveView]] = {}  # tab label -> the live views inside it
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}")

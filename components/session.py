@@ -1,56 +1,35 @@
-"""Visitor identity on the page and what the page ships for everyone to share.
+"""Visitor identity on the page, the page's shipped blocks handed to the engine, and Stop.
 
 Owns: who a page request comes from (``page_visitor``: the address the page is served to,
 ``server.request_guard.connection_origin``, the same rule the API's per-client limits count
-by, and Gradio's session hash; a client cannot choose either), the page's secret salt, the
-shipped blocks' token ids (preset system prompts and few-shot sets, tokenized once per engine)
-and the running requests Stop cancels. The keying rules themselves (isolation, the
-``v-<owner>/s-<session>`` namespace, a namespace of its own without a session, only *whole*
-shipped blocks public) are ``engine.cache_keys.KeyRules``, which the HTTP API keys by too:
-``page_key`` is a page request's cache key, ``visitor_namespace`` and ``public_len`` its parts.
+by, and Gradio's session hash; a client cannot choose either), handing the engine the page's
+shipped blocks once per engine (``share_page_blocks``: the preset system prompts and few-shot
+sets as text, which the engine tokenizes) and the running requests Stop cancels.
 
-A panel that needs several namespaces per visitor (one per ordering variant) uses
-``sub_namespace``, which stays inside the visitor's own. Fair shares of the cache and the
-scheduler's turns count per owner (the part before ``/``), so tabs or invented session hashes
-from one address cannot multiply a share, just as ``cache_salt`` values cannot for an API client.
+The keys themselves are the engine's (``EngineAPI.key_for``, by ``engine.cache_keys.KeyRules``,
+which the HTTP API keys by too): ``page_keyed`` is a page request keyed for its visitor,
+``visitor_namespace`` (and ``sub_namespace``, one per ordering variant, inside the visitor's own)
+the namespace alone. Fair shares of the cache and the scheduler's turns count per owner (the
+part before ``/``), so tabs or invented session hashes from one address cannot multiply a
+share, just as ``cache_salt`` values cannot for an API client. Holds no secret and no token ids.
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
 from components.panels.engine_state import engine_state
 from engine.api import EngineAPI
-from engine.cache_keys import KeyRules, Visitor
-from engine.types import CacheKey
+from engine.cache_keys import KeyedPrompt, Visitor
+from engine.types import GenerationRequest
 from server.request_guard import connection_origin
-
-_SALT = secrets.token_bytes(16)  # per server process, never sent to a client
 
 
 def page_visitor(request) -> Visitor:
     """Who sends a page request, as the server saw it: the address and Gradio's session hash."""
     session = getattr(request, "session_hash", None) if request is not None else None
     return Visitor.page(origin_of(request) if session else "", session)
-
-
-def _rules(engine: EngineAPI | None, shipped: tuple[tuple[int, ...], ...] = ()) -> KeyRules:
-    """The page's keying for ``engine`` (isolating when there is none to ask)."""
-    return KeyRules(engine is None or bool(engine.isolation), _SALT, shipped)
-
-
-def visitor_namespace(request, engine: EngineAPI | None = None) -> str:
-    """A private namespace for this visitor's session, inside its owner (its address);
-    ``PUBLIC`` (everything shared) when the engine does not isolate visitors."""
-    return _rules(engine).namespace(page_visitor(request))
-
-
-def page_key(engine: EngineAPI, ids: list[int], request) -> CacheKey:
-    """The cache key ``ids`` get when this visitor sends them from the page (``KeyRules.key``):
-    the visitor's namespace and the shipped blocks' shareable length."""
-    return _rules(engine, _public_prefixes(engine)).key(ids, page_visitor(request))
 
 
 def origin_of(request) -> str:
@@ -62,43 +41,47 @@ def origin_of(request) -> str:
     return connection_origin(headers, getattr(client, "host", None))
 
 
-def sub_namespace(request, engine: EngineAPI | None, name: str) -> str:
+def visitor_namespace(request, engine: EngineAPI) -> str:
+    """A private namespace for this visitor's session, inside its owner (its address);
+    ``PUBLIC`` (everything shared) when the engine does not isolate visitors."""
+    return engine.namespace_for(page_visitor(request))
+
+
+def sub_namespace(request, engine: EngineAPI, name: str) -> str:
     """A namespace of its own for one part of a visitor's work (an ordering variant),
     inside the visitor's namespace, so it stays private and the visitor's tree view
     still shows it (``EngineAPI.snapshot`` treats ``<viewer>/...`` as the viewer's own)."""
-    base = visitor_namespace(request, engine)
-    return f"{base}/{name}" if base else name
-
-
-def _public_prefixes(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
-    """The shipped blocks' token ids, tokenized once per engine (kept by the page, ``engine_state``)."""
-    return engine_state(engine, "session.public_prefixes", lambda: _tokenize_shipped(engine))
-
-
-def _tokenize_shipped(engine: EngineAPI) -> tuple[tuple[int, ...], ...]:
-    out = []
-    for text in SYSTEM_PRESETS.values():
-        out.append(tuple(engine.encode(engine.render_chat([{"role": "system", "content": text}],
-                                                          add_generation_prompt=False))))
-    for preset in FEW_SHOT_PRESETS.values():
-        static = few_shot_static_part(preset["instruction"], preset["examples"])
-        rendered = engine.render_chat([{"role": "user", "content": static + "\x00"}])
-        out.append(tuple(engine.encode(rendered[: rendered.index("\x00")])))
-    # A block's last token may merge with the text that follows it ("\n\n" + "Input"):
-    # drop it, so that the rest is a token prefix of every prompt that holds the block.
-    return tuple(p[:-1] for p in out if len(p) > 1)
-
-
-def public_len(engine: EngineAPI, ids: list[int]) -> int:
-    """Tokens of ``ids`` that are content shipped with the app (shareable): the longest
-    shipped block that ``ids`` starts with in full, else 0."""
-    return _rules(engine, _public_prefixes(engine)).public_len(ids)
+    return engine.namespace_for(page_visitor(request), name)
 
 
 def own_namespace(request, engine: EngineAPI) -> str | None:
     """What a visitor's history and controls cover: their namespace in isolation
     mode, ``None`` (everything) when the whole cache is shared."""
     return visitor_namespace(request, engine) if engine.isolation else None
+
+
+def page_keyed(engine: EngineAPI, gen: GenerationRequest, request) -> KeyedPrompt:
+    """``gen`` tokenized once and keyed by the engine for the visitor of the page ``request``
+    (None: no session), after the page's shipped blocks are shared with this engine."""
+    share_page_blocks(engine)
+    return engine.key_for(gen, page_visitor(request))
+
+
+def share_page_blocks(engine: EngineAPI) -> int:
+    """Hand the engine the page's shipped blocks, once per engine (kept by ``engine_state``)."""
+    return engine_state(engine, "session.shared_blocks", lambda: engine.share_blocks(shipped_block_texts(engine)))
+
+
+def shipped_block_texts(engine: EngineAPI) -> list[str]:
+    """Every shipped block as the chat template renders it at the start of a prompt: each
+    system preset, and each few-shot set's instruction and examples (up to the query)."""
+    out = [engine.render_chat([{"role": "system", "content": text}], add_generation_prompt=False)
+           for text in SYSTEM_PRESETS.values()]
+    for preset in FEW_SHOT_PRESETS.values():
+        static = few_shot_static_part(preset["instruction"], preset["examples"])
+        rendered = engine.render_chat([{"role": "user", "content": static + "\x00"}])
+        out.append(rendered[: rendered.index("\x00")])
+    return out
 
 
 class RunningRequests:

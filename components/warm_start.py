@@ -1,7 +1,7 @@
 """Shipped prefixes in the cache before the first visitor, and the growth curve's filler.
 
 Owns which shipped blocks are warmed (every system preset and few-shot set, as the chat
-and few-shot panels will send them, keyed by the same ``components.session.page_key``), the
+and few-shot panels will send them, keyed by the engine for any page visitor, as those requests are), the
 page's sentence about it, which document the chat opens on for this engine's device,
 and the text the growth curve measures on. The timing itself is
 ``analysis.prefill_timing``; this module only hands it keys and ids.
@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
-from components.session import page_key
+from components.session import page_keyed
 from components.views.format import fmt_ms, plural
 from engine.cache_keys import shipped_part
 from engine.types import CacheKey, EngineError, GenerationRequest
@@ -27,8 +28,7 @@ GROWTH_PAIRS = {"cpu": 1}  # pairs per length: one on a CPU (the curve costs ~25
 def _public_key(engine, messages: list[dict]) -> CacheKey | None:
     """The shipped part of the request ``messages`` would make, keyed as that request keys it
     (any visitor's: the shipped part is everyone's)."""
-    ids = engine.prompt_ids(GenerationRequest(messages=tuple(messages)))
-    return shipped_part(page_key(engine, ids, None))
+    return shipped_part(page_keyed(engine, GenerationRequest(messages=tuple(messages)), None).key)
 
 
 def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
@@ -58,8 +58,8 @@ def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
 
 def warm_start(engine) -> tuple:
     """Prefill every shipped block into the cache now (before the page is served); returns the
-    ``WarmPrefix`` results, which the page reads back through ``engine.prefill_timer().warmed``."""
-    timer = engine.prefill_timer()
+    ``WarmPrefix`` results, which the page reads back through ``timer_for(engine).warmed``."""
+    timer = timer_for(engine)
     if timer is None:  # remote mode: the backend owns its cache
         return ()
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def warm_start(engine) -> tuple:
 
 def warm_note(engine) -> str:
     """The page's sentence about the warm start ("" when nothing was warmed)."""
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     warmed = [w for w in (timer.warmed if timer else ()) if not w.skipped]
     if not warmed:
         return ""
@@ -109,7 +109,7 @@ def start_growth_curve(engine) -> threading.Thread | None:
     remote mode or while one is already running."""
     from analysis.prefill_timing import GROWTH_LENGTHS, GROWTH_SUFFIX_TOKENS
 
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     if timer is None or timer.curve.state == "running":
         return None
     device = str(engine.info().device).split(":")[0]

@@ -24,24 +24,35 @@ Contract, for both implementations:
   ``capabilities.settable_budget`` is False.
 - ``persist_cache()`` writes the cache to the second tier (0 where ``capabilities.second_tier``
   is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
-- ``prefill_timer()`` is None where ``capabilities.prefill_timing`` is False; ``spawn`` raises
-  ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log`` is empty where
-  ``capabilities.scheduler_steps`` is False.
+- ``spawn`` raises ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log``
+  is empty where ``capabilities.scheduler_steps`` is False. Prefill timing is the analysis's
+  (``analysis.prefill_timing.timer_for``, None where ``capabilities.prefill_timing`` is False).
+- The engine owns cache keys. ``key_for(request, visitor, sub=None)`` tokenizes once (as
+  ``prompt_ids``) and keys the prompt for a ``Visitor`` by the engine's own
+  ``engine.cache_keys.KeyRules`` (its isolation, its secret, the shipped blocks): a
+  ``KeyedPrompt`` with the key (namespace and shareable length), ``store`` and ``matched_len``,
+  the tokens the engine would reuse if it ran now (at most all but the last). Locally that is
+  the radix cache's memory match (the second tier may add more when it runs, and another
+  request may change it meanwhile); remotely it is what the remote engine knows: its shadow
+  tree of what this dashboard sent, not the server's own cache. ``keyed.request(base)`` is the
+  request to submit. ``namespace_for(visitor, sub)`` is the namespace alone; ``share_blocks``
+  registers the page's shipped blocks (texts the engine tokenizes). The page and the HTTP API
+  both key through these, so they cannot disagree.
 - ``cache_key(ids, request)`` is the request's key as the engine caches it: the namespace and
-  shareable length server code set on the request, by ``engine.cache_keys.KeyRules`` (the page
-  and the HTTP API key by the same rules), the length clamped to ``ids``.
-- ``attachment(name, make)``: state the analysis keeps per engine (the prefill timer, the
-  request-order demo's engine), made once by ``make`` and owned by the engine, so it lives and
-  dies with it. The page keeps its own per-engine objects (figure memos, shared snapshots, the
-  shipped blocks' ids) on its side, not here.
+  shareable length set on the request (by ``key_for``, or the lab's own variants), the length
+  clamped to ``ids``.
+- The engine keeps no one else's state: the analysis (``analysis.per_engine``: the prefill
+  timer, the request-order demo) and the page (``components.panels.engine_state``) keep their
+  per-engine objects on their side, and the engine imports neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from engine.cache_keys import KeyedPrompt, Visitor
 from engine.handle import RequestHandle
 from engine.scheduler.config import BASELINE_MAX_TOKENS  # noqa: F401  (the no-reuse timing cutoff the page states)
 from engine.types import (
@@ -55,8 +66,6 @@ from engine.types import (
     TreeSnapshot,
 )
 
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -64,7 +73,7 @@ class Capabilities:
 
     local_cache: bool  # the KV cache lives in this process: its bytes, budget and gauges are real
     settable_budget: bool  # set_budget works (and a person may change the budget from the page)
-    prefill_timing: bool  # prefill_timer() times prefill with and without reuse, block by block
+    prefill_timing: bool  # analysis.prefill_timing.timer_for can time prefill with and without reuse
     private_engines: bool  # spawn() gives a small engine of its own on the same model (request-order demo)
     scheduler_steps: bool  # step_log() shows this process's forwards (the Scheduler tab)
     remote: bool = False  # a client of another server (``info().backend`` names it)
@@ -96,6 +105,11 @@ class EngineAPI(Protocol):
     def prompt_ids(self, request: GenerationRequest) -> list[int]: ...
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey: ...
 
+    # keys (the engine owns them: the page and the API hand it a request and a visitor)
+    def key_for(self, request: GenerationRequest, visitor: Visitor, sub: str | None = None) -> KeyedPrompt: ...
+    def namespace_for(self, visitor: Visitor, sub: str | None = None) -> str: ...
+    def share_blocks(self, texts: Sequence[str]) -> int: ...
+
     # text (the model's tokenizer and chat template)
     def encode(self, text: str) -> list[int]: ...
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
@@ -123,7 +137,6 @@ class EngineAPI(Protocol):
     def clear_cache(self, namespace: str | None = None) -> int: ...
     def set_budget(self, budget_bytes: int) -> int: ...
     def check_invariants(self) -> None: ...
-    def prefill_timer(self) -> Any: ...
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI: ...
     def close(self) -> None:
         """Stop once the requests already submitted are done; its memory and files are let go."""
@@ -131,4 +144,3 @@ class EngineAPI(Protocol):
     def configure_scheduler(self, **changes: Any) -> None: ...
     def persist_cache(self) -> int | None: ...
     def backend_metrics(self) -> dict[str, float]: ...
-    def attachment(self, name: str, make: Callable[[], T]) -> T: ...

@@ -1,11 +1,12 @@
 """Cache keys: the one place where a visitor and a prompt's ids become the request's cache key.
 
 Owns: ``Visitor`` (who sends a request, as the server saw it: a page tab from an address, or an
-API client with its optional ``cache_salt``) and ``KeyRules`` (one deployment's keying: whether
+API client with its optional ``cache_salt``), ``KeyRules`` (one deployment's keying: whether
 it isolates visitors, the secret its names are made with, the shipped blocks everyone may share),
 whose ``key`` gives a request's ``CacheKey`` (namespace and shareable length) and ``store``
-whether it is worth caching at all. The page (``components.session``, ``components.warm_start``)
-and the HTTP API (``server.cache_scope``) both key through it, so they cannot disagree.
+whether it is worth caching at all, and ``KeyedPrompt``, what ``EngineAPI.key_for`` answers.
+The engine holds its ``KeyRules`` (``engine.facade.FacadeBase``): the page and the HTTP API hand
+it a request and a ``Visitor`` and get the key back, so they cannot disagree.
 
 The rules, with isolation off (running locally):
 
@@ -23,9 +24,13 @@ turns count by, so sessions or salts cannot multiply one address's or one client
 - an API client: ``api-<hmac(client)>/salt-<hmac(salt)>``, or ``.../anon-<random>`` without a
   salt; nobody can ever name such a namespace again, so that request is not stored.
 
-Shareable length: the longest shipped block (a preset's tokens, handed in by the page) that
-the ids start with *in full*; a prompt that merely starts like one shares nothing, or the point
-where it left the block would show in the public tree. The HTTP API is handed no blocks (0).
+A ``sub`` name (one ordering variant of the lab) keys inside the visitor's namespace:
+``<namespace>/<sub>`` (just ``<sub>`` where the namespace is ``PUBLIC``).
+
+Shareable length, for a page visitor: the longest shipped block (a preset's tokens, which the
+page registers with ``EngineAPI.share_blocks``) that the ids start with *in full*; a prompt that
+merely starts like one shares nothing, or the point where it left the block would show in the
+public tree. An API request shares no block (0).
 
 The secret never leaves the process: a client cannot pick another's namespace, only repeat its
 own salt. Knows nothing about HTTP, Gradio, tokenizers or the model.
@@ -35,11 +40,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from engine.namespaces import secret_name
-from engine.types import PUBLIC, CacheKey
+from engine.types import PUBLIC, CacheKey, GenerationRequest
 
 PAGE_PREFIX = "v-"  # every page visitor's owner name starts so
 CLIENT_PREFIX = "api-"  # every API client's owner name starts so
@@ -80,7 +85,14 @@ class KeyRules:
             return secret_name(CLIENT_PREFIX, self.secret, "client\0" + visitor.identity, 12)
         return secret_name(PAGE_PREFIX, self.secret, "origin\0" + visitor.identity, 12)
 
-    def namespace(self, visitor: Visitor) -> str:
+    def namespace(self, visitor: Visitor, sub: str | None = None) -> str:
+        """The visitor's namespace; with ``sub``, a namespace of its own inside it."""
+        base = self._namespace(visitor)
+        if not sub:
+            return base
+        return f"{base}/{sub}" if base else sub
+
+    def _namespace(self, visitor: Visitor) -> str:
         if visitor.kind == "api":
             if not self.isolation:
                 return PUBLIC if visitor.scope is None else self._salt(visitor.scope)
@@ -105,9 +117,31 @@ class KeyRules:
         on an isolating server, whose namespace nobody can ever name again."""
         return not (visitor.kind == "api" and visitor.scope is None and self.isolation)
 
-    def key(self, ids: Sequence[int], visitor: Visitor) -> CacheKey:
+    def key(self, ids: Sequence[int], visitor: Visitor, sub: str | None = None) -> CacheKey:
         """The cache key of ``ids`` sent by ``visitor``: the one function both the page and the API key by."""
-        return CacheKey(tuple(ids), self.namespace(visitor), self.public_len(ids))
+        shared = self.public_len(ids) if visitor.kind == "page" else 0  # the API shares no block
+        return CacheKey(tuple(ids), self.namespace(visitor, sub), shared)
+
+
+@dataclass(frozen=True)
+class KeyedPrompt:
+    """A request's prompt as the engine keys it (``EngineAPI.key_for``): its ``key`` (the ids,
+    the namespace, the shareable length), ``matched_len`` (tokens of it the engine would reuse
+    if it ran now, see ``EngineAPI``'s contract) and ``store`` (whether it is worth caching)."""
+
+    key: CacheKey
+    matched_len: int
+    store: bool = True
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.key.ids
+
+    def request(self, base: GenerationRequest) -> GenerationRequest:
+        """``base`` as submitted with this key: the ids (tokenized once), the namespace, the
+        shareable length and ``store`` set; sampling, tag and the rest kept."""
+        return replace(base, messages=None, prompt=None, prompt_ids=self.key.ids, namespace=self.key.namespace,
+                       public_len=self.key.public_len, store=self.store)
 
 
 def shipped_part(key: CacheKey) -> CacheKey | None:

@@ -164,6 +164,10 @@ class Engine(FacadeBase):
         other namespaces' nodes as shape and size only."""
         return self.cache.snapshot(self.text.decode, viewer=viewer if self.isolation else None)
 
+    def _matched_len(self, key: CacheKey) -> int:
+        """The radix cache's memory match now (the cache's own lock; the tree is not touched)."""
+        return self.cache.match_len(key)
+
     def _cache_figures(self) -> dict[str, object]:
         cache, sched, waiting = self.cache, self.scheduler, self._waiting()
         return dict(cache_bytes=cache.bytes_in_use, budget_bytes=cache.budget_bytes, cached_tokens_now=cache.num_tokens,
@@ -389,10 +393,3 @@ class Engine(FacadeBase):
                 batch_size_mean=sum(sizes) / len(sizes), prefill_chunks=max(1, t.prefill_chunks),
                 prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms)
             return self._add_record(m)
-
-    def prefill_timer(self):
-        """Fair prefill timings on this engine (``analysis.prefill_timing.PrefillTimer``): with and
-        without reuse back to back, the warm start of shipped prefixes, the growth curve. One per engine."""
-        from analysis.prefill_timing import timer_for
-
-        return timer_for(self)

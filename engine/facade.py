@@ -1,26 +1,30 @@
 """What every engine facade shares, torch-free: the local engine and the remote one both build on it.
 
-Owns: ``FacadeBase`` (validating and tokenizing a request, ``generate``/``run`` over
-``submit``, the text side for the UI and the lab, the request records, the analysis's attachments,
-and ``stats``), ``RunningTotals`` (the sums over finished requests) and ``engine_stats``,
+Owns: ``FacadeBase`` (validating and tokenizing a request, keying it for a visitor
+(``key_for``, by the engine's ``engine.cache_keys.KeyRules``: its secret and the shipped blocks
+the page shares), ``generate``/``run`` over ``submit``, the text side for the UI and the lab,
+the request records and ``stats``), ``RunningTotals`` (the sums over finished requests) and
+``engine_stats``,
 the one place an ``EngineStats`` is built: from running totals and the cache's figures now,
 whether the cache is this process's (``engine.engine.Engine``), a remote server's
 (``server.remote.engine.RemoteEngine``) or one viewer's view of either.
 
 Knows nothing about torch, the model, the pool or the scheduler: a subclass says what its
-cache holds (``_cache_figures``), how a viewer sees it (``_view``) and what waits
-(``_waiting``). So remote mode, which builds on this module, loads none of the local core.
+cache holds (``_cache_figures``), how much of a key it holds now (``_matched_len``), how a
+viewer sees it (``_view``) and what waits (``_waiting``). So remote mode, which builds on this
+module, loads none of the local core.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
+import secrets
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from engine import validation
+from engine.cache_keys import KeyedPrompt, KeyRules, Visitor
 from engine.handle import RequestHandle, request_key
 from engine.snapshot_view import is_own
 from engine.text.codec import TextCodec
@@ -34,7 +38,9 @@ from engine.types import (
     TreeSnapshot,
 )
 
-T = TypeVar("T")
+# The secret cache-key names are made with: one per process (never sent to a client), so a
+# visitor's namespace is the same on every engine of this process, as the page's always was.
+_KEY_SECRET = secrets.token_bytes(16)
 
 __all__ = ["FacadeBase", "RunningTotals", "engine_stats"]
 
@@ -105,10 +111,10 @@ class FacadeBase:
 
     def _start_records(self, history_size: int, lock: Any) -> None:
         self._records_lock = lock
-        self._attachments: dict[str, object] = {}
-        self._attachments_lock = threading.Lock()
         self.history: deque[RequestMetrics] = deque(maxlen=history_size)
         self._totals = RunningTotals()
+        self._key_secret = _KEY_SECRET
+        self._shipped: tuple[tuple[int, ...], ...] = ()
 
     def _add_record(self, m: RequestMetrics) -> RequestMetrics:
         """Count a finished request in the totals and keep it in the history (caller holds the lock)."""
@@ -143,19 +149,47 @@ class FacadeBase:
         raise NotImplementedError
 
     # ------------------------------------------------------------- records
-    def attachment(self, name: str, make: Callable[[], T]) -> T:
-        """State the analysis keeps per engine (``engine.api``): made once by ``make``, owned here."""
-        with self._attachments_lock:
-            if name not in self._attachments:
-                self._attachments[name] = make()
-            return self._attachments[name]  # type: ignore[return-value]
-
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]:
         with self._records_lock:
             items = list(self.history)
         if namespace is not None:
             items = [m for m in items if m.namespace == namespace]
         return items[-n:] if n else items
+
+    # ------------------------------------------------------------- keys
+    def _key_rules(self) -> KeyRules:
+        """This engine's keying now (``isolation`` is read each time: a test may flip it)."""
+        return KeyRules(bool(self.isolation), self._key_secret, self._shipped)
+
+    def share_blocks(self, texts: Sequence[str]) -> int:
+        """Register shipped blocks (the page's presets, each as the text the chat template renders
+        it to) that every page visitor may share; replaces the ones before. Returns how many."""
+        blocks = []
+        for text in texts:
+            ids = tuple(self.text.encode(text))
+            # A block's last token may merge with the text that follows it ("\n\n" + "Input"):
+            # drop it, so that the rest is a token prefix of every prompt that holds the block.
+            if len(ids) > 1:
+                blocks.append(ids[:-1])
+        self._shipped = tuple(blocks)
+        return len(blocks)
+
+    def namespace_for(self, visitor: Visitor, sub: str | None = None) -> str:
+        """The namespace ``visitor``'s requests run in (with ``sub``: one inside it)."""
+        return self._key_rules().namespace(visitor, sub)
+
+    def key_for(self, request: GenerationRequest, visitor: Visitor, sub: str | None = None) -> KeyedPrompt:
+        """Tokenize ``request`` once (as ``prompt_ids``: same errors) and key it for ``visitor``:
+        the namespace, the shareable length, whether to store it, and the tokens this engine
+        would reuse of it now (``_matched_len``; never the last one, which is always computed)."""
+        ids = self.prompt_ids(request)
+        rules = self._key_rules()
+        key = rules.key(ids, visitor, sub)
+        return KeyedPrompt(key, min(self._matched_len(key), len(ids) - 1), rules.store(visitor))
+
+    def _matched_len(self, key: CacheKey) -> int:
+        """Tokens of ``key.ids`` this engine's cache holds now for ``key``'s namespace."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------- requests
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:

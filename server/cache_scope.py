@@ -1,11 +1,11 @@
-"""Which cache namespace an API request runs in, like vLLM's ``cache_salt``, and whose it is.
+"""Which cache namespace an API request runs in, like vLLM's ``cache_salt``: the API's visitor.
 
-Owns one ``engine.cache_keys.KeyRules`` per app (its secret defaults to a random one per
-process) and hands the routes its answers for an API client: the namespace of a request with
-or without ``cache_salt``, whether it is worth storing, and the client's owner name (an HMAC
-of its identity, its API key or its address, see ``server.client_limits``). The rules
-themselves (isolation, ``salt-`` and ``anon-`` parts, never storing an unsalted call on an
-isolating server) live in ``engine.cache_keys``, which the page keys by too.
+Owns turning an API request into the ``engine.cache_keys.Visitor`` the engine keys by (the
+client, its API key or its address, see ``server.client_limits``, and its optional
+``cache_salt``) and ``keyed_request``: the request tokenized once and keyed by the engine
+(``EngineAPI.key_for``). The rules themselves (isolation, ``salt-`` and ``anon-`` parts, never
+storing an unsalted call on an isolating server, the engine's secret) are the engine's, which
+keys the page by the same ``KeyRules``.
 
 Since the engine counts a namespace's owner by the part before ``/``, all of one client's
 requests, salted or not, are one owner in the cache's fair share and one visitor for the
@@ -14,27 +14,21 @@ scheduler's one-running-request-per-visitor rule. Knows nothing about HTTP or th
 
 from __future__ import annotations
 
-from engine.cache_keys import CLIENT_PREFIX, KeyRules, Visitor
+from engine.api import EngineAPI
+from engine.cache_keys import CLIENT_PREFIX, Visitor
+from engine.types import GenerationRequest
 
-__all__ = ["CLIENT_PREFIX", "MAX_SALT_CHARS", "CacheScope"]
+__all__ = ["CLIENT_PREFIX", "MAX_SALT_CHARS", "api_visitor", "keyed_request"]
 
 MAX_SALT_CHARS = 256
 
 
-class CacheScope:
-    """Namespaces for API requests; one per app (``secret`` defaults to a random one per process)."""
+def api_visitor(client: str, cache_salt: str | None) -> Visitor:
+    """The API client ``client`` (as ``client_limits.client_identity`` names it) with its salt."""
+    return Visitor.api(client, cache_salt)
 
-    def __init__(self, isolation: bool, secret: bytes | None = None) -> None:
-        self.isolation = isolation
-        self.rules = KeyRules(isolation, secret) if secret else KeyRules(isolation)
 
-    def client_owner(self, client: str) -> str:
-        """The owner name of the client with identity ``client`` (its address or key never shows)."""
-        return self.rules.owner(Visitor.api(client, None))
-
-    def namespace(self, cache_salt: str | None, client: str = "") -> str:
-        return self.rules.namespace(Visitor.api(client, cache_salt))
-
-    def store(self, cache_salt: str | None) -> bool:
-        """Whether the request's prompt and reply are worth caching (``KeyRules.store``)."""
-        return self.rules.store(Visitor.api("", cache_salt))
+def keyed_request(engine: EngineAPI, gen: GenerationRequest, client: str, cache_salt: str | None) -> GenerationRequest:
+    """``gen`` as the engine runs it for this client: tokenized once (same errors as ``submit``)
+    and keyed (namespace, ``store``; an API request shares no shipped block)."""
+    return engine.key_for(gen, api_visitor(client, cache_salt)).request(gen)

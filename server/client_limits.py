@@ -7,7 +7,8 @@ Face Spaces the address the Space's proxy appends last to ``X-Forwarded-For``) a
 ``ClientLimits``, a count of each client's requests in flight (queued or running) with a cap:
 past it the request is refused at once with 429 and ``Retry-After``, so one client never fills
 the engine's shared inbox (``max_queue``) and inventing ``cache_salt`` values buys nothing.
-Shares in the cache and turns in the scheduler follow the same identity (``CacheScope``).
+Shares in the cache and turns in the scheduler follow the same identity (the engine keys by
+``server.cache_scope.api_visitor``).
 Knows nothing about the engine or the model.
 """
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
-Owns: the HTTP flow of one API request (read the body, check it, pick its cache namespace,
+Owns: the HTTP flow of one API request (read the body, check it, have the engine key it,
 submit it to the engine, stream or collect its events, cut at stop strings) and the mapping
 of failures to OpenAI-shaped errors: 400 bad input (naming the parameter), 404 unknown
 model, 503 queue full or not ready, 500 a fault of the server, never a traceback. A client
@@ -28,7 +28,7 @@ from engine.api import EngineAPI
 from engine.handle import RequestHandle
 from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, GenerationRequest, RequestMetrics
 from server import openai_protocol as proto
-from server.cache_scope import CacheScope
+from server.cache_scope import keyed_request
 from server.client_limits import ClientLimits, Lease, client_identity, default_max_per_client
 from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
 from server.request_guard import MAX_BODY_BYTES, BodyTooLarge
@@ -40,10 +40,9 @@ API_TAG = "api"
 
 @dataclass
 class ApiState:
-    """What the routes share: how to reach the engine (``None`` while it loads) and the salt secret."""
+    """What the routes share: how to reach the engine (``None`` while it loads), the key, the limits."""
 
     get_engine: Callable[[], EngineAPI | None]
-    scope: CacheScope | None = None
     model_name: str | None = None
     api_key: str | None = None  # when set, every request must carry "Authorization: Bearer <key>"
     # Requests one client may have queued or running (None: the default for the engine's
@@ -72,8 +71,6 @@ class ApiState:
         if engine is None:
             raise ApiError(503, "The model is still loading; try again in a moment.", "server_error", None,
                            "model_loading")
-        if self.scope is None:
-            self.scope = CacheScope(isolation=bool(engine.isolation))
         if self.limits is None:
             cap = (default_max_per_client(bool(engine.isolation), engine.max_queue)
                    if self.max_per_client is None
@@ -260,17 +257,16 @@ class OpenAIApi:
             engine = self.state.engine()
             parsed = parse(await read_json(request), engine.max_new_tokens_cap)
             self.state.check_model(parsed.model)
-            assert self.state.scope is not None
             client = self.state.client_of(request)
             gen = GenerationRequest(messages=parsed.messages, prompt=parsed.prompt, prompt_ids=parsed.prompt_ids,
-                                    sampling=parsed.sampling,
-                                    namespace=self.state.scope.namespace(parsed.cache_salt, client),
-                                    store=self.state.scope.store(parsed.cache_salt), tag=API_TAG)
+                                    sampling=parsed.sampling, tag=API_TAG)
             lease = self.state.take_place(client)  # 429 at the client's cap, before any work
         except Exception as exc:
             return error_response(api_error(exc))
         try:
-            handle = await run_in_threadpool(engine.submit, gen)  # tokenizing a long prompt takes a while
+            # Keyed by the engine for this client (tokenized once); a long prompt takes a while.
+            handle = await run_in_threadpool(lambda: engine.submit(keyed_request(engine, gen, client,
+                                                                                 parsed.cache_salt)))
         except Exception as exc:  # bad input here is about the prompt: name it
             lease.release()
             return error_response(api_error(exc, "messages" if chat else "prompt"))

@@ -8,8 +8,8 @@ the serving core. Parsed, not imported, so a violation fails fast.
     server/                HTTP: engine's public modules only, never components/
     analysis/              the lab, the replay, the prefill timer: over the engine's public modules
                            (and the torch-free parts of the cache); no UI, no server
-    engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis
-                           (one lazy edge: ``Engine.prefill_timer()`` builds the analysis timer)
+    engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis,
+                           not even inside a function (the analysis keeps its per-engine state itself)
 
 The rules hold through chains, not only for direct imports: the repository's modules and their
 imports make a graph (``import a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``), and each rule is checked
@@ -48,9 +48,6 @@ ANALYSIS_MAY_READ = PUBLIC_ENGINE + ("engine.kvcache.eviction", "engine.kvcache.
 ANALYSIS_REACHES_INTO = {
     "analysis.replay.simulate": {"engine.model.loader"},  # a model's KV geometry, inside model_geometry
 }
-# The serving core's one edge into analysis: ``Engine.prefill_timer()`` (an ``EngineAPI`` method)
-# imports the timer when first called, never when the engine is loaded.
-CORE_INTO_ANALYSIS = {"engine.engine": {"analysis", "analysis.prefill_timing"}}
 # The local core: what remote mode must never load. The torch-free parts of its packages
 # (the chunk size, the scheduler's plain config, where a model's files are) may be loaded.
 LOCAL_CORE = ("engine.engine", "engine.tier_setup", "engine.kvcache", "engine.scheduler", "engine.model")
@@ -166,14 +163,19 @@ def test_analysis_reaches_no_ui_and_no_server():
 
 
 def test_serving_core_reaches_no_analysis():
-    """Loading any module of the core loads no analysis; running one reaches it only through the
-    one named lazy edge (``Engine.prefill_timer()``)."""
+    """Nothing under engine/ imports analysis, not even inside a function (every import statement in
+    the syntax tree), nor reaches it through a chain; and the interface names no analysis state."""
+    direct = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in _files("engine") for node in ast.walk(ast.parse(p.read_text()))
+              if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "analysis" for a in node.names))
+              or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "analysis")]
+    assert not direct, direct
     core = _under("engine")
-    at_load = _offenders(core, lambda n: _is(n, ANALYSIS), at_load=True)
-    assert not at_load, at_load
-    edges = {f"{m} -> {n}" for m in core for n in _edges(m, False) if _is(n, ANALYSIS)}
-    allowed = {f"{m} -> {n}" for m, names in CORE_INTO_ANALYSIS.items() for n in names}
-    assert edges <= allowed, edges - allowed
+    offenders = _offenders(core, lambda n: _is(n, ANALYSIS))
+    assert not offenders, offenders
+    api = next(n for n in ast.walk(ast.parse((ROOT / "engine" / "api.py").read_text()))
+               if isinstance(n, ast.ClassDef) and n.name == "EngineAPI")
+    members = {n.name for n in api.body if isinstance(n, ast.FunctionDef)}
+    assert not members & {"prefill_timer", "attachment"}, members
 
 
 def test_analysis_reads_the_engines_public_modules():

@@ -143,12 +143,13 @@ def _wait_idle(engine, timeout_s: float = 1800.0) -> None:
 def run_scenario(runner, name: str, scale: Scale, log=print) -> ScenarioResult:
     """One scenario on a fresh ``--isolate`` engine over ``runner``."""
     import app
+    from analysis.prefill_timing import timer_for
     from components.warm_start import start_growth_curve, warm_start
 
     args = app.parse_args(["--isolate", "--max-new-tokens", str(scale.max_new_tokens)])
     engine = app.build_engine(args, runner=runner)
     result = ScenarioResult(name)
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     if name == "start":
         warm_start(engine)  # as app.py: before the page is served
     result.rss_start = result.rss_peak = rss_bytes()

@@ -31,10 +31,12 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from analysis.lab.ordering_runs import LabPrompt, RunTotals, lab_request
+from analysis.per_engine import per_engine
 from engine.api import EngineAPI
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 
@@ -78,7 +80,7 @@ class RequestOrderDemo:
     """A small-budget engine of its own, spawned by ``parent`` on its model; one comparison at a time."""
 
     def __init__(self, parent: EngineAPI) -> None:
-        self.parent = parent
+        self._parent = weakref.ref(parent)  # kept per engine by ``per_engine``: never keeps it alive
         self._engine: EngineAPI | None = None
         self._pool_bytes = 0
         self._busy = threading.Lock()
@@ -89,8 +91,11 @@ class RequestOrderDemo:
         return self._pool_bytes
 
     def _engine_for(self, budget_tokens: int) -> EngineAPI:
-        budget = budget_tokens * self.parent.info().kv_bytes_per_token
-        self._engine = self.parent.spawn(budget, max_batch=1, max_queue=64)
+        parent = self._parent()
+        if parent is None:
+            raise EngineError("The engine this demo ran on is gone.")
+        budget = budget_tokens * parent.info().kv_bytes_per_token
+        self._engine = parent.spawn(budget, max_batch=1, max_queue=64)
         self._pool_bytes = self._engine.stats().budget_bytes
         return self._engine
 
@@ -199,9 +204,9 @@ def _req(ids: Sequence[int], sampling: SamplingParams) -> GenerationRequest:
 
 def request_order_demo_for(engine: EngineAPI) -> RequestOrderDemo:
     """The engine's one ``RequestOrderDemo`` (and so one small engine), made on first use and
-    kept by the engine (``EngineAPI.attachment``). Where the engine cannot spawn one (remote
+    kept per engine by the analysis (``analysis.per_engine``). Where the engine cannot spawn one (remote
     mode), the comparison's first step raises the engine's own ``EngineError`` saying so."""
-    return engine.attachment("lab.request_order_demo", lambda: RequestOrderDemo(engine))
+    return per_engine(engine, "lab.request_order_demo", lambda: RequestOrderDemo(engine))
 
 
 def demo_pool_bytes(engine: EngineAPI) -> int:

@@ -22,6 +22,7 @@ from functools import partial
 
 import gradio as gr
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
 from components.panels.common import (
     MODEL_NOTE,
@@ -32,7 +33,7 @@ from components.panels.common import (
     status_markdown,
     warn,
 )
-from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_key
+from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_keyed
 from components.views.format import clamp_int, plural
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, warm_note
@@ -96,13 +97,13 @@ def sampling_for(engine: EngineAPI, max_new_tokens, loop_guard) -> SamplingParam
 
 def build_request(engine: EngineAPI, messages: list[dict], max_new_tokens, measure_baseline,
                   request: gr.Request | None, tag: str, loop_guard=True) -> GenerationRequest:
-    """Tokenize once, then set the cache namespace and shareable length server-side.
+    """Tokenized and keyed once by the engine for this visitor (``EngineAPI.key_for``: the
+    namespace and shareable length, as the warm start keys the shipped part).
     The no-reuse measurement is left off above ``BASELINE_MAX_TOKENS`` (see ``baseline_skipped``)."""
-    ids = engine.prompt_ids(GenerationRequest(messages=tuple(messages)))
-    measure = bool(measure_baseline) and len(ids) <= BASELINE_MAX_TOKENS
-    key = page_key(engine, ids, request)  # the one key rule (engine.cache_keys), as the warm start keys
-    return GenerationRequest(prompt_ids=tuple(ids), sampling=sampling_for(engine, max_new_tokens, loop_guard),
-                             measure_baseline=measure, namespace=key.namespace, public_len=key.public_len, tag=tag)
+    keyed = page_keyed(engine, GenerationRequest(messages=tuple(messages)), request)
+    measure = bool(measure_baseline) and len(keyed.ids) <= BASELINE_MAX_TOKENS
+    return keyed.request(GenerationRequest(sampling=sampling_for(engine, max_new_tokens, loop_guard),
+                                           measure_baseline=measure, tag=tag))
 
 
 def baseline_skipped(asked, req: GenerationRequest) -> str | None:
@@ -148,7 +149,7 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
 
 def paired_timer(engine: EngineAPI):
     """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
-    return engine.prefill_timer()
+    return timer_for(engine)
 
 
 def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import gradio as gr
 
+from analysis.prefill_timing import timer_for
 from components.views.chart_style import TOKEN_COLORS
 from components.views.format import (
     SAME_SPEED,
@@ -46,7 +47,7 @@ def playground_history(engine, namespace: str | None = None, n: int | None = Non
     only ``namespace``'s when given (a visitor's own in isolation mode)."""
     items = [m for m in engine.recent(namespace=namespace) if not is_lab_run(m)]
     items = items[-n:] if n else items
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     return with_paired_timings(items, timer) if timer is not None else items
 
 

@@ -1,17 +1,19 @@
 """How the win grows: prefill time with and without reuse against the cached length, on
 this machine, measured once (in the background at start, or on request) and kept.
 
-Reads ``engine.prefill_timer().curve`` (``analysis.prefill_timing.GrowthCurve``); starting a
+Reads ``timer_for(engine).curve`` (``analysis.prefill_timing.GrowthCurve``); starting a
 measurement is ``components.warm_start.start_growth_curve``. On a public deployment
 (isolation on) a curve that was measured is not measured again: it is the same for everyone.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import gradio as gr
 
+from analysis.prefill_timing import timer_for
 from components.panels.live import LiveView
 from components.views.charts import growth_figure
 from components.views.format import plural
@@ -53,7 +55,7 @@ def curve_markdown(curve, isolation: bool) -> str:
 def build_growth_panel(engine, active: bool = False) -> LiveView | None:
     """The chart, its words and a Measure button; a ``LiveView`` that redraws when the curve changes."""
     gr.Markdown("### How the win grows with the cached length")
-    timer = engine.prefill_timer
+    timer = functools.partial(timer_for, engine)
     if not engine.capabilities.prefill_timing:
         gr.Markdown("*Remote mode: the backend's prefill cannot be timed from here block by block.*")
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from analysis.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
+from analysis.prefill_timing import timer_for
 from components.panels.common import history_refresh, playground_history, totals, warn
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
@@ -48,7 +49,7 @@ def outside_budget_row(engine: EngineAPI) -> str:
     """The KV the process holds beside the budget: the paired timings' scratch buffers and the
     request-order demo's pool, each with its bound."""
     bpt = engine.info().kv_bytes_per_token
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     scratch = (f"timing scratch buffers {fmt_bytes(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
                if timer is not None else "")
     demo = (f"request-order demo's pool {fmt_bytes(demo_pool_bytes(engine))} (at most "

@@ -232,6 +232,13 @@ class RemoteEngine(FacadeBase):
         view = self._view(viewer)
         return dataclasses.replace(view, nodes=with_text(view.nodes, self.decode, 256))
 
+    def _matched_len(self, key: CacheKey) -> int:
+        """What this dashboard knows: the shadow tree's match of what it sent under ``key``'s
+        namespace. The server's own cache may hold less (it evicts on its own) or, block by
+        block, differ; it says what it reused only in each answer's ``cached_tokens``."""
+        with self._lock:
+            return self.tree.match(key, touch=False).length
+
     def _view(self, viewer: str | None) -> TreeSnapshot:
         """The tree as ``viewer`` may see it, without text (the structure copied under the lock)."""
         if self.events_active:
@@ -346,10 +353,6 @@ class RemoteEngine(FacadeBase):
         with self._lock:
             self.tree.check_invariants()
         self.blocks.check_invariants()
-
-    def prefill_timer(self) -> None:
-        """The backend's prefill cannot be timed from here block by block."""
-        return None
 
     def spawn(self, budget_bytes: int, max_batch: int = 1, max_queue: int = 64) -> EngineAPI:
         raise EngineError("Not available in remote mode: this demo runs a small engine of its own on the local "

@@ -15,9 +15,10 @@ import time
 
 import pytest
 
+from analysis.prefill_timing import timer_for
 from components.chat_presets import SYSTEM_PRESETS
 from components.panels.chat_panel import chat_messages
-from components.session import public_len
+from components.session import page_keyed
 from components.warm_start import chat_default, warm_start
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
@@ -31,7 +32,8 @@ QUESTION = ("Here are my notes from this week's support shifts; which of them sh
 def _first_text_s(engine: Engine, visitor: str) -> float:
     msgs = chat_messages(SYSTEM_PRESETS[chat_default(engine)], [], QUESTION)
     ids = engine.prompt_ids(GenerationRequest(messages=tuple(msgs)))
-    req = GenerationRequest(prompt_ids=tuple(ids), namespace=visitor, public_len=public_len(engine, ids),
+    shared = page_keyed(engine, GenerationRequest(prompt_ids=tuple(ids)), None).key.public_len
+    req = GenerationRequest(prompt_ids=tuple(ids), namespace=visitor, public_len=shared,
                             sampling=SamplingParams(max_new_tokens=4), tag="chat")
     t0 = time.perf_counter()
     for event in engine.generate(req):
@@ -78,7 +80,7 @@ def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_
     with launched_app(engine) as url, httpx.Client(base_url=url, timeout=300) as http:
         curve = start_growth_curve(engine)
         assert curve is not None
-        timer = engine.prefill_timer()
+        timer = timer_for(engine)
         try:
             assert held.wait(120), "the growth curve did not start"
             with http.stream("POST", "v1/completions", json=question) as reply:
@@ -114,7 +116,7 @@ def test_first_answer_right_after_start_is_as_fast_as_on_an_idle_app(real_runner
     engine = Engine(real_runner, isolation=True, max_new_tokens_cap=16)
     warm_start(engine)
     idle = sorted(_first_text_s(engine, f"v-idle-{i}") for i in range(3))
-    timer = engine.prefill_timer()
+    timer = timer_for(engine)
     curve = threading.Thread(target=timer.growth_curve, args=(growth_filler(engine, 1100),),
                              kwargs={"lengths": (512, 1024)}, daemon=True)
     curve.start()

@@ -14,7 +14,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.types import PUBLIC, EngineBusy, GenerationRequest, SamplingParams
-from server.cache_scope import CacheScope
+from server.cache_scope import api_visitor
 from server.openai_protocol import StopMatcher
 from tests.helpers_app import assert_clean, launched_app, wait_idle
 
@@ -135,10 +135,12 @@ def test_cache_salts_share_within_a_salt_only(shared):
 
 
 def test_without_a_salt_an_isolated_server_shares_nothing(tiny_runner):
-    scope = CacheScope(isolation=True)
-    assert scope.namespace(None) != scope.namespace(None)
-    assert scope.namespace("x") == scope.namespace("x") != CacheScope(isolation=True).namespace("x")
     engine = Engine(tiny_runner, budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
+    other = Engine(tiny_runner, isolation=True)
+    names = [e.namespace_for(api_visitor("", s)) for e, s in ((engine, None), (engine, None), (engine, "x"),
+                                                              (engine, "x"), (other, "x"))]
+    assert names[0] != names[1] and names[2] == names[3] == names[4]  # one secret per process
+    other.close()
     with served(engine) as url:
         c, model = client(url), engine.info().model_name
         first, second = chat(c, model, "Private?", max_tokens=2), chat(c, model, "Private?", max_tokens=2)

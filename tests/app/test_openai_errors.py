@@ -16,10 +16,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from engine.cache_keys import KeyedPrompt
 from engine.engine import Engine
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.namespaces import owner_of
 from engine.types import (
+    CacheKey,
     EngineBusy,
     EngineError,
     EngineFault,
@@ -27,7 +29,7 @@ from engine.types import (
     GenerationRequest,
     RequestMetrics,
 )
-from server.cache_scope import CacheScope
+from server.cache_scope import api_visitor
 from server.openai_api import ApiState, api_routes
 from tests.helpers_app import assert_clean, launched_app, wait_idle
 
@@ -55,6 +57,10 @@ class ScriptedEngine:
 
     def info(self):
         return SimpleNamespace(model_name="scripted")
+
+    def key_for(self, request: GenerationRequest, visitor, sub=None) -> KeyedPrompt:
+        """The route's keying step: three tokens, nothing cached (the script stands for the rest)."""
+        return KeyedPrompt(CacheKey((1, 2, 3)), 0, True)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if self.refuse is not None:
@@ -159,14 +165,21 @@ def test_range_errors_say_the_real_range_in_plain_digits(field, value, words):
 
 
 def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny_runner):
-    scope = CacheScope(isolation=True)
-    a, b = scope.namespace(None, "addr:1.2.3.4"), scope.namespace(None, "addr:1.2.3.4")
-    owner = scope.client_owner("addr:1.2.3.4")
-    assert a != b and owner_of(a) == owner_of(b) == owner and "1.2.3.4" not in owner
-    assert not scope.store(None) and scope.store("team") and CacheScope(isolation=False).store(None)
-    # A salt is a sub-namespace of its client's: salts never multiply a client's share (issue 28).
-    assert owner_of(scope.namespace("team", "addr:1.2.3.4")) == owner
-    assert owner_of(scope.namespace(None, "addr:5.6.7.8")) != owner
+    engine, shared = (Engine(tiny_runner, isolation=iso, max_new_tokens_cap=2) for iso in (True, False))
+    try:
+        def keyed(eng: Engine, salt: str | None, client: str = "addr:1.2.3.4"):
+            return eng.key_for(GenerationRequest(prompt="hi"), api_visitor(client, salt))
+
+        a, b = keyed(engine, None).key.namespace, keyed(engine, None).key.namespace
+        owner = owner_of(a)
+        assert a != b and owner_of(b) == owner and "1.2.3.4" not in owner
+        assert not keyed(engine, None).store and keyed(engine, "team").store and keyed(shared, None).store
+        # A salt is a sub-namespace of its client's: salts never multiply a client's share (issue 28).
+        assert owner_of(keyed(engine, "team").key.namespace) == owner
+        assert owner_of(keyed(engine, None, "addr:5.6.7.8").key.namespace) != owner
+    finally:
+        engine.close()
+        shared.close()
 
     engine = Engine(tiny_runner, budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
     submitted: list[GenerationRequest] = []

@@ -16,7 +16,7 @@ import pytest
 import app
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt
 from components.panels.chat_panel import build_request, chat_messages
-from components.session import public_len, sub_namespace, visitor_namespace
+from components.session import page_keyed, sub_namespace, visitor_namespace
 from engine.engine import Engine
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 from engine.types import PUBLIC, GenerationRequest, SamplingParams
@@ -29,6 +29,11 @@ SECRET_B = "Visitor B's diary: the meeting with Dana moved to Thursday."
 def session(name: str) -> SimpleNamespace:
     """What a handler sees of a visitor: a gr.Request with a session hash."""
     return SimpleNamespace(session_hash=f"session-{name}")
+
+
+def public_len(engine: Engine, ids: list[int]) -> int:
+    """Tokens of ``ids`` a page visitor shares with everyone, as the engine keys them."""
+    return page_keyed(engine, GenerationRequest(prompt_ids=tuple(ids)), session("any")).key.public_len
 
 
 def chat(engine: Engine, who: str, system: str, question: str, max_new: int = 3):

@@ -43,7 +43,7 @@ def test_both_engines_implement_all_of_it(local, remote):
 
 
 def test_what_remote_cannot_do_says_so(remote):
-    assert remote.prefill_timer() is None and remote.step_log() == [] and remote.persist_cache() is None
+    assert remote.step_log() == [] and remote.persist_cache() is None
     for call in (lambda: remote.spawn(1 << 20), lambda: remote.set_budget(1 << 20),
                  lambda: remote.configure_scheduler(max_batch=2)):
         with pytest.raises(EngineError):
@@ -62,13 +62,17 @@ def test_change_counter_moves_with_the_cache_not_with_reads(local):
     assert local.version() != after
 
 
-def test_attachments_live_with_their_engine(local, tiny_runner):
+def test_the_engine_keeps_no_analysis_state_and_spawns(local, tiny_runner):
+    """The analysis keeps its per-engine objects itself (``analysis.per_engine``), not the engine."""
+    from analysis.per_engine import per_engine
+
     made = []
-    first = local.attachment("t", lambda: made.append(1) or object())
-    assert local.attachment("t", lambda: made.append(1) or object()) is first and made == [1]
+    first = per_engine(local, "t", lambda: made.append(1) or object())
+    assert per_engine(local, "t", lambda: made.append(1) or object()) is first and made == [1]
+    assert not hasattr(local, "attachment") and not hasattr(local, "prefill_timer")
     other = Engine(tiny_runner)
     try:
-        assert other.attachment("t", object) is not first
+        assert per_engine(other, "t", object) is not first
         child = local.spawn(64 * tiny_runner.kv_bytes_per_token)
         assert isinstance(child, EngineAPI) and child.stats().budget_bytes == 64 * tiny_runner.kv_bytes_per_token
         child.close()
@@ -93,7 +97,7 @@ def test_panels_ask_capabilities_not_the_class():
 
 def test_the_interface_documents_its_contract():
     doc = inspect.getdoc(inspect.getmodule(EngineAPI))
-    for word in ("submit", "snapshot", "version", "clear_cache", "attachment", "capabilities"):
+    for word in ("submit", "snapshot", "version", "clear_cache", "key_for", "capabilities"):
         assert word in doc
 
 

@@ -20,7 +20,7 @@ from analysis.prefill_timing import (
     timer_for,
 )
 from engine.engine import Engine
-from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
+from engine.types import PUBLIC, CacheKey, EngineFault, GenerationRequest, SamplingParams
 
 
 def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -203,14 +203,40 @@ def test_timer_for_keeps_one_timer_per_engine_with_the_deployment_policy(tiny_ru
     public = Engine(tiny_runner, isolation=True)
     local = Engine(tiny_runner)
     try:
-        assert public.prefill_timer() is timer_for(public) is public.prefill_timer()
-        assert public.prefill_timer() is not local.prefill_timer()
-        assert public.prefill_timer().policy == default_policy("cpu", True)
-        assert public.prefill_timer().policy.memo_min_tokens and not local.prefill_timer().policy.memo_min_tokens
+        assert timer_for(public) is timer_for(public) is not timer_for(local)
+        assert timer_for(public).policy == default_policy("cpu", True)
+        assert timer_for(public).policy.memo_min_tokens and not timer_for(local).policy.memo_min_tokens
         assert default_policy("cpu", True).max_tokens < default_policy("cpu", False).max_tokens
     finally:
         public.close()
         local.close()
+
+
+def test_the_timer_is_kept_by_the_analysis_and_dies_with_its_engine(tiny_runner, tokenizer):
+    """The engine holds no timer (no ``prefill_timer``, no attachments): ``analysis.per_engine``
+    keeps it, weakly keyed, so a closed and dropped engine takes its timer with it."""
+    import gc
+    import weakref
+
+    from analysis.per_engine import _STATE
+    from server.remote.engine import RemoteEngine
+
+    engine = Engine(tiny_runner)
+    timer = timer_for(engine)
+    assert not hasattr(engine, "prefill_timer") and not hasattr(engine, "attachment")
+    assert timer.engine is engine and engine in _STATE
+    gone = weakref.ref(engine)
+    engine.close()
+    del engine
+    gc.collect()
+    assert gone() is None  # the timer held it only weakly
+    with pytest.raises(EngineFault):
+        timer.engine  # noqa: B018
+    remote = RemoteEngine("http://127.0.0.1:9", "m", tokenizer)  # never contacted
+    try:
+        assert timer_for(remote) is None  # a remote engine's prefill cannot be timed from here
+    finally:
+        remote.close()
 
 
 def test_growth_curve_keeps_what_each_point_reused(engine, tiny_runner):
@@ -267,7 +293,7 @@ def test_on_a_shared_deployment_shipped_content_leaves_half_the_cache_to_visitor
 
     engine = Engine(tiny_runner, budget_bytes=400 * tiny_runner.kv_bytes_per_token, isolation=True)
     blocks = [tuple(range(100 + 150 * i, 250 + 150 * i)) for i in range(4)]  # 600 shipped tokens, pool of 400
-    warmed = engine.prefill_timer().warm([(f"block {i}", CacheKey(b, PUBLIC, len(b))) for i, b in enumerate(blocks)])
+    warmed = timer_for(engine).warm([(f"block {i}", CacheKey(b, PUBLIC, len(b))) for i, b in enumerate(blocks)])
     assert engine.stats().cached_tokens_now <= 200 and warmed[0].skipped is None and warmed[-1].skipped
     visitor = GenerationRequest(prompt_ids=tuple(range(2000, 2180)), namespace="v-alice",
                                 sampling=SamplingParams(max_new_tokens=4))
