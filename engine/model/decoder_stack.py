@@ -8,11 +8,18 @@ it the plan's token ids, positions and the rows to keep.
 
 Why: on a CPU a decode step for one or a few requests is short (tens of milliseconds), and
 transformers' generic machinery around each layer (keyword plumbing, output capturing,
-cache objects, mask creation, the attention registry, per-module hooks) is a measurable
-part of it. Here each layer is a dozen direct calls: the same kernels on the same tensors,
-so the logits are bit-identical to the transformers path (checked at start by the runner on
-a probe forward, ``ModelRunner._check_stack``; any difference, and the runner keeps the
-transformers path).
+cache objects, mask creation, the attention registry, per-module hooks) and its many small
+ops are a measurable part of it. Here each layer is a few direct calls, and two of its
+pieces take fewer ops for the same arithmetic:
+
+- RMSNorm: ``weight * rms_norm(x in float32).to(dtype)`` (PyTorch's one fused kernel) for
+  transformers' seven ops (upcast, square, mean, add, rsqrt, multiply, downcast);
+- rotary embedding: ``x * cos + roll(x, d/2) * sin'`` where ``sin'`` is ``sin`` with its first
+  half negated, once per forward, for ``rotate_half``'s slices, negation and concatenation per
+  layer (``-a * b`` and ``a * -b`` are the same float).
+
+The logits are bit-identical to the transformers path: the runner checks so at start on a
+probe forward (``ModelRunner._check_stack``), and keeps transformers' forward on any difference.
 
 Which models: a causal LM whose ``model.layers`` are decoder layers with ``self_attn``
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, no per-head norms), ``mlp`` (``gate_proj``,
@@ -30,9 +37,24 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
+
+
+def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm``'s forward as one fused kernel where it is a plain RMSNorm (a ``weight`` and a
+    ``variance_epsilon``, no offset), else its own forward."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1:
+        return norm.forward
+    shape = (weight.shape[0],)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
+
+    return forward
 
 
 class _Layer:
@@ -41,7 +63,7 @@ class _Layer:
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = attn.layer_idx
-        self.norm1, self.norm2 = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = (attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward,
                                           attn.o_proj.forward)
         self.gate, self.up, self.down, self.act = (mlp.gate_proj.forward, mlp.up_proj.forward,
@@ -57,7 +79,7 @@ class DecoderStack:
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
-        self.norm = inner.norm.forward
+        self.norm = _rms_norm(inner.norm)
         self.head = model.lm_head.forward
         self.rotate = rotate
         self.layers = [_Layer(layer) for layer in inner.layers[: model.config.get_text_config().num_hidden_layers]]
@@ -108,13 +130,21 @@ class DecoderStack:
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
         shape = h.shape[:-1]
+        half = cos.shape[-1] // 2
+        rolled = cos.shape[-1] == self.layers[0].head_dim and cos.shape[-1] % 2 == 0
+        if rolled:  # the rotary embedding in four ops per tensor (module docstring)
+            cos, sin = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
         for layer in self.layers:
             x = layer.norm1(h)
             view = (*shape, -1, layer.head_dim)
             q = layer.q(x).view(view).transpose(1, 2)
             k = layer.k(x).view(view).transpose(1, 2)
             v = layer.v(x).view(view).transpose(1, 2)
-            q, k = self.rotate(q, k, cos, sin)
+            if rolled:
+                q = q * cos + q.roll(half, -1) * sin
+                k = k * cos + k.roll(half, -1) * sin
+            else:
+                q, k = self.rotate(q, k, cos, sin)
             k_pool[layer.index].index_copy_(1, write_index, k[0])
             v_pool[layer.index].index_copy_(1, write_index, v[0])
             a = attend(k_pool[layer.index], v_pool[layer.index], q, layer.scaling)

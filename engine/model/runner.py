@@ -143,8 +143,10 @@ class ModelRunner:
         pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
                       40 * self.kv_bytes_per_token)
         prefix = pool.alloc(20)
+        alone = prefix + pool.alloc(2)
         probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
-                  [PagedSegment([7], 20, prefix + pool.alloc(1)), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))]]
+                  [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))],
+                  [PagedSegment([8], 21, alone)]]
         try:
             for segments in probes:
                 plain = self._paged(pool, segments, False, None)
