@@ -21,7 +21,7 @@ import pytest
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_prompt, few_shot_static_part
 from components.panels.chat_panel import build_request, chat_messages
-from components.panels.engine_state import _STATE, engine_state
+from components.panels.engine_state import _PAGE, engine_state
 from components.session import page_keyed, share_page_blocks
 from components.warm_start import shipped_prefixes
 from engine.cache_keys import KeyRules, Visitor, shipped_part
@@ -190,7 +190,7 @@ def test_engine_state_is_one_object_per_engine_and_dies_with_it(tiny_runner):
 
     key = Holder()
     engine_state(key, "test.memo", object)  # type: ignore[arg-type]
-    assert any(isinstance(k, Holder) for k in list(_STATE.keys()))
+    assert any(isinstance(k, Holder) for k in _PAGE.engines())
     del key
     gc.collect()
-    assert not any(isinstance(k, Holder) for k in list(_STATE.keys()))
+    assert not any(isinstance(k, Holder) for k in _PAGE.engines())

@@ -218,13 +218,13 @@ def test_the_timer_is_kept_by_the_analysis_and_dies_with_its_engine(tiny_runner,
     import gc
     import weakref
 
-    from analysis.per_engine import _STATE
+    from analysis.per_engine import _ANALYSIS
     from server.remote.engine import RemoteEngine
 
     engine = Engine(tiny_runner)
     timer = timer_for(engine)
     assert not hasattr(engine, "prefill_timer") and not hasattr(engine, "attachment")
-    assert timer.engine is engine and engine in _STATE
+    assert timer.engine is engine and engine in _ANALYSIS
     gone = weakref.ref(engine)
     engine.close()
     del engine
