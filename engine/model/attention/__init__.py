@@ -18,6 +18,7 @@ import os
 import torch
 
 from engine.model.attention.base import AttentionBackend, Causal
+from engine.model.attention.cpu_native import CpuNativeBackend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend
 from engine.types import EngineError
@@ -25,7 +26,7 @@ from engine.types import EngineError
 BACKEND_ENV = "RADIX_ATTENTION_BACKEND"
 
 # In order of preference: a device takes the first one that runs on it.
-BACKENDS: tuple[type[AttentionBackend], ...] = (CpuSdpaBackend, MathChunkedBackend)
+BACKENDS: tuple[type[AttentionBackend], ...] = (CpuNativeBackend, CpuSdpaBackend, MathChunkedBackend)
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "AttentionBackend", "Causal", "choose_backend"]
 

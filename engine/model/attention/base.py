@@ -12,7 +12,7 @@ One call, in shapes (``B`` batch, ``H`` heads, ``M`` query rows, ``L`` keys, ``D
     q [B, H, M, D]   k, v [B, H, L, D]   (same H: grouped heads already folded into M)
     mask    additive float, broadcastable to [B, 1, M, L], or None   (decode rows' padding)
     causal  Causal rule, or None                                     (a prefill chunk's rest)
-    ->  out [B, H, M, D] in q's dtype,  lse [B, H, M] float32
+    ->  out [B, H, M, D] in q's dtype (or float32),  lse [B, H, M] float32
 
 ``lse[b, h, m]`` is the natural log of the sum over visible keys of ``exp(scale * q.k)``,
 so two calls over disjoint key sets merge exactly (``paged_attention.merge``). Every row
@@ -85,7 +85,7 @@ class AttentionBackend(ABC):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                mask: torch.Tensor | None = None, causal: Causal | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q`` over ``k``/``v`` under ``mask`` and/or ``causal`` (module docstring):
-        ``(out in q's dtype, lse float32)``."""
+        ``(out in q's dtype or float32, lse float32)``."""
 
     @property
     def workspace_cap_bytes(self) -> int | None:

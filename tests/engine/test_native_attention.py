@@ -1,0 +1,180 @@
+"""Our CPU attention kernel (engine.model.attention.native) against float64 math, the flash
+kernel and itself; its build, its refusals and the backend's choice between the two."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model.attention import BACKEND_ENV, choose_backend, native
+from engine.model.attention.cpu_native import NATIVE_MAX_ROWS, CpuNativeBackend
+from engine.model.attention.cpu_sdpa import CpuSdpaBackend
+from engine.model.paged_attention import merge
+
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[2]
+HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+BUILDS = HAS_AVX512 and shutil.which("cc") is not None
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
+    native.reset()
+    k = native.kernel()
+    yield k
+    native.reset()
+
+
+def pool_case(h: int, m: int, length: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """q [1, H, M, D]; k, v [1, H, L, D] as views into a larger pool (head stride != L*D)."""
+    g = torch.Generator().manual_seed(seed)
+    pool_k = torch.randn(h, length + 41, d, generator=g).to(dtype)
+    pool_v = torch.randn(h, length + 41, d, generator=g).to(dtype)
+    q = (torch.randn(1, h, m, d, generator=g) * 2).to(dtype)
+    return q, pool_k[:, 17:17 + length].unsqueeze(0), pool_v[:, 17:17 + length].unsqueeze(0)
+
+
+def reference(q, k, v, scale):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+
+
+def test_it_builds_on_a_machine_with_avx512_and_a_compiler(kernel, tmp_path):
+    if not BUILDS:
+        pytest.skip("no AVX-512 or no cc here: the backend falls back to the flash kernel")
+    assert kernel is not None and native.why() == ""
+    assert kernel.path.parent == tmp_path / "native" and kernel.path.exists()
+    assert isinstance(choose_backend(CPU), CpuNativeBackend)
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,m,length,d", [(3, 3, 2323, 64), (1, 1, 1, 16), (2, 2, 17, 16), (3, 8, 700, 64),
+                                          (4, 5, 256, 128), (2, 4, 513, 32), (1, 7, 255, 256)])
+def test_it_matches_float64_math_and_the_flash_kernel(kernel, dtype, h, m, length, d):
+    q, k, v = pool_case(h, m, length, d, dtype)
+    out, lse = kernel.attend(q, k, v, d ** -0.5)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (1, h, m, d) and lse.shape == (1, h, m)
+    ref_out, ref_lse = reference(q, k, v, d ** -0.5)
+    # the inputs are exact in float32 either way; only the float32 sums differ from float64
+    assert (out.double() - ref_out).abs().max() < 2e-5
+    assert (lse.double() - ref_lse).abs().max() < 2e-5
+    flash_out, flash_lse = CpuSdpaBackend().attend(q, k, v, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the flash kernel rounds to bfloat16 on the way
+    assert (out - flash_out.float()).abs().max() < tol and (lse - flash_lse).abs().max() < 1e-3
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_two_halves_merged_by_their_lse_equal_the_whole(kernel):
+    q, k, v = pool_case(3, 3, 900, 64, torch.bfloat16, seed=3)
+    whole, _ = kernel.attend(q, k, v, 0.125)
+    a, la = kernel.attend(q, k[:, :, :333], v[:, :, :333], 0.125)
+    b, lb = kernel.attend(q, k[:, :, 333:], v[:, :, 333:], 0.125)
+    assert (merge([a, b], [la, lb]) - whole).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_the_result_does_not_depend_on_the_thread_count(kernel):
+    q, k, v = pool_case(3, 4, 1500, 64, torch.float32, seed=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.attend(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        two = kernel.attend(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_the_backend_takes_one_requests_bf16_rows_and_hands_the_rest_to_flash(kernel):
+    backend = CpuNativeBackend()
+    q, k, v = pool_case(2, NATIVE_MAX_ROWS, 300, 16, torch.bfloat16)
+    out, _ = backend.attend(q, k, v, 0.25)
+    assert out.dtype == torch.float32  # ours
+    wide = pool_case(2, NATIVE_MAX_ROWS + 1, 300, 16, torch.bfloat16)
+    assert backend.attend(*wide, 0.25)[0].dtype == torch.bfloat16  # flash: more rows
+    fp32 = pool_case(2, 2, 300, 16, torch.float32)
+    out32, lse32 = backend.attend(*fp32, 0.25)
+    flash32 = CpuSdpaBackend().attend(*fp32, 0.25)
+    assert torch.equal(out32, flash32[0]) and torch.equal(lse32, flash32[1])  # float32 stays on flash, bit for bit
+    mask = torch.zeros(1, 1, NATIVE_MAX_ROWS, 300)
+    assert backend.attend(q, k, v, 0.25, mask=mask)[0].dtype == torch.bfloat16  # a mask: flash
+
+
+def test_switched_off_it_is_not_built_and_the_flash_kernel_serves(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    native.reset()
+    try:
+        assert native.kernel() is None and "RADIX_NATIVE_ATTENTION=0" in native.why()
+        backend = choose_backend(CPU)
+        assert type(backend) is CpuSdpaBackend
+        assert not (tmp_path / "native").exists()
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_a_missing_or_failing_compiler_leaves_the_flash_kernel(tmp_path, monkeypatch, compiler):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
+    monkeypatch.setenv("CC", compiler)
+    native.reset()
+    try:
+        assert native.kernel() is None and native.why()
+        assert type(choose_backend(CPU)) is CpuSdpaBackend
+        assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left behind
+    finally:
+        native.reset()
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+@pytest.mark.parametrize("damage", ["garbage", "empty", "another library"])
+def test_a_damaged_library_file_is_built_again_by_the_next_process(tmp_path, damage):
+    """A process never loads a library file twice, so the second run is another process."""
+    env = {**os.environ, native.ENV_DIR: str(tmp_path / "native"), "PYTHONPATH": str(REPO)}
+    probe = ("from engine.model.attention import native; import torch\n"
+             "k = native.kernel(); assert k is not None, native.why()\n"
+             "q = torch.ones(1, 1, 1, 16); kv = torch.ones(1, 1, 3, 16)\n"
+             "out, lse = k.attend(q, kv, kv, 0.25); assert torch.allclose(out, kv[:, :, :1]), out\n"
+             "print(k.path)")
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    path = Path(first.stdout.strip())
+    path.unlink()
+    if damage == "garbage":
+        path.write_bytes(b"\x7fELF not really a library")
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        shutil.copy(Path(torch.__file__).parent / "lib" / "libshm.so", path)
+    second = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert Path(second.stdout.strip()) == path and path.stat().st_size > 1000
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_many_threads_asking_at_once_build_it_once(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
+    native.reset()
+    try:
+        got: list = []
+        threads = [threading.Thread(target=lambda: got.append(native.kernel())) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({id(k) for k in got}) == 1 and got[0] is not None
+        assert len(os.listdir(tmp_path / "native")) == 1
+    finally:
+        native.reset()
