@@ -162,19 +162,30 @@ class PagedPlan:
     (by default the one ``choose_backend`` picks for ``device``)."""
 
     def __init__(self, segments: Sequence[PagedSegment], device: torch.device,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, whole_rows: bool = False) -> None:
         from engine.kvcache.kv_pool import contiguous_runs
 
         self.device = device
         self.backend = backend if backend is not None else choose_backend(device)
         heads = []  # per segment: the runs (first slot, length) of its first ``past`` positions
+        every = []  # per segment: its runs as contiguous_runs triples
         for s in segments:
             runs = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
+            every.append(runs)
             heads.append(leading_runs(runs, s.past))
         by_first: dict[tuple[int, ...], list[int]] = {}
         for i, runs in enumerate(heads):
             if runs and sum(n for _, n in runs) >= SHARED_MIN_TOKENS:
                 by_first.setdefault(group_key(runs), []).append(i)
+        # Whole rows (``whole_rows``: the backend reads a row's runs as one sequence): a decode
+        # row that shares its prefix with no other row of the pack is attended in one call over
+        # all of its slots, with no rest call and nothing to merge.
+        self.whole: list[tuple[int, object]] = []  # (pack position, the backend's cut of the runs)
+        lone: set[int] = set()
+        if whole_rows:
+            grouped_with = {i: len(members) for members in by_first.values() for i in members}
+            lone = {i for i, s in enumerate(segments) if len(s.ids) == 1 and grouped_with.get(i, 1) == 1}
+            by_first = {key: members for key, members in by_first.items() if not set(members) <= lone}
         # Pack group by group (decode rows first inside a group), then the rest.
         order: list[int] = []
         self.groups: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []  # (pack start, pack end, shared runs)
@@ -207,6 +218,12 @@ class PagedPlan:
         pos = 0
         for i, s in zip(order, segs, strict=True):
             n, start = len(s.ids), shared_len[i]
+            if i in lone:
+                cap = s.past + 1
+                runs = [(first, min(length, cap - at)) for at, first, length in every[i] if at < cap]
+                self.whole.append((pos, self.backend.cut_runs(runs)))
+                pos += n
+                continue
             rest = list(s.slots[start:s.past + n])
             if n == 1:
                 dec_pos.append(pos)
@@ -267,7 +284,11 @@ class PagedPlan:
         q = query[0]  # [Hq, T, D]
         out = torch.empty((hq, total, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((hq, total), dtype=torch.float32, device=query.device)
-        # Rest segments first: every token has one.
+        for pos, cut in self.whole:
+            ow, lw = self.backend.attend_runs(q[:, pos:pos + 1].reshape(1, hkv, g, d), k_layer, v_layer, cut, scale)
+            out[:, pos] = ow.reshape(hq, d)
+            lse[:, pos] = lw.reshape(hq)
+        # Rest segments first: every other token has one.
         for call in self.decode_calls(2 * hkv * d * k_layer.element_size()):
             b, width = call.pos.numel(), call.width
             qd = q.index_select(1, call.pos).permute(1, 0, 2).reshape(b, hkv, g, d)

@@ -102,6 +102,7 @@ class ModelRunner:
         self.lock = TurnLock()  # one forward at a time, whichever engine asks
         # forward_paged's attention kernel, chosen once (by device; RADIX_ATTENTION_BACKEND overrides).
         self.attention: AttentionBackend = choose_backend(self.device)
+        self.query_groups = int(cfg.num_attention_heads) // self.num_kv_heads  # query heads per KV head
         self.can_batch = self._enable_batching()
         # forward_paged's own layer-by-layer forward where the model is a Llama-family decoder and it
         # checks out bit for bit against transformers' forward (engine.model.decoder_stack).
@@ -218,7 +219,9 @@ class ModelRunner:
                stack: DecoderStack | None) -> torch.Tensor:
         """``forward_paged``'s body: through ``stack`` when given, else through transformers'
         forward with the pool-reading attention registered in its place."""
-        plan = PagedPlan(segments, self.device, self.attention)
+        # a lone decode row read whole, in one call over its slots, where the backend can
+        whole_rows = self.attention.takes_runs(self.dtype, self.query_groups)
+        plan = PagedPlan(segments, self.device, self.attention, whole_rows)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1

@@ -178,3 +178,63 @@ def test_many_threads_asking_at_once_build_it_once(tmp_path, monkeypatch):
         assert len(os.listdir(tmp_path / "native")) == 1
     finally:
         native.reset()
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_a_plan_reads_lone_decode_rows_whole_and_agrees_with_the_split_path(kernel):
+    """Whole rows: a decode row that shares its prefix with no other row of the pack is read in
+    one call over all of its slots (however fragmented); grouped rows and prefill chunks take the
+    usual calls. Both plans give the same attention."""
+    from engine.model.paged_attention import PagedPlan, PagedSegment
+
+    gen = torch.Generator().manual_seed(4)
+    hkv, g, d, slots = 2, 2, 16, 1400
+    k_layer = torch.randn(hkv, slots, d, generator=gen).to(torch.bfloat16)
+    v_layer = torch.randn(hkv, slots, d, generator=gen).to(torch.bfloat16)
+    shared = list(range(0, 300))
+    fragmented = list(range(400, 1000, 2)) + list(range(1001, 1100))  # 399 slots in 301 runs
+    segments = [
+        PagedSegment([5], 300, shared + [1200]),            # these two share a 300-token prefix
+        PagedSegment([6], 301, shared + [1201, 1202]),
+        PagedSegment([7], len(fragmented) - 1, fragmented),  # lone: read whole
+        PagedSegment([8, 9, 10], 20, list(range(1300, 1323))),  # a prefill chunk: never whole
+        PagedSegment([11], 4, [1350, 1351, 1352, 1353, 1354]),  # lone, too short to group: whole
+    ]
+    backend = CpuNativeBackend()
+    whole = PagedPlan(segments, CPU, backend, whole_rows=True)
+    split = PagedPlan(segments, CPU, backend, whole_rows=False)
+    lone_positions = [whole.order.index(i) for i in (2, 4)]
+    assert sorted(pos for pos, _ in whole.whole) == sorted(sum(whole.lens[:p]) for p in lone_positions)
+    assert not split.whole and [grp[2] for grp in whole.groups] == [((0, 300),), ((1300, 20),)]
+    total = sum(len(s.ids) for s in segments)
+    query = torch.randn(1, hkv * g, total, d, generator=gen).to(torch.bfloat16)
+    a = whole.attention(k_layer, v_layer, query, d ** -0.5)
+    b = split.attention(k_layer, v_layer, query, d ** -0.5)
+    # the same rows in the same pack order; the split path rounds to bfloat16 on the way
+    assert whole.order == split.order and (a.float() - b.float()).abs().max() < 2e-2
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny_runner_bf16, monkeypatch):
+    from engine.kvcache.kv_pool import KVPool
+    from engine.model.paged_attention import PagedSegment
+
+    runner = tiny_runner_bf16
+    assert isinstance(runner.attention, CpuNativeBackend) and runner.attention.takes_runs(runner.dtype,
+                                                                                          runner.query_groups)
+    pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                  1200 * runner.kv_bytes_per_token)
+    everything = pool.alloc(1200)
+    pool.free(everything[::3])  # fragmented: every third slot free
+    seq = torch.randint(10, 1000, (390,), generator=torch.Generator().manual_seed(9)).tolist()
+    table = pool.alloc(len(seq) + 1)
+    runner.forward_paged(pool, [PagedSegment(seq[:300], 0, table)])
+    runner.forward_paged(pool, [PagedSegment(seq[300:], 300, table)])
+    calls = []
+    real = runner.attention.attend_runs
+    monkeypatch.setattr(runner.attention, "attend_runs", lambda *a: calls.append(a[3].shape) or real(*a))
+    seq.append(17)
+    row = runner.forward_paged(pool, [PagedSegment([17], len(seq) - 1, table)])[0]
+    ref, _ = runner.baseline_prefill(seq)
+    assert len(calls) == runner.num_layers and calls[0][0] > 2  # many pieces, one call per layer
+    assert torch.allclose(row, ref, atol=5e-2), (row - ref).abs().max()

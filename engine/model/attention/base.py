@@ -87,6 +87,21 @@ class AttentionBackend(ABC):
         """Attention of ``q`` over ``k``/``v`` under ``mask`` and/or ``causal`` (module docstring):
         ``(out in q's dtype or float32, lse float32)``."""
 
+    def takes_runs(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether ``attend_runs`` serves ``rows`` query rows of ``dtype`` (a decode row's
+        grouped heads); the plan then reads such a row's slots in one call."""
+        return False
+
+    def cut_runs(self, runs: list[tuple[int, int]]) -> object:
+        """``runs`` (first slot, length) in the form ``attend_runs`` takes (once per forward)."""
+        raise NotImplementedError
+
+    def attend_runs(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q [1, H, M, D]`` over the slots ``cut`` names in the pool's layer
+        ``k_layer``/``v_layer`` ``[H, S, D]``, all visible, as one sequence: ``(out, lse)``."""
+        raise NotImplementedError
+
     @property
     def workspace_cap_bytes(self) -> int | None:
         """The most scratch memory one call allocates beyond its inputs and outputs, or None

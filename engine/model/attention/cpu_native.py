@@ -44,6 +44,17 @@ class CpuNativeBackend(CpuSdpaBackend):
             return self.kernel.attend(q, k, v, scale)
         return super().attend(q, k, v, scale, mask=mask, causal=causal)
 
+    def takes_runs(self, dtype: torch.dtype, rows: int) -> bool:
+        return dtype in NATIVE_DTYPES and rows <= NATIVE_MAX_ROWS
+
+    def cut_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
+        return native.pieces(runs)
+
+    def attend_runs(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cut, torch.Tensor)
+        return self.kernel.attend_runs(q, k_layer, v_layer, cut, scale)
+
     def describe(self) -> str:
         return ("cpu_native (our AVX-512 kernel for one request's decode rows in bfloat16; "
                 "PyTorch's flash kernel for the rest)")

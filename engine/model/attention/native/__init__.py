@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,45 +44,62 @@ _why = ""
 
 
 class DecodeKernel:
-    """The loaded library: ``attend`` runs it on torch tensors."""
+    """The loaded library: ``attend`` and ``attend_runs`` run it on torch tensors."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._run = lib.radix_decode_attention
-        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                              ctypes.c_int, ptr, ptr, ptr, i64, ctypes.c_int]
+        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
+                              ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
         self._run.restype = ctypes.c_int
         self._work = lib.radix_attn_work_floats
-        self._work.argtypes = [i64] * 5
+        self._work.argtypes = [i64] * 4
         self._work.restype = i64
         self.path = path
 
     @staticmethod
     def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether one call takes these shapes: ``q [1, H, M, D]`` with at most ``MAX_ROWS``
-        rows, ``k``/``v`` ``[1, H, L, D]``, float32 or bfloat16 on the CPU, rows contiguous."""
+        rows, ``k``/``v`` ``[1, H, L, D]`` (or ``[H, S, D]``, the pool's layer, for
+        ``attend_runs``), float32 or bfloat16 on the CPU, rows contiguous."""
+        kv_heads = k.shape[0] if k.dim() == 3 else k.shape[1] if k.dim() == 4 and k.shape[0] == 1 else -1
         return (q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1 and q.shape[2] <= MAX_ROWS
                 and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-                and k.shape == v.shape and k.shape[0] == 1 and k.shape[1] == q.shape[1] and k.shape[3] == q.shape[3]
-                and q.shape[3] % 16 == 0 and q.shape[3] <= MAX_HEAD_DIM and k.shape[2] >= 1
-                and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1)
+                and k.shape == v.shape and kv_heads == q.shape[1] and k.shape[-1] == q.shape[3]
+                and q.shape[3] % 16 == 0 and q.shape[3] <= MAX_HEAD_DIM and k.shape[-2] >= 1
+                and q.stride(3) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q [1, H, M, D]`` over every key of ``k``/``v`` ``[1, H, L, D]`` (no
         mask): ``(out [1, H, M, D] float32, lse [1, H, M] float32)``. The caller checks ``fits``."""
+        return self.attend_runs(q, k[0], v[0], pieces(((0, k.shape[2]),)), scale)
+
+    def attend_runs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q [1, H, M, D]`` over the keys ``cut`` (``pieces``) names in ``k``/``v``
+        ``[H, S, D]``, as one sequence: ``(out [1, H, M, D] float32, lse [1, H, M] float32)``."""
         _, h, m, d = q.shape
-        length = k.shape[2]
+        n = cut.shape[0]
+        if n == 0 or int(cut[:, 0].min()) < 0 or int((cut[:, 0] + cut[:, 1]).max()) > k.shape[1]:
+            raise ValueError(f"pieces outside the {k.shape[1]} keys")
         out = torch.empty((1, h, m, d), dtype=torch.float32)
         lse = torch.empty((1, h, m), dtype=torch.float32)
-        work = torch.empty(self._work(h, m, d, length, CHUNK), dtype=torch.float32)
-        rc = self._run(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
-                       v.data_ptr(), v.stride(1), v.stride(2), h, m, length, d, scale,
-                       int(q.dtype == torch.bfloat16), out.data_ptr(), lse.data_ptr(), work.data_ptr(), CHUNK,
+        work = torch.empty(self._work(h, m, d, n), dtype=torch.float32)
+        rc = self._run(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1),
+                       v.data_ptr(), v.stride(0), v.stride(1), cut.data_ptr(), n, h, m, d, scale,
+                       int(q.dtype == torch.bfloat16), out.data_ptr(), lse.data_ptr(), work.data_ptr(),
                        torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the native attention kernel refused q {tuple(q.shape)} k {tuple(k.shape)}")
         return out, lse
+
+
+def pieces(runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``runs`` (first key, length) cut into pieces of at most ``CHUNK`` keys: the int64
+    ``[n, 2]`` tensor ``attend_runs`` takes (built once per forward, used by every layer)."""
+    cut = [(first + o, min(CHUNK, length - o)) for first, length in runs for o in range(0, length, CHUNK)]
+    return torch.tensor(cut, dtype=torch.int64).reshape(-1, 2)
 
 
 def kernel() -> DecodeKernel | None:

@@ -11,13 +11,15 @@
  * arithmetic dominates and the flash kernel is the faster one; the caller picks.
  *
  * Layout (strides in elements; the last dimension is contiguous):
- *   q    [H][M][D]  bf16 or fp32 (grouped query heads folded into the M rows of their KV head)
- *   k, v [H][L][D]  same dtype as q: a view into the pool
- *   out  [H][M][D]  fp32, contiguous
- *   lse  [H][M]     fp32: natural log of sum_j exp(scale * q.k_j)
- *   work            fp32 scratch of radix_attn_work_floats(H, M, D, L, chunk) floats
+ *   q      [H][M][D]  bf16 or fp32 (grouped query heads folded into the M rows of their KV head)
+ *   k, v   [H][S][D]  same dtype as q: the pool's layer (or a view into it)
+ *   pieces [npieces][2]  (first key, key count <= MAX_CHUNK): the keys attended, in runs of
+ *                     the pool cut into chunks; together they are one key sequence
+ *   out    [H][M][D]  fp32, contiguous
+ *   lse    [H][M]     fp32: natural log of sum_j exp(scale * q.k_j)
+ *   work              fp32 scratch of radix_attn_work_floats(H, M, D, npieces) floats
  * Products and sums are float32, like the flash kernel's; the result does not depend on the
- * number of threads (the chunks are fixed by L and merged in order).
+ * number of threads (the pieces are merged in order).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -69,11 +71,9 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-int64_t radix_attn_chunks(int64_t L, int64_t chunk) { return (L + chunk - 1) / chunk; }
-
-/* Per (head, chunk): M*D partial sums, then M maxima, then M sums of weights. */
-int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t L, int64_t chunk) {
-    return H * radix_attn_chunks(L, chunk) * (M * D + 2 * M);
+/* Per (head, piece): M*D partial sums, then M maxima, then M sums of weights. */
+int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t npieces) {
+    return H * npieces * (M * D + 2 * M);
 }
 
 static inline void prefetch_rows(const char *p, int64_t bytes) {
@@ -93,8 +93,8 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
             qf[m][d] = load1(q, (int64_t)m * q_sm + d, bf16);
     for (int j = 0; j < n; j++) {
         const char *kj = k + (int64_t)j * k_sl * esz;
-        if (j + 8 < n)
-            prefetch_rows(kj + 8 * k_sl * esz, (int64_t)D * esz);
+        if (j + 32 < n)
+            prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz);
         __m512 kv[MAX_D / 16];
         for (int c = 0; c < d16; c++)
             kv[c] = load16(kj + (int64_t)c * 16 * esz, bf16);
@@ -134,8 +134,8 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
                 acc[r][c] = _mm512_setzero_ps();
         for (int j = 0; j < n; j++) {
             const char *vj = v + (int64_t)j * v_sl * esz;
-            if (m0 == 0 && j + 8 < n)
-                prefetch_rows(vj + 8 * v_sl * esz, (int64_t)D * esz);
+            if (m0 == 0 && j + 32 < n)
+                prefetch_rows(vj + 32 * v_sl * esz, (int64_t)D * esz);
             __m512 vv[MAX_D / 16];
             for (int c = 0; c < d16; c++)
                 vv[c] = load16(vj + (int64_t)c * 16 * esz, bf16);
@@ -152,40 +152,41 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
 }
 
 int radix_decode_attention(const void *q, int64_t q_sh, int64_t q_sm, const void *k, int64_t k_sh, int64_t k_sl,
-                           const void *v, int64_t v_sh, int64_t v_sl, int64_t H, int64_t M, int64_t L, int64_t D,
-                           float scale, int bf16, float *out, float *lse, float *work, int64_t chunk,
-                           int threads) {
-    if (D % 16 || D > MAX_D || chunk < 16 || chunk > MAX_CHUNK || M < 1 || M > MAX_ROWS || L < 1 || H < 1 ||
-        threads < 1)
+                           const void *v, int64_t v_sh, int64_t v_sl, const int64_t *pieces, int64_t npieces,
+                           int64_t H, int64_t M, int64_t D, float scale, int bf16, float *out, float *lse,
+                           float *work, int threads) {
+    if (D % 16 || D > MAX_D || M < 1 || M > MAX_ROWS || npieces < 1 || H < 1 || threads < 1)
         return 1;
+    for (int64_t i = 0; i < npieces; i++)
+        if (pieces[2 * i] < 0 || pieces[2 * i + 1] < 1 || pieces[2 * i + 1] > MAX_CHUNK)
+            return 1;
     const int esz = bf16 ? 2 : 4;
-    const int64_t chunks = radix_attn_chunks(L, chunk);
     const int64_t per = M * D + 2 * M;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t item = 0; item < H * chunks; item++) {
-        const int64_t h = item / chunks, c = item % chunks;
-        const int64_t j0 = c * chunk;
-        const int n = (int)(L - j0 < chunk ? L - j0 : chunk);
+    for (int64_t item = 0; item < H * npieces; item++) {
+        const int64_t h = item / npieces, c = item % npieces;
+        const int64_t j0 = pieces[2 * c];
+        const int n = (int)pieces[2 * c + 1];
         float *o = work + item * per, *mx = o + M * D, *sm = mx + M;
         const char *qh = (const char *)q + h * q_sh * esz;
         const char *kh = (const char *)k + (h * k_sh + j0 * k_sl) * esz;
         const char *vh = (const char *)v + (h * v_sh + j0 * v_sl) * esz;
         chunk_rows(qh, q_sm, kh, k_sl, vh, v_sl, (int)M, n, (int)D, scale, bf16, esz, o, mx, sm);
     }
-    /* merge the chunks of each (head, row), in chunk order */
+    /* merge the pieces of each (head, row), in order */
     for (int64_t hm = 0; hm < H * M; hm++) {
         const int64_t h = hm / M, m = hm % M;
         float best = -INFINITY;
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *mx = work + (h * chunks + c) * per + M * D;
+        for (int64_t c = 0; c < npieces; c++) {
+            const float *mx = work + (h * npieces + c) * per + M * D;
             best = mx[m] > best ? mx[m] : best;
         }
         float total = 0.0f;
         float acc[MAX_D];
         for (int64_t d = 0; d < D; d++)
             acc[d] = 0.0f;
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *o = work + (h * chunks + c) * per, *mx = o + M * D, *sm = mx + M;
+        for (int64_t c = 0; c < npieces; c++) {
+            const float *o = work + (h * npieces + c) * per, *mx = o + M * D, *sm = mx + M;
             const float w = expf(mx[m] - best);
             total += w * sm[m];
             for (int64_t d = 0; d < D; d++)
