@@ -220,7 +220,7 @@ class ModelRunner:
         """``forward_paged``'s body: through ``stack`` when given, else through transformers'
         forward with the pool-reading attention registered in its place."""
         # a lone decode row read whole, in one call over its slots, where the backend can
-        whole_rows = self.attention.takes_runs(self.dtype, self.query_groups)
+        whole_rows = self.attention.takes_runs(self.dtype, self.query_groups, self.head_dim)
         plan = PagedPlan(segments, self.device, self.attention, whole_rows)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)

@@ -87,9 +87,9 @@ class AttentionBackend(ABC):
         """Attention of ``q`` over ``k``/``v`` under ``mask`` and/or ``causal`` (module docstring):
         ``(out in q's dtype or float32, lse float32)``."""
 
-    def takes_runs(self, dtype: torch.dtype, rows: int) -> bool:
-        """Whether ``attend_runs`` serves ``rows`` query rows of ``dtype`` (a decode row's
-        grouped heads); the plan then reads such a row's slots in one call."""
+    def takes_runs(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
+        """Whether ``attend_runs`` serves ``rows`` query rows of ``dtype`` and ``head_dim`` (a
+        decode row's grouped heads); the plan then reads such a row's slots in one call."""
         return False
 
     def cut_runs(self, runs: list[tuple[int, int]]) -> object:

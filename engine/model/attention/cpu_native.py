@@ -1,12 +1,14 @@
-"""The CPU backend with our own kernel for a decode step's few rows over a long run of keys.
+"""The CPU backend with our own kernel for a decode step's rows over a long run of keys.
 
 Owns: the choice, per call, between ``engine.model.attention.native`` (built on this
 machine; see its C file for why) and PyTorch's flash kernel (``CpuSdpaBackend``). Ours takes
-the calls it is faster for, measured here (``docs/PERFORMANCE.md``): no mask, no causal rule,
-at most ``NATIVE_MAX_ROWS`` query rows (one request's grouped heads) in bfloat16, which is
-what one stream's decode step is made of. Everything else, and every float32 call (there
-batched answers must equal solo ones bit for bit, and the flash kernel is what both use),
-goes to the flash kernel. Runs only where the kernel builds (``runs_on``).
+the calls it is faster for, measured here (``docs/PERFORMANCE.md``), all in bfloat16 with no
+mask and no causal rule: up to ``NATIVE_MAX_ROWS`` query rows (one request's grouped heads:
+one stream's decode step) on any AVX-512 CPU, and up to ``AMX_MAX_ROWS`` (a decode step of up
+to 21 streams sharing a prefix, or a short question's chunk over it) where the CPU has AMX.
+Everything else, and every float32 call (there batched answers must equal solo ones bit for
+bit, and the flash kernel is what both use), goes to the flash kernel. Runs only where the
+kernel builds (``runs_on``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.model.attention import native
 from engine.model.attention.base import Causal
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 
-NATIVE_MAX_ROWS = 4  # at 6 rows the flash kernel is already faster here
+NATIVE_MAX_ROWS = 4  # without AMX: at 6 rows the flash kernel is already faster here
 NATIVE_DTYPES = (torch.bfloat16,)
 
 
@@ -39,13 +41,16 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                mask: torch.Tensor | None = None, causal: Causal | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if (mask is None and causal is None and q.dtype in NATIVE_DTYPES and q.shape[-2] <= NATIVE_MAX_ROWS
-                and self.kernel.fits(q, k, v)):
+        if mask is None and causal is None and self.takes_runs(q.dtype, q.shape[-2], q.shape[-1]) \
+                and self.kernel.fits(q, k, v):
             return self.kernel.attend(q, k, v, scale)
         return super().attend(q, k, v, scale, mask=mask, causal=causal)
 
-    def takes_runs(self, dtype: torch.dtype, rows: int) -> bool:
-        return dtype in NATIVE_DTYPES and rows <= NATIVE_MAX_ROWS
+    def takes_runs(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
+        if dtype not in NATIVE_DTYPES:
+            return False
+        return rows <= NATIVE_MAX_ROWS or (self.kernel.max_rows(dtype, head_dim) > native.MAX_ROWS
+                                           and rows <= self.kernel.max_rows(dtype, head_dim))
 
     def cut_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
         return native.pieces(runs)
@@ -56,5 +61,6 @@ class CpuNativeBackend(CpuSdpaBackend):
         return self.kernel.attend_runs(q, k_layer, v_layer, cut, scale)
 
     def describe(self) -> str:
-        return ("cpu_native (our AVX-512 kernel for one request's decode rows in bfloat16; "
+        rows = f"up to {native.AMX_MAX_ROWS} rows with AMX" if self.kernel.amx else f"up to {NATIVE_MAX_ROWS} rows"
+        return (f"cpu_native (our AVX-512 kernel for decode rows over the prefix in bfloat16, {rows}; "
                 "PyTorch's flash kernel for the rest)")

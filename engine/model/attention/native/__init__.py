@@ -33,7 +33,8 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
 ENV_DIR = "RADIX_NATIVE_DIR"
-MAX_ROWS = 8  # decode_attention.c's MAX_ROWS
+MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype
+AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS: bfloat16 with AMX, head size a multiple of 32
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
 
@@ -56,16 +57,23 @@ class DecodeKernel:
         self._work = lib.radix_attn_work_floats
         self._work.argtypes = [i64] * 4
         self._work.restype = i64
+        lib.radix_amx_ready.restype = ctypes.c_int
+        self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
         self.path = path
 
-    @staticmethod
-    def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether one call takes these shapes: ``q [1, H, M, D]`` with at most ``MAX_ROWS``
+    def max_rows(self, dtype: torch.dtype, head_dim: int) -> int:
+        """The most query rows one call takes for this dtype and head size."""
+        if self.amx and dtype == torch.bfloat16 and head_dim % 32 == 0:
+            return AMX_MAX_ROWS
+        return MAX_ROWS
+
+    def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether one call takes these shapes: ``q [1, H, M, D]`` with at most ``max_rows``
         rows, ``k``/``v`` ``[1, H, L, D]`` (or ``[H, S, D]``, the pool's layer, for
         ``attend_runs``), float32 or bfloat16 on the CPU, rows contiguous."""
         kv_heads = k.shape[0] if k.dim() == 3 else k.shape[1] if k.dim() == 4 and k.shape[0] == 1 else -1
-        return (q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1 and q.shape[2] <= MAX_ROWS
-                and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+        return (q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1
+                and q.shape[2] <= self.max_rows(q.dtype, q.shape[3]) and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
                 and k.shape == v.shape and kv_heads == q.shape[1] and k.shape[-1] == q.shape[3]
                 and q.shape[3] % 16 == 0 and q.shape[3] <= MAX_HEAD_DIM and k.shape[-2] >= 1
                 and q.stride(3) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)

@@ -71,9 +71,10 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Per (head, piece): M*D partial sums, then M maxima, then M sums of weights. */
+/* Per (head, piece): M*D partial sums, then M maxima, then M sums of weights; then room for
+ * the query rows in bf16, padded to 16 (the AMX path's copy). */
 int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t npieces) {
-    return H * npieces * (M * D + 2 * M);
+    return H * npieces * (M * D + 2 * M) + H * ((M + 15) / 16 * 16) * D / 2 + 16;
 }
 
 static inline void prefetch_rows(const char *p, int64_t bytes) {
@@ -151,17 +152,190 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
     }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_MAX_ROWS 64 /* four tiles of 16 query rows */
+#define AMX_MIN_ROWS 5  /* fewer rows: chunk_rows, which streams the keys faster */
+#define AMX_CHUNK 256   /* keys per piece on this path (a multiple of 32) */
+
+/* The tile shapes: every tile 16 rows of 64 bytes (16 fp32, or 32 bf16). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Asks the kernel for the AMX tile state (once per process; oneDNN asks too). */
+int radix_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        unsigned long bitmask = 0;
+        const int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 &&
+                       syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &bitmask) == 0;
+        ready = ok && (bitmask & (1ul << 18)) ? 1 : 0;
+    }
+    return ready;
+}
+
+/* Rows 0..M-1 (M <= AMX_MAX_ROWS, bf16) over the n (<= AMX_CHUNK) keys of one piece, with the
+ * AMX tiles: scores S = Q K^T (Q rows from ``qa``, the head's rows padded to 16s, K^T in pairs of dims gathered from
+ * the pool), softmax along each row in float32, then O = P V (P rounded to bf16, as the flash
+ * kernel does; V regrouped in pairs of keys). Same outputs as chunk_rows. */
+static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const uint16_t *v, int64_t v_sl, int M,
+                      int n, int D, float scale, float *o, float *mx, float *sm) {
+    static __thread uint16_t kt[MAX_D / 2 * 16 * 2] __attribute__((aligned(64)));          /* [D/2][16 keys][2] */
+    static __thread float sc[AMX_MAX_ROWS * AMX_CHUNK] __attribute__((aligned(64)));       /* [M16][AMX_CHUNK] */
+    static __thread uint16_t pb[AMX_MAX_ROWS * AMX_CHUNK] __attribute__((aligned(64)));    /* [M16][AMX_CHUNK] */
+    static __thread uint16_t vp[AMX_CHUNK / 2 * MAX_D * 2] __attribute__((aligned(64)));   /* [D/16][n/2][16][2] */
+    static __thread float ob[16 * 64] __attribute__((aligned(64)));
+    const int mt = (M + 15) / 16, npad = (n + 31) / 32 * 32, pairs = npad / 2;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    /* scores, 16 keys at a time: K^T for those keys in pairs of dims, one gather per pair */
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)(k_sl * 2)));
+    for (int j0 = 0; j0 < npad; j0 += 16) {
+        const int valid = n - j0 < 16 ? (n - j0 > 0 ? n - j0 : 0) : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1);
+        const char *base = (const char *)(k + (int64_t)j0 * k_sl);
+        if (j0 + 48 < n)
+            for (int b = 0; b < 16; b++)
+                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2);
+        for (int pr = 0; pr < D / 2; pr++)
+            _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
+                                                                         base + 4 * pr, 1));
+        for (int t = 0; t < mt; t++) {
+            _tile_zero(2);
+            for (int ks = 0; ks < D / 32; ks++) {
+                _tile_loadd(0, qa + t * 16 * D + ks * 32, D * 2);
+                _tile_loadd(1, kt + ks * 16 * 32, 64);
+                _tile_dpbf16ps(2, 0, 1);
+            }
+            _tile_stored(2, sc + t * 16 * AMX_CHUNK + j0, AMX_CHUNK * 4);
+        }
+    }
+    /* values in pairs of keys, 16 dims per tile row: vp[dt][pair][16 dims][2 keys] */
+    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int jp = 0; jp < pairs; jp++) {
+        const int j = 2 * jp;
+        for (int dt = 0; dt < D / 16; dt++) {
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            if (j < n)
+                a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)j * v_sl + 16 * dt)));
+            if (j + 1 < n)
+                b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)(j + 1) * v_sl + 16 * dt)));
+            _mm512_store_si512(vp + ((int64_t)dt * pairs + jp) * 32, _mm512_permutex2var_epi16(a, mix, b));
+        }
+    }
+    /* softmax along each row; the weights in bf16, zero past the last key */
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < M; r++) {
+        const float *row = sc + r * AMX_CHUNK;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            best = _mm512_mask_max_ps(best, live, best, _mm512_loadu_ps(row + j));
+        }
+        const float m = _mm512_reduce_max_ps(best) * scale;
+        const __m512 mb = _mm512_set1_ps(m);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < npad; j += 32) {
+            __m512 p[2];
+            for (int h = 0; h < 2; h++) {
+                const int jj = j + 16 * h;
+                const __mmask16 live = n - jj >= 16 ? 0xFFFF : n - jj > 0 ? (__mmask16)((1u << (n - jj)) - 1) : 0;
+                p[h] = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + jj), s, mb)));
+                total = _mm512_add_ps(total, p[h]);
+            }
+            _mm512_store_si512(pb + r * AMX_CHUNK + j, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        }
+        mx[r] = m;
+        sm[r] = _mm512_reduce_add_ps(total);
+    }
+    for (int r = M; r < mt * 16; r++)
+        memset(pb + r * AMX_CHUNK, 0, npad * 2);
+    /* O = P V: four tiles of 16 dims at a time, 32 keys per product */
+    for (int t = 0; t < mt; t++) {
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int tiles = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int j = 0; j < npad; j += 32) {
+                _tile_loadd(0, pb + t * 16 * AMX_CHUNK + j, AMX_CHUNK * 2);
+                const int64_t at = (int64_t)(j / 2) * 32;
+                _tile_loadd(1, vp + (int64_t)(d0 / 16) * pairs * 32 + at, 64);
+                _tile_dpbf16ps(4, 0, 1);
+                if (tiles > 1) {
+                    _tile_loadd(1, vp + (int64_t)(d0 / 16 + 1) * pairs * 32 + at, 64);
+                    _tile_dpbf16ps(5, 0, 1);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(1, vp + (int64_t)(d0 / 16 + 2) * pairs * 32 + at, 64);
+                    _tile_dpbf16ps(6, 0, 1);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(1, vp + (int64_t)(d0 / 16 + 3) * pairs * 32 + at, 64);
+                    _tile_dpbf16ps(7, 0, 1);
+                }
+            }
+            _tile_stored(4, ob, 64 * 4);
+            _tile_stored(5, ob + 16, 64 * 4);
+            _tile_stored(6, ob + 32, 64 * 4);
+            _tile_stored(7, ob + 48, 64 * 4);
+            for (int r = 0; r < 16 && t * 16 + r < M; r++)
+                memcpy(o + (int64_t)(t * 16 + r) * D + d0, ob + r * 64, (size_t)tiles * 16 * 4);
+        }
+    }
+    _tile_release();
+}
+#else
+int radix_amx_ready(void) { return 0; }
+#endif
+
 int radix_decode_attention(const void *q, int64_t q_sh, int64_t q_sm, const void *k, int64_t k_sh, int64_t k_sl,
                            const void *v, int64_t v_sh, int64_t v_sl, const int64_t *pieces, int64_t npieces,
                            int64_t H, int64_t M, int64_t D, float scale, int bf16, float *out, float *lse,
                            float *work, int threads) {
-    if (D % 16 || D > MAX_D || M < 1 || M > MAX_ROWS || npieces < 1 || H < 1 || threads < 1)
+    if (D % 16 || D > MAX_D || M < 1 || npieces < 1 || H < 1 || threads < 1)
         return 1;
+#ifdef HAVE_AMX
+    /* AMX from AMX_MIN_ROWS rows where it runs; below, or without it, up to MAX_ROWS rows */
+    const int amx = M >= AMX_MIN_ROWS && bf16 && D % 32 == 0 && radix_amx_ready();
+    if ((amx && M > AMX_MAX_ROWS) || (!amx && M > MAX_ROWS))
+        return 1;
+#else
+    const int amx = 0;
+    if (M > MAX_ROWS)
+        return 1;
+#endif
     for (int64_t i = 0; i < npieces; i++)
-        if (pieces[2 * i] < 0 || pieces[2 * i + 1] < 1 || pieces[2 * i + 1] > MAX_CHUNK)
+        if (pieces[2 * i] < 0 || pieces[2 * i + 1] < 1 || pieces[2 * i + 1] > (amx ? 256 : MAX_CHUNK))
             return 1;
     const int esz = bf16 ? 2 : 4;
     const int64_t per = M * D + 2 * M;
+#ifdef HAVE_AMX
+    /* the AMX path's query rows, after the partial sums in ``work``: each head's, contiguous,
+     * zero rows up to a multiple of 16 */
+    uint16_t *qa = (uint16_t *)(work + H * npieces * per);
+    const int64_t m16 = (M + 15) / 16 * 16;
+    if (amx)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t r = 0; r < m16; r++)
+                for (int64_t d = 0; d < D; d++)
+                    qa[(h * m16 + r) * D + d] = r < M ? ((const uint16_t *)q)[h * q_sh + r * q_sm + d] : 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < H * npieces; item++) {
         const int64_t h = item / npieces, c = item % npieces;
@@ -171,6 +345,13 @@ int radix_decode_attention(const void *q, int64_t q_sh, int64_t q_sm, const void
         const char *qh = (const char *)q + h * q_sh * esz;
         const char *kh = (const char *)k + (h * k_sh + j0 * k_sl) * esz;
         const char *vh = (const char *)v + (h * v_sh + j0 * v_sl) * esz;
+#ifdef HAVE_AMX
+        if (amx) {
+            chunk_amx(qa + h * m16 * D, (const uint16_t *)kh, k_sl, (const uint16_t *)vh, v_sl, (int)M, n, (int)D,
+                      scale, o, mx, sm);
+            continue;
+        }
+#endif
         chunk_rows(qh, q_sm, kh, k_sl, vh, v_sl, (int)M, n, (int)D, scale, bf16, esz, o, mx, sm);
     }
     /* merge the pieces of each (head, row), in order */
