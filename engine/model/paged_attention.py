@@ -162,7 +162,7 @@ class PagedPlan:
     (by default the one ``choose_backend`` picks for ``device``)."""
 
     def __init__(self, segments: Sequence[PagedSegment], device: torch.device,
-                 backend: AttentionBackend | None = None, whole_rows: bool = False) -> None:
+                 backend: AttentionBackend | None = None, own_rows: bool = False) -> None:
         from engine.kvcache.kv_pool import contiguous_runs
 
         self.device = device
@@ -177,12 +177,12 @@ class PagedPlan:
         for i, runs in enumerate(heads):
             if runs and sum(n for _, n in runs) >= SHARED_MIN_TOKENS:
                 by_first.setdefault(group_key(runs), []).append(i)
-        # Whole rows (``whole_rows``: the backend reads a row's runs as one sequence): a decode
-        # row that shares its prefix with no other row of the pack is attended in one call over
-        # all of its slots, with no rest call and nothing to merge.
-        self.whole: list[tuple[int, object]] = []  # (pack position, the backend's cut of the runs)
+        # Own rows (``own_rows``: the backend reads a decode row's runs of the pool in place, see
+        # ``AttentionBackend.attend_rows``): every decode row's rest is read that way, in one call
+        # for all of them, instead of gathered and padded; and a decode row that shares its prefix
+        # with no other row of the pack is read whole, with nothing to merge.
         lone: set[int] = set()
-        if whole_rows:
+        if own_rows:
             grouped_with = {i: len(members) for members in by_first.values() for i in members}
             lone = {i for i, s in enumerate(segments) if len(s.ids) == 1 and grouped_with.get(i, 1) == 1}
             by_first = {key: members for key, members in by_first.items() if not set(members) <= lone}
@@ -216,12 +216,14 @@ class PagedPlan:
         # Rest segments: decode rows batched (padded gather, ``decode_calls``), prefill chunks one by one.
         dec_pos, dec_index, dec_len, self.prefill_rests = [], [], [], []
         pos = 0
+        own: list[tuple[int, list[tuple[int, int]]]] = []  # (pack position, runs) of rows read in place
         for i, s in zip(order, segs, strict=True):
             n, start = len(s.ids), shared_len[i]
-            if i in lone:
-                cap = s.past + 1
-                runs = [(first, min(length, cap - at)) for at, first, length in every[i] if at < cap]
-                self.whole.append((pos, self.backend.cut_runs(runs)))
+            if own_rows and n == 1:
+                cap = s.past + 1  # a lone row from position 0 (start is 0), the others after their prefix
+                runs = [(first + max(0, start - at), min(length, cap - at) - max(0, start - at))
+                        for at, first, length in every[i] if at < cap and at + length > start]
+                own.append((pos, runs))
                 pos += n
                 continue
             rest = list(s.slots[start:s.past + n])
@@ -236,6 +238,7 @@ class PagedPlan:
                 causal = Causal(q_start=s.past, k_start=start, period=n, length=len(rest), device=device)
                 self.prefill_rests.append((pos, n, _Rest(view, index, causal)))
             pos += n
+        self.own_rows = self.backend.cut_rows(own) if own else None
         self._decode_rows = (dec_pos, dec_index, dec_len)
         self.decode_width = max(dec_len, default=0)
         # The decode rows' gathered KV is [rows, width] tokens: one call for all of them, unless the
@@ -284,11 +287,9 @@ class PagedPlan:
         q = query[0]  # [Hq, T, D]
         out = torch.empty((hq, total, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((hq, total), dtype=torch.float32, device=query.device)
-        for pos, cut in self.whole:
-            ow, lw = self.backend.attend_runs(q[:, pos:pos + 1].reshape(1, hkv, g, d), k_layer, v_layer, cut, scale)
-            out[:, pos] = ow.reshape(hq, d)
-            lse[:, pos] = lw.reshape(hq)
-        # Rest segments first: every other token has one.
+        if self.own_rows is not None:
+            self.backend.attend_rows(q, k_layer, v_layer, self.own_rows, scale, out, lse)
+        # Rest segments first: every token has one.
         for call in self.decode_calls(2 * hkv * d * k_layer.element_size()):
             b, width = call.pos.numel(), call.width
             qd = q.index_select(1, call.pos).permute(1, 0, 2).reshape(b, hkv, g, d)

@@ -219,9 +219,9 @@ class ModelRunner:
                stack: DecoderStack | None) -> torch.Tensor:
         """``forward_paged``'s body: through ``stack`` when given, else through transformers'
         forward with the pool-reading attention registered in its place."""
-        # a lone decode row read whole, in one call over its slots, where the backend can
-        whole_rows = self.attention.takes_runs(self.dtype, self.query_groups, self.head_dim)
-        plan = PagedPlan(segments, self.device, self.attention, whole_rows)
+        # decode rows read in place, in one call for all, where the backend can
+        own_rows = self.attention.takes_rows(self.dtype, self.query_groups, self.head_dim)
+        plan = PagedPlan(segments, self.device, self.attention, own_rows)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
@@ -237,8 +237,8 @@ class ModelRunner:
             finally:
                 _batch.paged = None
             logits = out.logits[0].float()
-        if every_position:
-            return logits
+        if every_position or plan.order == sorted(plan.order):
+            return logits  # already in the caller's order (one group of decode rows, say): no copy
         back = torch.empty_like(logits)
         back[torch.tensor(plan.order, device=self.device)] = logits
         return back

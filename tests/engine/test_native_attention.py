@@ -191,10 +191,11 @@ def test_many_threads_asking_at_once_build_it_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
-def test_a_plan_reads_lone_decode_rows_whole_and_agrees_with_the_split_path(kernel):
-    """Whole rows: a decode row that shares its prefix with no other row of the pack is read in
-    one call over all of its slots (however fragmented); grouped rows and prefill chunks take the
-    usual calls. Both plans give the same attention."""
+def test_a_plan_reads_decode_rows_in_place_and_agrees_with_the_gathering_path(kernel):
+    """Own rows: every decode row's rest is read in place, all rows in one call; a decode row
+    that shares its prefix with no other row is read whole (however fragmented its slots); grouped
+    rows still read their shared prefix once, and prefill chunks take the usual calls. Both plans
+    give the same attention."""
     from engine.model.paged_attention import PagedPlan, PagedSegment
 
     gen = torch.Generator().manual_seed(4)
@@ -211,11 +212,18 @@ def test_a_plan_reads_lone_decode_rows_whole_and_agrees_with_the_split_path(kern
         PagedSegment([11], 4, [1350, 1351, 1352, 1353, 1354]),  # lone, too short to group: whole
     ]
     backend = CpuNativeBackend()
-    whole = PagedPlan(segments, CPU, backend, whole_rows=True)
-    split = PagedPlan(segments, CPU, backend, whole_rows=False)
-    lone_positions = [whole.order.index(i) for i in (2, 4)]
-    assert sorted(pos for pos, _ in whole.whole) == sorted(sum(whole.lens[:p]) for p in lone_positions)
-    assert not split.whole and [grp[2] for grp in whole.groups] == [((0, 300),), ((1300, 20),)]
+    whole = PagedPlan(segments, CPU, backend, own_rows=True)
+    split = PagedPlan(segments, CPU, backend, own_rows=False)
+    rows, pieces = whole.own_rows
+    decode_positions = sorted(sum(whole.lens[:whole.order.index(i)]) for i in (0, 1, 2, 4))
+    assert sorted(rows[:, 0].tolist()) == decode_positions and split.own_rows is None
+    by_position = {int(pos): pieces[a:b] for pos, a, b in rows.tolist()}
+    lone = by_position[sum(whole.lens[:whole.order.index(2)])]
+    assert int(lone[:, 1].sum()) == len(fragmented)  # read whole: every slot
+    grouped = by_position[sum(whole.lens[:whole.order.index(1)])]
+    assert grouped[:, 0].tolist() == [1201] and int(grouped[:, 1].sum()) == 2  # only its own two slots
+    assert [grp[2] for grp in whole.groups] == [((0, 300),), ((1300, 20),)]
+    assert not whole.decode_calls(64) and split.decode_calls(64)
     total = sum(len(s.ids) for s in segments)
     query = torch.randn(1, hkv * g, total, d, generator=gen).to(torch.bfloat16)
     a = whole.attention(k_layer, v_layer, query, d ** -0.5)
@@ -231,7 +239,7 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
 
     runner = tiny_runner_bf16
     assert isinstance(runner.attention, CpuNativeBackend)
-    assert runner.attention.takes_runs(runner.dtype, runner.query_groups, runner.head_dim)
+    assert runner.attention.takes_rows(runner.dtype, runner.query_groups, runner.head_dim)
     pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
                   1200 * runner.kv_bytes_per_token)
     everything = pool.alloc(1200)
@@ -241,8 +249,8 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
     runner.forward_paged(pool, [PagedSegment(seq[:300], 0, table)])
     runner.forward_paged(pool, [PagedSegment(seq[300:], 300, table)])
     calls = []
-    real = runner.attention.attend_runs
-    monkeypatch.setattr(runner.attention, "attend_runs", lambda *a: calls.append(a[3].shape) or real(*a))
+    real = runner.attention.attend_rows
+    monkeypatch.setattr(runner.attention, "attend_rows", lambda *a: calls.append(a[3][1].shape) or real(*a))
     seq.append(17)
     row = runner.forward_paged(pool, [PagedSegment([17], len(seq) - 1, table)])[0]
     ref, _ = runner.baseline_prefill(seq)
@@ -254,11 +262,11 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
 def test_with_amx_the_backend_takes_up_to_64_bf16_rows_of_a_64_wide_head(kernel):
     backend = CpuNativeBackend()
     if not kernel.amx:
-        assert not backend.takes_runs(torch.bfloat16, 48, 64)
+        assert not backend.takes_rows(torch.bfloat16, 48, 64)
         pytest.skip("no AMX here: only the few-rows path runs")
-    assert backend.takes_runs(torch.bfloat16, 48, 64) and backend.takes_runs(torch.bfloat16, 64, 64)
-    assert not backend.takes_runs(torch.bfloat16, 65, 64) and not backend.takes_runs(torch.bfloat16, 48, 16)
-    assert not backend.takes_runs(torch.float32, 3, 64)
+    assert backend.takes_rows(torch.bfloat16, 48, 64) and backend.takes_rows(torch.bfloat16, 64, 64)
+    assert not backend.takes_rows(torch.bfloat16, 65, 64) and not backend.takes_rows(torch.bfloat16, 48, 16)
+    assert not backend.takes_rows(torch.float32, 3, 64)
     q, k, v = pool_case(3, 48, 600, 64, torch.bfloat16)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours
     q, k, v = pool_case(3, 65, 600, 64, torch.bfloat16)

@@ -87,19 +87,23 @@ class AttentionBackend(ABC):
         """Attention of ``q`` over ``k``/``v`` under ``mask`` and/or ``causal`` (module docstring):
         ``(out in q's dtype or float32, lse float32)``."""
 
-    def takes_runs(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
-        """Whether ``attend_runs`` serves ``rows`` query rows of ``dtype`` and ``head_dim`` (a
-        decode row's grouped heads); the plan then reads such a row's slots in one call."""
+    def takes_rows(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
+        """Whether ``attend_rows`` serves decode rows of ``rows`` query rows each (a token's
+        grouped heads) in ``dtype`` and ``head_dim``; the plan then reads every decode row's
+        own slots that way instead of gathering them."""
         return False
 
-    def cut_runs(self, runs: list[tuple[int, int]]) -> object:
-        """``runs`` (first slot, length) in the form ``attend_runs`` takes (once per forward)."""
+    def cut_rows(self, rows: list[tuple[int, list[tuple[int, int]]]]) -> object:
+        """Decode rows ``(pack position, runs (first slot, length))`` in the form
+        ``attend_rows`` takes (once per forward, for every layer)."""
         raise NotImplementedError
 
-    def attend_runs(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``q [1, H, M, D]`` over the slots ``cut`` names in the pool's layer
-        ``k_layer``/``v_layer`` ``[H, S, D]``, all visible, as one sequence: ``(out, lse)``."""
+    def attend_rows(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object, scale: float,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Each decode row ``cut`` names, ``g`` query rows per KV head of the pack's queries
+        ``q [Hq, T, D]``, over its runs of the pool layer ``k_layer``/``v_layer`` ``[H, S, D]``
+        (all visible, one sequence): writes its values and log-sum-exp into ``out [Hq, T, D]``
+        and ``lse [Hq, T]`` (float32) at its position."""
         raise NotImplementedError
 
     @property

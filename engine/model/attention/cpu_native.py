@@ -41,24 +41,23 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                mask: torch.Tensor | None = None, causal: Causal | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if mask is None and causal is None and self.takes_runs(q.dtype, q.shape[-2], q.shape[-1]) \
+        if mask is None and causal is None and self.takes_rows(q.dtype, q.shape[-2], q.shape[-1]) \
                 and self.kernel.fits(q, k, v):
             return self.kernel.attend(q, k, v, scale)
         return super().attend(q, k, v, scale, mask=mask, causal=causal)
 
-    def takes_runs(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
+    def takes_rows(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
         if dtype not in NATIVE_DTYPES:
             return False
         return rows <= NATIVE_MAX_ROWS or (self.kernel.max_rows(dtype, head_dim) > native.MAX_ROWS
                                            and rows <= self.kernel.max_rows(dtype, head_dim))
 
-    def cut_runs(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        return native.pieces(runs)
+    def cut_rows(self, rows: list[tuple[int, list[tuple[int, int]]]]) -> object:
+        return native.cut_rows(rows)
 
-    def attend_runs(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(cut, torch.Tensor)
-        return self.kernel.attend_runs(q, k_layer, v_layer, cut, scale)
+    def attend_rows(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, cut: object, scale: float,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.kernel.attend_rows(q, k_layer, v_layer, cut, scale, out, lse)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         rows = f"up to {native.AMX_MAX_ROWS} rows with AMX" if self.kernel.amx else f"up to {NATIVE_MAX_ROWS} rows"

@@ -45,69 +45,85 @@ _why = ""
 
 
 class DecodeKernel:
-    """The loaded library: ``attend`` and ``attend_runs`` run it on torch tensors."""
+    """The loaded library: ``attend`` (one call's rows over a view of keys) and ``attend_rows``
+    (many decode rows, each over its own runs of the pool) run it on torch tensors."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._run = lib.radix_decode_attention
-        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
-                              ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
+        self._run = lib.radix_attention
+        self._run.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
+                              ctypes.c_float, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._run.restype = ctypes.c_int
         self._work = lib.radix_attn_work_floats
-        self._work.argtypes = [i64] * 4
+        self._work.argtypes = [i64] * 5
         self._work.restype = i64
         lib.radix_amx_ready.restype = ctypes.c_int
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
         self.path = path
 
     def max_rows(self, dtype: torch.dtype, head_dim: int) -> int:
-        """The most query rows one call takes for this dtype and head size."""
+        """The most query rows per token one call takes for this dtype and head size."""
         if self.amx and dtype == torch.bfloat16 and head_dim % 32 == 0:
             return AMX_MAX_ROWS
         return MAX_ROWS
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether one call takes these shapes: ``q [1, H, M, D]`` with at most ``max_rows``
-        rows, ``k``/``v`` ``[1, H, L, D]`` (or ``[H, S, D]``, the pool's layer, for
-        ``attend_runs``), float32 or bfloat16 on the CPU, rows contiguous."""
-        kv_heads = k.shape[0] if k.dim() == 3 else k.shape[1] if k.dim() == 4 and k.shape[0] == 1 else -1
-        return (q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1
-                and q.shape[2] <= self.max_rows(q.dtype, q.shape[3]) and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-                and k.shape == v.shape and kv_heads == q.shape[1] and k.shape[-1] == q.shape[3]
-                and q.shape[3] % 16 == 0 and q.shape[3] <= MAX_HEAD_DIM and k.shape[-2] >= 1
-                and q.stride(3) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+        """Whether ``attend`` takes these shapes: ``q [1, H, M, D]`` with at most ``max_rows``
+        rows, ``k``/``v`` ``[1, H, L, D]``, float32 or bfloat16 on the CPU, rows contiguous."""
+        return (q.device.type == "cpu" and q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1
+                and q.shape[2] <= self.max_rows(q.dtype, q.shape[3]) and q.dtype in (torch.float32, torch.bfloat16)
+                and k.dtype == q.dtype and v.dtype == q.dtype and k.shape == v.shape and k.shape[1] == q.shape[1]
+                and k.shape[3] == q.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= MAX_HEAD_DIM
+                and k.shape[2] >= 1 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q [1, H, M, D]`` over every key of ``k``/``v`` ``[1, H, L, D]`` (no
         mask): ``(out [1, H, M, D] float32, lse [1, H, M] float32)``. The caller checks ``fits``."""
-        return self.attend_runs(q, k[0], v[0], pieces(((0, k.shape[2]),)), scale)
-
-    def attend_runs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``q [1, H, M, D]`` over the keys ``cut`` (``pieces``) names in ``k``/``v``
-        ``[H, S, D]``, as one sequence: ``(out [1, H, M, D] float32, lse [1, H, M] float32)``."""
         _, h, m, d = q.shape
-        n = cut.shape[0]
-        if n == 0 or int(cut[:, 0].min()) < 0 or int((cut[:, 0] + cut[:, 1]).max()) > k.shape[1]:
-            raise ValueError(f"pieces outside the {k.shape[1]} keys")
         out = torch.empty((1, h, m, d), dtype=torch.float32)
         lse = torch.empty((1, h, m), dtype=torch.float32)
-        work = torch.empty(self._work(h, m, d, n), dtype=torch.float32)
-        rc = self._run(q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1),
-                       v.data_ptr(), v.stride(0), v.stride(1), cut.data_ptr(), n, h, m, d, scale,
-                       int(q.dtype == torch.bfloat16), out.data_ptr(), lse.data_ptr(), work.data_ptr(),
-                       torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the native attention kernel refused q {tuple(q.shape)} k {tuple(k.shape)}")
+        cut = cut_rows([(0, ((0, k.shape[2]),))])
+        self._call(q, (q.stride(1), q.stride(2), 0), k[0], v[0], cut, m, scale, out, (m * d, d, 0), lse, (m, 1, 0))
         return out, lse
 
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: RowsCut, scale: float,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Decode rows of a pack: ``q [Hq, T, D]`` (the pack's queries, ``Hq = g * H``), each row
+        ``cut`` names attending over its own runs of the pool layer ``k``/``v`` ``[H, S, D]``;
+        writes ``out [Hq, T, D]`` and ``lse [Hq, T]`` (float32, contiguous) at those rows."""
+        hq, t, d = q.shape
+        g = hq // k.shape[0]
+        self._call(q, (g * q.stride(0), q.stride(0), q.stride(1)), k, v, cut, g, scale, out,
+                   (g * t * d, t * d, d), lse, (g * t, t, 1))
 
-def pieces(runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """``runs`` (first key, length) cut into pieces of at most ``CHUNK`` keys: the int64
-    ``[n, 2]`` tensor ``attend_runs`` takes (built once per forward, used by every layer)."""
-    cut = [(first + o, min(CHUNK, length - o)) for first, length in runs for o in range(0, length, CHUNK)]
-    return torch.tensor(cut, dtype=torch.int64).reshape(-1, 2)
+    def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides) -> None:
+        h, d = k.shape[0], k.shape[2]
+        rows, cuts = cut
+        if int((cuts[:, 0] + cuts[:, 1]).max()) > k.shape[1] or int(cuts[:, 0].min()) < 0:
+            raise ValueError(f"pieces outside the {k.shape[1]} keys")
+        work = torch.empty(self._work(h, m, d, cuts.shape[0], rows.shape[0]), dtype=torch.float32)
+        rc = self._run(q.data_ptr(), *q_strides, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                       v.stride(1), rows.data_ptr(), rows.shape[0], cuts.data_ptr(), cuts.shape[0], h, m, d, scale,
+                       int(q.dtype == torch.bfloat16), out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
+                       work.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the native attention kernel refused {m} rows of {tuple(q.shape)} over {tuple(k.shape)}")
+
+
+RowsCut = tuple[torch.Tensor, torch.Tensor]  # rows [R, 3] (position, first piece, end piece), pieces [P, 3]
+
+
+def cut_rows(rows: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> RowsCut:
+    """Decode rows ``(pack position, runs (first slot, length))`` in the form ``attend_rows``
+    takes: each run cut into pieces of at most ``CHUNK`` keys (built once per forward, used by
+    every layer)."""
+    table, cut = [], []
+    for row, (pos, runs) in enumerate(rows):
+        first = len(cut)
+        cut += [(start + o, min(CHUNK, length - o), row) for start, length in runs for o in range(0, length, CHUNK)]
+        table.append((pos, first, len(cut)))
+    return torch.tensor(table, dtype=torch.int64).reshape(-1, 3), torch.tensor(cut, dtype=torch.int64).reshape(-1, 3)
 
 
 def kernel() -> DecodeKernel | None:

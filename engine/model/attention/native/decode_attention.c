@@ -71,10 +71,10 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Per (head, piece): M*D partial sums, then M maxima, then M sums of weights; then room for
- * the query rows in bf16, padded to 16 (the AMX path's copy). */
-int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t npieces) {
-    return H * npieces * (M * D + 2 * M) + H * ((M + 15) / 16 * 16) * D / 2 + 16;
+/* Per (piece, head): M*D partial sums, then M maxima, then M sums of weights; then room for
+ * the query rows in bf16, padded to 16, per (token, head) (the AMX path's copy). */
+int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t npieces, int64_t nrows) {
+    return H * npieces * (M * D + 2 * M) + nrows * H * ((M + 15) / 16 * 16) * D / 2 + 16;
 }
 
 static inline void prefetch_rows(const char *p, int64_t bytes) {
@@ -160,6 +160,7 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
 #define AMX_MAX_ROWS 64 /* four tiles of 16 query rows */
 #define AMX_MIN_ROWS 5  /* fewer rows: chunk_rows, which streams the keys faster */
 #define AMX_CHUNK 256   /* keys per piece on this path (a multiple of 32) */
+#define AMX_CHUNK_ROWS AMX_CHUNK
 
 /* The tile shapes: every tile 16 rows of 64 bytes (16 fp32, or 32 bf16). */
 typedef struct {
@@ -302,13 +303,19 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
 }
 #else
 int radix_amx_ready(void) { return 0; }
+#define AMX_CHUNK_ROWS MAX_CHUNK
 #endif
 
-int radix_decode_attention(const void *q, int64_t q_sh, int64_t q_sm, const void *k, int64_t k_sh, int64_t k_sl,
-                           const void *v, int64_t v_sh, int64_t v_sl, const int64_t *pieces, int64_t npieces,
-                           int64_t H, int64_t M, int64_t D, float scale, int bf16, float *out, float *lse,
-                           float *work, int threads) {
-    if (D % 16 || D > MAX_D || M < 1 || npieces < 1 || H < 1 || threads < 1)
+/* Rows of several tokens at once: token r (``rows[r]`` = pack position, first piece, end piece)
+ * has M query rows per KV head, at q + h*q_hs + i*q_rs + pos*q_ts (i < M), and attends over
+ * its own pieces (``pieces[p]`` = first key, key count, row). Writes out and lse at the same
+ * places (their own strides). One token with every key of a view is a plain call. */
+int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, const void *k, int64_t k_sh,
+                    int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, const int64_t *rows, int64_t nrows,
+                    const int64_t *pieces, int64_t npieces, int64_t H, int64_t M, int64_t D, float scale, int bf16,
+                    float *out, int64_t o_hs, int64_t o_rs, int64_t o_ts, float *lse, int64_t l_hs, int64_t l_rs,
+                    int64_t l_ts, float *work, int threads) {
+    if (D % 16 || D > MAX_D || M < 1 || nrows < 1 || npieces < 1 || H < 1 || threads < 1)
         return 1;
 #ifdef HAVE_AMX
     /* AMX from AMX_MIN_ROWS rows where it runs; below, or without it, up to MAX_ROWS rows */
@@ -320,63 +327,72 @@ int radix_decode_attention(const void *q, int64_t q_sh, int64_t q_sm, const void
     if (M > MAX_ROWS)
         return 1;
 #endif
-    for (int64_t i = 0; i < npieces; i++)
-        if (pieces[2 * i] < 0 || pieces[2 * i + 1] < 1 || pieces[2 * i + 1] > (amx ? 256 : MAX_CHUNK))
+    for (int64_t i = 0; i < npieces; i++) {
+        const int64_t *pc = pieces + 3 * i;
+        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : MAX_CHUNK) || pc[2] < 0 || pc[2] >= nrows)
+            return 1;
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        if (rows[3 * r + 1] < 0 || rows[3 * r + 2] > npieces || rows[3 * r + 1] >= rows[3 * r + 2])
             return 1;
     const int esz = bf16 ? 2 : 4;
     const int64_t per = M * D + 2 * M;
 #ifdef HAVE_AMX
-    /* the AMX path's query rows, after the partial sums in ``work``: each head's, contiguous,
-     * zero rows up to a multiple of 16 */
+    /* the AMX path's query rows, after the partial sums in ``work``: per (token, head), the M
+     * rows contiguous and zero rows up to a multiple of 16 */
     uint16_t *qa = (uint16_t *)(work + H * npieces * per);
     const int64_t m16 = (M + 15) / 16 * 16;
     if (amx)
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t r = 0; r < m16; r++)
-                for (int64_t d = 0; d < D; d++)
-                    qa[(h * m16 + r) * D + d] = r < M ? ((const uint16_t *)q)[h * q_sh + r * q_sm + d] : 0;
+        for (int64_t r = 0; r < nrows; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < m16; i++)
+                    for (int64_t d = 0; d < D; d++)
+                        qa[((r * H + h) * m16 + i) * D + d] =
+                            i < M ? ((const uint16_t *)q)[h * q_hs + i * q_rs + rows[3 * r] * q_ts + d] : 0;
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < H * npieces; item++) {
-        const int64_t h = item / npieces, c = item % npieces;
-        const int64_t j0 = pieces[2 * c];
-        const int n = (int)pieces[2 * c + 1];
+        const int64_t h = item % H, c = item / H;
+        const int64_t j0 = pieces[3 * c], r = pieces[3 * c + 2];
+        const int n = (int)pieces[3 * c + 1];
         float *o = work + item * per, *mx = o + M * D, *sm = mx + M;
-        const char *qh = (const char *)q + h * q_sh * esz;
+        const char *qh = (const char *)q + (h * q_hs + rows[3 * r] * q_ts) * esz;
         const char *kh = (const char *)k + (h * k_sh + j0 * k_sl) * esz;
         const char *vh = (const char *)v + (h * v_sh + j0 * v_sl) * esz;
 #ifdef HAVE_AMX
         if (amx) {
-            chunk_amx(qa + h * m16 * D, (const uint16_t *)kh, k_sl, (const uint16_t *)vh, v_sl, (int)M, n, (int)D,
-                      scale, o, mx, sm);
+            chunk_amx(qa + (r * H + h) * m16 * D, (const uint16_t *)kh, k_sl, (const uint16_t *)vh, v_sl, (int)M, n,
+                      (int)D, scale, o, mx, sm);
             continue;
         }
 #endif
-        chunk_rows(qh, q_sm, kh, k_sl, vh, v_sl, (int)M, n, (int)D, scale, bf16, esz, o, mx, sm);
+        chunk_rows(qh, q_rs, kh, k_sl, vh, v_sl, (int)M, n, (int)D, scale, bf16, esz, o, mx, sm);
     }
-    /* merge the pieces of each (head, row), in order */
-    for (int64_t hm = 0; hm < H * M; hm++) {
-        const int64_t h = hm / M, m = hm % M;
+    /* merge the pieces of each (token, head, row), in order */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t rhm = 0; rhm < nrows * H * M; rhm++) {
+        const int64_t r = rhm / (H * M), h = rhm / M % H, m = rhm % M;
+        const int64_t p0 = rows[3 * r + 1], p1 = rows[3 * r + 2], pos = rows[3 * r];
         float best = -INFINITY;
-        for (int64_t c = 0; c < npieces; c++) {
-            const float *mx = work + (h * npieces + c) * per + M * D;
+        for (int64_t c = p0; c < p1; c++) {
+            const float *mx = work + (c * H + h) * per + M * D;
             best = mx[m] > best ? mx[m] : best;
         }
         float total = 0.0f;
         float acc[MAX_D];
         for (int64_t d = 0; d < D; d++)
             acc[d] = 0.0f;
-        for (int64_t c = 0; c < npieces; c++) {
-            const float *o = work + (h * npieces + c) * per, *mx = o + M * D, *sm = mx + M;
+        for (int64_t c = p0; c < p1; c++) {
+            const float *o = work + (c * H + h) * per, *mx = o + M * D, *sm = mx + M;
             const float w = expf(mx[m] - best);
             total += w * sm[m];
             for (int64_t d = 0; d < D; d++)
                 acc[d] += w * o[m * D + d];
         }
-        float *dst = out + (h * M + m) * D;
+        float *dst = out + h * o_hs + m * o_rs + pos * o_ts;
         for (int64_t d = 0; d < D; d++)
             dst[d] = acc[d] / total;
-        lse[h * M + m] = best + logf(total);
+        lse[h * l_hs + m * l_rs + pos * l_ts] = best + logf(total);
     }
     return 0;
 }
