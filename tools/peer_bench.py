@@ -140,8 +140,8 @@ def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], s
     nxt = iter(range(len(conversations)))
     lock = threading.Lock()
 
-    def client() -> None:
-        with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+    def client(http: httpx.Client) -> None:
+        with http:
             while True:
                 with lock:
                     i = next(nxt, None)
@@ -153,7 +153,7 @@ def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], s
                     errors.append(exc)
                     return
 
-    wall = run_clients(client, streams, daemon=True)
+    wall = run_clients(client, streams, daemon=True, prepare=lambda: httpx.Client(timeout=httpx.Timeout(600.0)))
     if errors:
         raise errors[0]
     return Row(server, streams, tuple(r for r in results if r is not None), wall, system_tokens)
