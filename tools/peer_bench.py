@@ -276,13 +276,14 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 # ------------------------------------------------------------------ report
 def format_row(r: Row) -> str:
-    return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
+    return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.output_tokens:,} in "
+            f"{r.wall_s:.2f} s | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
             f"{r.cached_per_request:,.0f} / {r.prompt_per_request:,.0f} |")
 
 
 def format_table(rows: list[Row], title: str) -> str:
-    lines = [title, "", "| server | system tokens | streams | output tokens/s | TTFT p50 ms | TTFT p95 ms "
-                        "| cached / prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [title, "", "| server | system tokens | streams | output tokens/s | output tokens in wall time "
+                        "| TTFT p50 ms | TTFT p95 ms | cached / prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     servers = list(dict.fromkeys(r.server for r in rows))
     if len(servers) == 2:

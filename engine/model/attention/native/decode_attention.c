@@ -1,25 +1,30 @@
-/* Attention of a few query rows over one run of keys in the KV pool, for CPUs with AVX-512:
- * the shared prefix of one or two requests in a decode step (every row sees every key; no
- * mask).
+/* Attention of decode rows over their keys in the KV pool, for CPUs with AVX-512 (and AMX):
+ * every row sees every key it is given (no mask): a decode token over its own slots, or the
+ * rows of several requests over the prefix they share.
  *
  * Why a kernel of our own: PyTorch's flash kernel for CPUs reaches its speed only when the
  * keys sit in cache. In a decode step they never do (the layer's KV was last read a whole
- * step ago, with all the weights streamed in between), and with a handful of query rows its
- * work splits into one item per KV head (three, on two cores) that each wait on memory. Here
- * the keys are cut into chunks that the cores share evenly, each chunk is streamed once with
- * prefetching, and the chunks merge by their log-sum-exp at the end. With more rows the
- * arithmetic dominates and the flash kernel is the faster one; the caller picks.
+ * step ago, with all the weights streamed in between), and with few query rows its work
+ * splits into one item per KV head (three, on two cores) that each wait on memory. Here the
+ * keys are cut into pieces that the cores share evenly, each piece is streamed once with
+ * prefetching, and the pieces merge by their log-sum-exp at the end. Two inner loops:
+ * chunk_rows (up to MAX_ROWS rows: a dot product per key and row, float32) and, where the CPU
+ * has AMX, chunk_amx (AMX_MIN_ROWS to AMX_MAX_ROWS rows of bf16: tile products).
  *
- * Layout (strides in elements; the last dimension is contiguous):
- *   q      [H][M][D]  bf16 or fp32 (grouped query heads folded into the M rows of their KV head)
- *   k, v   [H][S][D]  same dtype as q: the pool's layer (or a view into it)
- *   pieces [npieces][2]  (first key, key count <= MAX_CHUNK): the keys attended, in runs of
- *                     the pool cut into chunks; together they are one key sequence
- *   out    [H][M][D]  fp32, contiguous
- *   lse    [H][M]     fp32: natural log of sum_j exp(scale * q.k_j)
- *   work              fp32 scratch of radix_attn_work_floats(H, M, D, npieces) floats
- * Products and sums are float32, like the flash kernel's; the result does not depend on the
- * number of threads (the pieces are merged in order).
+ * One call (radix_attention), strides in elements, the last dimension contiguous:
+ *   q       token r's M query rows of KV head h at q + h*q_hs + i*q_rs + pos_r*q_ts (i < M),
+ *           bf16 or fp32 (grouped query heads folded into the M rows of their KV head)
+ *   k, v    [H][S][D] the pool's layer (or a view into it), same dtype as q
+ *   rows    [nrows][3]   (pack position, first piece, end piece) per token
+ *   pieces  [npieces][3] (first key, key count, token): a token's keys, in runs of the pool
+ *           cut into chunks; together one key sequence
+ *   out     fp32 at out + h*o_hs + i*o_rs + pos*o_ts (D values); lse likewise (one value):
+ *           natural log of sum_j exp(scale * q.k_j)
+ *   work    fp32 scratch of radix_attn_work_floats(H, M, D, npieces, nrows) floats
+ * Products and sums are float32, like the flash kernel's (the AMX path rounds the weights to
+ * bf16 before the second product, as the flash kernel does); the result does not depend on
+ * the number of threads (the pieces are merged in order). Scratch beyond ``work``: the AMX
+ * path keeps about 270 KB of tiles' staging per thread (thread-local, allocated once).
  */
 #include <immintrin.h>
 #include <math.h>
