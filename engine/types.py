@@ -64,6 +64,9 @@ class SamplingParams:
     # tokens already in the answer have their logits divided (>1) as in CTRL / HF.
     no_repeat_ngram_size: int = 0
     repetition_penalty: float = 1.0
+    # Past the model's end-of-sequence token until max_new_tokens (vLLM's ``ignore_eos``): for
+    # benchmarks, so that every server compared does the same amount of work.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

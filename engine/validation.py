@@ -147,6 +147,8 @@ def check_sampling(params: object) -> SamplingParams:
         raise EngineError("No-repeat n-gram size must be from 0 (off) to 64.")
     if not 0 < penalty <= 10:
         raise EngineError("Repetition penalty must be above 0 and at most 10 (1 is off).")
+    if not isinstance(params.ignore_eos, bool):
+        raise EngineError("Ignore EOS must be true or false.")
     return replace(params, max_new_tokens=int(max(-1.0, min(max_new, 2.0**31))), temperature=temperature,
                    top_p=top_p, seed=seed, no_repeat_ngram_size=int(ngram), repetition_penalty=penalty)
 

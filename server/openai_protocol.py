@@ -74,6 +74,14 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     return int(value) if integer else float(value)
 
 
+def _flag(body: dict, name: str) -> bool:
+    """An optional true/false parameter (absent or null: false)."""
+    value = body.get(name)
+    if value not in (None, True, False):
+        raise bad_request(f"'{name}' must be true or false.", name)
+    return bool(value)
+
+
 def _unsupported(body: dict, name: str, allowed: tuple = (None, False, 0, 0.0, 1)) -> None:
     if body.get(name) not in allowed:
         raise bad_request(f"'{name}' is not supported by this server.", name)
@@ -121,7 +129,8 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
         max_new_tokens=int(max_tokens), temperature=_number(body, "temperature", 1.0, 0, 2),
         top_p=_number(body, "top_p", 1.0, 0, 1), seed=None if seed is None else int(seed),
         no_repeat_ngram_size=int(_number(body, "no_repeat_ngram_size", 0, 0, 64, integer=True)),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10))
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10),
+        ignore_eos=_flag(body, "ignore_eos"))
     if sampling.top_p <= 0:
         raise bad_request("'top_p' must be above 0.", "top_p")
     stream = body.get("stream", False)
@@ -134,8 +143,7 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
         raise bad_request("'cache_salt' must be a non-empty string of at most 256 characters.", "cache_salt")
-    if body.get("return_token_ids") not in (None, True, False):
-        raise bad_request("'return_token_ids' must be true or false.", "return_token_ids")
+    _flag(body, "return_token_ids")
     return dict(model=model, sampling=sampling, stream=bool(stream),
                 include_usage=bool((options or {}).get("include_usage")), stop=_stop(body), cache_salt=salt,
                 return_token_ids=bool(body.get("return_token_ids")))

@@ -7,7 +7,9 @@
 The workload is ``tools.serve_bench``'s long-prefix one, sent over HTTP: every request is
 a chat turn with the same policy-manual system prompt of about ``--system-tokens`` tokens
 (``serve_bench.policy_manual``) and its own question (``serve_bench.chat_requests``),
-``--max-tokens`` new tokens, temperature 0, streamed over ``/v1/chat/completions`` with
+``--max-tokens`` new tokens (exactly that many: ``ignore_eos``, which vLLM's own serving benchmark
+sends too, so that servers whose answers end at different places still do the same work;
+``--stop-at-eos`` lets answers end), temperature 0, streamed over ``/v1/chat/completions`` with
 ``stream_options.include_usage``. For each number of streams ``c``, ``c`` client threads
 take the ``--requests`` requests one after another (a closed loop). One request with the
 system prompt is sent first, off the clock, so the prefix is cached on every server, as
@@ -121,8 +123,10 @@ def parse_sse(lines: Iterator[str], t0: float) -> Result:
                   (first or time.perf_counter()) - t0, "".join(text))
 
 
-def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dict], max_tokens: int) -> Result:
+def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dict], max_tokens: int,
+              ignore_eos: bool = False) -> Result:
     body = {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
+            **({"ignore_eos": True} if ignore_eos else {}),
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     with client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body) as resp:
@@ -133,7 +137,7 @@ def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dic
 
 
 def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], streams: int, max_tokens: int,
-                server: str = "", system_tokens: int = 0) -> Row:
+                server: str = "", system_tokens: int = 0, ignore_eos: bool = False) -> Row:
     """``streams`` closed-loop clients over ``conversations``; one ``Row``."""
     results: list[Result | None] = [None] * len(conversations)
     errors: list[BaseException] = []
@@ -148,7 +152,7 @@ def run_streams(url: str, model: str, conversations: Sequence[Sequence[dict]], s
                 if i is None or errors:
                     return
                 try:
-                    results[i] = chat_once(http, url, model, conversations[i], max_tokens)
+                    results[i] = chat_once(http, url, model, conversations[i], max_tokens, ignore_eos)
                 except BaseException as exc:  # reported once, after the others stop
                     errors.append(exc)
                     return
@@ -166,7 +170,7 @@ def served_model(url: str) -> str:
 
 
 def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]], streams: Sequence[int],
-                 max_tokens: int, log=print, system_tokens: int = 0) -> list[Row]:
+                 max_tokens: int, log=print, system_tokens: int = 0, ignore_eos: bool = False) -> list[Row]:
     """The warm-up request (off the clock), then one row per stream count."""
     model = served_model(url)
     with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
@@ -174,18 +178,18 @@ def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]],
         chat_once(http, url, model, warm, 1)
     rows = []
     for c in streams:
-        row = run_streams(url, model, conversations, c, max_tokens, server, system_tokens)
+        row = run_streams(url, model, conversations, c, max_tokens, server, system_tokens, ignore_eos)
         rows.append(row)
         log(format_row(row))
     return rows
 
 
 def bench_workloads(url: str, server: str, workloads: Sequence[tuple[int, Sequence[int], Sequence]], max_tokens: int,
-                    log=print) -> list[Row]:
+                    log=print, ignore_eos: bool = False) -> list[Row]:
     """``bench_server`` for each (system tokens, streams, conversations) workload, on one server start."""
     rows = []
     for system_tokens, streams, conversations in workloads:
-        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens)
+        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens, ignore_eos)
     return rows
 
 
@@ -316,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", default="1,8,16", help="concurrent streams, comma-separated")
     p.add_argument("--requests", type=int, default=16, help="chat requests per stream count (default 16)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="let answers end at the end-of-sequence token (default: every request generates exactly "
+                        "--max-tokens, with vLLM's ignore_eos, so that every server does the same work)")
     p.add_argument("--system-tokens", type=int, default=2300, help="system prompt length (0: the short one)")
     p.add_argument("--also", action="append", default=[], metavar="TOKENS:STREAMS",
                    help="another workload on the same server start, e.g. 6000:16 (repeatable)")
@@ -352,25 +359,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workloads = [(t, st, conversations_for(t, args.requests, args.max_tokens))
                  for t, st in [(args.system_tokens, args.streams), *args.also]]
-    title = (f"Peer benchmark: {args.requests} chat requests behind a shared system prompt, {args.max_tokens} new "
-             f"tokens, streamed; workloads (system tokens: streams) "
+    ignore_eos = not args.stop_at_eos
+    title = (f"Peer benchmark: {args.requests} chat requests behind a shared system prompt, "
+             f"{'up to ' if args.stop_at_eos else ''}{args.max_tokens} new tokens"
+             f"{'' if args.stop_at_eos else ' each (ignore_eos)'}, streamed; workloads (system tokens: streams) "
              + ", ".join(f"{t:,}: {','.join(map(str, st))}" for t, st, _ in workloads))
     print(title, flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows: list[Row] = []
     for url in args.url:
-        rows += bench_workloads(url, url, workloads, args.max_tokens, log)
+        rows += bench_workloads(url, url, workloads, args.max_tokens, log, ignore_eos)
     if args.ours:
         port = free_port()
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
         with started("ours", ours_command(port, args.dtype), env, port, "Growth curve", args.start_timeout) as url:
-            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log)
+            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log, ignore_eos)
     if args.vllm:
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="peer-bench-vllm-") as cache, \
                 started("vllm", vllm_command(Path(args.vllm_venv), port, args.dtype), vllm_env(cache), port, None,
                         args.start_timeout) as url:
-            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log)
+            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log, ignore_eos)
     print()
     print(format_table(rows, title))
     return 0

@@ -100,7 +100,7 @@ class Postprocess:
         now = time.perf_counter()
         r.token_sampled(now)
         self.telemetry.count_output(1, self.state.config.rate_window_s)
-        if tok in self.runner.text.eos_ids:
+        if tok in self.runner.text.eos_ids and not r.req.sampling.ignore_eos:
             self.finish(r, "stop")
             return
         text = r.append_token(tok, now, self.runner.text.decode)

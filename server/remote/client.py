@@ -123,6 +123,8 @@ class BackendClient:
             body["repetition_penalty"] = p.repetition_penalty
         if p.no_repeat_ngram_size:
             body["no_repeat_ngram_size"] = p.no_repeat_ngram_size
+        if p.ignore_eos:
+            body["ignore_eos"] = True
         if salt is not None:
             body["cache_salt"] = salt
         if cold:  # llama.cpp ignores cache_salt and reuses any slot's prefix: this is how it skips its cache

@@ -155,6 +155,8 @@ def test_a_full_queue_answers_503_and_bad_input_400_naming_the_parameter():
     ("max_completion_tokens", 0, "from 1 to 64;"),
     ("seed", -1, "from 0 to 9223372036854775807;"),
     ("repetition_penalty", 0.001, "from 0.01 to 10;"),
+    ("ignore_eos", "yes", "must be true or false"),
+    ("return_token_ids", 1.5, "must be true or false"),
 ])
 def test_range_errors_say_the_real_range_in_plain_digits(field, value, words):
     with http(ScriptedEngine()) as client:

@@ -361,3 +361,14 @@ def test_remote_snapshot_hides_others_by_the_local_rule(tokenizer):
     assert all("Visitor B" not in n.text for n in snap.nodes)
     assert any("Visitor A" in n.text for n in snap.nodes if not n.hidden)
     assert remote.snapshot().num_tokens == remote.tree.num_tokens  # no viewer: everything
+
+
+def test_ignore_eos_goes_to_the_backend_only_when_asked():
+    from server.remote.client import BackendClient
+
+    client = BackendClient("http://127.0.0.1:9", "m")
+    try:
+        assert "ignore_eos" not in client._body([1, 2], SamplingParams(max_new_tokens=3), 3, None)
+        assert client._body([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), 3, None)["ignore_eos"] is True
+    finally:
+        client.http.close()

@@ -167,3 +167,25 @@ def test_set_budget_and_clear(engine, tiny_runner):
     assert engine.clear_cache() > 0
     assert engine.stats().cached_tokens_now == 0
     engine.check_invariants()
+
+
+def test_ignore_eos_generates_to_the_limit_and_changes_nothing_else(tiny_runner, monkeypatch):
+    """``ignore_eos`` (vLLM's): the answer runs past the end-of-sequence token to
+    max_new_tokens; without it the same token ends the answer. The tokens before it agree."""
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    try:
+        prompt = rand_ids(31, 20, len(tiny_runner.text.tokenizer))
+        free = engine.run(req(prompt, 8))
+        third = free.output_ids[2]  # make the model's third token an end-of-sequence token
+        monkeypatch.setattr(tiny_runner.text, "eos_ids", {third})
+        stopped = engine.run(req(prompt, 8))
+        first = free.output_ids.index(third)
+        assert stopped.output_ids == free.output_ids[:first] and stopped.finish_reason == "stop"
+        going = engine.run(GenerationRequest(prompt_ids=tuple(prompt),
+                                             sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)))
+        assert going.output_ids == free.output_ids and len(going.output_ids) == 8 and going.finish_reason == "length"
+        engine.check_invariants()
+        with pytest.raises(EngineError, match="Ignore EOS"):
+            engine.run(GenerationRequest(prompt_ids=tuple(prompt), sampling=SamplingParams(ignore_eos="yes")))
+    finally:
+        engine.close()
