@@ -241,6 +241,7 @@ class Engine(FacadeBase):
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
                           cache_enabled=self.cache.enabled, isolation=self.isolation,
                           linear_kernels=r.linear_kernels, forward=r.forward_kind,
+                          attention=r.attention.describe(),
                           eviction=self.eviction_policy.describe() if self.cache.enabled else "")
 
     def clear_cache(self, namespace: str | None = None) -> int:

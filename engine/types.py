@@ -224,6 +224,7 @@ class EngineInfo:
     isolation: bool
     linear_kernels: str = ""  # how the model's linear layers multiply ("" when unknown, e.g. remote)
     forward: str = ""  # what runs the scheduler's forward, in words ("" when unknown, e.g. remote)
+    attention: str = ""  # the attention kernel serving reads the pool with, in words ("" when unknown)
     backend: str = ""  # remote mode: the server's URL (memory, budget and KV geometry unknown here)
     backend_model: str = ""  # remote mode: the model name the server serves
     cache_reported: bool | None = None  # remote mode: does the server report cached tokens (None: not yet known)

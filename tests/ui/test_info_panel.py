@@ -35,3 +35,9 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     assert "| forward | decoder stack: the model's layers called directly" in fp32
     bf16 = info_markdown(Engine(tiny_runner_bf16))
     assert (packed in bf16) if tiny_runner_bf16.packed_linears else ("| linear layers | PyTorch's default |" in bf16)
+
+
+def test_the_attention_kernel_is_named(tiny_runner):
+    line = next(x for x in info_markdown(Engine(tiny_runner)).splitlines() if x.startswith("| attention |"))
+    assert tiny_runner.attention.describe() in line
+    assert "cpu_native" in line or "cpu_sdpa" in line  # ours where it builds, PyTorch's flash kernel otherwise
