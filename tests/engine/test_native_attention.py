@@ -271,3 +271,25 @@ def test_with_amx_the_backend_takes_up_to_64_bf16_rows_of_a_64_wide_head(kernel)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours
     q, k, v = pool_case(3, 65, 600, 64, torch.bfloat16)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.bfloat16  # flash
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_threads_calling_at_once_get_what_each_gets_alone(kernel):
+    """Two engines' compute threads may call the kernel at the same time (each its own OpenMP
+    team, each AMX call its own thread-local staging): every result equals the lone call's."""
+    cases = [pool_case(3, m, 700 + 50 * i, 64, torch.bfloat16, seed=i) for i, m in enumerate((3, 24, 48, 2, 9, 64))]
+    alone = [kernel.attend(q, k, v, 0.125) for q, k, v in cases]
+    got: dict[int, list] = {}
+
+    def worker(t: int) -> None:
+        got[t] = [kernel.attend(*cases[(t + j) % len(cases)], 0.125) for j in range(12)]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t, results in got.items():
+        for j, (out, lse) in enumerate(results):
+            ref_out, ref_lse = alone[(t + j) % len(cases)]
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
