@@ -9,7 +9,7 @@ an edited file or another compiler builds anew; a build writes a temporary file 
 it, so two processes never load half a library. Anything that fails (no compiler, no
 AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
 kernels; ``RADIX_NATIVE_ATTENTION=0`` turns it off, and ``RADIX_NATIVE_DIR`` moves the
-folder (default ``$XDG_CACHE_HOME/radix-cache-playground/native``).
+folder (default ``native/`` in the app's cache folder, ``engine.model.hub.cache_root()``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from engine.model.hub import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +155,7 @@ def _load() -> DecodeKernel:
         raise RuntimeError("no C compiler (cc) on PATH")
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get(ENV_DIR) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                  / "radix-cache-playground" / "native")
+    folder = Path(os.environ.get(ENV_DIR) or cache_root() / "native")
     path = folder / f"decode_attention-{tag}.so"
     if path.exists():
         try:
