@@ -293,3 +293,17 @@ def test_threads_calling_at_once_get_what_each_gets_alone(kernel):
         for j, (out, lse) in enumerate(results):
             ref_out, ref_lse = alone[(t + j) % len(cases)]
             assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_pieces_outside_the_pool_are_refused_and_write_nothing(kernel):
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 100, 16, generator=gen)
+    q = torch.randn(4, 3, 16, generator=gen)  # [Hq, T, D]
+    out, lse = torch.zeros(4, 3, 16), torch.zeros(4, 3)
+    for runs in ([(90, 20)], [(-1, 5)]):
+        with pytest.raises(ValueError, match="refused"):
+            kernel.attend_rows(q, k, k, native.cut_rows([(1, runs)]), 0.25, out, lse)
+    assert not out.any() and not lse.any()
+    kernel.attend_rows(q, k, k, native.cut_rows([(1, [(90, 10)])]), 0.25, out, lse)
+    assert out[:, 1].any() and not out[:, 0].any() and not out[:, 2].any()

@@ -54,7 +54,7 @@ class DecodeKernel:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._run = lib.radix_attention
-        self._run.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
+        self._run.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
                               ctypes.c_float, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._run.restype = ctypes.c_int
         self._work = lib.radix_attn_work_floats
@@ -102,14 +102,13 @@ class DecodeKernel:
     def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides) -> None:
         h, d = k.shape[0], k.shape[2]
         rows, cuts = cut
-        if int((cuts[:, 0] + cuts[:, 1]).max()) > k.shape[1] or int(cuts[:, 0].min()) < 0:
-            raise ValueError(f"pieces outside the {k.shape[1]} keys")
         work = torch.empty(self._work(h, m, d, cuts.shape[0], rows.shape[0]), dtype=torch.float32)
         rc = self._run(q.data_ptr(), *q_strides, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                       v.stride(1), rows.data_ptr(), rows.shape[0], cuts.data_ptr(), cuts.shape[0], h, m, d, scale,
+                       v.stride(1), min(k.shape[1], v.shape[1]), rows.data_ptr(), rows.shape[0], cuts.data_ptr(),
+                       cuts.shape[0], h, m, d, scale,
                        int(q.dtype == torch.bfloat16), out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
                        work.data_ptr(), torch.get_num_threads())
-        if rc != 0:
+        if rc != 0:  # a shape it does not take, or pieces outside the keys: nothing was written
             raise ValueError(f"the native attention kernel refused {m} rows of {tuple(q.shape)} over {tuple(k.shape)}")
 
 

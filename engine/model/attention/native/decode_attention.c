@@ -14,7 +14,7 @@
  * One call (radix_attention), strides in elements, the last dimension contiguous:
  *   q       token r's M query rows of KV head h at q + h*q_hs + i*q_rs + pos_r*q_ts (i < M),
  *           bf16 or fp32 (grouped query heads folded into the M rows of their KV head)
- *   k, v    [H][S][D] the pool's layer (or a view into it), same dtype as q
+ *   k, v    [H][S][D] the pool's layer (or a view into it), same dtype as q; keys = S
  *   rows    [nrows][3]   (pack position, first piece, end piece) per token
  *   pieces  [npieces][3] (first key, key count, token): a token's keys, in runs of the pool
  *           cut into chunks; together one key sequence
@@ -316,7 +316,7 @@ int radix_amx_ready(void) { return 0; }
  * its own pieces (``pieces[p]`` = first key, key count, row). Writes out and lse at the same
  * places (their own strides). One token with every key of a view is a plain call. */
 int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, const void *k, int64_t k_sh,
-                    int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, const int64_t *rows, int64_t nrows,
+                    int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, int64_t keys, const int64_t *rows, int64_t nrows,
                     const int64_t *pieces, int64_t npieces, int64_t H, int64_t M, int64_t D, float scale, int bf16,
                     float *out, int64_t o_hs, int64_t o_rs, int64_t o_ts, float *lse, int64_t l_hs, int64_t l_rs,
                     int64_t l_ts, float *work, int threads) {
@@ -334,7 +334,8 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
 #endif
     for (int64_t i = 0; i < npieces; i++) {
         const int64_t *pc = pieces + 3 * i;
-        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : MAX_CHUNK) || pc[2] < 0 || pc[2] >= nrows)
+        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : MAX_CHUNK) || pc[0] + pc[1] > keys ||
+            pc[2] < 0 || pc[2] >= nrows)
             return 1;
     }
     for (int64_t r = 0; r < nrows; r++)
