@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per answer (default 16)")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation before a new chat (default 3)")
     add_engine_args(p)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (as app.py's --dtype)")
     p.add_argument("--cancel-every", type=int, default=5,
                    help="each visitor cancels every Nth turn after its first text (default 5; 0: never)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"loading {args.model} ...", flush=True)
     try:
-        runner = ModelRunner(load_model(args.model, device=args.device))
+        runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
