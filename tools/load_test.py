@@ -88,6 +88,7 @@ class LoadReport:
     invariant_failures: list[str] = field(default_factory=list)
     idle_problems: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    exact: bool = True  # float32: batched answers must equal lone runs; in bf16/fp16 they may differ (reported)
     distinct_prompts: int = 0
     hit_rate: float = 0.0
     evicted_tokens: int = 0
@@ -111,7 +112,7 @@ class LoadReport:
     @property
     def ok(self) -> bool:
         return not (self.errors or self.budget_violations or self.invariant_failures or self.idle_problems
-                    or self.mismatches or self.rss_over) and bool(self.turns)
+                    or (self.exact and self.mismatches) or self.rss_over) and bool(self.turns)
 
 
 def free_port() -> int:
@@ -272,7 +273,8 @@ def run_load(runner, seconds: float = 120.0, visitors: int = 16, budget_mb: floa
     demo = app.build_app(engine, args.max_queue)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs())
-    report = LoadReport(seconds=seconds, visitors=visitors, budget_bytes=engine.cache.budget_bytes)
+    report = LoadReport(seconds=seconds, visitors=visitors, budget_bytes=engine.cache.budget_bytes,
+                        exact=str(runner.dtype) == "torch.float32")
     stop = threading.Event()
     sampler = threading.Thread(target=_sampler, args=(engine, stop, report), daemon=True)
     try:
@@ -339,7 +341,8 @@ def format_report(r: LoadReport) -> str:
         f"cancelled mid-answer by visitors: {cancelled}; ended as cancelled in the engine: {r.cancelled_in_engine}",
         f"answers identical to the prompt run alone: {r.distinct_prompts and compared - len(r.mismatches)}"
         f" of {compared} ({r.distinct_prompts} distinct prompts); "
-        f"mismatches: {len(r.mismatches)}",
+        f"mismatches: {len(r.mismatches)}" + ("" if r.exact else
+                                              " (half precision: batched rows round differently, not a failure)"),
         f"invariants while running: {'ok' if not r.invariant_failures else r.invariant_failures[:3]}; "
         f"once idle: {'ok (no locks, pool slots == tree tokens)' if not r.idle_problems else r.idle_problems}",
     ]

@@ -19,3 +19,17 @@ def test_short_load_run(real_runner):
     assert report.budget_violations == 0 and report.peak_cache_bytes <= report.budget_bytes, text
     assert report.evicted_tokens > 0, "the budget is meant to be small enough to evict: " + text
     assert max(report.batch_sizes_max) >= 2, "concurrent visitors are meant to decode together: " + text
+
+
+def test_half_precision_reports_batched_differences_without_failing():
+    """In float32 a batched answer that differs from the lone run fails the load test; in bf16
+    the packed products round differently with more rows (with or without our attention kernel),
+    so the difference is reported, not failed."""
+    from tools.load_test import LoadReport, Turn
+
+    for exact in (True, False):
+        report = LoadReport(seconds=1, visitors=1, budget_bytes=1 << 20, exact=exact)
+        report.turns.append(Turn("Pirate", (), "Why?", answer="Aye"))
+        report.mismatches.append("Pirate / 'Why?': got 'Aye', alone 'Arr'")
+        assert report.ok is (not exact)
+        assert ("not a failure" in format_report(report)) is (not exact)
