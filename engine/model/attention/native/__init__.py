@@ -15,6 +15,7 @@ folder (default ``native/`` in the app's cache folder, ``engine.model.hub.cache_
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -64,11 +65,13 @@ class DecodeKernel:
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
         self.path = path
 
+    def amx_for(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether calls of this dtype and head size can take the AMX path (more rows)."""
+        return self.amx and dtype == torch.bfloat16 and head_dim % 32 == 0
+
     def max_rows(self, dtype: torch.dtype, head_dim: int) -> int:
         """The most query rows per token one call takes for this dtype and head size."""
-        if self.amx and dtype == torch.bfloat16 and head_dim % 32 == 0:
-            return AMX_MAX_ROWS
-        return MAX_ROWS
+        return AMX_MAX_ROWS if self.amx_for(dtype, head_dim) else MAX_ROWS
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether ``attend`` takes these shapes: ``q [1, H, M, D]`` with at most ``max_rows``
@@ -85,8 +88,8 @@ class DecodeKernel:
         _, h, m, d = q.shape
         out = torch.empty((1, h, m, d), dtype=torch.float32)
         lse = torch.empty((1, h, m), dtype=torch.float32)
-        cut = cut_rows([(0, ((0, k.shape[2]),))])
-        self._call(q, (q.stride(1), q.stride(2), 0), k[0], v[0], cut, m, scale, out, (m * d, d, 0), lse, (m, 1, 0))
+        self._call(q, (q.stride(1), q.stride(2), 0), k[0], v[0], _whole_view(k.shape[2]), m, scale, out,
+                   (m * d, d, 0), lse, (m, 1, 0))
         return out, lse
 
     def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: RowsCut, scale: float,
@@ -125,6 +128,13 @@ def cut_rows(rows: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> RowsCut:
         cut += [(start + o, min(CHUNK, length - o), row) for start, length in runs for o in range(0, length, CHUNK)]
         table.append((pos, first, len(cut)))
     return torch.tensor(table, dtype=torch.int64).reshape(-1, 3), torch.tensor(cut, dtype=torch.int64).reshape(-1, 3)
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_view(length: int) -> RowsCut:
+    """One row over every key of a view of ``length`` keys: the same for every layer of a
+    forward (a shared prefix's run), so it is cut once, not once per layer."""
+    return cut_rows([(0, ((0, length),))])
 
 
 def kernel() -> DecodeKernel | None:
