@@ -143,10 +143,10 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
         raise bad_request("'cache_salt' must be a non-empty string of at most 256 characters.", "cache_salt")
-    _flag(body, "return_token_ids")
+    token_ids = _flag(body, "return_token_ids")
     return dict(model=model, sampling=sampling, stream=bool(stream),
                 include_usage=bool((options or {}).get("include_usage")), stop=_stop(body), cache_salt=salt,
-                return_token_ids=bool(body.get("return_token_ids")))
+                return_token_ids=token_ids)
 
 
 def parse_chat(body: Any, max_new_tokens_cap: int) -> ParsedRequest:

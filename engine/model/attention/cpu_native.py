@@ -47,10 +47,8 @@ class CpuNativeBackend(CpuSdpaBackend):
         return super().attend(q, k, v, scale, mask=mask, causal=causal)
 
     def takes_rows(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
-        if dtype not in NATIVE_DTYPES:
-            return False
-        return rows <= NATIVE_MAX_ROWS or (self.kernel.max_rows(dtype, head_dim) > native.MAX_ROWS
-                                           and rows <= self.kernel.max_rows(dtype, head_dim))
+        return dtype in NATIVE_DTYPES and (rows <= NATIVE_MAX_ROWS or (self.kernel.amx_for(dtype, head_dim)
+                                                                       and rows <= native.AMX_MAX_ROWS))
 
     def cut_rows(self, rows: list[tuple[int, list[tuple[int, int]]]]) -> object:
         return native.cut_rows(rows)
