@@ -2,13 +2,14 @@
 
 Owns: the choice, per call, between ``engine.model.attention.native`` (built on this
 machine; see its C file for why) and PyTorch's flash kernel (``CpuSdpaBackend``). Ours takes
-the calls it is faster for, measured here (``docs/PERFORMANCE.md``), all in bfloat16 with no
-mask and no causal rule: up to ``NATIVE_MAX_ROWS`` query rows (one request's grouped heads:
-one stream's decode step) on any AVX-512 CPU, and up to ``AMX_MAX_ROWS`` (a decode step of up
-to 21 streams sharing a prefix, or a short question's chunk over it) where the CPU has AMX.
-Everything else, and every float32 call (there batched answers must equal solo ones bit for
-bit, and the flash kernel is what both use), goes to the flash kernel. Runs only where the
-kernel builds (``runs_on``).
+the calls it is faster for, measured here (``docs/PERFORMANCE.md``), in float32 and bfloat16
+with no mask and no causal rule: up to ``NATIVE_MAX_ROWS`` query rows (one request's grouped
+heads: one stream's decode step) on any CPU with AVX2 or AVX-512, and up to ``AMX_MAX_ROWS``
+of bfloat16 (a decode step of up to 21 streams sharing a prefix, or a short question's chunk
+over it) where the CPU has AMX. Everything else goes to the flash kernel. Both compute in
+float32 (ours rounds nothing in float32; its error against float64 is below the flash
+kernel's, ``tests/engine/test_native_attention.py``), so batched answers still equal lone
+runs. Runs only where the kernel builds (``runs_on``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.model.attention.base import Causal
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 
 NATIVE_MAX_ROWS = 4  # without AMX: at 6 rows the flash kernel is already faster here
-NATIVE_DTYPES = (torch.bfloat16,)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuNativeBackend(CpuSdpaBackend):
@@ -59,5 +60,5 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def describe(self) -> str:
         rows = f"up to {native.AMX_MAX_ROWS} rows with AMX" if self.kernel.amx else f"up to {NATIVE_MAX_ROWS} rows"
-        return (f"cpu_native (our AVX-512 kernel for decode rows over the prefix in bfloat16, {rows}; "
+        return (f"cpu_native (our {self.kernel.simd} kernel for decode rows over their keys, {rows}; "
                 "PyTorch's flash kernel for the rest)")

@@ -5,9 +5,9 @@ folder, loading it, and one call of it on tensors. Knows nothing of the plan or 
 
 The library is built for this CPU (``-march=native``, OpenMP: it shares PyTorch's thread
 pool, the same ``libgomp``) and named by a hash of the source, the flags and the compiler, so
-an edited file or another compiler builds anew; a build writes a temporary file and renames
+an edited file, another compiler or another CPU builds anew; a build writes a temporary file and renames
 it, so two processes never load half a library. Anything that fails (no compiler, no
-AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
+AVX2 or AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
 kernels; ``RADIX_NATIVE_ATTENTION=0`` turns it off, and ``RADIX_NATIVE_DIR`` moves the
 folder (default ``native/`` in the app's cache folder, ``engine.model.hub.cache_root()``).
 """
@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,7 +37,7 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
 ENV_DIR = "RADIX_NATIVE_DIR"
-MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype
+MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
 AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS: bfloat16 with AMX, head size a multiple of 32
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
@@ -63,6 +64,8 @@ class DecodeKernel:
         self._work.restype = i64
         lib.radix_amx_ready.restype = ctypes.c_int
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
+        lib.radix_simd.restype = ctypes.c_char_p
+        self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
 
     def amx_for(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -145,7 +148,7 @@ def kernel() -> DecodeKernel | None:
             _tried = True
             try:
                 _kernel = _load()
-            except Exception as exc:  # no compiler, no AVX-512, an unwritable folder: PyTorch's kernels
+            except Exception as exc:  # no compiler, no AVX2, an unwritable folder: PyTorch's kernels
                 _why = str(exc) or type(exc).__name__
                 log.info("native attention kernel not used: %s", _why)
         return _kernel
@@ -163,7 +166,7 @@ def _load() -> DecodeKernel:
     if not compiler:
         raise RuntimeError("no C compiler (cc) on PATH")
     source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + " ".join((compiler, *FLAGS, cpu_signature())).encode()).hexdigest()[:16]
     folder = Path(os.environ.get(ENV_DIR) or cache_root() / "native")
     path = folder / f"decode_attention-{tag}.so"
     if path.exists():
@@ -187,6 +190,19 @@ def _load() -> DecodeKernel:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def cpu_signature() -> str:
+    """What ``-march=native`` builds for: the CPU's model and feature flags. Part of the
+    library's name, so a cache folder that moved to another CPU (a shared home, a copied
+    image) builds anew instead of loading code this CPU cannot run (an illegal instruction
+    would kill the process, not raise)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + " " + platform.processor()
+    wanted = ("model name", "flags")
+    return " | ".join(sorted({line.strip() for line in lines if line.split(":", 1)[0].strip() in wanted}))
 
 
 def reset() -> None:

@@ -1,4 +1,5 @@
-/* Attention of decode rows over their keys in the KV pool, for CPUs with AVX-512 (and AMX):
+/* Attention of decode rows over their keys in the KV pool, for CPUs with AVX2 and FMA, or
+ * AVX-512 (and AMX):
  * every row sees every key it is given (no mask): a decode token over its own slots, or the
  * rows of several requests over the prefix they share.
  *
@@ -31,21 +32,89 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef __AVX512F__
-#error "decode_attention.c needs AVX-512 (the build falls back to PyTorch's kernels)"
-#endif
-
 #define MAX_ROWS 8
 #define MAX_D 256
 #define MAX_CHUNK 512
 
+/* Sixteen float32 lanes, the unit every loop below works in: one AVX-512 register, or two
+ * AVX2 registers on CPUs without AVX-512 (most laptops; AMD before Zen 4). The AMX path needs
+ * AVX-512 and stays below in its own #if. */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* the first k lanes of x (0 <= k <= 16), zeros after */
+static inline vf vf_first(vf x, int k) { return _mm512_maskz_mov_ps((__mmask16)((1u << k) - 1), x); }
 /* bf16 -> fp32 of 16 values: the bf16 bits are the high half of the fp32 bits. */
-static inline __m512 load16(const void *p, int bf16) {
-    if (bf16) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    return _mm512_loadu_ps((const float *)p);
+static inline vf vf_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n */
+const char *radix_simd(void) { return "AVX-512"; }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct {
+    __m256 lo, hi;
+} vf;
+static inline vf vf_make(__m256 lo, __m256 hi) {
+    vf r = {lo, hi};
+    return r;
+}
+static inline vf vf_load(const float *p) { return vf_make(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void vf_store(float *p, vf x) {
+    _mm256_storeu_ps(p, x.lo);
+    _mm256_storeu_ps(p + 8, x.hi);
+}
+static inline vf vf_set1(float a) { return vf_make(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline vf vf_zero(void) { return vf_make(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_add(vf a, vf b) { return vf_make(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline vf vf_sub(vf a, vf b) { return vf_make(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline vf vf_mul(vf a, vf b) { return vf_make(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline vf vf_fmadd(vf a, vf b, vf c) {
+    return vf_make(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline float vf_sum(vf a) {
+    __m256 s = _mm256_add_ps(a.lo, a.hi);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+static inline vf vf_first(vf x, int k) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), kk = _mm256_set1_epi32(k);
+    const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kk, lane));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kk, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+    return vf_make(_mm256_and_ps(x.lo, lo), _mm256_and_ps(x.hi, hi));
+}
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_load_bf16(const uint16_t *p) { return vf_make(bf16x8(p), bf16x8(p + 8)); }
+static inline vf vf_round(vf x) {
+    return vf_make(_mm256_round_ps(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                   _mm256_round_ps(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline vf vf_max(vf a, vf b) { return vf_make(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline __m256 scale2x8(__m256 p, __m256 n) { /* n an integer in [-126, 127] */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vf vf_scale2(vf p, vf n) { return vf_make(scale2x8(p.lo, n.lo), scale2x8(p.hi, n.hi)); }
+const char *radix_simd(void) { return "AVX2"; }
+#else
+#error "decode_attention.c needs AVX2 and FMA, or AVX-512 (the build falls back to PyTorch's kernels)"
+#endif
+
+static inline vf load16(const void *p, int bf16) {
+    return bf16 ? vf_load_bf16((const uint16_t *)p) : vf_load((const float *)p);
 }
 
 static inline float load1(const void *p, int64_t i, int bf16) {
@@ -59,21 +128,21 @@ static inline float load1(const void *p, int64_t i, int bf16) {
 }
 
 /* exp(x) for 16 lanes: 2^(x log2 e) split as 2^n * 2^f, f in [-0.5, 0.5], a degree-6
- * polynomial for 2^f (relative error about 2e-7), -inf -> 0. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    x = _mm512_max_ps(x, lo);
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5353362e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+ * polynomial for 2^f (relative error about 2e-7); x below -87 counts as -87 (-inf too), and
+ * callers zero what must be zero. */
+static inline vf exp16(vf x) {
+    x = vf_max(x, vf_set1(-87.0f));
+    vf t = vf_mul(x, vf_set1(1.44269504088896341f));
+    vf n = vf_round(t);
+    vf f = vf_sub(t, n);
+    vf p = vf_set1(1.5353362e-4f);
+    p = vf_fmadd(p, f, vf_set1(1.3398874e-3f));
+    p = vf_fmadd(p, f, vf_set1(9.6181291e-3f));
+    p = vf_fmadd(p, f, vf_set1(5.5504109e-2f));
+    p = vf_fmadd(p, f, vf_set1(2.4022650e-1f));
+    p = vf_fmadd(p, f, vf_set1(6.9314718e-1f));
+    p = vf_fmadd(p, f, vf_set1(1.0f));
+    return vf_scale2(p, n);
 }
 
 /* Per (piece, head): M*D partial sums, then M maxima, then M sums of weights; then room for
@@ -101,59 +170,53 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
         const char *kj = k + (int64_t)j * k_sl * esz;
         if (j + 32 < n)
             prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz);
-        __m512 kv[MAX_D / 16];
+        vf kv[MAX_D / 16];
         for (int c = 0; c < d16; c++)
             kv[c] = load16(kj + (int64_t)c * 16 * esz, bf16);
         for (int m = 0; m < M; m++) {
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf[m]), kv[0]);
+            vf acc = vf_mul(vf_load(qf[m]), kv[0]);
             for (int c = 1; c < d16; c++)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf[m] + 16 * c), kv[c], acc);
-            s[m][j] = _mm512_reduce_add_ps(acc) * scale;
+                acc = vf_fmadd(vf_load(qf[m] + 16 * c), kv[c], acc);
+            s[m][j] = vf_sum(acc) * scale;
         }
     }
     for (int m = 0; m < M; m++) {
         float best = -INFINITY;
         for (int j = 0; j < n; j++)
             best = s[m][j] > best ? s[m][j] : best;
-        __m512 b = _mm512_set1_ps(best), total = _mm512_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= n; j += 16) {
-            __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s[m] + j), b));
-            _mm512_storeu_ps(s[m] + j, p);
-            total = _mm512_add_ps(total, p);
-        }
-        if (j < n) {
-            __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-            __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s[m] + j), b));
-            p = _mm512_maskz_mov_ps(tail, p);
-            _mm512_mask_storeu_ps(s[m] + j, tail, p);
-            total = _mm512_add_ps(total, p);
+        vf b = vf_set1(best), total = vf_zero();
+        for (int j = 0; j < n; j += 16) { /* past the last key (within s's row): weights of 0 */
+            vf p = exp16(vf_sub(vf_load(s[m] + j), b));
+            if (n - j < 16)
+                p = vf_first(p, n - j);
+            vf_store(s[m] + j, p);
+            total = vf_add(total, p);
         }
         mx[m] = best;
-        sm[m] = _mm512_reduce_add_ps(total);
+        sm[m] = vf_sum(total);
     }
     for (int m0 = 0; m0 < M; m0 += 4) {
         int mb = M - m0 < 4 ? M - m0 : 4;
-        __m512 acc[4][MAX_D / 16];
+        vf acc[4][MAX_D / 16];
         for (int r = 0; r < mb; r++)
             for (int c = 0; c < d16; c++)
-                acc[r][c] = _mm512_setzero_ps();
+                acc[r][c] = vf_zero();
         for (int j = 0; j < n; j++) {
             const char *vj = v + (int64_t)j * v_sl * esz;
             if (m0 == 0 && j + 32 < n)
                 prefetch_rows(vj + 32 * v_sl * esz, (int64_t)D * esz);
-            __m512 vv[MAX_D / 16];
+            vf vv[MAX_D / 16];
             for (int c = 0; c < d16; c++)
                 vv[c] = load16(vj + (int64_t)c * 16 * esz, bf16);
             for (int r = 0; r < mb; r++) {
-                __m512 p = _mm512_set1_ps(s[m0 + r][j]);
+                vf p = vf_set1(s[m0 + r][j]);
                 for (int c = 0; c < d16; c++)
-                    acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+                    acc[r][c] = vf_fmadd(p, vv[c], acc[r][c]);
             }
         }
         for (int r = 0; r < mb; r++)
             for (int c = 0; c < d16; c++)
-                _mm512_storeu_ps(o + (int64_t)(m0 + r) * D + 16 * c, acc[r][c]);
+                vf_store(o + (int64_t)(m0 + r) * D + 16 * c, acc[r][c]);
     }
 }
 
