@@ -31,7 +31,8 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
         getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
     return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
                                runner.num_kv_heads, runner.head_dim, weights=weights,
-                               packed_linear=getattr(runner, "packed_linears", 0) > 0)
+                               packed_linear=getattr(runner, "packed_linears", 0) > 0,
+                               native_linear=getattr(runner, "native_linears", 0) > 0)
 
 
 def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,

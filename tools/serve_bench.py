@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.model.compute_thread import in_fresh_thread
+from engine.model.native_linear import plain_linears
 from engine.model.packed_linear import unpack_linears
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
@@ -173,6 +174,7 @@ def hf_peer(runner: ModelRunner):
     in-process peer run (the tiny test model, which no child process can load by name)."""
     model = runner.compute.call(copy.deepcopy, runner.model)
     unpack_linears(model)
+    plain_linears(model)
     model.set_attn_implementation("sdpa")
     return model
 

@@ -36,6 +36,8 @@ from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
+from engine.model import native_linear
+from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.text.codec import TextCodec
@@ -89,7 +91,8 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        self.packed_linears = self.compute.call(pack_linears, self.model)  # CPU fp32: oneDNN-packed weights
+        self.packed_linears = self.compute.call(pack_linears, self.model)  # CPU bf16: oneDNN-packed weights
+        self.native_linears = self.compute.call(use_native_linears, self.model)  # CPU fp32: our kernel, few rows
         # Read the KV geometry off a one-token forward: works for any architecture.
         layers = self.compute.call(self._probe_layers)
         self.num_layers = len(layers)
@@ -275,6 +278,9 @@ class ModelRunner:
         """How the linear layers multiply, in words (for the engine info)."""
         if any(isinstance(m, PackedLinear) for m in self.model.modules()):
             return "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
+        if getattr(self, "native_linears", 0):
+            return (f"ours for decode steps (up to {native_linear.MAX_ROWS} rows, float32), PyTorch's for prefill "
+                    "(RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
         return "PyTorch's default"
 
     @property

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model import native_build
 from engine.model.attention import BACKEND_ENV, choose_backend, native
 from engine.model.attention.cpu_native import NATIVE_MAX_ROWS, CpuNativeBackend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
@@ -132,7 +133,7 @@ def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
     try:
         here = native.kernel().path
         native.reset()
-        monkeypatch.setattr(native, "cpu_signature", lambda: "model name : another CPU | flags : sse2")
+        monkeypatch.setattr(native_build, "cpu_signature", lambda: "model name : another CPU | flags : sse2")
         there = native.kernel().path
         assert there != here and here.exists() and there.exists()
     finally:

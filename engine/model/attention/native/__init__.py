@@ -1,52 +1,31 @@
 """Our own CPU attention kernel (``decode_attention.c``), built on this machine on first use.
 
-Owns: compiling the C file with the system's C compiler into a shared library under a cache
-folder, loading it, and one call of it on tensors. Knows nothing of the plan or the pool.
+Owns: loading the built library and one call of it on tensors. Knows nothing of the plan or
+the pool.
 
-The library is built for this CPU (``-march=native``, OpenMP: it shares PyTorch's thread
-pool, the same ``libgomp``) and named by a hash of the source, the flags and the compiler, so
-an edited file, another compiler or another CPU builds anew; a build writes a temporary file and renames
-it, so two processes never load half a library. Anything that fails (no compiler, no
-AVX2 or AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
-kernels; ``RADIX_NATIVE_ATTENTION=0`` turns it off, and ``RADIX_NATIVE_DIR`` moves the
-folder (default ``native/`` in the app's cache folder, ``engine.model.hub.cache_root()``).
+Built for this CPU and cached by ``engine.model.native_build`` (under ``native/`` in the
+app's cache folder, ``RADIX_NATIVE_DIR`` moves it). Anything that fails (no compiler, no AVX2
+or AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
+kernels; ``RADIX_NATIVE_ATTENTION=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from engine.model.hub import cache_root
-
-log = logging.getLogger(__name__)
+from engine.model.native_build import ENV_DIR, OnFirstUse
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
-ENV_DIR = "RADIX_NATIVE_DIR"
 MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
 AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS: bfloat16 with AMX, head size a multiple of 32
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
-
-_lock = threading.Lock()
-_kernel: DecodeKernel | None = None
-_tried = False
-_why = ""
-
 
 class DecodeKernel:
     """The loaded library: ``attend`` (one call's rows over a view of keys) and ``attend_rows``
@@ -142,71 +121,17 @@ def _whole_view(length: int) -> RowsCut:
 
 def kernel() -> DecodeKernel | None:
     """The kernel, built and loaded on the first call; None where it cannot be (``why()``)."""
-    global _kernel, _tried, _why
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel = _load()
-            except Exception as exc:  # no compiler, no AVX2, an unwritable folder: PyTorch's kernels
-                _why = str(exc) or type(exc).__name__
-                log.info("native attention kernel not used: %s", _why)
-        return _kernel
+    return _library.get()
 
 
 def why() -> str:
     """Why ``kernel()`` is None (empty when it is not, or was not tried)."""
-    return _why
-
-
-def _load() -> DecodeKernel:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        raise RuntimeError(f"{ENV_SWITCH}=0")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join((compiler, *FLAGS, cpu_signature())).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get(ENV_DIR) or cache_root() / "native")
-    path = folder / f"decode_attention-{tag}.so"
-    if path.exists():
-        try:
-            return DecodeKernel(path)
-        except (OSError, AttributeError) as exc:  # a damaged file where the library should be: built again
-            log.warning("rebuilding %s: %s", path, exc)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip()[-300:]}")
-        # loaded under its temporary name: a process that already opened a damaged file at
-        # ``path`` would otherwise be handed that one again
-        built = DecodeKernel(Path(tmp))
-        os.replace(tmp, path)
-        built.path = path
-        return built
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def cpu_signature() -> str:
-    """What ``-march=native`` builds for: the CPU's model and feature flags. Part of the
-    library's name, so a cache folder that moved to another CPU (a shared home, a copied
-    image) builds anew instead of loading code this CPU cannot run (an illegal instruction
-    would kill the process, not raise)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + " " + platform.processor()
-    wanted = ("model name", "flags")
-    return " | ".join(sorted({line.strip() for line in lines if line.split(":", 1)[0].strip() in wanted}))
+    return _library.why
 
 
 def reset() -> None:
     """Forget the kernel (tests that change the environment build or refuse it anew)."""
-    global _kernel, _tried, _why
-    with _lock:
-        _kernel, _tried, _why = None, False, ""
+    _library.reset()
+
+
+_library = OnFirstUse(SOURCE, ENV_SWITCH, DecodeKernel)

@@ -1,0 +1,138 @@
+"""Our float32 linear kernel for decode steps (engine.model.native_linear) against PyTorch's
+product and float64 math; a row's result alone and in a batch; where it steps aside."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model import native_build, native_linear
+from engine.model.native_linear import MAX_ROWS, NativeLinear, plain_linears, use_native_linears
+from tests.engine.test_native_attention import BUILDS
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv(native_build.ENV_DIR, str(tmp_path / "native"))
+    native_linear.reset()
+    k = native_linear.kernel()
+    if k is None:
+        pytest.skip(f"the kernel does not build here: {native_linear.why()}")
+    yield k
+    native_linear.reset()
+
+
+def model(gen, *shapes, bias=False) -> nn.Sequential:
+    layers = [nn.Linear(i, o, bias=bias) for i, o in shapes]
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.05)
+            if layer.bias is not None:
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 31, 32])
+@pytest.mark.parametrize("out_features", [1, 7, 64, 577])
+@pytest.mark.parametrize("bias", [False, True])
+def test_it_matches_float64_math_and_pytorch(kernel, rows, out_features, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    lin = model(gen, (576, out_features), bias=bias)[0]
+    x = torch.randn(rows, 576, generator=gen)
+    ref = x.double() @ lin.weight.double().T + (0 if lin.bias is None else lin.bias.double())
+    got = kernel.run(x, lin.weight, lin.bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert (got.double() - ref).abs().max() < 1e-4
+    assert (got - nn.functional.linear(x, lin.weight, lin.bias)).abs().max() < 1e-4
+
+
+def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 1536, generator=gen)
+    x = torch.randn(19, 1536, generator=gen)
+    batch = kernel.run(x, w, None)
+    for i in range(19):
+        assert torch.equal(kernel.run(x[i:i + 1], w, None)[0], batch[i])
+    assert torch.equal(kernel.run(x[5:12], w, None), batch[5:12])
+
+
+def test_the_result_does_not_depend_on_the_thread_count(kernel):
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(999, 64, generator=gen), torch.randn(6, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.run(x, w, None)
+        torch.set_num_threads(2)
+        assert torch.equal(one, kernel.run(x, w, None))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_rows_and_shapes_it_refuses(kernel):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(10, 64, generator=gen)
+    wide = torch.randn(4, 100, generator=gen)
+    got = kernel.run(wide[:, 20:84], w, None)  # rows 100 apart
+    assert torch.allclose(got, wide[:, 20:84] @ w.T, atol=1e-5)
+    with pytest.raises(ValueError, match="refused"):
+        kernel.run(torch.randn(2, 12), torch.randn(3, 12), None)  # in not a multiple of 8
+
+
+def test_a_model_turned_native_computes_what_it_did_and_steps_aside_where_it_should(kernel):
+    gen = torch.Generator().manual_seed(6)
+    m = model(gen, (64, 96), (96, 13), (13, 40), bias=True)
+    x = torch.randn(1, 5, 64, generator=gen)
+    plain = copy.deepcopy(m)
+    with torch.inference_mode():
+        before = m(x)
+    assert use_native_linears(m) == 2  # the 13-wide input is not a multiple of 8: stays plain
+    assert [type(layer) for layer in m] == [NativeLinear, NativeLinear, nn.Linear]
+    with torch.inference_mode():
+        after = m(x)
+        long = torch.randn(1, MAX_ROWS + 1, 64, generator=gen)
+        assert torch.equal(m(long), plain(long))  # a prefill chunk: PyTorch's product, bit for bit
+    assert (after - before).abs().max() < 1e-5
+    y = m(x)  # grad enabled: PyTorch's product, so autograd still works
+    y.sum().backward()
+    assert m[0].weight.grad is not None
+    assert plain_linears(m) == 2 and all(type(layer) is nn.Linear for layer in m)
+    assert list(m.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+
+
+def test_bfloat16_models_and_the_switch_leave_pytorch(tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    assert use_native_linears(model(gen, (64, 64)).to(torch.bfloat16)) == 0
+    monkeypatch.setenv(native_build.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(native_linear.ENV_SWITCH, "0")
+    native_linear.reset()
+    try:
+        assert use_native_linears(model(gen, (64, 64))) == 0
+        assert native_linear.kernel() is None and "RADIX_NATIVE_LINEAR=0" in native_linear.why()
+    finally:
+        native_linear.reset()
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_the_runner_uses_it_in_float32_and_its_answers_equal_pytorchs(tokenizer, monkeypatch):
+    """The tiny Llama with and without our linears: the same greedy tokens, logits within 1e-4;
+    the engine info says which linears run, and the second tier's fingerprint tells them apart."""
+    from engine.tier_setup import tier_fingerprint
+    from tests.conftest import make_tiny_runner
+
+    ours = make_tiny_runner(tokenizer)
+    monkeypatch.setenv(native_linear.ENV_SWITCH, "0")
+    native_linear.reset()
+    try:
+        theirs = make_tiny_runner(tokenizer)
+    finally:
+        native_linear.reset()
+    assert ours.native_linears > 0 and theirs.native_linears == 0
+    assert "ours for decode steps" in ours.linear_kernels and "ours" not in theirs.linear_kernels
+    assert tier_fingerprint(ours, None) != tier_fingerprint(theirs, None)
+    ids = list(range(20, 40))  # 20 rows: ours
+    a, b = ours.forward_last(ids, ours.new_request_kv(64)), theirs.forward_last(ids, theirs.new_request_kv(64))
+    assert (a - b).abs().max() < 1e-4
