@@ -15,7 +15,7 @@ import torch
 
 from engine.model import native_build
 from engine.model.attention import BACKEND_ENV, choose_backend, native
-from engine.model.attention.cpu_native import NATIVE_MAX_ROWS, CpuNativeBackend
+from engine.model.attention.cpu_native import CpuNativeBackend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.paged_attention import merge
 
@@ -110,17 +110,18 @@ def test_the_result_does_not_depend_on_the_thread_count(kernel):
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
 def test_the_backend_takes_one_requests_rows_and_hands_the_rest_to_flash(kernel):
     backend = CpuNativeBackend()
-    q, k, v = pool_case(2, NATIVE_MAX_ROWS, 300, 16, torch.bfloat16)
+    few = backend.few_rows
+    q, k, v = pool_case(2, few, 300, 16, torch.bfloat16)
     out, _ = backend.attend(q, k, v, 0.25)
     assert out.dtype == torch.float32  # ours
-    wide = pool_case(2, NATIVE_MAX_ROWS + 1, 300, 16, torch.bfloat16)
+    wide = pool_case(2, few + 1, 300, 16, torch.bfloat16)
     if not kernel.amx:
         assert backend.attend(*wide, 0.25)[0].dtype == torch.bfloat16  # flash: more rows
     fp32 = pool_case(2, 2, 300, 16, torch.float32)
     ours32 = kernel.attend(*fp32, 0.25)
     got32 = backend.attend(*fp32, 0.25)
     assert torch.equal(got32[0], ours32[0]) and torch.equal(got32[1], ours32[1])  # float32 too: ours
-    mask = torch.zeros(1, 1, NATIVE_MAX_ROWS, 300)
+    mask = torch.zeros(1, 1, few, 300)
     assert backend.attend(q, k, v, 0.25, mask=mask)[0].dtype == torch.bfloat16  # a mask: flash
 
 
