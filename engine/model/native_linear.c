@@ -1,5 +1,6 @@
-/* y = x W^T (+ b) for a few rows of x in float32: the decode step's linears, for CPUs with
- * AVX2 and FMA (or AVX-512).
+/* y = x W^T (+ b) for a few rows of x: the decode step's linears, for CPUs with AVX2 and FMA
+ * (or AVX-512). x, b and y in float32; W in float32 or bfloat16 (widened in registers: the
+ * products and sums are float32 either way, as PyTorch's bf16 product computes them).
  *
  * Why a kernel of our own: a decode step multiplies a handful of rows by every weight of the
  * model, so its speed is how fast the weights stream from memory. On an AMD EPYC here MKL's
@@ -11,7 +12,7 @@
  * one order), so batched decode rows equal lone ones bit for bit.
  *
  *   x     [rows][in]  float32, row stride x_rs (elements)
- *   w     [out][in]   float32, contiguous (nn.Linear's weight)
+ *   w     [out][in]   float32 or bf16 (``bf16``), contiguous (nn.Linear's weight)
  *   bias  [out]       float32 or NULL
  *   y     [rows][out] float32, row stride y_rs
  * in must be a multiple of 8. Returns 0, or 1 when it refuses (nothing written).
@@ -36,16 +37,26 @@ static inline float sum8(__m256 a) {
 }
 
 /* Outputs o and o+1 (or o alone when two == 0) for the ROWS rows at xr[0..ROWS). */
-static inline void pass(const float *const *xr, const float *w0, const float *w1, int two, int64_t in, const char *ahead,
-                        float acc[2][ROWS]) {
+/* eight weights as float32: bf16 is the high half of a float32's bits */
+static inline __m256 load_w(const void *w, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) void pass(const float *const *xr, const void *w0, const void *w1, int two,
+                                                       int64_t in, const char *ahead, int bf16, float acc[2][ROWS]) {
     __m256 a0[ROWS], a1[ROWS];
     for (int r = 0; r < ROWS; r++)
         a0[r] = a1[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < in; i += 8) {
-        if (ahead && (i & 15) == 0) /* the weights a few outputs ahead, a line per 16 floats of each row */
-            _mm_prefetch(ahead + 4 * i, _MM_HINT_T0), _mm_prefetch(ahead + 4 * (i + in), _MM_HINT_T0);
-        const __m256 v0 = _mm256_loadu_ps(w0 + i);
-        const __m256 v1 = _mm256_loadu_ps(w1 + i);
+        if (ahead && (i & (bf16 ? 31 : 15)) == 0) { /* the weights a few outputs ahead, a line at a time */
+            const int esz = bf16 ? 2 : 4;
+            _mm_prefetch(ahead + esz * i, _MM_HINT_T0), _mm_prefetch(ahead + esz * (i + in), _MM_HINT_T0);
+        }
+        const __m256 v0 = load_w(w0, i, bf16);
+        const __m256 v1 = load_w(w1, i, bf16);
         for (int r = 0; r < ROWS; r++) {
             const __m256 xv = _mm256_loadu_ps(xr[r] + i);
             a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
@@ -58,8 +69,8 @@ static inline void pass(const float *const *xr, const float *w0, const float *w1
     }
 }
 
-int radix_linear(const float *x, int64_t x_rs, int64_t rows, const float *w, int64_t out, int64_t in,
-                 const float *bias, float *y, int64_t y_rs, int threads) {
+int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                 const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
     if (rows < 1 || out < 1 || in < 8 || in % 8 || threads < 1)
         return 1;
     const int64_t pairs = (out + 1) / 2;
@@ -67,14 +78,18 @@ int radix_linear(const float *x, int64_t x_rs, int64_t rows, const float *w, int
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t o = 2 * p;
         const int two = o + 1 < out;
-        const float *w0 = w + o * in, *w1 = two ? w0 + in : w0;
-        const char *ahead = o + AHEAD + 2 <= out ? (const char *)(w0 + AHEAD * in) : 0;
+        const int64_t esz = bf16 ? 2 : 4;
+        const char *w0 = (const char *)w + o * in * esz, *w1 = two ? w0 + in * esz : w0;
+        const char *ahead = o + AHEAD + 2 <= out ? w0 + AHEAD * in * esz : 0;
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
             const float *xr[ROWS];
             for (int r = 0; r < ROWS; r++) /* past the last row: row r0 again, its result dropped */
                 xr[r] = x + (r0 + r < rows ? r0 + r : r0) * x_rs;
             float acc[2][ROWS];
-            pass(xr, w0, w1, two, in, r0 == 0 ? ahead : 0, acc);
+            if (bf16)
+                pass(xr, w0, w1, two, in, r0 == 0 ? ahead : 0, 1, acc);
+            else
+                pass(xr, w0, w1, two, in, r0 == 0 ? ahead : 0, 0, acc);
             for (int r = 0; r < ROWS && r0 + r < rows; r++) {
                 y[(r0 + r) * y_rs + o] = acc[0][r] + (bias ? bias[o] : 0.0f);
                 if (two)

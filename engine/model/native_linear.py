@@ -1,21 +1,26 @@
-"""The decode step's float32 linears through our own kernel (``native_linear.c``).
+"""Linears through our own kernel (``native_linear.c``): float32 decode steps, and all of
+bfloat16 on CPUs without native bf16.
 
-Owns: ``NativeLinear`` (an ``nn.Linear`` whose products of a few rows in float32 go to the
-kernel; everything else to PyTorch's) and turning a loaded model's plain linears into it
+Owns: ``NativeLinear`` (an ``nn.Linear`` whose products go to the kernel where it is faster,
+everything else to PyTorch's) and turning a loaded model's plain linears into it
 (``use_native_linears``, in place: the same parameters, tied embeddings included, no copy).
 Knows nothing about requests or the cache; the model runner decides when.
 
 Why: a decode step multiplies a few rows by every weight, so it runs at the speed the
 weights stream from memory. On the AMD EPYC these numbers come from (AVX2, no AVX-512), all
-linears of the embedded model at one row took 94.5 ms with MKL's product (5.7 GB/s) and 43.7
-ms with this kernel (12.3 GB/s; a plain read gets 14); at 16 rows 139 vs 70 ms
-(``docs/PERFORMANCE.md``). More than ``MAX_ROWS`` rows (a prefill chunk) go to PyTorch, which
-is faster there. A row's result does not depend on the other rows in the call, so batched
-decode rows equal lone ones bit for bit; against MKL's product they differ in the last bits,
-and the second tier's fingerprint says which kernels computed its KV.
+linears of the embedded model at one row took 94.5 ms with MKL's float32 product (5.7 GB/s)
+and 43.7 ms with this kernel (12.3 GB/s; a plain read gets 14); at 16 rows 139 vs 70 ms. More
+than ``MAX_ROWS`` float32 rows (a prefill chunk) go to MKL, which is faster there. In
+bfloat16 PyTorch's product on that CPU (no native bf16; where there is, the linears are
+oneDNN-packed instead, ``engine.model.packed_linear``) took 161 ms at 8 rows and 1.87 s at
+128, ours 42 ms and 0.37 s, so ours takes every bf16 product of two rows or more. A
+row's result does not depend on the other rows in the call, so batched decode rows equal
+lone ones bit for bit; against PyTorch's product they differ in the last bits, and the second
+tier's fingerprint says which kernels computed its KV.
 
-Where: float32 weights on a CPU where the kernel builds (AVX2 and FMA, or AVX-512, and a C
-compiler; ``engine.model.native_build``). ``RADIX_NATIVE_LINEAR=0`` turns it off.
+Where: float32 or bfloat16 weights (not oneDNN-packed) on a CPU where the kernel builds (AVX2
+and FMA, or AVX-512, and a C compiler; ``engine.model.native_build``).
+``RADIX_NATIVE_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from engine.model.native_build import OnFirstUse
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ENV_SWITCH = "RADIX_NATIVE_LINEAR"
-MAX_ROWS = 32  # more rows (a prefill chunk): PyTorch's product, faster there
+MAX_ROWS = 32  # float32: more rows (a prefill chunk) go to MKL's product, faster there
+BF16_BLOCK = 256  # bfloat16: from 2 rows on, this many per call (bounds the float32 copies); at one
+# row PyTorch's product is as fast as ours (37.3 vs 35.6 ms, all linears), and ours pays two casts
+DTYPES = (torch.float32, torch.bfloat16)  # the weights it reads
 
 
 class LinearKernel:
@@ -40,16 +48,19 @@ class LinearKernel:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._run = lib.radix_linear
-        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
         self._run.restype = ctypes.c_int
         self.path = path
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [rows, in] @ weight[out, in]^T + bias``, float32, x's rows with a contiguous last dim."""
+        """``x [rows, in] @ weight[out, in]^T + bias`` in float32 (x, bias and the result float32,
+        x's rows with a contiguous last dim; the weight float32 or bfloat16, contiguous)."""
+        if x.dtype != torch.float32 or weight.dtype not in DTYPES or bias is not None and bias.dtype != torch.float32:
+            raise ValueError(f"the native linear kernel takes float32 x and bias, got {x.dtype} x {weight.dtype}")
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
         rc = self._run(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), weight.shape[0], weight.shape[1],
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       torch.get_num_threads())
+                       int(weight.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the native linear kernel refused {tuple(x.shape)} x {tuple(weight.shape)}")
         return out
@@ -72,31 +83,41 @@ def reset() -> None:
 
 
 class NativeLinear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) whose float32 products of up to
-    ``MAX_ROWS`` rows, outside autograd, run on the kernel."""
+    """``nn.Linear`` (same parameters, same state dict) whose products outside autograd run on
+    the kernel: in float32 up to ``MAX_ROWS`` rows; in bfloat16 from two rows on (x widened to
+    float32 on the way in, the result rounded back on the way out, as PyTorch's bf16 product
+    accumulates in float32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
         k = _library.loaded()  # loaded before any model is converted (use_native_linears)
-        if (k is None or rows > MAX_ROWS or rows == 0 or x.dtype != torch.float32 or w.dtype != torch.float32
-                or x.device.type != "cpu" or torch.is_grad_enabled() or not w.is_contiguous()):
+        if (k is None or rows == 0 or x.dtype != w.dtype or w.dtype not in DTYPES or x.device.type != "cpu"
+                or torch.is_grad_enabled() or not w.is_contiguous()
+                or (rows > MAX_ROWS if w.dtype == torch.float32 else rows < 2)):
             return nn.functional.linear(x, w, self.bias)
         flat = x.reshape(rows, x.shape[-1])
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        return k.run(flat, w, self.bias).reshape(*x.shape[:-1], w.shape[0])
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        if w.dtype == torch.float32:
+            return k.run(flat if flat.stride(-1) == 1 else flat.contiguous(), w, bias).reshape(*x.shape[:-1], -1)
+        if rows <= BF16_BLOCK:
+            return k.run(flat.float(), w, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
+        out = torch.empty((rows, w.shape[0]), dtype=x.dtype)
+        for r0 in range(0, rows, BF16_BLOCK):
+            out[r0:r0 + BF16_BLOCK] = k.run(flat[r0:r0 + BF16_BLOCK].float(), w, bias)  # rounded to bf16 here
+        return out.reshape(*x.shape[:-1], -1)
 
 
 def use_native_linears(model: nn.Module) -> int:
-    """Turn every plain ``nn.Linear`` of a float32 CPU model whose input size the kernel takes
+    """Turn every plain ``nn.Linear`` of a float32 or bfloat16 CPU model (one whose linears
+    were not packed for oneDNN: ``engine.model.packed_linear``) whose input size the kernel takes
     (a multiple of 8) into a ``NativeLinear``, in place; returns how many. Does nothing
-    (returns 0) where the kernel does not build or the model is not float32 on a CPU."""
+    (returns 0) where the kernel does not build or the model is neither on a CPU."""
     try:
         p = next(model.parameters())
     except StopIteration:
         return 0
-    if p.device.type != "cpu" or p.dtype != torch.float32 or kernel() is None:
+    if p.device.type != "cpu" or p.dtype not in DTYPES or kernel() is None:
         return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.in_features % 8 == 0]
     for m in linears:

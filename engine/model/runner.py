@@ -278,9 +278,11 @@ class ModelRunner:
         """How the linear layers multiply, in words (for the engine info)."""
         if any(isinstance(m, PackedLinear) for m in self.model.modules()):
             return "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
-        if getattr(self, "native_linears", 0):
-            return (f"ours for decode steps (up to {native_linear.MAX_ROWS} rows, float32), PyTorch's for prefill "
+        if getattr(self, "native_linears", 0) and self.dtype == torch.float32:
+            return (f"ours for decode steps (up to {native_linear.MAX_ROWS} rows), PyTorch's for prefill "
                     "(RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
+        if getattr(self, "native_linears", 0):
+            return "ours from two rows on, PyTorch's for one (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)"
         return "PyTorch's default"
 
     @property

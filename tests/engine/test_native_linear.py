@@ -103,9 +103,28 @@ def test_a_model_turned_native_computes_what_it_did_and_steps_aside_where_it_sho
     assert list(m.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
 
 
-def test_bfloat16_models_and_the_switch_leave_pytorch(tmp_path, monkeypatch):
+def test_bfloat16_from_two_rows_on_and_in_blocks(kernel):
+    """bf16 (on a CPU whose linears were not oneDNN-packed): ours from two rows on, any number of
+    rows in blocks; products in float32, rounded once to bf16 like PyTorch's; one row stays PyTorch's."""
+    gen = torch.Generator().manual_seed(8)
+    m = model(gen, (64, 96), bias=True).to(torch.bfloat16)
+    plain = copy.deepcopy(m)
+    assert use_native_linears(m) == 1
+    with torch.inference_mode():
+        for rows in (1, 2, 7, native_linear.BF16_BLOCK + 3):
+            x = torch.randn(1, rows, 64, generator=gen).to(torch.bfloat16)
+            got, ref = m(x), plain(x)
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+            exact = x.double() @ m[0].weight.double().T + m[0].bias.double()
+            assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()  # one bf16 rounding
+            if rows == 1:
+                assert torch.equal(got, ref)  # PyTorch's product
+        alone = m(x[:, 5:6].expand(1, 2, 64))[0, 0]
+        assert torch.equal(m(x)[0, 5], alone)  # a row's result does not depend on its batch or block
+
+
+def test_the_switch_leaves_pytorch(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(7)
-    assert use_native_linears(model(gen, (64, 64)).to(torch.bfloat16)) == 0
     monkeypatch.setenv(native_build.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(native_linear.ENV_SWITCH, "0")
     native_linear.reset()

@@ -80,7 +80,7 @@ def test_float32_is_not_packed_by_default_bf16_is(monkeypatch, tiny_runner):
     monkeypatch.delenv(ENV_SWITCH)
     assert packed_dtypes() == (torch.bfloat16,)
     assert not can_pack(_mlp()) and pack_linears(_mlp()) == 0
-    assert tiny_runner.packed_linears == 0 and type(tiny_runner.model.lm_head) is nn.Linear
+    assert tiny_runner.packed_linears == 0 and not isinstance(tiny_runner.model.lm_head, PackedLinear)
     assert can_pack(_mlp(torch.bfloat16)) == _packing_works(torch.bfloat16)
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert packed_dtypes() == () and not can_pack(_mlp(torch.bfloat16))
