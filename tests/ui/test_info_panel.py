@@ -27,14 +27,21 @@ def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
 
 
 def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_bf16):
-    """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights, fp32 through
-    PyTorch's default; both run the decoder stack (a Llama); the info tab says which."""
+    """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights, fp32 through our
+    kernel for decode steps where it builds (PyTorch's otherwise), bf16 without native bf16 through
+    ours from two rows on; both run the decoder stack (a Llama); the info tab says which."""
     packed = "| linear layers | oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
     fp32 = info_markdown(Engine(tiny_runner))
-    assert "| linear layers | PyTorch's default |" in fp32 and tiny_runner.packed_linears == 0
+    assert tiny_runner.packed_linears == 0
+    assert "| linear layers | " + ("ours for decode steps (up to 32 rows)" if tiny_runner.native_linears
+                                   else "PyTorch's default |") in fp32
     assert "| forward | decoder stack: the model's layers called directly" in fp32
     bf16 = info_markdown(Engine(tiny_runner_bf16))
-    assert (packed in bf16) if tiny_runner_bf16.packed_linears else ("| linear layers | PyTorch's default |" in bf16)
+    if tiny_runner_bf16.packed_linears:
+        assert packed in bf16
+    else:
+        assert "| linear layers | " + ("ours from two rows on" if tiny_runner_bf16.native_linears
+                                       else "PyTorch's default |") in bf16
 
 
 def test_the_attention_kernel_is_named(tiny_runner):
