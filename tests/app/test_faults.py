@@ -68,7 +68,9 @@ def stress(engine: Engine, fault, references, refusal: str | None = None) -> int
         t.join()
     refused = [e for e in errors if refusal is not None and refusal in str(e)]
     assert [e for e in errors if e not in refused] == []
-    assert len(results) + len(refused) == 24 and len(results) >= 12
+    # refusals are right answers to a budget too small (how many depends on timing: a faster engine is
+    # idle more often when one comes); without them at least half the requests must answer
+    assert len(results) + len(refused) == 24 and len(results) >= (12 if refusal is None else 1)
     for i, out in results:
         assert out == references[i], f"prompt {i}: answer changed under the fault"
     wait_idle(engine)
