@@ -109,8 +109,8 @@ class NativeLinear(nn.Linear):
 
 
 def use_native_linears(model: nn.Module) -> int:
-    """Turn every plain ``nn.Linear`` of a float32 or bfloat16 CPU model (one whose linears
-    were not packed for oneDNN: ``engine.model.packed_linear``) whose input size the kernel takes
+    """Turn every plain ``nn.Linear`` of a float32 CPU model, or a bfloat16 one on a CPU without
+    native bf16 (``engine.model.packed_linear`` packs it where there is), whose input size the kernel takes
     (a multiple of 8) into a ``NativeLinear``, in place; returns how many. Does nothing
     (returns 0) where the kernel does not build or the model is neither on a CPU."""
     try:
@@ -119,6 +119,8 @@ def use_native_linears(model: nn.Module) -> int:
         return 0
     if p.device.type != "cpu" or p.dtype not in DTYPES or kernel() is None:
         return 0
+    if p.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0  # a CPU with native bf16 dot products: oneDNN's product (packed or not) is the one measured there
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.in_features % 8 == 0]
     for m in linears:
         m.__class__ = NativeLinear
