@@ -52,11 +52,13 @@ class Spy:
 
     def __init__(self, runner, monkeypatch) -> None:
         self.calls: list[tuple[int, int, str]] = []
-        self._started: dict[int, int] = {}
+        # Keyed by id() but holding the buffer too: a freed buffer's id may be reused by the next
+        # one, which would then inherit its start (seen once in CI: a no-reuse side read as reuse).
+        self._started: dict[int, tuple[object, int]] = {}
         real = runner.forward_last
 
         def forward_last(ids, kv):
-            start = self._started.setdefault(id(kv), kv.length)
+            start = self._started.setdefault(id(kv), (kv, kv.length))[1]
             self.calls.append((len(ids), start, threading.current_thread().name))
             return real(ids, kv)
 
