@@ -32,7 +32,8 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
     return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
                                runner.num_kv_heads, runner.head_dim, weights=weights,
                                packed_linear=getattr(runner, "packed_linears", 0) > 0,
-                               native_linear=getattr(runner, "native_linears", 0) > 0)
+                               native_linear=getattr(runner, "native_linears", 0) > 0,
+                               fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None)
 
 
 def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,

@@ -40,6 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
+from engine.model.fused_decode import FusedLayers
+
 ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
 
 
@@ -82,7 +85,11 @@ class DecoderStack:
         self.norm = _rms_norm(inner.norm)
         self.head = model.lm_head.forward
         self.rotate = rotate
-        self.layers = [_Layer(layer) for layer in inner.layers[: model.config.get_text_config().num_hidden_layers]]
+        modules = list(inner.layers[: model.config.get_text_config().num_hidden_layers])
+        self.layers = [_Layer(layer) for layer in modules]
+        # A step of a few float32 rows in two C calls per layer (engine.model.fused_decode); the
+        # runner drops it unless it checks out on a probe (ModelRunner._check_fused).
+        self.fused: FusedLayers | None = FusedLayers.build(model, modules)
 
     @classmethod
     def build(cls, model: nn.Module) -> DecoderStack | None:
@@ -129,6 +136,31 @@ class DecoderStack:
         indices). Returns ``[1, kept, vocab]`` in the model's dtype."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
+        if self.fused is not None and input_ids.shape[1] <= FUSED_MAX_ROWS and cos.shape[-1] == self.layers[0].head_dim:
+            h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend)
+        else:
+            h = self._layers(h, cos, sin, write_index, k_pool, v_pool, attend)
+        h = self.norm(h)
+        if not (isinstance(keep, int) and keep == 0):
+            h = h[:, keep]
+        return self.head(h)
+
+    def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
+               k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable) -> torch.Tensor:
+        """Every layer for a few float32 rows: the work around attention in C (module docstring)."""
+        fused, rows = self.fused, h.shape[1]
+        h = h.contiguous()
+        flat, cos, sin, write_index = h[0], cos[0].contiguous(), sin[0].contiguous(), write_index.contiguous()
+        for i, layer in enumerate(self.layers):
+            k_layer, v_layer = k_pool[layer.index], v_pool[layer.index]
+            q = fused.pre(i, flat, cos, sin, k_layer, v_layer, write_index)
+            a = attend(k_layer, v_layer, q.view(1, rows, -1, layer.head_dim).transpose(1, 2), layer.scaling)
+            fused.post(i, flat, a.reshape(rows, -1).contiguous())
+        return h
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
+                k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable) -> torch.Tensor:
+        """Every layer through the model's own modules (module docstring)."""
         shape = h.shape[:-1]
         half = cos.shape[-1] // 2
         rolled = cos.shape[-1] == self.layers[0].head_dim and cos.shape[-1] % 2 == 0
@@ -151,7 +183,4 @@ class DecoderStack:
             h = h + layer.o(a.reshape(*shape, -1).contiguous())
             x = layer.norm2(h)
             h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
-        h = self.norm(h)
-        if not (isinstance(keep, int) and keep == 0):
-            h = h[:, keep]
-        return self.head(h)
+        return h

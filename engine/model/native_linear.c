@@ -69,10 +69,8 @@ static inline __attribute__((always_inline)) void pass(const float *const *xr, c
     }
 }
 
-int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
-                 const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
-    if (rows < 1 || out < 1 || in < 8 || in % 8 || threads < 1)
-        return 1;
+static void linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                   const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
     const int64_t pairs = (out + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < pairs; p++) {
@@ -97,5 +95,125 @@ int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int6
             }
         }
     }
+}
+
+int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                 const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
+    if (rows < 1 || out < 1 || in < 8 || in % 8 || threads < 1)
+        return 1;
+    linear(x, x_rs, rows, w, out, in, bias, y, y_rs, bf16, threads);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * A decoder layer's decode-step work around its attention, for Llama-family layers in float32
+ * (engine.model.fused_decode): the RMSNorms, the seven linears, the rotary embedding, the KV
+ * written to its pool slots, SiLU times up, and both residual adds, in two calls per layer
+ * (before and after attention) instead of about eighty PyTorch ops. Every step is per row, so
+ * a row's result does not depend on the other rows in the call either.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct {
+    const float *norm1, *norm2;                   /* [hidden] RMSNorm weights */
+    double eps1, eps2;
+    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd; /* nn.Linear weights [out][in], contiguous */
+    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd; /* their biases, or NULL */
+    int64_t hidden, q_heads, kv_heads, head_dim, inter;
+} radix_layer;
+
+/* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), as transformers' Llama RMSNorm in float32 */
+static void rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const float *w, double eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_rs;
+        float *yr = y + r * n;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + (float)eps);
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* x * cos + rotate_half(x) * sin, in place, for one head of d values (rotate_half: the second
+ * half negated, then the first) */
+static void rotate(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
+    return L && rows >= 1 && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
+           (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0;
+}
+
+/* Before attention: q (rotated) of each row to q [rows][q_heads * head_dim]; k (rotated) and v to
+ * the pool layer k_pool/v_pool [kv_heads][slots][head_dim] at slot write[r]. h [rows][hidden]
+ * (row stride h_rs) is only read; cos/sin [rows][head_dim] are the model's rotary embedding. */
+int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos,
+                    const float *sin, float *q, float *k_pool, float *v_pool, int64_t pool_slots,
+                    const int64_t *write, int threads) {
+    if (!layer_ok(L, rows, threads))
+        return 1;
+    const int64_t hd = L->hidden, d = L->head_dim, nq = L->q_heads * d, nkv = L->kv_heads * d;
+    for (int64_t r = 0; r < rows; r++)
+        if (write[r] < 0 || write[r] >= pool_slots)
+            return 1;
+    float *x = malloc(sizeof(float) * rows * (hd + 2 * nkv));
+    if (!x)
+        return 1;
+    float *k = x + rows * hd, *v = k + rows * nkv;
+    rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x);
+    linear(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, 0, threads);
+    linear(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, 0, threads);
+    linear(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, 0, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t head = 0; head < L->q_heads; head++)
+            rotate(q + r * nq + head * d, c, s, d);
+        for (int64_t head = 0; head < L->kv_heads; head++) {
+            float *kr = k + r * nkv + head * d;
+            rotate(kr, c, s, d);
+            const int64_t at = (head * pool_slots + write[r]) * d;
+            for (int64_t i = 0; i < d; i++) {
+                k_pool[at + i] = kr[i];
+                v_pool[at + i] = v[r * nkv + head * d + i];
+            }
+        }
+    }
+    free(x);
+    return 0;
+}
+
+/* After attention: h += o(a); h += down(silu(gate(x)) * up(x)) with x = norm2(h), in place.
+ * a [rows][q_heads * head_dim] is attention's output, heads side by side. */
+int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows, const float *a, int threads) {
+    if (!layer_ok(L, rows, threads))
+        return 1;
+    const int64_t hd = L->hidden, ni = L->inter, nq = L->q_heads * L->head_dim;
+    float *t = malloc(sizeof(float) * rows * (hd + 2 * ni));
+    if (!t)
+        return 1;
+    float *g = t + rows * hd, *u = g + rows * ni;
+    linear(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, 0, threads);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hd; i++)
+            h[r * h_rs + i] += t[r * hd + i];
+    rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t);
+    linear(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, 0, threads);
+    linear(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, 0, threads);
+    for (int64_t j = 0; j < rows * ni; j++)
+        g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    linear(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, 0, threads);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hd; i++)
+            h[r * h_rs + i] += t[r * hd + i];
+    free(t);
     return 0;
 }

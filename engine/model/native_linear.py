@@ -50,6 +50,7 @@ class LinearKernel:
         self._run = lib.radix_linear
         self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
         self._run.restype = ctypes.c_int
+        self.lib = lib  # the layer functions too (engine.model.fused_decode)
         self.path = path
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,7 @@ scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +43,8 @@ from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.text.codec import TextCodec
 from engine.types import EngineError
+
+log = logging.getLogger(__name__)
 
 PAGED_ATTENTION = "radix_paged"
 _batch = threading.local()  # the plan and pool of the paged forward running on this thread, if any
@@ -151,6 +154,7 @@ class ModelRunner:
         probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
                   [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))],
                   [PagedSegment([8], 21, alone)]]
+        fused, stack.fused = stack.fused, None  # checked on its own, within a bound: _check_fused
         try:
             for segments in probes:
                 plain = self._paged(pool, segments, False, None)
@@ -159,7 +163,32 @@ class ModelRunner:
                     return None
         except Exception:  # a layer that only looked like one this forward knows
             return None
+        stack.fused = fused
+        if fused is not None and not self._check_fused(stack, pool, probes):
+            stack.fused = None
         return stack
+
+    def _check_fused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]]) -> bool:
+        """Whether the stack's fused decode layers (``engine.model.fused_decode``) give the logits
+        of its unfused forward on the probes, up to float32 rounding (another order of operations:
+        1e-3 of the largest logit; a misread layer is off by far more)."""
+        fused = stack.fused
+        try:
+            for segments in probes:
+                stack.fused = None
+                plain = self._paged(pool, segments, False, stack)
+                stack.fused = fused
+                got = self._paged(pool, segments, False, stack)
+                bound = 1e-3 * max(1.0, float(plain.abs().max()))
+                if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
+                    log.warning("fused decode layers off: logits differ from the unfused forward's on a probe")
+                    return False
+        except Exception as exc:  # noqa: BLE001 - a refusal of the kernel: the unfused forward
+            log.warning("fused decode layers off: %s", exc)
+            return False
+        finally:
+            stack.fused = fused
+        return True
 
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""

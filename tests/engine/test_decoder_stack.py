@@ -1,5 +1,6 @@
 """The decoder stack (``engine.model.decoder_stack``) computes bit for bit what transformers' forward
-computes over the pool, on real tensors; models it does not know keep transformers' forward."""
+computes over the pool, on real tensors; models it does not know keep transformers' forward. (Its
+fused decode layers, which differ in the last bits, are off here: ``test_fused_decode``.)"""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def _random_steps(seed: int, vocab: int, pool: KVPool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(6))
-def test_stack_equals_transformers_forward(tokenizer, tiny_runner, tiny_runner_bf16, dtype, seed):
+def test_stack_equals_transformers_forward(tokenizer, tiny_runner, tiny_runner_bf16, dtype, seed, monkeypatch):
     runner = tiny_runner if dtype == torch.float32 else tiny_runner_bf16
     assert runner.stack is not None  # a Llama: the runner took the stack
+    monkeypatch.setattr(runner.stack, "fused", None)
     plain_pool, stack_pool = _pools(runner, 400)
     steps = _random_steps(seed, len(tokenizer), plain_pool)
     _random_steps(seed, len(tokenizer), stack_pool)  # the same slots in the twin pool
@@ -71,7 +73,8 @@ def test_stack_equals_transformers_forward(tokenizer, tiny_runner, tiny_runner_b
         assert torch.equal(a, b)  # the same KV in the same slots
 
 
-def test_every_position_and_engine_path_use_the_stack(tiny_runner):
+def test_every_position_and_engine_path_use_the_stack(tiny_runner, monkeypatch):
+    monkeypatch.setattr(tiny_runner.stack, "fused", None)
     plain_pool, stack_pool = _pools(tiny_runner, 64)
     seg = [PagedSegment(list(range(20, 45)), 0, plain_pool.alloc(25))]
     stack_pool.alloc(25)

@@ -1,0 +1,155 @@
+"""A decode step's layers in two C calls each: everything around attention, fused.
+
+Owns: ``FusedLayers``, the float32 few-rows forward of a Llama-family decoder layer's work
+before attention (RMSNorm, the q/k/v linears, the rotary embedding, the new KV written to its
+pool slots) and after it (the o linear, the residual, RMSNorm, gate/up, SiLU times up, down,
+the residual), each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
+Knows nothing about requests or the tree: ``engine.model.decoder_stack`` calls it for a step of
+at most ``native_linear.MAX_ROWS`` rows and does the attention between the two calls.
+
+Why: a one-request decode step on a CPU streams the weights once (about 37 ms of linears for
+the embedded model in float32 on the AMD EPYC here) and spent another 15-20 ms in about eighty
+small PyTorch ops per layer and the Python between them (an op on one 576-value row costs
+as much to dispatch as to compute). Two calls per layer leave that to C.
+
+Exactness: every step is per row (a row's result does not depend on the others in the call), so
+batched decode rows still equal lone ones bit for bit. Against the unfused forward the logits
+differ in their last bits (another order of float32 operations), like our linears against
+PyTorch's: the runner checks them within a bound on a probe at start
+(``ModelRunner._check_fused``) and runs unfused on any other result, and the second tier's
+fingerprint names the fused forward. ``RADIX_FUSED_DECODE=0`` turns it off.
+
+Which layers: those ``DecoderStack`` takes, in float32 on a CPU, with plain ``nn.Linear``
+projections (biases allowed), RMSNorms, SiLU, a rotary embedding over the whole head, and sizes
+our linear kernel takes (multiples of 8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+from engine.model import native_linear
+
+ENV_SWITCH = "RADIX_FUSED_DECODE"
+MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
+
+
+class _LayerStruct(ctypes.Structure):
+    """``radix_layer`` in ``native_linear.c``: one layer's weights by address, and its sizes."""
+
+    _fields_ = ([("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double),
+                 ("eps2", ctypes.c_double)]
+                + [(n, ctypes.c_void_p) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")]
+                + [(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "bg", "bu", "bd")]
+                + [(n, ctypes.c_int64) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter")])
+
+
+def _plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if (weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1
+            or getattr(norm, "with_scale", True) is False):
+        return None
+    return weight, float(eps)
+
+
+def _is_silu(act: object) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+class FusedLayers:
+    """The fused decode-step layer work for one model (module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL, structs: list[_LayerStruct], keep: list[torch.Tensor]) -> None:
+        self._pre, self._post = lib.radix_layer_pre, lib.radix_layer_post
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._pre.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        self._post.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
+        self._pre.restype = self._post.restype = ctypes.c_int
+        self._structs = structs
+        self._refs = [ctypes.addressof(s) for s in structs]
+        self._keep = keep  # the biases made contiguous float32 here (weights are the model's own)
+        first = structs[0]
+        self.q_width = int(first.q_heads * first.head_dim)
+
+    @classmethod
+    def build(cls, model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
+        """The fused layers of ``model`` (the decoder layers ``layers``), or None when they are not
+        ones it takes (module docstring), the kernel does not build, or ``RADIX_FUSED_DECODE=0``."""
+        if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+            return None
+        try:
+            p = next(model.parameters())
+        except StopIteration:
+            return None
+        if p.device.type != "cpu" or p.dtype != torch.float32 or native_linear.kernel() is None:
+            return None
+        structs, keep = [], []
+        for layer in layers:
+            s = cls._struct(layer, keep)
+            if s is None:
+                return None
+            structs.append(s)
+        return cls(native_linear.kernel().lib, structs, keep) if structs else None
+
+    @staticmethod
+    def _struct(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerStruct | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2 = _plain_rms_norm(layer.input_layernorm), _plain_rms_norm(layer.post_attention_layernorm)
+        if n1 is None or n2 is None or not _is_silu(mlp.act_fn):
+            return None
+        lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+                   and m.in_features % 8 == 0 for m in lins):
+            return None
+        hidden, d = attn.q_proj.in_features, int(attn.head_dim)
+        q_heads, kv_heads = attn.q_proj.out_features // d, attn.k_proj.out_features // d
+        inter = mlp.gate_proj.out_features
+        shapes_ok = (attn.q_proj.out_features == q_heads * d and attn.k_proj.out_features == kv_heads * d
+                     and attn.v_proj.out_features == kv_heads * d and attn.o_proj.weight.shape == (hidden, q_heads * d)
+                     and mlp.up_proj.weight.shape == (inter, hidden) and mlp.down_proj.weight.shape == (hidden, inter)
+                     and n1[0].shape == (hidden,) and n2[0].shape == (hidden,) and d % 2 == 0 and kv_heads > 0
+                     and q_heads % kv_heads == 0 and inter % 8 == 0)
+        norms_ok = all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in (n1, n2))
+        if not shapes_ok or not norms_ok:
+            return None
+
+        def bias(m: nn.Linear) -> int | None:
+            if m.bias is None:
+                return None
+            b = m.bias.detach().float().contiguous()
+            keep.append(b)
+            return b.data_ptr()
+
+        s = _LayerStruct(norm1=n1[0].data_ptr(), norm2=n2[0].data_ptr(), eps1=n1[1], eps2=n2[1],
+                         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=d, inter=inter)
+        for name, m in zip(("q", "k", "v", "o", "g", "u", "d"), lins, strict=True):
+            setattr(s, "w" + name, m.weight.data_ptr())
+            setattr(s, "b" + name, bias(m))
+        return s
+
+    def pre(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
+            v_layer: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+        """Layer ``index`` before attention: ``h [rows, hidden]`` (rows contiguous), ``cos``/``sin``
+        ``[rows, head_dim]`` contiguous; the new KV goes to ``write_index`` (int64) of the pool
+        layer ``k_layer``/``v_layer`` ``[Hkv, S, D]`` (contiguous float32). Returns the rotated
+        queries ``[rows, q_heads * head_dim]``."""
+        rows = h.shape[0]
+        q = torch.empty((rows, self.q_width), dtype=torch.float32)
+        rc = self._pre(self._refs[index], h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
+                       q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), k_layer.shape[1],
+                       write_index.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the fused decode kernel refused layer {index} at {rows} rows")
+        return q
+
+    def post(self, index: int, h: torch.Tensor, a: torch.Tensor) -> None:
+        """Layer ``index`` after attention, on ``h [rows, hidden]`` in place; ``a [rows, q_width]``
+        contiguous is attention's output."""
+        rc = self._post(self._refs[index], h.data_ptr(), h.stride(0), h.shape[0], a.data_ptr(),
+                        torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the fused decode kernel refused layer {index} at {h.shape[0]} rows")

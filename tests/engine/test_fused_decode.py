@@ -1,0 +1,189 @@
+"""The fused decode layers (``engine.model.fused_decode``) on real tensors: the logits and the KV of the
+unfused stack within float32 rounding, batched rows equal to lone ones bit for bit, the runner
+dropping them when they differ, and where they do not apply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.tier_identity import fingerprint
+from engine.model import fused_decode
+from engine.model.decoder_stack import DecoderStack
+from engine.model.fused_decode import ENV_SWITCH, FusedLayers
+from engine.model.native_linear import kernel
+from engine.model.paged_attention import PagedSegment
+from tests.conftest import make_tiny_runner
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason="our C kernels do not build here")
+
+
+def _pool(runner, tokens: int) -> KVPool:
+    pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                  tokens * runner.kv_bytes_per_token)
+    for t in pool.k + pool.v:
+        t.zero_()
+    return pool
+
+
+def _run(runner, pool, segments, fused: bool) -> torch.Tensor:
+    stack = runner.stack
+    keep, stack.fused = stack.fused, stack.fused if fused else None
+    try:
+        return runner.compute.call(torch.inference_mode()(runner._paged), pool, segments, False, stack)
+    finally:
+        stack.fused = keep
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_steps_give_the_unfused_logits_and_kv(tokenizer, tiny_runner, seed):
+    assert tiny_runner.stack.fused is not None  # a float32 Llama on a CPU with the kernel
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    pools = _pool(tiny_runner, 200), _pool(tiny_runner, 200)
+    prefix = [p.alloc(30) for p in pools][0]
+    rows = [prefix + [p.alloc(20) for p in pools][0] for _ in range(3)]
+    shared = [rng.randrange(10, vocab) for _ in range(30)]
+    for pool, fused in zip(pools, (False, True), strict=True):
+        _run(tiny_runner, pool, [PagedSegment(shared, 0, prefix)], fused=False)  # the same prefix KV in both
+    past = [30] * 3
+    for _ in range(5):
+        n = [rng.choice((1, 1, 3)) for _ in rows]
+        segments = [PagedSegment([rng.randrange(10, vocab) for _ in range(k)], p, s)
+                    for k, p, s in zip(n, past, rows, strict=True)]
+        plain = _run(tiny_runner, pools[0], segments, fused=False)
+        got = _run(tiny_runner, pools[1], segments, fused=True)
+        assert _close(got, plain)
+        past = [p + k for p, k in zip(past, n, strict=True)]
+    for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v, strict=True):
+        assert _close(b, a)  # the new tokens' KV written to the same slots, rotated the same way
+
+
+def test_batched_fused_rows_equal_lone_ones_bit_for_bit(tokenizer, tiny_runner):
+    """Rows with prompts of their own (a prefix shared by the batch is read once for all and merged
+    by log-sum-exp, which moves the last bits against a lone read of it with or without fusion;
+    ``test_batching_exact`` checks the answers there)."""
+    vocab = len(tokenizer)
+    rng = random.Random(7)
+    pool = _pool(tiny_runner, 400)
+    rows = []
+    for _ in range(9):
+        prompt = pool.alloc(24)
+        _run(tiny_runner, pool, [PagedSegment([rng.randrange(10, vocab) for _ in prompt], 0, prompt)], fused=True)
+        rows.append(prompt + pool.alloc(4))
+    ids = [[rng.randrange(10, vocab)] for _ in rows]
+    together = _run(tiny_runner, pool, [PagedSegment(i, 24, s) for i, s in zip(ids, rows, strict=True)], fused=True)
+    for r, (i, s) in enumerate(zip(ids, rows, strict=True)):
+        alone = _run(tiny_runner, pool, [PagedSegment(i, 24, s)], fused=True)
+        assert torch.equal(alone[0], together[r])
+
+
+def test_a_step_of_more_rows_than_the_kernel_takes_runs_unfused(tokenizer, tiny_runner, monkeypatch):
+    calls = []
+    real = FusedLayers.pre
+    monkeypatch.setattr(FusedLayers, "pre", lambda self, *a: calls.append(a[1].shape[0]) or real(self, *a))
+    pool = _pool(tiny_runner, 100)
+    _run(tiny_runner, pool, [PagedSegment(list(range(10, 10 + fused_decode.MAX_ROWS + 1)), 0, pool.alloc(33))],
+         fused=True)
+    assert calls == []
+    _run(tiny_runner, pool, [PagedSegment([5, 6], 0, pool.alloc(2))], fused=True)
+    assert calls == [2] * tiny_runner.num_layers
+
+
+def test_switched_off_bf16_and_other_layers_run_unfused(tokenizer, tiny_runner_bf16, monkeypatch):
+    assert tiny_runner_bf16.stack.fused is None  # float32 only
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    runner = make_tiny_runner(tokenizer)
+    try:
+        assert runner.stack is not None and runner.stack.fused is None
+    finally:
+        runner.close()
+    monkeypatch.delenv(ENV_SWITCH)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu")).eval()
+    assert DecoderStack.build(model) is not None and DecoderStack.build(model).fused is None  # not SiLU
+
+
+def test_a_fused_forward_that_differs_is_dropped_at_start(tokenizer, monkeypatch):
+    real = FusedLayers.post
+
+    def off(self, index, h, a):
+        real(self, index, h, a)
+        h.mul_(1.01)
+
+    monkeypatch.setattr(FusedLayers, "post", off)
+    runner = make_tiny_runner(tokenizer)
+    try:
+        assert runner.stack is not None and runner.stack.fused is None
+    finally:
+        runner.close()
+
+
+def test_qwen2_projection_biases_are_fused_too(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine.model.loader import LoadedModel
+    from engine.model.runner import ModelRunner
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512)).eval()
+    for layer in model.model.layers:  # nonzero biases, so that a dropped one would show
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(m.bias, std=0.5)
+    runner = ModelRunner(LoadedModel(model=model, tokenizer=tokenizer, name="tiny-qwen2", device=torch.device("cpu"),
+                                     dtype=torch.float32))
+    try:
+        assert runner.stack is not None and runner.stack.fused is not None
+        pools = _pool(runner, 64), _pool(runner, 64)
+        slots = [p.alloc(12) for p in pools][0]
+        for pool in pools:
+            _run(runner, pool, [PagedSegment(list(range(20, 30)), 0, slots)], fused=False)
+        plain = _run(runner, pools[0], [PagedSegment([44], 10, slots)], fused=False)
+        assert _close(_run(runner, pools[1], [PagedSegment([44], 10, slots)], fused=True), plain)
+    finally:
+        runner.close()
+
+
+def test_the_kernel_refuses_a_slot_outside_the_pool(tiny_runner):
+    fused = tiny_runner.stack.fused
+    pool = _pool(tiny_runner, 8)
+    h = torch.randn(1, tiny_runner.model.config.hidden_size)
+    cs = torch.ones(1, tiny_runner.head_dim)
+    before = [t.clone() for t in pool.k]
+    with pytest.raises(ValueError, match="refused"):
+        fused.pre(0, h, cs, cs, pool.k[0], pool.v[0], torch.tensor([pool.capacity]))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k, strict=True))  # nothing written
+
+
+def test_the_tier_fingerprint_names_the_fused_forward(tokenizer):
+    args = ("m", torch.float32, tokenizer, 2, 2, 16)
+    assert fingerprint(*args, native_linear=True) != fingerprint(*args, native_linear=True, fused_decode=True)
+    assert fingerprint(*args) == fingerprint(*args, fused_decode=False)  # the names tiers had before
+
+
+@pytest.mark.slow
+def test_real_model_fused_steps_match_unfused(real_runner):
+    if real_runner.stack is None or real_runner.stack.fused is None:
+        pytest.skip("the embedded model runs unfused here (not float32, or no kernel)")
+    ids = real_runner.text.encode("The three rules of packing a tent are")
+    pools = _pool(real_runner, 64), _pool(real_runner, 64)
+    slots = [p.alloc(len(ids) + 12) for p in pools][0]
+    for pool in pools:
+        _run(real_runner, pool, [PagedSegment(ids, 0, slots)], fused=False)
+    past, token = len(ids), ids[-1]
+    for _ in range(12):  # teacher-forced: both read the same tokens
+        plain = _run(real_runner, pools[0], [PagedSegment([token], past, slots)], fused=False)
+        got = _run(real_runner, pools[1], [PagedSegment([token], past, slots)], fused=True)
+        assert _close(got, plain) and int(got.argmax()) == int(plain.argmax())
+        past, token = past + 1, int(plain.argmax())
