@@ -1,17 +1,22 @@
 """What the command lines measure with: percentiles of timings and the process's resident memory.
 
 Owns: ``percentile`` (nearest rank over the sorted values, the one definition every bench and
-the load test print) ``rss_bytes`` (``VmRSS`` from /proc) and
-``add_engine_args`` (the engine flags the load-shaped command lines share). Knows nothing about engines.
+the load test print) ``rss_bytes`` (``VmRSS`` from /proc), ``read_bandwidth`` and
+``bytes_per_token`` (what one decode step of one stream must read: the memory-bandwidth ceiling)
+and ``add_engine_args`` (the engine flags the load-shaped command lines share). Knows nothing
+about engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,6 +37,53 @@ def rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a plain read with every thread PyTorch uses: the best of ``repeats``
+    sums over a float32 tensor of ``nbytes`` (far larger than any cache), on a fresh thread so
+    the caller's keeps no OpenMP pool."""
+    import torch
+
+    from engine.model.compute_thread import in_fresh_thread
+
+    def measure() -> float:
+        data = torch.ones(nbytes // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            float(data.sum())
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+
+    return in_fresh_thread(measure)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def bytes_per_token(folder: Path, dtype: str, context_tokens: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) that one decode step of one stream reads in ``dtype`` for a
+    context of ``context_tokens``: every weight in the model folder's safetensors files once (tied
+    embeddings are stored once and read once, as the LM head), and every layer's K and V of
+    every context token (from its ``config.json``)."""
+    elem = DTYPE_BYTES[dtype]
+    params = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, info in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in info["shape"]:
+                    n *= dim
+                params += n
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * elem
+    return params * elem, kv * context_tokens
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

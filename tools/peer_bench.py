@@ -20,6 +20,10 @@ over the wall clock, all streams together), time to first token p50/p95 (from se
 to the first chunk with text) and the cached prompt tokens per request
 (``usage.prompt_tokens_details.cached_tokens``). With two servers, their ratio.
 
+Servers started here are also held against the memory-bandwidth ceiling: one stream's decode
+step reads every weight and the context's KV, so a plain read's speed, measured in the same run,
+bounds its tokens/s (printed as a share of that bound).
+
 ``--ours`` starts this app (``python app.py`` on a free port, ``--dtype``, no second
 tier, and waits for its start-up growth-curve measurement to finish so it does not run
 during the benchmark); ``--vllm`` starts vLLM from the virtual environment
@@ -48,7 +52,7 @@ from pathlib import Path
 
 import httpx
 
-from tools.measure import percentile, run_clients
+from tools.measure import bytes_per_token, percentile, read_bandwidth, run_clients
 from tools.serve_bench import SYSTEM, chat_requests, policy_manual
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,6 +283,31 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 # ------------------------------------------------------------------ report
+def ceiling_lines(rows: list[Row], dtype: str, bandwidth: Sequence[float], max_tokens: int,
+                  folder: Path | None = None) -> list[str]:
+    """Each one-stream row of a server started here against the memory-bandwidth ceiling: one
+    decode step must read every weight and the context's KV (``tools.measure.bytes_per_token``),
+    so one stream cannot outrun ``bandwidth / bytes``; the bandwidth is a plain read measured
+    in this run (before and after the servers, their mean)."""
+    if folder is None:
+        from engine.model.hub import converted_cache_dir
+
+        folder = converted_cache_dir()
+    bw = sum(bandwidth) / len(bandwidth)
+    lines = ["", f"Memory-bandwidth ceiling: a plain read here ran at "
+                 f"{' and '.join(f'{b / 1e9:.1f}' for b in bandwidth)} GB/s (before and after the servers)."]
+    for r in rows:
+        if r.streams != 1 or not r.results or dtype not in r.server:
+            continue
+        context = int(r.prompt_per_request + (max_tokens - 1) / 2)
+        weights, kv = bytes_per_token(folder, dtype, context)
+        ceiling = bw / (weights + kv)
+        lines.append(f"- {r.server}, one stream, {r.system_tokens:,} system tokens: {r.tokens_per_s:.1f} tokens/s = "
+                     f"{r.tokens_per_s / ceiling:.0%} of {ceiling:.1f} ({weights / 1e6:,.0f} MB of weights and "
+                     f"{kv / 1e6:,.0f} MB of KV at {context:,} tokens per step)")
+    return lines
+
+
 def format_row(r: Row) -> str:
     return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.output_tokens:,} in "
             f"{r.wall_s:.2f} s | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
@@ -367,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     print(title, flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows: list[Row] = []
+    bandwidth = [read_bandwidth()] if args.ours or args.vllm else []
     for url in args.url:
         rows += bench_workloads(url, url, workloads, args.max_tokens, log, ignore_eos)
     if args.ours:
@@ -382,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log, ignore_eos)
     print()
     print(format_table(rows, title))
+    if bandwidth:
+        bandwidth.append(read_bandwidth())
+        print("\n".join(ceiling_lines(rows, args.dtype, bandwidth, args.max_tokens)))
     return 0
 
 

@@ -45,3 +45,22 @@ def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
     assert sum(r.output_tokens for row in rows for r in row.results) == sum(m.output_tokens for m in metrics[1:])
     table = format_table(rows + [dataclasses.replace(r, server="other", wall_s=r.wall_s * 2) for r in rows], "t")
     assert "| 0 | 1 | 2.00x |" in table and "| 0 | 3 | 2.00x |" in table
+
+
+def test_one_stream_rows_are_held_against_the_bandwidth_ceiling(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tools.peer_bench import Result, Row, ceiling_lines
+
+    save_file({"w": torch.zeros(1000, 1000)}, tmp_path / "model.safetensors")  # 4 MB in float32
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 1, "hidden_size": 8,
+                                                      "num_hidden_layers": 1, "num_key_value_heads": 1}))
+    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x"),), 1.0, system_tokens=80)  # 10 tokens/s
+    many = dataclasses.replace(one, streams=8)
+    lines = ceiling_lines([one, many], "float32", [34e6, 38e6], max_tokens=21, folder=tmp_path)
+    # 4 MB of weights + 100 context tokens x 64 B of KV per step at 36 MB/s: a ceiling of 8.99 tokens/s
+    assert len(lines) == 3 and "ours float32, one stream" in lines[2]  # the 8-stream row has no ceiling
+    assert "111% of 9.0" in lines[2] and "at 100 tokens" in lines[2] and "0.0 and 0.0 GB/s" in lines[1]
