@@ -317,6 +317,10 @@ class ModelRunner:
     @property
     def forward_kind(self) -> str:
         """What runs the scheduler's forward, in words (for the engine info)."""
+        if self.stack is not None and self.stack.fused is not None:
+            return ("decoder stack: the model's layers called directly, decode steps of up to "
+                    f"{native_linear.MAX_ROWS} rows in two fused C calls a layer (RADIX_FUSED_DECODE=0 for "
+                    "PyTorch's ops, RADIX_DECODER_STACK=0 for transformers' forward)")
         if self.stack is not None:
             return "decoder stack: the model's layers called directly (RADIX_DECODER_STACK=0 for transformers' forward)"
         return "transformers' forward" + ("" if self.can_batch else ", one request per forward")

@@ -36,7 +36,9 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     assert "| linear layers | " + ("ours for decode steps (up to 32 rows)" if tiny_runner.native_linears
                                    else "PyTorch's default |") in fp32
     assert "| forward | decoder stack: the model's layers called directly" in fp32
+    assert ("two fused C calls a layer" in fp32) == (tiny_runner.stack.fused is not None)
     bf16 = info_markdown(Engine(tiny_runner_bf16))
+    assert "fused" not in bf16  # float32 only
     if tiny_runner_bf16.packed_linears:
         assert packed in bf16
     else:
