@@ -71,7 +71,7 @@ class FusedLayers:
         self._pre.restype = self._post.restype = ctypes.c_int
         self._structs = structs
         self._refs = [ctypes.addressof(s) for s in structs]
-        self._keep = keep  # the biases made contiguous float32 here (weights are the model's own)
+        self._keep = keep  # every tensor the structs point at: the model's weights, the biases made float32 here
         first = structs[0]
         self.q_width = int(first.q_heads * first.head_dim)
 
@@ -124,6 +124,7 @@ class FusedLayers:
             keep.append(b)
             return b.data_ptr()
 
+        keep += [n1[0], n2[0], *(m.weight for m in lins)]  # held: what the struct points at cannot be freed
         s = _LayerStruct(norm1=n1[0].data_ptr(), norm2=n2[0].data_ptr(), eps1=n1[1], eps2=n2[1],
                          hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=d, inter=inter)
         for name, m in zip(("q", "k", "v", "o", "g", "u", "d"), lins, strict=True):
@@ -138,6 +139,10 @@ class FusedLayers:
         layer ``k_layer``/``v_layer`` ``[Hkv, S, D]`` (contiguous float32). Returns the rotated
         queries ``[rows, q_heads * head_dim]``."""
         rows = h.shape[0]
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (h, cos, sin, k_layer, v_layer)):
+            raise ValueError("the fused decode kernel takes contiguous float32 rows, rotary tables and pool layers")
+        if write_index.dtype != torch.int64 or write_index.numel() != rows or not write_index.is_contiguous():
+            raise ValueError("the fused decode kernel takes one int64 pool slot per row")
         q = torch.empty((rows, self.q_width), dtype=torch.float32)
         rc = self._pre(self._refs[index], h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
                        q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), k_layer.shape[1],
@@ -149,6 +154,9 @@ class FusedLayers:
     def post(self, index: int, h: torch.Tensor, a: torch.Tensor) -> None:
         """Layer ``index`` after attention, on ``h [rows, hidden]`` in place; ``a [rows, q_width]``
         contiguous is attention's output."""
+        if not (h.dtype == a.dtype == torch.float32 and h.is_contiguous() and a.is_contiguous()
+                and a.numel() == h.shape[0] * self.q_width):
+            raise ValueError("the fused decode kernel takes contiguous float32 rows")
         rc = self._post(self._refs[index], h.data_ptr(), h.stride(0), h.shape[0], a.data_ptr(),
                         torch.get_num_threads())
         if rc != 0:

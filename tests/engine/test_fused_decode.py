@@ -223,3 +223,16 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
     assert third.run(req(doc + [9])).tier_tokens == 0
     third.check_invariants()
     third.close()
+
+
+def test_wrong_shapes_are_refused_before_the_kernel_runs(tiny_runner):
+    fused = tiny_runner.stack.fused
+    pool = _pool(tiny_runner, 8)
+    h = torch.randn(2, tiny_runner.model.config.hidden_size)
+    cs = torch.ones(2, tiny_runner.head_dim)
+    with pytest.raises(ValueError, match="one int64 pool slot per row"):
+        fused.pre(0, h, cs, cs, pool.k[0], pool.v[0], torch.tensor([0]))  # two rows, one slot
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fused.pre(0, h, cs, cs, pool.k[0].transpose(1, 2), pool.v[0], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="contiguous float32 rows"):
+        fused.post(0, h, torch.randn(1, fused.q_width))  # one row of attention for two rows
