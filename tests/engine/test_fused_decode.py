@@ -155,11 +155,14 @@ def test_qwen2_projection_biases_are_fused_too(tokenizer):
         runner.close()
 
 
+def _inputs(runner, rows: int):
+    """The fused layers, a small pool, ``rows`` hidden rows and rotary tables of ones."""
+    return (runner.stack.fused, _pool(runner, 8), torch.randn(rows, runner.model.config.hidden_size),
+            torch.ones(rows, runner.head_dim))
+
+
 def test_the_kernel_refuses_a_slot_outside_the_pool(tiny_runner):
-    fused = tiny_runner.stack.fused
-    pool = _pool(tiny_runner, 8)
-    h = torch.randn(1, tiny_runner.model.config.hidden_size)
-    cs = torch.ones(1, tiny_runner.head_dim)
+    fused, pool, h, cs = _inputs(tiny_runner, 1)
     before = [t.clone() for t in pool.k]
     with pytest.raises(ValueError, match="refused"):
         fused.pre(0, h, cs, cs, pool.k[0], pool.v[0], torch.tensor([pool.capacity]))
@@ -226,10 +229,7 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
 
 
 def test_wrong_shapes_are_refused_before_the_kernel_runs(tiny_runner):
-    fused = tiny_runner.stack.fused
-    pool = _pool(tiny_runner, 8)
-    h = torch.randn(2, tiny_runner.model.config.hidden_size)
-    cs = torch.ones(2, tiny_runner.head_dim)
+    fused, pool, h, cs = _inputs(tiny_runner, 2)
     with pytest.raises(ValueError, match="one int64 pool slot per row"):
         fused.pre(0, h, cs, cs, pool.k[0], pool.v[0], torch.tensor([0]))  # two rows, one slot
     with pytest.raises(ValueError, match="contiguous float32"):
