@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
-from engine.model.fused_decode import FusedLayers
+from engine.model.fused_decode import FusedLayers, plain_rms_norm
 
 ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
 
@@ -49,9 +49,10 @@ ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
 def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``norm``'s forward as one fused kernel where it is a plain RMSNorm (a ``weight`` and a
     ``variance_epsilon``, no offset), else its own forward."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1:
+    plain = plain_rms_norm(norm)
+    if plain is None:
         return norm.forward
+    weight, eps = plain
     shape = (weight.shape[0],)
 
     def forward(x: torch.Tensor) -> torch.Tensor:

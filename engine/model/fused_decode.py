@@ -27,12 +27,12 @@ our linear kernel takes (multiples of 8).
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import nn
 
 from engine.model import native_linear
+from engine.model.native_build import switched_off
 
 ENV_SWITCH = "RADIX_FUSED_DECODE"
 MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
@@ -48,12 +48,17 @@ class _LayerStruct(ctypes.Structure):
                 + [(n, ctypes.c_int64) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter")])
 
 
-def _plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+def plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """``(weight, eps)`` of a plain RMSNorm (a ``weight`` vector and a ``variance_epsilon``, no
+    offset), else None. The decoder stack's fused kernel call and these fused layers both need one."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if (weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1
-            or getattr(norm, "with_scale", True) is False):
+    if weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1:
         return None
     return weight, float(eps)
+
+
+def _scaled_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    return None if getattr(norm, "with_scale", True) is False else plain_rms_norm(norm)
 
 
 def _is_silu(act: object) -> bool:
@@ -79,13 +84,14 @@ class FusedLayers:
     def build(cls, model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
         """The fused layers of ``model`` (the decoder layers ``layers``), or None when they are not
         ones it takes (module docstring), the kernel does not build, or ``RADIX_FUSED_DECODE=0``."""
-        if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        if switched_off(ENV_SWITCH):
             return None
         try:
             p = next(model.parameters())
         except StopIteration:
             return None
-        if p.device.type != "cpu" or p.dtype != torch.float32 or native_linear.kernel() is None:
+        kernel = native_linear.kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+        if kernel is None:
             return None
         structs, keep = [], []
         for layer in layers:
@@ -93,12 +99,12 @@ class FusedLayers:
             if s is None:
                 return None
             structs.append(s)
-        return cls(native_linear.kernel().lib, structs, keep) if structs else None
+        return cls(kernel.lib, structs, keep) if structs else None
 
     @staticmethod
     def _struct(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerStruct | None:
         attn, mlp = layer.self_attn, layer.mlp
-        n1, n2 = _plain_rms_norm(layer.input_layernorm), _plain_rms_norm(layer.post_attention_layernorm)
+        n1, n2 = _scaled_rms_norm(layer.input_layernorm), _scaled_rms_norm(layer.post_attention_layernorm)
         if n1 is None or n2 is None or not _is_silu(mlp.act_fn):
             return None
         lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]

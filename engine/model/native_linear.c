@@ -148,6 +148,13 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
+/* h[r] += t[r] for each of the rows (the residual add) */
+static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++)
+            h[r * h_rs + i] += t[r * n + i];
+}
+
 static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
     return L && rows >= 1 && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
            (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0;
@@ -202,18 +209,14 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
         return 1;
     float *g = t + rows * hd, *u = g + rows * ni;
     linear(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, 0, threads);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < hd; i++)
-            h[r * h_rs + i] += t[r * hd + i];
+    add_rows(h, h_rs, t, rows, hd);
     rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t);
     linear(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, 0, threads);
     linear(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, 0, threads);
     for (int64_t j = 0; j < rows * ni; j++)
         g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     linear(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, 0, threads);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < hd; i++)
-            h[r * h_rs + i] += t[r * hd + i];
+    add_rows(h, h_rs, t, rows, hd);
     free(t);
     return 0;
 }
