@@ -24,7 +24,8 @@
 #error "native_linear.c needs AVX2 and FMA (the build falls back to PyTorch's linears)"
 #endif
 
-#define ROWS 4  /* rows of x per pass */
+#define ROWS 4  /* rows of x per pass, from two rows on */
+#define ONE_ROW 8 /* outputs per pass at one row */
 #ifndef AHEAD
 #define AHEAD 8 /* prefetch distance, in outputs */
 #endif
@@ -36,7 +37,6 @@ static inline float sum8(__m256 a) {
     return _mm_cvtss_f32(h);
 }
 
-/* Outputs o and o+1 (or o alone when two == 0) for the ROWS rows at xr[0..ROWS). */
 /* eight weights as float32: bf16 is the high half of a float32's bits */
 static inline __m256 load_w(const void *w, int64_t i, int bf16) {
     if (bf16)
@@ -45,10 +45,16 @@ static inline __m256 load_w(const void *w, int64_t i, int bf16) {
     return _mm256_loadu_ps((const float *)w + i);
 }
 
-static inline __attribute__((always_inline)) void pass(const float *const *xr, const void *w0, const void *w1, int two,
-                                                       int64_t in, const char *ahead, int bf16, float acc[2][ROWS]) {
+/* Every output's sum, whichever path computes it: eight lanes over the input in steps of eight,
+ * acc = w * x + acc from zero, then sum8, then the bias (or 0). So one row alone (one_row) and
+ * the same row among others (pass) give the same bits. */
+
+/* Outputs o and o+1 (or o alone when two == 0) for the R (1..ROWS) rows at xr[0..R). */
+static inline __attribute__((always_inline)) void pass(const float *const *xr, int R, const void *w0, const void *w1,
+                                                       int two, int64_t in, const char *ahead, int bf16,
+                                                       float acc[2][ROWS]) {
     __m256 a0[ROWS], a1[ROWS];
-    for (int r = 0; r < ROWS; r++)
+    for (int r = 0; r < R; r++)
         a0[r] = a1[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < in; i += 8) {
         if (ahead && (i & (bf16 ? 31 : 15)) == 0) { /* the weights a few outputs ahead, a line at a time */
@@ -57,44 +63,96 @@ static inline __attribute__((always_inline)) void pass(const float *const *xr, c
         }
         const __m256 v0 = load_w(w0, i, bf16);
         const __m256 v1 = load_w(w1, i, bf16);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(xr[r] + i);
             a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
             a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
         }
     }
-    for (int r = 0; r < ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         acc[0][r] = sum8(a0[r]);
         acc[1][r] = two ? sum8(a1[r]) : 0.0f;
     }
 }
 
-static void linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
-                   const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
+static inline __attribute__((always_inline)) void rows_pass(const float *const *xr, int R, const void *w0,
+                                                            const void *w1, int two, int64_t in, const char *ahead,
+                                                            int bf16, float acc[2][ROWS]) {
+    switch (R) { /* constant row counts: the accumulators stay in registers */
+    case 1: pass(xr, 1, w0, w1, two, in, ahead, bf16, acc); break;
+    case 2: pass(xr, 2, w0, w1, two, in, ahead, bf16, acc); break;
+    case 3: pass(xr, 3, w0, w1, two, in, ahead, bf16, acc); break;
+    default: pass(xr, ROWS, w0, w1, two, in, ahead, bf16, acc); break;
+    }
+}
+
+/* One row: outputs [o, o + n) (n <= ONE_ROW) in one pass over the input, n weight rows at a
+ * time (fewer instructions a weight than the rows' path, which is what one row waits on). */
+static inline __attribute__((always_inline)) void one_row(const float *x, const char *w, int64_t o, int n, int64_t in,
+                                                          const float *bias, float *y, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+    __m256 a[ONE_ROW];
+    for (int j = 0; j < ONE_ROW; j++)
+        a[j] = _mm256_setzero_ps();
+    if (n == ONE_ROW) {
+        for (int64_t i = 0; i < in; i += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            for (int j = 0; j < ONE_ROW; j++)
+                a[j] = _mm256_fmadd_ps(load_w(w + (o + j) * in * esz, i, bf16), xv, a[j]);
+        }
+    } else {
+        for (int j = 0; j < n; j++)
+            for (int64_t i = 0; i < in; i += 8)
+                a[j] = _mm256_fmadd_ps(load_w(w + (o + j) * in * esz, i, bf16), _mm256_loadu_ps(x + i), a[j]);
+    }
+    for (int j = 0; j < n; j++)
+        y[o + j] = sum8(a[j]) + (bias ? bias[o + j] : 0.0f);
+}
+
+/* This thread's share of y = x W^T (+ b): an orphaned work-sharing loop (static, no wait at its
+ * end), called inside a parallel region; every output is one thread's, computed in one order. */
+static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                        const float *bias, float *y, int64_t y_rs, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+    if (rows == 1) {
+        const int64_t blocks = (out + ONE_ROW - 1) / ONE_ROW;
+#pragma omp for schedule(static) nowait
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t o = b * ONE_ROW;
+            one_row(x, (const char *)w, o, (int)(out - o < ONE_ROW ? out - o : ONE_ROW), in, bias, y, bf16);
+        }
+        return;
+    }
     const int64_t pairs = (out + 1) / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t o = 2 * p;
         const int two = o + 1 < out;
-        const int64_t esz = bf16 ? 2 : 4;
         const char *w0 = (const char *)w + o * in * esz, *w1 = two ? w0 + in * esz : w0;
         const char *ahead = o + AHEAD + 2 <= out ? w0 + AHEAD * in * esz : 0;
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+            const int R = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
             const float *xr[ROWS];
-            for (int r = 0; r < ROWS; r++) /* past the last row: row r0 again, its result dropped */
-                xr[r] = x + (r0 + r < rows ? r0 + r : r0) * x_rs;
+            for (int r = 0; r < ROWS; r++)
+                xr[r] = x + (r0 + (r < R ? r : 0)) * x_rs;
             float acc[2][ROWS];
             if (bf16)
-                pass(xr, w0, w1, two, in, r0 == 0 ? ahead : 0, 1, acc);
+                rows_pass(xr, R, w0, w1, two, in, r0 == 0 ? ahead : 0, 1, acc);
             else
-                pass(xr, w0, w1, two, in, r0 == 0 ? ahead : 0, 0, acc);
-            for (int r = 0; r < ROWS && r0 + r < rows; r++) {
+                rows_pass(xr, R, w0, w1, two, in, r0 == 0 ? ahead : 0, 0, acc);
+            for (int r = 0; r < R; r++) {
                 y[(r0 + r) * y_rs + o] = acc[0][r] + (bias ? bias[o] : 0.0f);
                 if (two)
                     y[(r0 + r) * y_rs + o + 1] = acc[1][r] + (bias ? bias[o + 1] : 0.0f);
             }
         }
     }
+}
+
+static void linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                   const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
+#pragma omp parallel num_threads(threads)
+    linear_part(x, x_rs, rows, w, out, in, bias, y, y_rs, bf16);
 }
 
 int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
@@ -176,21 +234,29 @@ int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t 
     if (!x)
         return 1;
     float *k = x + rows * hd, *v = k + rows * nkv;
-    rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x);
-    linear(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, 0, threads);
-    linear(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, 0, threads);
-    linear(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, 0, threads);
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * d, *s = sin + r * d;
-        for (int64_t head = 0; head < L->q_heads; head++)
-            rotate(q + r * nq + head * d, c, s, d);
-        for (int64_t head = 0; head < L->kv_heads; head++) {
-            float *kr = k + r * nkv + head * d;
-            rotate(kr, c, s, d);
-            const int64_t at = (head * pool_slots + write[r]) * d;
-            for (int64_t i = 0; i < d; i++) {
-                k_pool[at + i] = kr[i];
-                v_pool[at + i] = v[r * nkv + head * d + i];
+    /* one parallel region for the layer's work: the three linears share it without waiting on
+     * each other; the norm before them and the rotation after them are one thread's */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp single
+        rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x);
+        linear_part(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, 0);
+        linear_part(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, 0);
+        linear_part(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, 0);
+#pragma omp barrier
+#pragma omp single
+        for (int64_t r = 0; r < rows; r++) {
+            const float *c = cos + r * d, *s = sin + r * d;
+            for (int64_t head = 0; head < L->q_heads; head++)
+                rotate(q + r * nq + head * d, c, s, d);
+            for (int64_t head = 0; head < L->kv_heads; head++) {
+                float *kr = k + r * nkv + head * d;
+                rotate(kr, c, s, d);
+                const int64_t at = (head * pool_slots + write[r]) * d;
+                for (int64_t i = 0; i < d; i++) {
+                    k_pool[at + i] = kr[i];
+                    v_pool[at + i] = v[r * nkv + head * d + i];
+                }
             }
         }
     }
@@ -208,15 +274,27 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
     if (!t)
         return 1;
     float *g = t + rows * hd, *u = g + rows * ni;
-    linear(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, 0, threads);
-    add_rows(h, h_rs, t, rows, hd);
-    rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t);
-    linear(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, 0, threads);
-    linear(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, 0, threads);
-    for (int64_t j = 0; j < rows * ni; j++)
-        g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    linear(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, 0, threads);
-    add_rows(h, h_rs, t, rows, hd);
+    const int64_t n_gu = rows * ni;
+#pragma omp parallel num_threads(threads)
+    {
+        linear_part(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, 0);
+#pragma omp barrier
+#pragma omp single
+        {
+            add_rows(h, h_rs, t, rows, hd);
+            rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t);
+        }
+        linear_part(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, 0);
+        linear_part(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n_gu; j++)
+            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        linear_part(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, 0);
+#pragma omp barrier
+#pragma omp single
+        add_rows(h, h_rs, t, rows, hd);
+    }
     free(t);
     return 0;
 }

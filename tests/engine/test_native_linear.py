@@ -49,14 +49,19 @@ def test_it_matches_float64_math_and_pytorch(kernel, rows, out_features, bias):
     assert (got - nn.functional.linear(x, lin.weight, lin.bias)).abs().max() < 1e-4
 
 
-def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel, dtype, bias):
+    # one row takes its own path (eight outputs a pass), 2-3 rows and a batch's last rows theirs
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(300, 1536, generator=gen)
+    w = torch.randn(300, 1536, generator=gen).to(dtype)  # 300: a last pass of four outputs at one row
+    b = torch.randn(300, generator=gen) if bias else None
     x = torch.randn(19, 1536, generator=gen)
-    batch = kernel.run(x, w, None)
+    batch = kernel.run(x, w, b)
     for i in range(19):
-        assert torch.equal(kernel.run(x[i:i + 1], w, None)[0], batch[i])
-    assert torch.equal(kernel.run(x[5:12], w, None), batch[5:12])
+        assert torch.equal(kernel.run(x[i:i + 1], w, b)[0], batch[i])
+    for lo, hi in ((5, 12), (0, 2), (3, 6), (16, 19)):
+        assert torch.equal(kernel.run(x[lo:hi], w, b), batch[lo:hi])
 
 
 def test_the_result_does_not_depend_on_the_thread_count(kernel):
@@ -65,9 +70,9 @@ def test_the_result_does_not_depend_on_the_thread_count(kernel):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.run(x, w, None)
+        one, lone = kernel.run(x, w, None), kernel.run(x[:1], w, None)
         torch.set_num_threads(2)
-        assert torch.equal(one, kernel.run(x, w, None))
+        assert torch.equal(one, kernel.run(x, w, None)) and torch.equal(lone, kernel.run(x[:1], w, None))
     finally:
         torch.set_num_threads(before)
 
