@@ -91,6 +91,7 @@ class DecoderStack:
         # A step of a few float32 rows in two C calls per layer (engine.model.fused_decode); the
         # runner drops it unless it checks out on a probe (ModelRunner._check_fused).
         self.fused: FusedLayers | None = FusedLayers.build(model, modules)
+        self.one_scale = len({(layer.scaling, layer.head_dim) for layer in self.layers}) == 1  # one C call takes one
 
     @classmethod
     def build(cls, model: nn.Module) -> DecoderStack | None:
@@ -129,16 +130,18 @@ class DecoderStack:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
                 k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
-                keep: torch.Tensor | int) -> torch.Tensor:
+                keep: torch.Tensor | int, rows_call: Callable | None = None) -> torch.Tensor:
         """Logits of the kept rows: ``input_ids``/``positions`` ``[1, T]``; token ``i``'s KV goes to
         slot ``write_index[i]`` of every layer's ``k_pool``/``v_pool`` ``[Hkv, S, D]``;
         ``attend(k_layer, v_layer, query [1, Hq, T, D], scale) -> [1, T, Hq, D]`` reads them (the
         plan's attention); ``keep`` is transformers' ``logits_to_keep`` (0: every row, or the rows'
-        indices). Returns ``[1, kept, vocab]`` in the model's dtype."""
+        indices); ``rows_call(k_layer, q_heads, scale)`` (the plan's ``rows_call``), where given,
+        may offer that attention for C to call, and then a fused step runs every layer in one C
+        call. Returns ``[1, kept, vocab]`` in the model's dtype."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
         if self.fused is not None and input_ids.shape[1] <= FUSED_MAX_ROWS and cos.shape[-1] == self.layers[0].head_dim:
-            h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend)
+            h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend, rows_call)
         else:
             h = self._layers(h, cos, sin, write_index, k_pool, v_pool, attend)
         h = self.norm(h)
@@ -147,11 +150,20 @@ class DecoderStack:
         return self.head(h)
 
     def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
-               k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable) -> torch.Tensor:
-        """Every layer for a few float32 rows: the work around attention in C (module docstring)."""
+               k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
+               rows_call: Callable | None) -> torch.Tensor:
+        """Every layer for a few float32 rows: the work around attention in C (module docstring),
+        all of it in one call where the attention can be called from C too."""
         fused, rows = self.fused, h.shape[1]
         h = h.contiguous()
         flat, cos, sin, write_index = h[0], cos[0].contiguous(), sin[0].contiguous(), write_index.contiguous()
+        first = self.layers[0]
+        call = rows_call(k_pool[first.index], fused.q_width // first.head_dim, first.scaling) \
+            if rows_call is not None and self.one_scale else None
+        if call is not None:
+            fused.run_all(flat, cos, sin, [k_pool[layer.index] for layer in self.layers],
+                          [v_pool[layer.index] for layer in self.layers], write_index, call)
+            return h
         for i, layer in enumerate(self.layers):
             k_layer, v_layer = k_pool[layer.index], v_pool[layer.index]
             q = fused.pre(i, flat, cos, sin, k_layer, v_layer, write_index)

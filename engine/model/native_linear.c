@@ -6,10 +6,12 @@
  * model, so its speed is how fast the weights stream from memory. On an AMD EPYC here MKL's
  * product streamed them at 5-7 GB/s (oneDNN's packed one too) where a plain read gets 14.
  * Here each weight row is read once, by one thread, while it is multiplied with every row
- * of x: two outputs by four rows of x per pass over the input dimension, eight float32
- * lanes at a time, one accumulator per (output, row). A row's result does not depend on
- * which other rows came with it, nor on the thread count (every output is one thread's, in
- * one order), so batched decode rows equal lone ones bit for bit.
+ * of x: two outputs by up to four rows of x per pass over the input dimension, eight float32
+ * lanes at a time, one accumulator per (output, row); a lone row, eight outputs per pass
+ * (a third of the instructions per weight: at one row the kernel streamed 22 GB/s before and
+ * 35 after, where a plain read gets 33). A row's result does not depend on which other rows
+ * came with it, nor on the thread count (every output is one thread's, summed in one order
+ * on either path), so batched decode rows equal lone ones bit for bit.
  *
  *   x     [rows][in]  float32, row stride x_rs (elements)
  *   w     [out][in]   float32 or bf16 (``bf16``), contiguous (nn.Linear's weight)
@@ -296,5 +298,24 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
         add_rows(h, h_rs, t, rows, hd);
     }
     free(t);
+    return 0;
+}
+
+/* Every layer of a decode step of a few float32 rows, with attention in between through
+ * ``attend`` (decode_attention.c's radix_attention_layer and its fixed arguments ``ctx``): the
+ * same three calls a layer as engine.model.decoder_stack makes from Python, without the Python
+ * between them. q [rows][q_heads*head_dim] and a (attention's output, the same shape) are the
+ * caller's scratch; k_pools/v_pools the layers' pool tensors [kv_heads][pool_slots][head_dim].
+ * Returns 0, or 1 + the index of the layer that refused (the layers before it are done). */
+typedef int (*radix_attend_fn)(const void *ctx, const float *q, const float *k, const float *v, float *out);
+
+int radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows,
+                 const float *cos, const float *sin, float *const *k_pools, float *const *v_pools, int64_t pool_slots,
+                 const int64_t *write, float *q, float *a, radix_attend_fn attend, const void *ctx, int threads) {
+    for (int64_t i = 0; i < n_layers; i++) {
+        if (radix_layer_pre(layers[i], h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write, threads) ||
+            attend(ctx, q, k_pools[i], v_pools[i], a) || radix_layer_post(layers[i], h, h_rs, rows, a, threads))
+            return (int)(1 + i);
+    }
     return 0;
 }

@@ -263,6 +263,17 @@ class PagedPlan:
             self._decode_calls = calls
         return self._decode_calls
 
+    def rows_call(self, k_layer: torch.Tensor, q_heads: int, scale: float) -> object | None:
+        """Where every row of this plan is a decode row the backend reads in place (one stream,
+        or streams that share no prefix) and the backend offers it: its attention for C code to
+        call once per layer (``native.LayerCall``; the pool layers shaped like ``k_layer``), which
+        computes what ``attention`` computes. Else None."""
+        make = getattr(self.backend, "layer_call", None)
+        if (make is None or self.own_rows is None or self.groups or self.prefill_rests or self._decode_rows[0]
+                or self.total != len(self._decode_rows[0]) + self.own_rows[0].shape[0]):
+            return None
+        return make(k_layer, self.own_rows, q_heads, scale)
+
     def attention(self, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor,
                   scale: float) -> torch.Tensor:
         """Attention of the pack's queries ``[1, Hq, T, D]`` under this plan, after the new

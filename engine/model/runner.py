@@ -259,7 +259,7 @@ class ModelRunner:
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
         if stack is not None:
             logits = stack.forward(input_ids, positions, plan.write_index, pool.k, pool.v, plan.attention,
-                                   last)[0].float()
+                                   last, rows_call=plan.rows_call)[0].float()
         else:
             mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
             _batch.paged = (plan, pool)
@@ -319,7 +319,8 @@ class ModelRunner:
         """What runs the scheduler's forward, in words (for the engine info)."""
         if self.stack is not None and self.stack.fused is not None:
             return ("decoder stack: the model's layers called directly, decode steps of up to "
-                    f"{native_linear.MAX_ROWS} rows in two fused C calls a layer (RADIX_FUSED_DECODE=0 for "
+                    f"{native_linear.MAX_ROWS} rows in two fused C calls a layer, all layers in one C call when "
+                    "no two rows share a prefix (RADIX_FUSED_DECODE=0 for "
                     "PyTorch's ops, RADIX_DECODER_STACK=0 for transformers' forward)")
         if self.stack is not None:
             return "decoder stack: the model's layers called directly (RADIX_DECODER_STACK=0 for transformers' forward)"

@@ -236,3 +236,45 @@ def test_wrong_shapes_are_refused_before_the_kernel_runs(tiny_runner):
         fused.pre(0, h, cs, cs, pool.k[0].transpose(1, 2), pool.v[0], torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="contiguous float32 rows"):
         fused.post(0, h, torch.randn(1, fused.q_width))  # one row of attention for two rows
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_one_c_call_for_every_layer_equals_the_calls_per_layer_bit_for_bit(tokenizer, tiny_runner, monkeypatch,
+                                                                            streams):
+    """Decode rows that share no prefix run every layer in one C call (attention called from C);
+    the same rows through the per-layer calls give the same logits and KV, bit for bit."""
+    from engine.model.paged_attention import PagedPlan
+
+    vocab = len(tokenizer)
+    rng = random.Random(11 + streams)
+    pools = _pool(tiny_runner, 300), _pool(tiny_runner, 300)
+    rows = []
+    for _ in range(streams):
+        prompt = [p.alloc(20 + 7 * len(rows)) for p in pools][0]
+        ids = [rng.randrange(10, vocab) for _ in prompt]
+        for pool in pools:
+            _run(tiny_runner, pool, [PagedSegment(ids, 0, prompt)], fused=True)
+        rows.append(prompt + [p.alloc(6) for p in pools][0])
+    used = []
+    real_all = FusedLayers.run_all
+    monkeypatch.setattr(FusedLayers, "run_all", lambda self, *a: used.append(a[0].shape[0]) or real_all(self, *a))
+    real_call = PagedPlan.rows_call
+    for step in range(6):
+        segments = [PagedSegment([rng.randrange(10, vocab)], len(s) - 6 + step, s) for s in rows]
+        monkeypatch.setattr(PagedPlan, "rows_call", lambda self, *a: None)
+        per_layer = _run(tiny_runner, pools[0], segments, fused=True)
+        monkeypatch.setattr(PagedPlan, "rows_call", real_call)
+        one_call = _run(tiny_runner, pools[1], segments, fused=True)
+        assert torch.equal(one_call, per_layer)
+    assert used == [streams] * 6
+    for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_one_call_refuses_pool_layers_it_does_not_take(tiny_runner):
+    fused, pool, h, cs = _inputs(tiny_runner, 1)
+    n = tiny_runner.num_layers
+    with pytest.raises(ValueError, match="one pool layer per decoder layer"):
+        fused.run_all(h, cs, cs, pool.k[:1], pool.v[:1], torch.tensor([0]), None)
+    with pytest.raises(ValueError, match="of one shape"):
+        fused.run_all(h, cs, cs, [pool.k[0].transpose(1, 2)] * n, pool.v, torch.tensor([0]), None)

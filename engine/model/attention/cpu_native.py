@@ -62,6 +62,13 @@ class CpuNativeBackend(CpuSdpaBackend):
                     out: torch.Tensor, lse: torch.Tensor) -> None:
         self.kernel.attend_rows(q, k_layer, v_layer, cut, scale, out, lse)  # type: ignore[arg-type]
 
+    def layer_call(self, k_layer: torch.Tensor, cut: object, q_heads: int, scale: float) -> native.LayerCall | None:
+        """The decode rows' attention for C code to call per layer (``native.LayerCall``): float32
+        pool layers only, else None."""
+        if k_layer.dtype != torch.float32 or not k_layer.is_contiguous() or k_layer.dim() != 3:
+            return None
+        return self.kernel.layer_call(k_layer, cut, q_heads, scale)  # type: ignore[arg-type]
+
     def describe(self) -> str:
         rows = f"up to {native.AMX_MAX_ROWS} rows with AMX" if self.kernel.amx else f"up to {self.few_rows} rows"
         return (f"cpu_native (our {self.kernel.simd} kernel for decode rows over their keys, {rows}; "

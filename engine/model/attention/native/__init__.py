@@ -27,6 +27,29 @@ AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS: bfloat16 with AMX, head size a multiple o
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
 
+class _AttnLayer(ctypes.Structure):
+    """``radix_attn_layer`` in ``decode_attention.c``: one layer's attention call but its keys,
+    values, queries and output."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("q_hs", "q_rs", "q_ts", "k_sh", "k_sl", "v_sh", "v_sl", "keys")]
+                + [("rows", ctypes.c_void_p), ("nrows", ctypes.c_int64), ("pieces", ctypes.c_void_p)]
+                + [(n, ctypes.c_int64) for n in ("npieces", "H", "M", "D")] + [("scale", ctypes.c_double)]
+                + [(n, ctypes.c_int64) for n in ("o_hs", "o_rs", "o_ts")] + [("lse", ctypes.c_void_p)]
+                + [(n, ctypes.c_int64) for n in ("l_hs", "l_rs", "l_ts")]
+                + [("work", ctypes.c_void_p), ("threads", ctypes.c_int64)])
+
+
+class LayerCall:
+    """The attention of a step's float32 decode rows, each over its own runs of the pool, for C
+    code to call once per layer (``engine.model.fused_decode``): ``fn`` is the address of
+    ``radix_attention_layer`` and ``ctx`` of its fixed arguments; queries in and output out are
+    ``[rows, Hq * D]`` float32 (heads side by side). Holds every buffer the arguments point at."""
+
+    def __init__(self, fn: int, struct: _AttnLayer, keep: tuple) -> None:
+        self.fn, self.struct, self._keep = fn, struct, keep
+        self.ctx = ctypes.addressof(struct)
+
+
 class DecodeKernel:
     """The loaded library: ``attend`` (one call's rows over a view of keys) and ``attend_rows``
     (many decode rows, each over its own runs of the pool) run it on torch tensors."""
@@ -43,6 +66,7 @@ class DecodeKernel:
         self._work.restype = i64
         lib.radix_amx_ready.restype = ctypes.c_int
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
+        self._layer_fn = ctypes.cast(lib.radix_attention_layer, ctypes.c_void_p).value
         lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
@@ -83,6 +107,22 @@ class DecodeKernel:
         g = hq // k.shape[0]
         self._call(q, (g * q.stride(0), q.stride(0), q.stride(1)), k, v, cut, g, scale, out,
                    (g * t * d, t * d, d), lse, (g * t, t, 1))
+
+    def layer_call(self, k_layer: torch.Tensor, cut: RowsCut, q_heads: int, scale: float) -> LayerCall:
+        """The attention of ``cut``'s decode rows (pack positions 0..rows-1, each over its own
+        runs) for every layer of a step whose pool layers are shaped like ``k_layer`` ``[H, S, D]``
+        (float32, contiguous), with ``q_heads`` query heads; see ``LayerCall``."""
+        h, slots, d = k_layer.shape
+        rows, pieces = cut
+        t, g = rows.shape[0], q_heads // h
+        lse = torch.empty((t, q_heads), dtype=torch.float32)
+        work = torch.empty(self._work(h, g, d, pieces.shape[0], t), dtype=torch.float32)
+        row = q_heads * d  # queries and output: [T][Hq][D], a row's heads side by side
+        s = _AttnLayer(q_hs=g * d, q_rs=d, q_ts=row, k_sh=slots * d, k_sl=d, v_sh=slots * d, v_sl=d, keys=slots,
+                       rows=rows.data_ptr(), nrows=t, pieces=pieces.data_ptr(), npieces=pieces.shape[0], H=h, M=g, D=d,
+                       scale=scale, o_hs=g * d, o_rs=d, o_ts=row, lse=lse.data_ptr(), l_hs=g, l_rs=1, l_ts=q_heads,
+                       work=work.data_ptr(), threads=torch.get_num_threads())
+        return LayerCall(self._layer_fn, s, (rows, pieces, lse, work))
 
     def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides) -> None:
         h, d = k.shape[0], k.shape[2]

@@ -156,10 +156,42 @@ static inline void prefetch_rows(const char *p, int64_t bytes) {
         _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
+#define V_ROWS 3 /* rows per block of the weighted sum of values */
+
+/* Rows [0, mb) of the weights ``w`` (rows MAX_CHUNK apart) times the n values' dims [d0, d0 + 16
+ * or 32) (``two``), summed over the keys in order, to out (rows D apart). */
+static inline __attribute__((always_inline)) void v_block(const float (*w)[MAX_CHUNK], const char *v, int64_t v_sl,
+                                                          int n, int D, int d0, int bf16, int esz, int first,
+                                                          float *out, const int mb, const int two) {
+    vf acc[V_ROWS][2];
+    for (int r = 0; r < mb; r++)
+        acc[r][0] = acc[r][1] = vf_zero();
+    for (int j = 0; j < n; j++) {
+        const char *vj = v + ((int64_t)j * v_sl + d0) * esz;
+        if (first && j + 32 < n)
+            prefetch_rows(v + (int64_t)(j + 32) * v_sl * esz, (int64_t)D * esz);
+        const vf v0 = load16(vj, bf16);
+        const vf v1 = two ? load16(vj + 16 * esz, bf16) : v0;
+        for (int r = 0; r < mb; r++) {
+            const vf p = vf_set1(w[r][j]);
+            acc[r][0] = vf_fmadd(p, v0, acc[r][0]);
+            if (two)
+                acc[r][1] = vf_fmadd(p, v1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mb; r++) {
+        vf_store(out + (int64_t)r * D, acc[r][0]);
+        if (two)
+            vf_store(out + (int64_t)r * D + 16, acc[r][1]);
+    }
+}
+
 /* Rows 0..M-1 over the n keys of one chunk: the partial sums o [M][D] (weights relative to
  * the chunk's own maximum), that maximum [M] and the sum of the weights [M]. */
-static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl, const char *v, int64_t v_sl,
-                        int M, int n, int D, float scale, int bf16, int esz, float *o, float *mx, float *sm) {
+static inline __attribute__((always_inline)) void chunk_rows_d(const void *q, int64_t q_sm, const char *k,
+                                                               int64_t k_sl, const char *v, int64_t v_sl, int M, int n,
+                                                               int D, float scale, int bf16, int esz, float *o,
+                                                               float *mx, float *sm) {
     float qf[MAX_ROWS][MAX_D];
     float s[MAX_ROWS][MAX_CHUNK];
     const int d16 = D / 16;
@@ -195,31 +227,46 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
         mx[m] = best;
         sm[m] = vf_sum(total);
     }
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        int mb = M - m0 < 4 ? M - m0 : 4;
-        vf acc[4][MAX_D / 16];
-        for (int r = 0; r < mb; r++)
-            for (int c = 0; c < d16; c++)
-                acc[r][c] = vf_zero();
-        for (int j = 0; j < n; j++) {
-            const char *vj = v + (int64_t)j * v_sl * esz;
-            if (m0 == 0 && j + 32 < n)
-                prefetch_rows(vj + 32 * v_sl * esz, (int64_t)D * esz);
-            vf vv[MAX_D / 16];
-            for (int c = 0; c < d16; c++)
-                vv[c] = load16(vj + (int64_t)c * 16 * esz, bf16);
-            for (int r = 0; r < mb; r++) {
-                vf p = vf_set1(s[m0 + r][j]);
-                for (int c = 0; c < d16; c++)
-                    acc[r][c] = vf_fmadd(p, vv[c], acc[r][c]);
-            }
+    /* O = P V in blocks of up to three rows by 32 dims: their accumulators (twelve AVX2
+     * registers) stay in registers, where a whole 64-dim row block spilled them on every key.
+     * Each output still sums its keys in order, as before. */
+    for (int m0 = 0; m0 < M; m0 += V_ROWS) {
+        const int mb = M - m0 < V_ROWS ? M - m0 : V_ROWS;
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            const int two = D - d0 >= 32;
+            const int first = m0 == 0 && d0 == 0; /* the pass that prefetches whole value rows */
+            float *out = o + (int64_t)m0 * D + d0;
+            if (mb == 3 && two)
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 3, 1);
+            else if (mb == 3)
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 3, 0);
+            else if (mb == 2 && two)
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 2, 1);
+            else if (mb == 2)
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 2, 0);
+            else if (two)
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 1, 1);
+            else
+                v_block(s + m0, v, v_sl, n, D, d0, bf16, esz, first, out, 1, 0);
         }
-        for (int r = 0; r < mb; r++)
-            for (int c = 0; c < d16; c++)
-                vf_store(o + (int64_t)(m0 + r) * D + 16 * c, acc[r][c]);
     }
 }
 
+/* chunk_rows_d with the head size a constant for the common sizes, so that the compiler can keep
+ * a key's vectors and the accumulators in registers (the same operations in the same order). */
+static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl, const char *v, int64_t v_sl,
+                       int M, int n, int D, float scale, int bf16, int esz, float *o, float *mx, float *sm) {
+    if (D == 64 && !bf16)
+        chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, 64, scale, 0, 4, o, mx, sm);
+    else if (D == 64)
+        chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, 64, scale, 1, 2, o, mx, sm);
+    else if (D == 128 && !bf16)
+        chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, 128, scale, 0, 4, o, mx, sm);
+    else if (D == 128)
+        chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, 128, scale, 1, 2, o, mx, sm);
+    else
+        chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, D, scale, bf16, esz, o, mx, sm);
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
@@ -464,4 +511,27 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
         lse[h * l_hs + m * l_rs + pos * l_ts] = best + logf(total);
     }
     return 0;
+}
+
+/* One layer's call of radix_attention with everything but the layer's keys, values and the query
+ * and output buffers fixed: the fused decode step (engine.model.fused_decode) calls it for each
+ * layer from C, through ``radix_attention_layer``'s address. */
+typedef struct {
+    int64_t q_hs, q_rs, q_ts, k_sh, k_sl, v_sh, v_sl, keys;
+    const int64_t *rows;
+    int64_t nrows;
+    const int64_t *pieces;
+    int64_t npieces, H, M, D;
+    double scale;
+    int64_t o_hs, o_rs, o_ts;
+    float *lse;
+    int64_t l_hs, l_rs, l_ts;
+    float *work;
+    int64_t threads;
+} radix_attn_layer;
+
+int radix_attention_layer(const radix_attn_layer *c, const float *q, const float *k, const float *v, float *out) {
+    return radix_attention(q, c->q_hs, c->q_rs, c->q_ts, k, c->k_sh, c->k_sl, v, c->v_sh, c->v_sl, c->keys, c->rows,
+                           c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, 0, out, c->o_hs,
+                           c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads);
 }
