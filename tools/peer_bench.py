@@ -36,6 +36,7 @@ stopped (its whole process group) before the next starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -79,6 +80,7 @@ class Row:
     results: tuple[Result, ...]
     wall_s: float
     system_tokens: int = 0  # the workload's system prompt length (its label in the table)
+    bandwidth: tuple[float, ...] = ()  # a plain read's bytes/s just before and after this row (one stream)
 
     @property
     def output_tokens(self) -> int:
@@ -174,26 +176,33 @@ def served_model(url: str) -> str:
 
 
 def bench_server(url: str, server: str, conversations: Sequence[Sequence[dict]], streams: Sequence[int],
-                 max_tokens: int, log=print, system_tokens: int = 0, ignore_eos: bool = False) -> list[Row]:
-    """The warm-up request (off the clock), then one row per stream count."""
+                 max_tokens: int, log=print, system_tokens: int = 0, ignore_eos: bool = False,
+                 bracket: bool = False) -> list[Row]:
+    """The warm-up request (off the clock), then one row per stream count; with ``bracket`` (a
+    server started on this machine), a one-stream row between two plain reads of memory, so that
+    its ceiling is measured in the same minute as it (this VM's bandwidth drifts by a third)."""
     model = served_model(url)
     with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
         warm = [conversations[0][0], {"role": "user", "content": "Hello"}]
         chat_once(http, url, model, warm, 1)
     rows = []
     for c in streams:
+        before = read_bandwidth() if bracket and c == 1 else None
         row = run_streams(url, model, conversations, c, max_tokens, server, system_tokens, ignore_eos)
+        if before is not None:
+            row = dataclasses.replace(row, bandwidth=(before, read_bandwidth()))
         rows.append(row)
         log(format_row(row))
     return rows
 
 
 def bench_workloads(url: str, server: str, workloads: Sequence[tuple[int, Sequence[int], Sequence]], max_tokens: int,
-                    log=print, ignore_eos: bool = False) -> list[Row]:
+                    log=print, ignore_eos: bool = False, bracket: bool = False) -> list[Row]:
     """``bench_server`` for each (system tokens, streams, conversations) workload, on one server start."""
     rows = []
     for system_tokens, streams, conversations in workloads:
-        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens, ignore_eos)
+        rows += bench_server(url, server, conversations, streams, max_tokens, log, system_tokens, ignore_eos,
+                             bracket)
     return rows
 
 
@@ -288,7 +297,8 @@ def ceiling_lines(rows: list[Row], dtype: str, bandwidth: Sequence[float], max_t
     """Each one-stream row of a server started here against the memory-bandwidth ceiling: one
     decode step must read every weight and the context's KV (``tools.measure.bytes_per_token``),
     so one stream cannot outrun ``bandwidth / bytes``; the bandwidth is a plain read measured
-    in this run (before and after the servers, their mean)."""
+    just before and after the row where it was (``Row.bandwidth``, their mean), else in this run
+    (before and after the servers, their mean)."""
     if folder is None:
         from engine.model.hub import converted_cache_dir
 
@@ -301,10 +311,13 @@ def ceiling_lines(rows: list[Row], dtype: str, bandwidth: Sequence[float], max_t
             continue
         context = int(r.prompt_per_request + (max_tokens - 1) / 2)
         weights, kv = bytes_per_token(folder, dtype, context)
-        ceiling = bw / (weights + kv)
+        own = sum(r.bandwidth) / len(r.bandwidth) if r.bandwidth else bw
+        ceiling = own / (weights + kv)
+        read = (f"; the read ran at {' and '.join(f'{b / 1e9:.1f}' for b in r.bandwidth)} GB/s just before and "
+                f"after this row") if r.bandwidth else ""
         lines.append(f"- {r.server}, one stream, {r.system_tokens:,} system tokens: {r.tokens_per_s:.1f} tokens/s = "
                      f"{r.tokens_per_s / ceiling:.0%} of {ceiling:.1f} ({weights / 1e6:,.0f} MB of weights and "
-                     f"{kv / 1e6:,.0f} MB of KV at {context:,} tokens per step)")
+                     f"{kv / 1e6:,.0f} MB of KV at {context:,} tokens per step{read})")
     return lines
 
 
@@ -403,13 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
         with started("ours", ours_command(port, args.dtype), env, port, "Growth curve", args.start_timeout) as url:
-            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log, ignore_eos)
+            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log, ignore_eos, True)
     if args.vllm:
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="peer-bench-vllm-") as cache, \
                 started("vllm", vllm_command(Path(args.vllm_venv), port, args.dtype), vllm_env(cache), port, None,
                         args.start_timeout) as url:
-            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log, ignore_eos)
+            rows += bench_workloads(url, f"vLLM {args.dtype}", workloads, args.max_tokens, log, ignore_eos, True)
     print()
     print(format_table(rows, title))
     if bandwidth:

@@ -64,3 +64,33 @@ def test_one_stream_rows_are_held_against_the_bandwidth_ceiling(tmp_path):
     # 4 MB of weights + 100 context tokens x 64 B of KV per step at 36 MB/s: a ceiling of 8.99 tokens/s
     assert len(lines) == 3 and "ours float32, one stream" in lines[2]  # the 8-stream row has no ceiling
     assert "111% of 9.0" in lines[2] and "at 100 tokens" in lines[2] and "0.0 and 0.0 GB/s" in lines[1]
+
+
+def test_a_row_bracketed_by_its_own_plain_reads_is_held_against_them(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tools.peer_bench import Result, Row, ceiling_lines
+
+    save_file({"w": torch.zeros(1000, 1000)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 1, "hidden_size": 8,
+                                                      "num_hidden_layers": 1, "num_key_value_heads": 1}))
+    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x"),), 1.0, system_tokens=80, bandwidth=(17e6, 19e6))
+    lines = ceiling_lines([one], "float32", [34e6, 38e6], max_tokens=21, folder=tmp_path)
+    # its own reads (18 MB/s mean), not the run's (36): a ceiling of 4.5 tokens/s
+    assert "223% of 4.5" in lines[2] and "0.0 and 0.0 GB/s just before and after this row" in lines[2]
+
+
+def test_bench_server_brackets_only_one_stream_rows(monkeypatch):
+    from tools import peer_bench
+
+    reads = iter([10e9, 12e9, 99e9])
+    monkeypatch.setattr(peer_bench, "read_bandwidth", lambda: next(reads))
+    monkeypatch.setattr(peer_bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(peer_bench, "chat_once", lambda *a, **k: None)
+    monkeypatch.setattr(peer_bench, "run_streams", lambda url, model, conv, c, *a: peer_bench.Row("s", c, (), 1.0))
+    rows = peer_bench.bench_server("http://x", "s", [[{"role": "system", "content": "x"}]], [1, 8], 4, log=lambda s: None,
+                                   bracket=True)
+    assert [r.bandwidth for r in rows] == [(10e9, 12e9), ()]
