@@ -213,8 +213,17 @@ static inline __attribute__((always_inline)) void chunk_rows_d(const void *q, in
         }
     }
     for (int m = 0; m < M; m++) {
-        float best = -INFINITY;
-        for (int j = 0; j < n; j++)
+        /* the row's largest score, sixteen lanes at a time (a NaN score is passed over, as by the
+         * scalar comparison: max keeps its second operand when the first is NaN) */
+        vf lanes = vf_set1(-INFINITY);
+        int j = 0;
+        for (; j + 16 <= n; j += 16)
+            lanes = vf_max(vf_load(s[m] + j), lanes);
+        float part[16], best = -INFINITY;
+        vf_store(part, lanes);
+        for (int i = 0; i < 16; i++)
+            best = part[i] > best ? part[i] : best;
+        for (; j < n; j++)
             best = s[m][j] > best ? s[m][j] : best;
         vf b = vf_set1(best), total = vf_zero();
         for (int j = 0; j < n; j += 16) { /* past the last key (within s's row): weights of 0 */
@@ -466,7 +475,7 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
                         qa[((r * H + h) * m16 + i) * D + d] =
                             i < M ? ((const uint16_t *)q)[h * q_hs + i * q_rs + rows[3 * r] * q_ts + d] : 0;
 #endif
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) /* as threads come free: see linear_part */
     for (int64_t item = 0; item < H * npieces; item++) {
         const int64_t h = item % H, c = item / H;
         const int64_t j0 = pieces[3 * c], r = pieces[3 * c + 2];
