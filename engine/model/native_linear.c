@@ -113,16 +113,17 @@ static inline __attribute__((always_inline)) void one_row(const float *x, const 
 
 /* This thread's share of y = x W^T (+ b): an orphaned work-sharing loop (no wait at its end),
  * called inside a parallel region; every output is one thread's, computed in one order. Blocks
- * are handed out as threads come free (dynamic), not split in halves up front: on two cores
- * shared with the HTTP server and its clients, a thread that loses its core for a moment no
- * longer holds the other one at the next barrier; which thread computes a block does not
- * change its bits. */
+ * are handed out as threads come free, in shrinking runs (guided), not split in halves up
+ * front: on two cores shared with the HTTP server and its clients, a thread that loses its core
+ * for a moment no longer holds the other one at the next barrier, and the long first runs keep
+ * each thread's reads sequential (small fixed runs, dynamic 4, streamed 31 GB/s here against 37
+ * for halves or guided). Which thread computes a block does not change its bits. */
 static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
                         const float *bias, float *y, int64_t y_rs, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     if (rows == 1) {
         const int64_t blocks = (out + ONE_ROW - 1) / ONE_ROW;
-#pragma omp for schedule(dynamic, 4) nowait
+#pragma omp for schedule(guided) nowait
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t o = b * ONE_ROW;
             one_row(x, (const char *)w, o, (int)(out - o < ONE_ROW ? out - o : ONE_ROW), in, bias, y, bf16);
@@ -130,7 +131,7 @@ static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *
         return;
     }
     const int64_t pairs = (out + 1) / 2;
-#pragma omp for schedule(dynamic, 8) nowait
+#pragma omp for schedule(guided) nowait
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t o = 2 * p;
         const int two = o + 1 < out;

@@ -58,8 +58,17 @@ def test_busy_port_ends_in_one_line_before_loading_anything():
     assert elapsed < 60
 
 
-def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tiny_runner):
-    """The port is taken between the check and the launch: one line, exit code 1, no traceback."""
+@pytest.fixture
+def switch_interval():
+    """The interpreter's GIL switch interval, put back after a test that runs ``app.main``."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tiny_runner, switch_interval):
+    """The port is taken between the check and the launch: one line, exit code 1, no traceback.
+    The local engine's process runs with the short GIL switch interval (app.SWITCH_INTERVAL_S)."""
     import app
 
     monkeypatch.setattr(app, "port_problem", lambda host, port: None)
@@ -71,6 +80,7 @@ def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tiny_run
         rc = app.main(["--model", "tiny", "--port", str(port), "--no-cache"])
     err = capsys.readouterr().err
     assert rc == 1
+    assert sys.getswitchinterval() == pytest.approx(app.SWITCH_INTERVAL_S)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and str(port) in lines[0], err
 
