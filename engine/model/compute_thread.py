@@ -117,6 +117,11 @@ class ComputeThread:
         return self._stopped
 
     @property
+    def busy_elsewhere(self) -> bool:
+        """Another call is queued for the thread (a long call running on it should return soon)."""
+        return not self._inbox.empty()
+
+    @property
     def is_current(self) -> bool:
         return threading.current_thread() is self._thread
 

@@ -189,3 +189,30 @@ def test_ignore_eos_generates_to_the_limit_and_changes_nothing_else(tiny_runner,
             engine.run(GenerationRequest(prompt_ids=tuple(prompt), sampling=SamplingParams(ignore_eos="yes")))
     finally:
         engine.close()
+
+
+def test_a_run_of_steps_streams_each_token_and_yields_to_other_calls(tiny_runner):
+    """The worker hands the compute thread runs of steps (``Engine._steps``): tokens still
+    stream as each step makes them, and a call queued for the compute thread meanwhile (a
+    budget change, a snapshot) runs before the answer ends, not after it."""
+    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    try:
+        prompt = rand_ids(41, 20, len(tiny_runner.text.tokenizer))
+        long = GenerationRequest(prompt_ids=tuple(prompt),
+                                 sampling=SamplingParams(max_new_tokens=300, ignore_eos=True))
+        handle = engine.submit(long)
+        tokens = 0
+        for event in handle:
+            if event.token_id is not None:
+                tokens += 1
+            if tokens == 3:
+                assert not event.done  # the third token came before the answer ended
+                engine.set_budget(1000 * tiny_runner.kv_bytes_per_token)  # served mid-answer
+                engine.snapshot()
+                assert engine.stats().running == 1
+            if event.done:
+                break
+        assert tokens == 300 and event.metrics.output_tokens == 300
+        engine.check_invariants()
+    finally:
+        engine.close()
