@@ -5,13 +5,11 @@
  * Why a kernel of our own: a decode step multiplies a handful of rows by every weight of the
  * model, so its speed is how fast the weights stream from memory. On an AMD EPYC here MKL's
  * product streamed them at 5-7 GB/s (oneDNN's packed one too) where a plain read gets 14.
- * Here each weight row is read once, by one thread, while it is multiplied with every row
- * of x: two outputs by up to four rows of x per pass over the input dimension, eight float32
- * lanes at a time, one accumulator per (output, row); a lone row, eight outputs per pass
- * (a third of the instructions per weight: at one row the kernel streamed 22 GB/s before and
- * 35 after, where a plain read gets 33). A row's result does not depend on which other rows
- * came with it, nor on the thread count (every output is one thread's, summed in one order
- * on either path), so batched decode rows equal lone ones bit for bit.
+ * Here each weight row is read once, by one thread, start to end, while it is multiplied with
+ * up to four rows of x at a time, eight float32 lanes at a time, one accumulator per row. A
+ * row's result does not depend on which other rows came with it, nor on the thread count
+ * (every output is one thread's, summed in one order), so batched decode rows equal lone ones
+ * bit for bit.
  *
  *   x     [rows][in]  float32, row stride x_rs (elements)
  *   w     [out][in]   float32 or bf16 (``bf16``), contiguous (nn.Linear's weight)
@@ -26,11 +24,8 @@
 #error "native_linear.c needs AVX2 and FMA (the build falls back to PyTorch's linears)"
 #endif
 
-#define ROWS 4  /* rows of x per pass, from two rows on */
-#define ONE_ROW 8 /* outputs per pass at one row */
-#ifndef AHEAD
-#define AHEAD 8 /* prefetch distance, in outputs */
-#endif
+#define ROWS 4  /* rows of x per pass over a weight row */
+#define BLOCK 8 /* outputs handed to a thread at a time */
 
 static inline float sum8(__m256 a) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -48,111 +43,79 @@ static inline __m256 load_w(const void *w, int64_t i, int bf16) {
 }
 
 /* Every output's sum, whichever path computes it: eight lanes over the input in steps of eight,
- * acc = w * x + acc from zero, then sum8, then the bias (or 0). So one row alone (one_row) and
- * the same row among others (pass) give the same bits. */
+ * acc = w * x + acc from zero, then sum8, then the bias (or 0). So one row alone and the same
+ * row among others give the same bits.
+ *
+ * One weight row at a time, start to end: a thread's share of W is then read as one sequential
+ * stream, which the hardware prefetcher follows at the speed of a plain read (31-33 GB/s here).
+ * Eight weight rows side by side (eight streams at once, the previous one-row pass) streamed
+ * 24-28 GB/s on the same machine, two rows by four rows of x 17-19, one row by four 25-27:
+ * the short interleaved streams, not the arithmetic, were what the decode step waited on. */
 
-/* Outputs o and o+1 (or o alone when two == 0) for the R (1..ROWS) rows at xr[0..R). */
-static inline __attribute__((always_inline)) void pass(const float *const *xr, int R, const void *w0, const void *w1,
-                                                       int two, int64_t in, const char *ahead, int bf16,
-                                                       float acc[2][ROWS]) {
-    __m256 a0[ROWS], a1[ROWS];
+/* Output row w (one weight row) times the R (1..ROWS) rows at xr[0..R), sums into acc[0..R). */
+static inline __attribute__((always_inline)) void pass(const float *const *xr, int R, const void *w, int64_t in,
+                                                       int bf16, float acc[ROWS]) {
+    __m256 a[ROWS];
     for (int r = 0; r < R; r++)
-        a0[r] = a1[r] = _mm256_setzero_ps();
+        a[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < in; i += 8) {
-        if (ahead && (i & (bf16 ? 31 : 15)) == 0) { /* the weights a few outputs ahead, a line at a time */
-            const int esz = bf16 ? 2 : 4;
-            _mm_prefetch(ahead + esz * i, _MM_HINT_T0), _mm_prefetch(ahead + esz * (i + in), _MM_HINT_T0);
-        }
-        const __m256 v0 = load_w(w0, i, bf16);
-        const __m256 v1 = load_w(w1, i, bf16);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(xr[r] + i);
-            a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
-            a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
-        }
+        const __m256 v = load_w(w, i, bf16);
+        for (int r = 0; r < R; r++)
+            a[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xr[r] + i), a[r]);
     }
-    for (int r = 0; r < R; r++) {
-        acc[0][r] = sum8(a0[r]);
-        acc[1][r] = two ? sum8(a1[r]) : 0.0f;
-    }
+    for (int r = 0; r < R; r++)
+        acc[r] = sum8(a[r]);
 }
 
-static inline __attribute__((always_inline)) void rows_pass(const float *const *xr, int R, const void *w0,
-                                                            const void *w1, int two, int64_t in, const char *ahead,
-                                                            int bf16, float acc[2][ROWS]) {
+static inline __attribute__((always_inline)) void rows_pass(const float *const *xr, int R, const void *w, int64_t in,
+                                                            int bf16, float acc[ROWS]) {
     switch (R) { /* constant row counts: the accumulators stay in registers */
-    case 1: pass(xr, 1, w0, w1, two, in, ahead, bf16, acc); break;
-    case 2: pass(xr, 2, w0, w1, two, in, ahead, bf16, acc); break;
-    case 3: pass(xr, 3, w0, w1, two, in, ahead, bf16, acc); break;
-    default: pass(xr, ROWS, w0, w1, two, in, ahead, bf16, acc); break;
+    case 1: pass(xr, 1, w, in, bf16, acc); break;
+    case 2: pass(xr, 2, w, in, bf16, acc); break;
+    case 3: pass(xr, 3, w, in, bf16, acc); break;
+    default: pass(xr, ROWS, w, in, bf16, acc); break;
     }
 }
 
-/* One row: outputs [o, o + n) (n <= ONE_ROW) in one pass over the input, n weight rows at a
- * time (fewer instructions a weight than the rows' path, which is what one row waits on). */
-static inline __attribute__((always_inline)) void one_row(const float *x, const char *w, int64_t o, int n, int64_t in,
-                                                          const float *bias, float *y, int bf16) {
+/* Outputs [o, o + n) for every row of x: each weight row once, with up to ROWS rows of x a pass
+ * (a weight row of a few KiB stays in L1 for the next rows). */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t x_rs, int64_t rows, const char *w,
+                                                        int64_t o, int64_t n, int64_t in, const float *bias, float *y,
+                                                        int64_t y_rs, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
-    __m256 a[ONE_ROW];
-    for (int j = 0; j < ONE_ROW; j++)
-        a[j] = _mm256_setzero_ps();
-    if (n == ONE_ROW) {
-        for (int64_t i = 0; i < in; i += 8) {
-            const __m256 xv = _mm256_loadu_ps(x + i);
-            for (int j = 0; j < ONE_ROW; j++)
-                a[j] = _mm256_fmadd_ps(load_w(w + (o + j) * in * esz, i, bf16), xv, a[j]);
-        }
-    } else {
-        for (int j = 0; j < n; j++)
-            for (int64_t i = 0; i < in; i += 8)
-                a[j] = _mm256_fmadd_ps(load_w(w + (o + j) * in * esz, i, bf16), _mm256_loadu_ps(x + i), a[j]);
-    }
-    for (int j = 0; j < n; j++)
-        y[o + j] = sum8(a[j]) + (bias ? bias[o + j] : 0.0f);
-}
-
-/* This thread's share of y = x W^T (+ b): an orphaned work-sharing loop (no wait at its end),
- * called inside a parallel region; every output is one thread's, computed in one order. Blocks
- * are handed out as threads come free, in shrinking runs (guided), not split in halves up
- * front: on two cores shared with the HTTP server and its clients, a thread that loses its core
- * for a moment no longer holds the other one at the next barrier, and the long first runs keep
- * each thread's reads sequential (small fixed runs, dynamic 4, streamed 31 GB/s here against 37
- * for halves or guided). Which thread computes a block does not change its bits. */
-static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
-                        const float *bias, float *y, int64_t y_rs, int bf16) {
-    const int64_t esz = bf16 ? 2 : 4;
-    if (rows == 1) {
-        const int64_t blocks = (out + ONE_ROW - 1) / ONE_ROW;
-#pragma omp for schedule(guided) nowait
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t o = b * ONE_ROW;
-            one_row(x, (const char *)w, o, (int)(out - o < ONE_ROW ? out - o : ONE_ROW), in, bias, y, bf16);
-        }
-        return;
-    }
-    const int64_t pairs = (out + 1) / 2;
-#pragma omp for schedule(guided) nowait
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t o = 2 * p;
-        const int two = o + 1 < out;
-        const char *w0 = (const char *)w + o * in * esz, *w1 = two ? w0 + in * esz : w0;
-        const char *ahead = o + AHEAD + 2 <= out ? w0 + AHEAD * in * esz : 0;
+    for (int64_t j = o; j < o + n; j++) {
+        const char *wj = w + j * in * esz;
+        const float b = bias ? bias[j] : 0.0f;
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
             const int R = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
             const float *xr[ROWS];
             for (int r = 0; r < ROWS; r++)
                 xr[r] = x + (r0 + (r < R ? r : 0)) * x_rs;
-            float acc[2][ROWS];
+            float acc[ROWS];
             if (bf16)
-                rows_pass(xr, R, w0, w1, two, in, r0 == 0 ? ahead : 0, 1, acc);
+                rows_pass(xr, R, wj, in, 1, acc);
             else
-                rows_pass(xr, R, w0, w1, two, in, r0 == 0 ? ahead : 0, 0, acc);
-            for (int r = 0; r < R; r++) {
-                y[(r0 + r) * y_rs + o] = acc[0][r] + (bias ? bias[o] : 0.0f);
-                if (two)
-                    y[(r0 + r) * y_rs + o + 1] = acc[1][r] + (bias ? bias[o + 1] : 0.0f);
-            }
+                rows_pass(xr, R, wj, in, 0, acc);
+            for (int r = 0; r < R; r++)
+                y[(r0 + r) * y_rs + j] = acc[r] + b;
         }
+    }
+}
+
+/* This thread's share of y = x W^T (+ b): an orphaned work-sharing loop (no wait at its end),
+ * called inside a parallel region; every output is one thread's, computed in one order. Blocks
+ * of outputs are handed out as threads come free, in shrinking runs (guided), not split in
+ * halves up front: on two cores shared with the HTTP server and its clients, a thread that
+ * loses its core for a moment no longer holds the other one at the next barrier, and the long
+ * first runs keep each thread's reads sequential (small fixed runs, dynamic 4, streamed 31 GB/s
+ * here against 37 for halves or guided). Which thread computes a block does not change its bits. */
+static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                        const float *bias, float *y, int64_t y_rs, int bf16) {
+    const int64_t blocks = (out + BLOCK - 1) / BLOCK;
+#pragma omp for schedule(guided) nowait
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t o = b * BLOCK;
+        block(x, x_rs, rows, (const char *)w, o, out - o < BLOCK ? out - o : BLOCK, in, bias, y, y_rs, bf16);
     }
 }
 
