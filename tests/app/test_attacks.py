@@ -187,7 +187,11 @@ def test_work_for_a_result_stream_never_opened_is_stopped(tiny_runner):
 
     from components.panels.hardening import UNREAD_LIMIT
 
-    cap = 4 * UNREAD_LIMIT
+    # The limit counts messages, and a consumer slower than the engine takes several tokens a
+    # message: the tiny model makes ~1,000 tokens a second, so a short answer can end before 64
+    # messages pile up when the machine is busy (CI once saw 256 tokens in fewer). Twelve
+    # times the limit leaves room for that and still fits the tiny model's 1,024 positions.
+    cap = 12 * UNREAD_LIMIT
     engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=cap)
 
     def finished(n: int):
