@@ -202,6 +202,12 @@ static inline __attribute__((always_inline)) void chunk_rows_d(const void *q, in
         const char *kj = k + (int64_t)j * k_sl * esz;
         if (j + 32 < n)
             prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz);
+        /* the value row of the same key, to L2, for the pass over values after the scores: two
+         * streams from memory while the scores are computed instead of one, where the core's
+         * arithmetic otherwise ran without memory in flight (attention over 2,300 keys in 30
+         * layers, K and V out of cache: 5.2-6.7 -> 4.9-5.6 ms here, same bits) */
+        for (int64_t o = 0; o < (int64_t)D * esz; o += 64)
+            _mm_prefetch(v + (int64_t)j * v_sl * esz + o, _MM_HINT_T1);
         vf kv[MAX_D / 16];
         for (int c = 0; c < d16; c++)
             kv[c] = load16(kj + (int64_t)c * 16 * esz, bf16);
