@@ -33,11 +33,11 @@ import torch
 
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
+from engine.model import native_linear
 from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
-from engine.model import native_linear
 from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
