@@ -205,11 +205,11 @@ def test_a_run_of_steps_streams_each_token_and_yields_to_other_calls(tiny_runner
         for event in handle:
             if event.token_id is not None:
                 tokens += 1
-            if tokens == 3:
-                assert not event.done  # the third token came before the answer ended
-                engine.set_budget(1000 * tiny_runner.kv_bytes_per_token)  # served mid-answer
-                engine.snapshot()
-                assert engine.stats().running == 1
+                if tokens == 3:
+                    assert not event.done  # the third token came before the answer ended
+                    engine.set_budget(1000 * tiny_runner.kv_bytes_per_token)  # served mid-answer
+                    engine.snapshot()
+                    assert engine.stats().running == 1
             if event.done:
                 break
         assert tokens == 300 and event.metrics.output_tokens == 300

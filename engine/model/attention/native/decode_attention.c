@@ -151,9 +151,14 @@ int64_t radix_attn_work_floats(int64_t H, int64_t M, int64_t D, int64_t npieces,
     return H * npieces * (M * D + 2 * M) + nrows * H * ((M + 15) / 16 * 16) * D / 2 + 16;
 }
 
-static inline void prefetch_rows(const char *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64)
-        _mm_prefetch(p + o, _MM_HINT_T0);
+/* ``bytes`` from p, a cache line at a time, to L1 (or to L2 only: ``to_l2``, a constant at each call) */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *p, int64_t bytes, int to_l2) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (to_l2)
+            _mm_prefetch(p + o, _MM_HINT_T1);
+        else
+            _mm_prefetch(p + o, _MM_HINT_T0);
+    }
 }
 
 #define V_ROWS 3 /* rows per block of the weighted sum of values */
@@ -169,7 +174,7 @@ static inline __attribute__((always_inline)) void v_block(const float (*w)[MAX_C
     for (int j = 0; j < n; j++) {
         const char *vj = v + ((int64_t)j * v_sl + d0) * esz;
         if (first && j + 32 < n)
-            prefetch_rows(v + (int64_t)(j + 32) * v_sl * esz, (int64_t)D * esz);
+            prefetch_rows(v + (int64_t)(j + 32) * v_sl * esz, (int64_t)D * esz, 0);
         const vf v0 = load16(vj, bf16);
         const vf v1 = two ? load16(vj + 16 * esz, bf16) : v0;
         for (int r = 0; r < mb; r++) {
@@ -201,13 +206,12 @@ static inline __attribute__((always_inline)) void chunk_rows_d(const void *q, in
     for (int j = 0; j < n; j++) {
         const char *kj = k + (int64_t)j * k_sl * esz;
         if (j + 32 < n)
-            prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz);
+            prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz, 0);
         /* the value row of the same key, to L2, for the pass over values after the scores: two
          * streams from memory while the scores are computed instead of one, where the core's
          * arithmetic otherwise ran without memory in flight (attention over 2,300 keys in 30
          * layers, K and V out of cache: 5.2-6.7 -> 4.9-5.6 ms here, same bits) */
-        for (int64_t o = 0; o < (int64_t)D * esz; o += 64)
-            _mm_prefetch(v + (int64_t)j * v_sl * esz + o, _MM_HINT_T1);
+        prefetch_rows(v + (int64_t)j * v_sl * esz, (int64_t)D * esz, 1);
         vf kv[MAX_D / 16];
         for (int c = 0; c < d16; c++)
             kv[c] = load16(kj + (int64_t)c * 16 * esz, bf16);
@@ -340,7 +344,7 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
         const char *base = (const char *)(k + (int64_t)j0 * k_sl);
         if (j0 + 48 < n)
             for (int b = 0; b < 16; b++)
-                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2);
+                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2, 0);
         for (int pr = 0; pr < D / 2; pr++)
             _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
                                                                          base + 4 * pr, 1));
