@@ -25,7 +25,8 @@
 #endif
 
 #define ROWS 4  /* rows of x per pass over a weight row */
-#define BLOCK 8 /* outputs handed to a thread at a time */
+#define WROWS 4 /* weight rows side by side in a pass, where there are more than ROWS rows of x */
+#define BLOCK 8 /* outputs handed to a thread at a time (a multiple of WROWS) */
 
 static inline float sum8(__m256 a) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -77,20 +78,85 @@ static inline __attribute__((always_inline)) void rows_pass(const float *const *
     }
 }
 
-/* Outputs [o, o + n) for every row of x: each weight row once, with up to ROWS rows of x a pass
- * (a weight row of a few KiB stays in L1 for the next rows). */
+/* Weight rows w[0..WROWS) (row stride in elements) times the R (1..ROWS) rows at xr[0..R), sums
+ * into acc[j][r]. Each of the WROWS * R sums is the same sequence of FMAs as pass() makes for it
+ * (lanes from zero, the input in steps of eight, then sum8), so the bits do not change; the
+ * WROWS * R independent accumulators keep both FMA pipes busy where pass()'s R chains wait on
+ * the FMA's latency, and each x load serves WROWS products. */
+static inline __attribute__((always_inline)) void tile(const float *const *xr, int R, const char *w, int64_t in,
+                                                       int bf16, float acc[WROWS][ROWS]) {
+    const int64_t esz = bf16 ? 2 : 4;
+    __m256 a[WROWS][ROWS];
+    for (int j = 0; j < WROWS; j++)
+        for (int r = 0; r < R; r++)
+            a[j][r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in; i += 8) {
+        __m256 xv[ROWS];
+        for (int r = 0; r < R; r++)
+            xv[r] = _mm256_loadu_ps(xr[r] + i);
+        for (int j = 0; j < WROWS; j++) {
+            const __m256 v = load_w(w + j * in * esz, i, bf16);
+            for (int r = 0; r < R; r++)
+                a[j][r] = _mm256_fmadd_ps(v, xv[r], a[j][r]);
+        }
+    }
+    for (int j = 0; j < WROWS; j++)
+        for (int r = 0; r < R; r++)
+            acc[j][r] = sum8(a[j][r]);
+}
+
+static inline __attribute__((always_inline)) void rows_tile(const float *const *xr, int R, const char *w, int64_t in,
+                                                            int bf16, float acc[WROWS][ROWS]) {
+    switch (R) {
+    case 1: tile(xr, 1, w, in, bf16, acc); break;
+    case 2: tile(xr, 2, w, in, bf16, acc); break;
+    case 3: tile(xr, 3, w, in, bf16, acc); break;
+    default: tile(xr, ROWS, w, in, bf16, acc); break;
+    }
+}
+
+/* The rows of x from r0, up to ROWS of them: their pointers (the missing ones repeat the first) */
+static inline int x_rows(const float *x, int64_t x_rs, int64_t rows, int64_t r0, const float *xr[ROWS]) {
+    const int R = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
+    for (int r = 0; r < ROWS; r++)
+        xr[r] = x + (r0 + (r < R ? r : 0)) * x_rs;
+    return R;
+}
+
+/* Outputs [o, o + n) for every row of x. Up to ROWS rows of x: each weight row once, start to end,
+ * with all of them (a weight row of a few KiB stays in L1 for the next rows). More rows (a decode
+ * step of 5-32 streams) make the arithmetic, not the stream of weights, the step's bound: then
+ * WROWS weight rows at a time (tile(), about 1.4x faster at 16 rows on the Zen 4 here), each
+ * group of them read once from memory and again from L1 for every ROWS rows of x. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t x_rs, int64_t rows, const char *w,
                                                         int64_t o, int64_t n, int64_t in, const float *bias, float *y,
                                                         int64_t y_rs, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
-    for (int64_t j = o; j < o + n; j++) {
+    int64_t j = o;
+    if (rows > ROWS)
+        for (; j + WROWS <= o + n; j += WROWS) {
+            const char *wj = w + j * in * esz;
+            for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+                const float *xr[ROWS];
+                const int R = x_rows(x, x_rs, rows, r0, xr);
+                float acc[WROWS][ROWS];
+                if (bf16)
+                    rows_tile(xr, R, wj, in, 1, acc);
+                else
+                    rows_tile(xr, R, wj, in, 0, acc);
+                for (int jj = 0; jj < WROWS; jj++) {
+                    const float b = bias ? bias[j + jj] : 0.0f;
+                    for (int r = 0; r < R; r++)
+                        y[(r0 + r) * y_rs + j + jj] = acc[jj][r] + b;
+                }
+            }
+        }
+    for (; j < o + n; j++) {
         const char *wj = w + j * in * esz;
         const float b = bias ? bias[j] : 0.0f;
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-            const int R = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
             const float *xr[ROWS];
-            for (int r = 0; r < ROWS; r++)
-                xr[r] = x + (r0 + (r < R ? r : 0)) * x_rs;
+            const int R = x_rows(x, x_rs, rows, r0, xr);
             float acc[ROWS];
             if (bf16)
                 rows_pass(xr, R, wj, in, 1, acc);

@@ -51,11 +51,13 @@ def test_it_matches_float64_math_and_pytorch(kernel, rows, out_features, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel, dtype, bias):
-    # one row takes its own path (eight outputs a pass), 2-3 rows and a batch's last rows theirs
+@pytest.mark.parametrize("out_features", [300, 302])
+def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel, dtype, bias, out_features):
+    # up to four rows: one weight row at a time; more: four weight rows side by side, and a block's
+    # last outputs that make no four (302) one at a time again; a batch's last rows fewer than four
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(300, 1536, generator=gen).to(dtype)  # 300: a last pass of four outputs at one row
-    b = torch.randn(300, generator=gen) if bias else None
+    w = torch.randn(out_features, 1536, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(19, 1536, generator=gen)
     batch = kernel.run(x, w, b)
     for i in range(19):
