@@ -6,8 +6,9 @@
  * model, so its speed is how fast the weights stream from memory. On an AMD EPYC here MKL's
  * product streamed them at 5-7 GB/s (oneDNN's packed one too) where a plain read gets 14.
  * Here each weight row is read once, by one thread, start to end, while it is multiplied with
- * up to four rows of x at a time, eight float32 lanes at a time, one accumulator per row. A
- * row's result does not depend on which other rows came with it, nor on the thread count
+ * up to four rows of x at a time, eight float32 lanes at a time, one accumulator per row (more
+ * rows: eight weight rows side by side, see block()). A row's result does not depend on which
+ * other rows came with it, nor on the thread count
  * (every output is one thread's, summed in one order), so batched decode rows equal lone ones
  * bit for bit.
  *

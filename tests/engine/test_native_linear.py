@@ -53,8 +53,8 @@ def test_it_matches_float64_math_and_pytorch(kernel, rows, out_features, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [300, 302])
 def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel, dtype, bias, out_features):
-    # up to four rows: one weight row at a time; more: four weight rows side by side, and a block's
-    # last outputs that make no four (302) one at a time again; a batch's last rows fewer than four
+    # up to four rows: one weight row at a time; more: eight weight rows side by side, and a block's
+    # last outputs that make no eight (300, 302) one at a time again; a batch's last rows fewer than four
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(out_features, 1536, generator=gen).to(dtype)
     b = torch.randn(out_features, generator=gen) if bias else None
