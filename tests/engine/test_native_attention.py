@@ -75,10 +75,10 @@ def test_it_matches_float64_math_and_the_flash_kernel(kernel, dtype, h, m, lengt
     flash_out, flash_lse = CpuSdpaBackend().attend(q, k, v, d ** -0.5)
     flash_err = (flash_out.double() - ref_out).abs().max()
     err = (out.double() - ref_out).abs().max()
-    if dtype == torch.float32 or m <= native.MAX_ROWS and not (kernel.amx and m >= 5):
+    if dtype == torch.float32 or m <= native.MAX_ROWS and not (kernel.many_rows and m >= 5):
         assert err < 2e-5  # float32 products and sums of exact inputs: only the summation order differs
     else:
-        assert err < 5e-3 and err < flash_err  # the AMX path rounds the weights to bf16, as flash does
+        assert err < 5e-3 and err < flash_err  # the many-rows path rounds the weights to bf16, as flash does
     assert (lse.double() - ref_lse).abs().max() < 2e-5  # the scores themselves stay float32
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # the flash kernel rounds to bfloat16 on the way
     assert (out - flash_out.float()).abs().max() < tol and (lse - flash_lse).abs().max() < 1e-3
@@ -115,7 +115,7 @@ def test_the_backend_takes_one_requests_rows_and_hands_the_rest_to_flash(kernel)
     out, _ = backend.attend(q, k, v, 0.25)
     assert out.dtype == torch.float32  # ours
     wide = pool_case(2, few + 1, 300, 16, torch.bfloat16)
-    if not kernel.amx:
+    if not kernel.many_rows_for(torch.bfloat16, 16):
         assert backend.attend(*wide, 0.25)[0].dtype == torch.bfloat16  # flash: more rows
     fp32 = pool_case(2, 2, 300, 16, torch.float32)
     ours32 = kernel.attend(*fp32, 0.25)
@@ -279,14 +279,14 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
-def test_with_amx_the_backend_takes_up_to_64_bf16_rows_of_a_64_wide_head(kernel):
+def test_with_amx_or_avx512_bf16_the_backend_takes_up_to_64_bf16_rows_of_a_64_wide_head(kernel):
     backend = CpuNativeBackend()
-    if not kernel.amx:
+    if not kernel.many_rows:
         assert not backend.takes_rows(torch.bfloat16, 48, 64)
-        pytest.skip("no AMX here: only the few-rows path runs")
+        pytest.skip("neither AMX nor AVX512-BF16 here: only the few-rows path runs")
     assert backend.takes_rows(torch.bfloat16, 48, 64) and backend.takes_rows(torch.bfloat16, 64, 64)
     assert not backend.takes_rows(torch.bfloat16, 65, 64) and not backend.takes_rows(torch.bfloat16, 48, 16)
-    assert not backend.takes_rows(torch.float32, 3, 64)
+    assert not backend.takes_rows(torch.float32, 48, 64)  # float32: many rows stay on flash (no rounding)
     q, k, v = pool_case(3, 48, 600, 64, torch.bfloat16)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours
     q, k, v = pool_case(3, 65, 600, 64, torch.bfloat16)
@@ -297,7 +297,7 @@ def test_with_amx_the_backend_takes_up_to_64_bf16_rows_of_a_64_wide_head(kernel)
 def test_threads_calling_at_once_get_what_each_gets_alone(kernel):
     """Two engines' compute threads may call the kernel at the same time (each its own OpenMP
     team, each AMX call its own thread-local staging): every result equals the lone call's."""
-    rows = (3, 24, 48, 2, 9, 64) if kernel.amx else (3, 8, 5, 2, 7, 1)  # without AMX: up to MAX_ROWS
+    rows = (3, 24, 48, 2, 9, 64) if kernel.many_rows else (3, 8, 5, 2, 7, 1)  # else: up to MAX_ROWS
     cases = [pool_case(3, m, 700 + 50 * i, 64, torch.bfloat16, seed=i) for i, m in enumerate(rows)]
     alone = [kernel.attend(q, k, v, 0.125) for q, k, v in cases]
     got: dict[int, list] = {}

@@ -23,7 +23,7 @@ from engine.model.native_build import ENV_DIR, OnFirstUse  # noqa: F401  (ENV_DI
 SOURCE = Path(__file__).with_name("decode_attention.c")
 ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
 MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
-AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS: bfloat16 with AMX, head size a multiple of 32
+AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS (and DP_MAX_ROWS): bfloat16 with AMX or AVX512-BF16, head size a multiple of 32
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
 
@@ -66,18 +66,22 @@ class DecodeKernel:
         self._work.restype = i64
         lib.radix_amx_ready.restype = ctypes.c_int
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
+        lib.radix_bf16_rows_path.restype = ctypes.c_int
+        # many bf16 rows (up to AMX_MAX_ROWS): on AMX, or on AVX512-BF16's dot products without it
+        self.many_rows = lib.radix_bf16_rows_path() > 0
         self._layer_fn = ctypes.cast(lib.radix_attention_layer, ctypes.c_void_p).value
         lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
 
-    def amx_for(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether calls of this dtype and head size can take the AMX path (more rows)."""
-        return self.amx and dtype == torch.bfloat16 and head_dim % 32 == 0
+    def many_rows_for(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether calls of this dtype and head size can take the many-rows path (AMX or
+        AVX512-BF16's dot products)."""
+        return self.many_rows and dtype == torch.bfloat16 and head_dim % 32 == 0
 
     def max_rows(self, dtype: torch.dtype, head_dim: int) -> int:
         """The most query rows per token one call takes for this dtype and head size."""
-        return AMX_MAX_ROWS if self.amx_for(dtype, head_dim) else MAX_ROWS
+        return AMX_MAX_ROWS if self.many_rows_for(dtype, head_dim) else MAX_ROWS
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether ``attend`` takes these shapes: ``q [1, H, M, D]`` with at most ``max_rows``

@@ -9,8 +9,9 @@
  * splits into one item per KV head (three, on two cores) that each wait on memory. Here the
  * keys are cut into pieces that the cores share evenly, each piece is streamed once with
  * prefetching, and the pieces merge by their log-sum-exp at the end. Two inner loops:
- * chunk_rows (up to MAX_ROWS rows: a dot product per key and row, float32) and, where the CPU
- * has AMX, chunk_amx (AMX_MIN_ROWS to AMX_MAX_ROWS rows of bf16: tile products).
+ * chunk_rows (up to MAX_ROWS rows: a dot product per key and row, float32) and, for 5 to 64
+ * rows of bf16 (many streams' decode rows over their shared prefix), chunk_amx where the CPU has
+ * AMX (tile products) or chunk_dp where it has AVX512-BF16 (register blocks of vdpbf16ps).
  *
  * One call (radix_attention), strides in elements, the last dimension contiguous:
  *   q       token r's M query rows of KV head h at q + h*q_hs + i*q_rs + pos_r*q_ts (i < M),
@@ -287,6 +288,150 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
         chunk_rows_d(q, q_sm, k, k_sl, v, v_sl, M, n, D, scale, bf16, esz, o, mx, sm);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Many bf16 rows without AMX: chunk_dp, on AVX512-BF16's dot products (vdpbf16ps: sixteen float32
+ * sums, each of two bf16 products, a register). Where the CPU has AVX512-BF16 but no AMX (AMD's
+ * Zen 4), a decode step of many streams over their shared prefix went to PyTorch's flash kernel,
+ * whose bf16 products on this CPU run at float32 speed (2.6 ms a layer for 48 rows over 6,000
+ * keys, 2.9 in float32). The shape of the work is the AMX path's: scores S = Q K^T with K^T
+ * gathered in pairs of dims, softmax along each row in float32, then O = P V with P rounded to
+ * bf16 (as the flash kernel rounds it) and V regrouped in pairs of keys; the tiles' products
+ * are here register blocks of dot products. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_DP 1
+#define DP_CHUNK 256    /* keys per piece (a multiple of 32; native.CHUNK) */
+#define DP_MAX_ROWS 64  /* native.AMX_MAX_ROWS */
+#define DP_ROW_BLOCK 8  /* rows per block of the scores */
+
+/* Scores of R rows (their pairs of dims ``qp``, ``dp`` pairs a row, rows dp apart) for the 16 keys
+ * of ``kt`` ([dp][16 keys][2]), to out (rows DP_CHUNK apart). R a constant at each call. */
+static inline __attribute__((always_inline)) void dp_scores(const uint16_t *kt, const uint32_t *qp, int dp, const int R,
+                                                            float *out) {
+    __m512 acc[DP_ROW_BLOCK];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int pr = 0; pr < dp; pr++) {
+        const __m512bh kk = (__m512bh)_mm512_load_si512(kt + pr * 32);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qp[r * dp + pr]), kk);
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_store_ps(out + r * DP_CHUNK, acc[r]);
+}
+
+/* R rows of weights (pairs of keys ``pp``, rows DP_CHUNK / 2 apart) times T blocks of 16 dims of the
+ * regrouped values ``vd`` ([T][pairs][16 dims][2 keys]), summed over ``pairs``, to out (rows D apart).
+ * R and T constants at each call. */
+static inline __attribute__((always_inline)) void dp_values(const uint32_t *pp, const uint16_t *vd, int pairs,
+                                                            const int R, const int T, float *out, int D) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            acc[r][t] = _mm512_setzero_ps();
+    for (int jp = 0; jp < pairs; jp++) {
+        __m512bh vv[4];
+        for (int t = 0; t < T; t++)
+            vv[t] = (__m512bh)_mm512_load_si512(vd + ((int64_t)t * pairs + jp) * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r * (DP_CHUNK / 2) + jp]);
+            for (int t = 0; t < T; t++)
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, vv[t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            _mm512_storeu_ps(out + (int64_t)r * D + 16 * t, acc[r][t]);
+}
+
+/* Rows 0..M-1 (bf16, ``q_sm`` apart) over the n (<= DP_CHUNK) keys of one piece: o [M][D] (weights
+ * relative to the piece's maximum), that maximum [M] and the sum of the weights [M], as chunk_rows. */
+static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t k_sl, const uint16_t *v, int64_t v_sl,
+                     int M, int n, int D, float scale, float *o, float *mx, float *sm) {
+    static __thread uint16_t kt[MAX_D / 2 * 16 * 2] __attribute__((aligned(64)));        /* [D/2][16 keys][2] */
+    static __thread float sc[DP_MAX_ROWS * DP_CHUNK] __attribute__((aligned(64)));       /* [M][DP_CHUNK] */
+    static __thread uint16_t pb[DP_MAX_ROWS * DP_CHUNK] __attribute__((aligned(64)));    /* [M][DP_CHUNK] */
+    static __thread uint16_t vp[DP_CHUNK / 2 * MAX_D * 2] __attribute__((aligned(64)));  /* [D/16][n/2][16][2] */
+    static __thread uint32_t qp[DP_MAX_ROWS * MAX_D / 2] __attribute__((aligned(64)));   /* [M][D/2] pairs of dims */
+    const int npad = (n + 31) / 32 * 32, pairs = npad / 2, dp = D / 2;
+    for (int r = 0; r < M; r++)
+        memcpy(qp + r * dp, q + (int64_t)r * q_sm, (size_t)D * 2);
+    /* scores, 16 keys at a time: K^T for those keys in pairs of dims (one gather per pair), then
+     * each block of rows times them, a pair of dims a step */
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)(k_sl * 2)));
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int valid = n - j0 < 16 ? n - j0 : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1);
+        const char *base = (const char *)(k + (int64_t)j0 * k_sl);
+        if (j0 + 48 < n)
+            for (int b = 0; b < 16; b++)
+                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2, 0);
+        for (int pr = 0; pr < dp; pr++)
+            _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
+                                                                         base + 4 * pr, 1));
+        int r0 = 0;
+        for (; r0 + DP_ROW_BLOCK <= M; r0 += DP_ROW_BLOCK)
+            dp_scores(kt, qp + r0 * dp, dp, DP_ROW_BLOCK, sc + r0 * DP_CHUNK + j0);
+        for (; r0 < M; r0++)
+            dp_scores(kt, qp + r0 * dp, dp, 1, sc + r0 * DP_CHUNK + j0);
+    }
+    /* values in pairs of keys, 16 dims a row: vp[dt][pair][16 dims][2 keys] (zero past the last key) */
+    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int jp = 0; jp < pairs; jp++) {
+        const int j = 2 * jp;
+        for (int dt = 0; dt < D / 16; dt++) {
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            if (j < n)
+                a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)j * v_sl + 16 * dt)));
+            if (j + 1 < n)
+                b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)(j + 1) * v_sl + 16 * dt)));
+            _mm512_store_si512(vp + ((int64_t)dt * pairs + jp) * 32, _mm512_permutex2var_epi16(a, mix, b));
+        }
+    }
+    /* softmax along each row in float32; the weights in bf16, zero past the last key */
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < M; r++) {
+        const float *row = sc + r * DP_CHUNK;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            best = _mm512_mask_max_ps(best, live, best, _mm512_loadu_ps(row + j));
+        }
+        const float m = _mm512_reduce_max_ps(best) * scale;
+        const __m512 mb = _mm512_set1_ps(m);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < npad; j += 32) {
+            __m512 pw[2];
+            for (int h = 0; h < 2; h++) {
+                const int jj = j + 16 * h;
+                const __mmask16 live = n - jj >= 16 ? 0xFFFF : n - jj > 0 ? (__mmask16)((1u << (n - jj)) - 1) : 0;
+                pw[h] = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, row + jj), s, mb)));
+                total = _mm512_add_ps(total, pw[h]);
+            }
+            _mm512_store_si512(pb + r * DP_CHUNK + j, (__m512i)_mm512_cvtne2ps_pbh(pw[1], pw[0]));
+        }
+        mx[r] = m;
+        sm[r] = _mm512_reduce_add_ps(total);
+    }
+    /* O = P V: four rows (or one) by four blocks of 16 dims a step, a pair of keys per product */
+    const uint32_t *pp = (const uint32_t *)pb;
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const uint16_t *vd = vp + (int64_t)(d0 / 16) * pairs * 32;
+        int r0 = 0;
+        if ((D - d0) >= 64) {
+            for (; r0 + 4 <= M; r0 += 4)
+                dp_values(pp + r0 * (DP_CHUNK / 2), vd, pairs, 4, 4, o + (int64_t)r0 * D + d0, D);
+            for (; r0 < M; r0++)
+                dp_values(pp + r0 * (DP_CHUNK / 2), vd, pairs, 1, 4, o + (int64_t)r0 * D + d0, D);
+        } else {
+            for (; r0 < M; r0++)
+                dp_values(pp + r0 * (DP_CHUNK / 2), vd, pairs, 1, (D - d0) / 16, o + (int64_t)r0 * D + d0, D);
+        }
+    }
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -439,6 +584,20 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
 int radix_amx_ready(void) { return 0; }
 #define AMX_CHUNK_ROWS MAX_CHUNK
 #endif
+#ifdef HAVE_DP
+#define HAVE_DP_ROWS 1
+#define DP_MIN_ROWS 5 /* fewer rows: chunk_rows, which streams the keys faster */
+#define DP_CHUNK_ROWS DP_CHUNK
+#else
+#define HAVE_DP_ROWS 0
+#define DP_MIN_ROWS (1 << 30)
+#define DP_MAX_ROWS 0
+#define DP_CHUNK_ROWS MAX_CHUNK
+#endif
+
+/* Which path takes many bf16 rows (AMX_MAX_ROWS at most) here: 2 AMX, 1 AVX512-BF16's dot
+ * products, 0 none (up to MAX_ROWS rows only). */
+int radix_bf16_rows_path(void) { return radix_amx_ready() ? 2 : HAVE_DP_ROWS; }
 
 /* Rows of several tokens at once: token r (``rows[r]`` = pack position, first piece, end piece)
  * has M query rows per KV head, at q + h*q_hs + i*q_rs + pos*q_ts (i < M), and attends over
@@ -454,16 +613,19 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
 #ifdef HAVE_AMX
     /* AMX from AMX_MIN_ROWS rows where it runs; below, or without it, up to MAX_ROWS rows */
     const int amx = M >= AMX_MIN_ROWS && bf16 && D % 32 == 0 && radix_amx_ready();
-    if ((amx && M > AMX_MAX_ROWS) || (!amx && M > MAX_ROWS))
+    if ((amx && M > AMX_MAX_ROWS) || (!amx && M > MAX_ROWS && !HAVE_DP_ROWS))
         return 1;
 #else
     const int amx = 0;
-    if (M > MAX_ROWS)
-        return 1;
 #endif
+    /* without AMX, AVX512-BF16's dot products from DP_MIN_ROWS bf16 rows where the CPU has them */
+    const int dp = !amx && HAVE_DP_ROWS && M >= DP_MIN_ROWS && bf16 && D % 32 == 0;
+    if ((dp && M > DP_MAX_ROWS) || (!amx && !dp && M > MAX_ROWS))
+        return 1;
     for (int64_t i = 0; i < npieces; i++) {
         const int64_t *pc = pieces + 3 * i;
-        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : MAX_CHUNK) || pc[0] + pc[1] > keys ||
+        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : dp ? DP_CHUNK_ROWS : MAX_CHUNK) ||
+            pc[0] + pc[1] > keys ||
             pc[2] < 0 || pc[2] >= nrows)
             return 1;
     }
@@ -494,6 +656,13 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
         const char *qh = (const char *)q + (h * q_hs + rows[3 * r] * q_ts) * esz;
         const char *kh = (const char *)k + (h * k_sh + j0 * k_sl) * esz;
         const char *vh = (const char *)v + (h * v_sh + j0 * v_sl) * esz;
+#ifdef HAVE_DP
+        if (dp) {
+            chunk_dp((const uint16_t *)qh, q_rs, (const uint16_t *)kh, k_sl, (const uint16_t *)vh, v_sl, (int)M, n, (int)D,
+                     scale, o, mx, sm);
+            continue;
+        }
+#endif
 #ifdef HAVE_AMX
         if (amx) {
             chunk_amx(qa + (r * H + h) * m16 * D, (const uint16_t *)kh, k_sl, (const uint16_t *)vh, v_sl, (int)M, n,
