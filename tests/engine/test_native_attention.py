@@ -290,7 +290,32 @@ def test_with_amx_or_avx512_bf16_the_backend_takes_up_to_64_bf16_rows_of_a_64_wi
     q, k, v = pool_case(3, 48, 600, 64, torch.bfloat16)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours
     q, k, v = pool_case(3, 65, 600, 64, torch.bfloat16)
-    assert backend.attend(q, k, v, 0.125)[0].dtype == torch.bfloat16  # flash
+    assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours too, in two calls (the next test)
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+def test_more_bf16_rows_than_one_call_takes_go_in_parts(kernel):
+    """A prefill chunk's rows over a shared prefix (150 here) in calls of 64 rows: each part's
+    result is what a call for those rows alone gives, and the whole is within the many-rows path's
+    bound of float64 math; where the CPU has no many-rows path, the flash kernel takes them."""
+    backend = CpuNativeBackend()
+    q, k, v = pool_case(3, 150, 700, 64, torch.bfloat16, seed=9)
+    out, lse = backend.attend(q, k, v, 0.125)
+    if not kernel.many_rows:
+        assert out.dtype == torch.bfloat16  # flash
+        return
+    assert out.dtype == torch.float32 and out.shape == (1, 3, 150, 64) and lse.shape == (1, 3, 150)
+    for lo in (0, 64, 128):
+        part_out, part_lse = kernel.attend(q[:, :, lo:lo + 64], k, v, 0.125)
+        assert torch.equal(out[:, :, lo:lo + 64], part_out) and torch.equal(lse[:, :, lo:lo + 64], part_lse)
+    ref_out, ref_lse = reference(q, k, v, 0.125)
+    flash_out, _ = CpuSdpaBackend().attend(q, k, v, 0.125)
+    err = (out.double() - ref_out).abs().max()
+    assert err < 5e-3 and err < (flash_out.double() - ref_out).abs().max()
+    assert (lse.double() - ref_lse).abs().max() < 2e-5
+    fp32 = pool_case(3, 150, 700, 64, torch.float32, seed=9)
+    assert torch.equal(backend.attend(*fp32, 0.125)[0], CpuSdpaBackend().attend(*fp32, 0.125)[0])  # float32: flash
+    assert backend.attend(q, k, v, 0.125, mask=torch.zeros(1, 1, 150, 700))[0].dtype == torch.bfloat16  # a mask: flash
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")

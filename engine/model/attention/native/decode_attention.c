@@ -26,7 +26,7 @@
  * Products and sums are float32, like the flash kernel's (the AMX path rounds the weights to
  * bf16 before the second product, as the flash kernel does); the result does not depend on
  * the number of threads (the pieces are merged in order). Scratch beyond ``work``: the AMX
- * path keeps about 270 KB of tiles' staging per thread (thread-local, allocated once).
+ * and dot-product paths keep about 270 KB of staging per thread each (thread-local, allocated once).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -303,6 +303,55 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
 #define DP_MAX_ROWS 64  /* native.AMX_MAX_ROWS */
 #define DP_ROW_BLOCK 8  /* rows per block of the scores */
 
+/* The n values (bf16, rows v_sl apart) in pairs of keys, 16 dims a row, for the products with
+ * pairs of weights: vp[dt][pair][16 dims][2 keys] (zero past the last key). */
+static void pair_values(const uint16_t *v, int64_t v_sl, int n, int pairs, int D, uint16_t *vp) {
+    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int jp = 0; jp < pairs; jp++) {
+        const int j = 2 * jp;
+        for (int dt = 0; dt < D / 16; dt++) {
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            if (j < n)
+                a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)j * v_sl + 16 * dt)));
+            if (j + 1 < n)
+                b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)(j + 1) * v_sl + 16 * dt)));
+            _mm512_store_si512(vp + ((int64_t)dt * pairs + jp) * 32, _mm512_permutex2var_epi16(a, mix, b));
+        }
+    }
+}
+
+/* Softmax along each of the M rows of raw scores ``sc`` (rows ``stride`` apart, n keys) in float32,
+ * times ``scale``: the weights in bf16 to pb (same stride; zero from n up to npad, a multiple of 32),
+ * each row's maximum (scaled) to mx and its sum of weights to sm. */
+static void softmax_rows(const float *sc, int stride, int M, int n, int npad, float scale, uint16_t *pb, float *mx,
+                         float *sm) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < M; r++) {
+        const float *row = sc + r * stride;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            best = _mm512_mask_max_ps(best, live, best, _mm512_loadu_ps(row + j));
+        }
+        const float m = _mm512_reduce_max_ps(best) * scale;
+        const __m512 mb = _mm512_set1_ps(m);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < npad; j += 32) {
+            __m512 p[2];
+            for (int h = 0; h < 2; h++) {
+                const int jj = j + 16 * h;
+                const __mmask16 live = n - jj >= 16 ? 0xFFFF : n - jj > 0 ? (__mmask16)((1u << (n - jj)) - 1) : 0;
+                p[h] = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, row + jj), s, mb)));
+                total = _mm512_add_ps(total, p[h]);
+            }
+            _mm512_store_si512(pb + r * stride + j, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        }
+        mx[r] = m;
+        sm[r] = _mm512_reduce_add_ps(total);
+    }
+}
+
 /* Scores of R rows (their pairs of dims ``qp``, ``dp`` pairs a row, rows dp apart) for the 16 keys
  * of ``kt`` ([dp][16 keys][2]), to out (rows DP_CHUNK apart). R a constant at each call. */
 static inline __attribute__((always_inline)) void dp_scores(const uint16_t *kt, const uint32_t *qp, int dp, const int R,
@@ -375,45 +424,8 @@ static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t
         for (; r0 < M; r0++)
             dp_scores(kt, qp + r0 * dp, dp, 1, sc + r0 * DP_CHUNK + j0);
     }
-    /* values in pairs of keys, 16 dims a row: vp[dt][pair][16 dims][2 keys] (zero past the last key) */
-    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    for (int jp = 0; jp < pairs; jp++) {
-        const int j = 2 * jp;
-        for (int dt = 0; dt < D / 16; dt++) {
-            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-            if (j < n)
-                a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)j * v_sl + 16 * dt)));
-            if (j + 1 < n)
-                b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)(j + 1) * v_sl + 16 * dt)));
-            _mm512_store_si512(vp + ((int64_t)dt * pairs + jp) * 32, _mm512_permutex2var_epi16(a, mix, b));
-        }
-    }
-    /* softmax along each row in float32; the weights in bf16, zero past the last key */
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int r = 0; r < M; r++) {
-        const float *row = sc + r * DP_CHUNK;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-            best = _mm512_mask_max_ps(best, live, best, _mm512_loadu_ps(row + j));
-        }
-        const float m = _mm512_reduce_max_ps(best) * scale;
-        const __m512 mb = _mm512_set1_ps(m);
-        __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < npad; j += 32) {
-            __m512 pw[2];
-            for (int h = 0; h < 2; h++) {
-                const int jj = j + 16 * h;
-                const __mmask16 live = n - jj >= 16 ? 0xFFFF : n - jj > 0 ? (__mmask16)((1u << (n - jj)) - 1) : 0;
-                pw[h] = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, row + jj), s, mb)));
-                total = _mm512_add_ps(total, pw[h]);
-            }
-            _mm512_store_si512(pb + r * DP_CHUNK + j, (__m512i)_mm512_cvtne2ps_pbh(pw[1], pw[0]));
-        }
-        mx[r] = m;
-        sm[r] = _mm512_reduce_add_ps(total);
-    }
+    pair_values(v, v_sl, n, pairs, D, vp);
+    softmax_rows(sc, DP_CHUNK, M, n, npad, scale, pb, mx, sm);
     /* O = P V: four rows (or one) by four blocks of 16 dims a step, a pair of keys per product */
     const uint32_t *pp = (const uint32_t *)pb;
     for (int d0 = 0; d0 < D; d0 += 64) {
@@ -503,45 +515,8 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
             _tile_stored(2, sc + t * 16 * AMX_CHUNK + j0, AMX_CHUNK * 4);
         }
     }
-    /* values in pairs of keys, 16 dims per tile row: vp[dt][pair][16 dims][2 keys] */
-    const __m512i mix = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    for (int jp = 0; jp < pairs; jp++) {
-        const int j = 2 * jp;
-        for (int dt = 0; dt < D / 16; dt++) {
-            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-            if (j < n)
-                a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)j * v_sl + 16 * dt)));
-            if (j + 1 < n)
-                b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (int64_t)(j + 1) * v_sl + 16 * dt)));
-            _mm512_store_si512(vp + ((int64_t)dt * pairs + jp) * 32, _mm512_permutex2var_epi16(a, mix, b));
-        }
-    }
-    /* softmax along each row; the weights in bf16, zero past the last key */
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int r = 0; r < M; r++) {
-        const float *row = sc + r * AMX_CHUNK;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-            best = _mm512_mask_max_ps(best, live, best, _mm512_loadu_ps(row + j));
-        }
-        const float m = _mm512_reduce_max_ps(best) * scale;
-        const __m512 mb = _mm512_set1_ps(m);
-        __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < npad; j += 32) {
-            __m512 p[2];
-            for (int h = 0; h < 2; h++) {
-                const int jj = j + 16 * h;
-                const __mmask16 live = n - jj >= 16 ? 0xFFFF : n - jj > 0 ? (__mmask16)((1u << (n - jj)) - 1) : 0;
-                p[h] = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + jj), s, mb)));
-                total = _mm512_add_ps(total, p[h]);
-            }
-            _mm512_store_si512(pb + r * AMX_CHUNK + j, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-        }
-        mx[r] = m;
-        sm[r] = _mm512_reduce_add_ps(total);
-    }
+    pair_values(v, v_sl, n, pairs, D, vp);
+    softmax_rows(sc, AMX_CHUNK, M, n, npad, scale, pb, mx, sm);
     for (int r = M; r < mt * 16; r++)
         memset(pb + r * AMX_CHUNK, 0, npad * 2);
     /* O = P V: four tiles of 16 dims at a time, 32 keys per product */
