@@ -303,6 +303,23 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
 #define DP_MAX_ROWS 64  /* native.AMX_MAX_ROWS */
 #define DP_ROW_BLOCK 8  /* rows per block of the scores */
 
+/* Keys j0 .. j0+15 of the n keys (bf16, rows k_sl apart) as K^T in pairs of dims for the dot
+ * products: kt[pair][16 keys][2 dims], one gather per pair, zero for keys at or past n; the keys
+ * 48 further on prefetched. */
+static inline void gather_kt(const uint16_t *k, int64_t k_sl, int j0, int n, int D, uint16_t *kt) {
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32((int)(k_sl * 2)));
+    const int valid = n - j0 < 16 ? (n - j0 > 0 ? n - j0 : 0) : 16;
+    const __mmask16 live = (__mmask16)((1u << valid) - 1);
+    const char *base = (const char *)(k + (int64_t)j0 * k_sl);
+    if (j0 + 48 < n)
+        for (int b = 0; b < 16; b++)
+            prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2, 0);
+    for (int pr = 0; pr < D / 2; pr++)
+        _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
+                                                                     base + 4 * pr, 1));
+}
+
 /* The n values (bf16, rows v_sl apart) in pairs of keys, 16 dims a row, for the products with
  * pairs of weights: vp[dt][pair][16 dims][2 keys] (zero past the last key). */
 static void pair_values(const uint16_t *v, int64_t v_sl, int n, int pairs, int D, uint16_t *vp) {
@@ -404,20 +421,10 @@ static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t
     const int npad = (n + 31) / 32 * 32, pairs = npad / 2, dp = D / 2;
     for (int r = 0; r < M; r++)
         memcpy(qp + r * dp, q + (int64_t)r * q_sm, (size_t)D * 2);
-    /* scores, 16 keys at a time: K^T for those keys in pairs of dims (one gather per pair), then
-     * each block of rows times them, a pair of dims a step */
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32((int)(k_sl * 2)));
+    /* scores, 16 keys at a time: K^T for those keys in pairs of dims, then each block of rows times
+     * them, a pair of dims a step */
     for (int j0 = 0; j0 < n; j0 += 16) {
-        const int valid = n - j0 < 16 ? n - j0 : 16;
-        const __mmask16 live = (__mmask16)((1u << valid) - 1);
-        const char *base = (const char *)(k + (int64_t)j0 * k_sl);
-        if (j0 + 48 < n)
-            for (int b = 0; b < 16; b++)
-                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2, 0);
-        for (int pr = 0; pr < dp; pr++)
-            _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
-                                                                         base + 4 * pr, 1));
+        gather_kt(k, k_sl, j0, n, D, kt);
         int r0 = 0;
         for (; r0 + DP_ROW_BLOCK <= M; r0 += DP_ROW_BLOCK)
             dp_scores(kt, qp + r0 * dp, dp, DP_ROW_BLOCK, sc + r0 * DP_CHUNK + j0);
@@ -492,19 +499,9 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    /* scores, 16 keys at a time: K^T for those keys in pairs of dims, one gather per pair */
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32((int)(k_sl * 2)));
+    /* scores, 16 keys at a time: K^T for those keys in pairs of dims */
     for (int j0 = 0; j0 < npad; j0 += 16) {
-        const int valid = n - j0 < 16 ? (n - j0 > 0 ? n - j0 : 0) : 16;
-        const __mmask16 live = (__mmask16)((1u << valid) - 1);
-        const char *base = (const char *)(k + (int64_t)j0 * k_sl);
-        if (j0 + 48 < n)
-            for (int b = 0; b < 16; b++)
-                prefetch_rows((const char *)(k + (int64_t)(j0 + 48 + b) * k_sl), (int64_t)D * 2, 0);
-        for (int pr = 0; pr < D / 2; pr++)
-            _mm512_store_si512(kt + pr * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows16,
-                                                                         base + 4 * pr, 1));
+        gather_kt(k, k_sl, j0, n, D, kt);
         for (int t = 0; t < mt; t++) {
             _tile_zero(2);
             for (int ks = 0; ks < D / 32; ks++) {
@@ -557,6 +554,7 @@ static void chunk_amx(const uint16_t *qa, const uint16_t *k, int64_t k_sl, const
 }
 #else
 int radix_amx_ready(void) { return 0; }
+#define AMX_MAX_ROWS 0
 #define AMX_CHUNK_ROWS MAX_CHUNK
 #endif
 #ifdef HAVE_DP
@@ -585,23 +583,20 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
                     int64_t l_ts, float *work, int threads) {
     if (D % 16 || D > MAX_D || M < 1 || nrows < 1 || npieces < 1 || H < 1 || threads < 1)
         return 1;
+    /* AMX from AMX_MIN_ROWS bf16 rows where it runs; else AVX512-BF16's dot products from
+     * DP_MIN_ROWS bf16 rows where the CPU has them; else up to MAX_ROWS rows */
 #ifdef HAVE_AMX
-    /* AMX from AMX_MIN_ROWS rows where it runs; below, or without it, up to MAX_ROWS rows */
     const int amx = M >= AMX_MIN_ROWS && bf16 && D % 32 == 0 && radix_amx_ready();
-    if ((amx && M > AMX_MAX_ROWS) || (!amx && M > MAX_ROWS && !HAVE_DP_ROWS))
-        return 1;
 #else
     const int amx = 0;
 #endif
-    /* without AMX, AVX512-BF16's dot products from DP_MIN_ROWS bf16 rows where the CPU has them */
     const int dp = !amx && HAVE_DP_ROWS && M >= DP_MIN_ROWS && bf16 && D % 32 == 0;
-    if ((dp && M > DP_MAX_ROWS) || (!amx && !dp && M > MAX_ROWS))
+    if (M > (amx ? AMX_MAX_ROWS : dp ? DP_MAX_ROWS : MAX_ROWS))
         return 1;
+    const int64_t chunk = amx ? AMX_CHUNK_ROWS : dp ? DP_CHUNK_ROWS : MAX_CHUNK;
     for (int64_t i = 0; i < npieces; i++) {
         const int64_t *pc = pieces + 3 * i;
-        if (pc[0] < 0 || pc[1] < 1 || pc[1] > (amx ? AMX_CHUNK_ROWS : dp ? DP_CHUNK_ROWS : MAX_CHUNK) ||
-            pc[0] + pc[1] > keys ||
-            pc[2] < 0 || pc[2] >= nrows)
+        if (pc[0] < 0 || pc[1] < 1 || pc[1] > chunk || pc[0] + pc[1] > keys || pc[2] < 0 || pc[2] >= nrows)
             return 1;
     }
     for (int64_t r = 0; r < nrows; r++)
