@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from engine.model.fused_decode import FusedLayers, plain_rms_norm
 
 ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
@@ -88,8 +87,8 @@ class DecoderStack:
         self.rotate = rotate
         modules = list(inner.layers[: model.config.get_text_config().num_hidden_layers])
         self.layers = [_Layer(layer) for layer in modules]
-        # A step of a few float32 rows in two C calls per layer (engine.model.fused_decode); the
-        # runner drops it unless it checks out on a probe (ModelRunner._check_fused).
+        # A step of a few rows in two C calls per layer (engine.model.fused_decode); the runner
+        # drops it unless it checks out on a probe (ModelRunner._check_fused).
         self.fused: FusedLayers | None = FusedLayers.build(model, modules)
         self.one_scale = len({(layer.scaling, layer.head_dim) for layer in self.layers}) == 1  # one C call takes one
 
@@ -140,7 +139,8 @@ class DecoderStack:
         call. Returns ``[1, kept, vocab]`` in the model's dtype."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
-        if self.fused is not None and input_ids.shape[1] <= FUSED_MAX_ROWS and cos.shape[-1] == self.layers[0].head_dim:
+        if (self.fused is not None and input_ids.shape[1] <= self.fused.max_rows
+                and cos.shape[-1] == self.layers[0].head_dim):
             h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend, rows_call)
         else:
             h = self._layers(h, cos, sin, write_index, k_pool, v_pool, attend)
@@ -152,24 +152,26 @@ class DecoderStack:
     def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
                k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
                rows_call: Callable | None) -> torch.Tensor:
-        """Every layer for a few float32 rows: the work around attention in C (module docstring),
-        all of it in one call where the attention can be called from C too."""
-        fused, rows = self.fused, h.shape[1]
-        h = h.contiguous()
-        flat, cos, sin, write_index = h[0], cos[0].contiguous(), sin[0].contiguous(), write_index.contiguous()
+        """Every layer for a few rows: the work around attention in C (module docstring), all of it
+        in one call where the attention can be called from C too. The C code takes float32 rows
+        (in bfloat16 they hold bf16 values: widened here, and narrowed at the end, exactly)."""
+        fused, rows, dtype = self.fused, h.shape[1], h.dtype
+        h = h.float().contiguous()
+        flat, cos, sin, write_index = h[0], cos[0].float().contiguous(), sin[0].float().contiguous(), \
+            write_index.contiguous()
         first = self.layers[0]
         call = rows_call(k_pool[first.index], fused.q_width // first.head_dim, first.scaling) \
             if rows_call is not None and self.one_scale else None
         if call is not None:
             fused.run_all(flat, cos, sin, [k_pool[layer.index] for layer in self.layers],
                           [v_pool[layer.index] for layer in self.layers], write_index, call)
-            return h
+            return h.to(dtype)
         for i, layer in enumerate(self.layers):
             k_layer, v_layer = k_pool[layer.index], v_pool[layer.index]
-            q = fused.pre(i, flat, cos, sin, k_layer, v_layer, write_index)
+            q = fused.pre(i, flat, cos, sin, k_layer, v_layer, write_index).to(dtype)
             a = attend(k_layer, v_layer, q.view(1, rows, -1, layer.head_dim).transpose(1, 2), layer.scaling)
-            fused.post(i, flat, a.reshape(rows, -1).contiguous())
-        return h
+            fused.post(i, flat, a.reshape(rows, -1).float().contiguous())
+        return h.to(dtype)
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
                 k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable) -> torch.Tensor:

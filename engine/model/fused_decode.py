@@ -1,6 +1,6 @@
 """A decode step's layers in two C calls each: everything around attention, fused.
 
-Owns: ``FusedLayers``, the float32 few-rows forward of a Llama-family decoder layer's work
+Owns: ``FusedLayers``, the few-rows forward (float32 or bfloat16) of a Llama-family decoder layer's work
 before attention (RMSNorm, the q/k/v linears, the rotary embedding, the new KV written to its
 pool slots) and after it (the o linear, the residual, RMSNorm, gate/up, SiLU times up, down,
 the residual), each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
@@ -26,9 +26,17 @@ PyTorch's: the runner checks them within a bound on a probe at start
 (``ModelRunner._check_fused``) and runs unfused on any other result, and the second tier's
 fingerprint names the fused forward. ``RADIX_FUSED_DECODE=0`` turns it off.
 
-Which layers: those ``DecoderStack`` takes, in float32 on a CPU, with plain ``nn.Linear``
-projections (biases allowed), RMSNorms, SiLU, a rotary embedding over the whole head, and sizes
-our linear kernel takes (multiples of 8).
+In bfloat16 the C code rounds to bf16 wherever the unfused bf16 forward stores a bf16 tensor
+(``native_linear.c``), so the two differ only in the order of the sums inside the linears and the
+norms: a lone row's logits then differ from the unfused forward's by about what two bf16 runs of
+another kernel would (the probe's bound is wider than float32's, ``BOUND``). It reads the bf16
+weights in place (a oneDNN-packed linear keeps its plain weight beside the packed one). At one row
+on the Zen 4 here the step's linears took 12.4 ms against oneDNN's 18.0-18.6, and the step 37.5 ms
+unfused; at more rows oneDNN's bf16 dot products win, so bf16 takes at most ``BF16_MAX_ROWS`` rows.
+
+Which layers: those ``DecoderStack`` takes, in float32 or bfloat16 on a CPU, with ``nn.Linear``
+projections (oneDNN-packed ones too; biases allowed), RMSNorms, SiLU, a rotary embedding over the
+whole head, and sizes our linear kernel takes (multiples of 8).
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ from engine.model.native_build import switched_off
 
 ENV_SWITCH = "RADIX_FUSED_DECODE"
 MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
+BF16_MAX_ROWS = 4  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
+# The probe's bound on the logits against the unfused forward, a fraction of the largest logit: in
+# float32 rounding in another order; in bfloat16 that, then a bf16 rounding that can fall the other
+# way and carry through the layers. A misread layer is off by far more.
+BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+DTYPES = tuple(BOUND)
 
 
 class _LayerStruct(ctypes.Structure):
@@ -52,7 +66,7 @@ class _LayerStruct(ctypes.Structure):
                  ("eps2", ctypes.c_double)]
                 + [(n, ctypes.c_void_p) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")]
                 + [(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "bg", "bu", "bd")]
-                + [(n, ctypes.c_int64) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter")])
+                + [(n, ctypes.c_int64) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "bf16")])
 
 
 def plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -68,6 +82,14 @@ def _scaled_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     return None if getattr(norm, "with_scale", True) is False else plain_rms_norm(norm)
 
 
+def _linear_weight(m: nn.Module) -> torch.Tensor | None:
+    """The plain ``[out, in]`` weight of a linear layer: an ``nn.Linear``'s, or the one a oneDNN-packed
+    linear keeps beside its packed copy (``engine.model.packed_linear``); else None."""
+    from engine.model.packed_linear import PackedLinear
+
+    return m.weight if isinstance(m, nn.Linear | PackedLinear) else None
+
+
 def _is_silu(act: object) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
@@ -75,14 +97,20 @@ def _is_silu(act: object) -> bool:
 class FusedLayers:
     """The fused decode-step layer work for one model (module docstring)."""
 
-    def __init__(self, lib: ctypes.CDLL, structs: list[_LayerStruct], keep: list[torch.Tensor]) -> None:
+    def __init__(self, lib: ctypes.CDLL, structs: list[_LayerStruct], keep: list[torch.Tensor],
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype  # the weights' and the pool's; rows in and out are float32 (bf16 values in bf16)
+        self.max_rows = BF16_MAX_ROWS if dtype == torch.bfloat16 else MAX_ROWS
+        self.bound = BOUND[dtype]
+        self._name = str(dtype).removeprefix("torch.")
         self._pre, self._post = lib.radix_layer_pre, lib.radix_layer_post
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._pre.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
         self._post.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
         self._pre.restype = self._post.restype = ctypes.c_int
         self._all = lib.radix_layers
-        self._all.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self._all.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                              ctypes.c_int]
         self._all.restype = ctypes.c_int
         self._structs = structs
         self._refs = [ctypes.addressof(s) for s in structs]
@@ -101,25 +129,25 @@ class FusedLayers:
             p = next(model.parameters())
         except StopIteration:
             return None
-        kernel = native_linear.kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+        kernel = native_linear.kernel() if p.device.type == "cpu" and p.dtype in DTYPES else None
         if kernel is None:
             return None
         structs, keep = [], []
         for layer in layers:
-            s = cls._struct(layer, keep)
+            s = cls._struct(layer, keep, p.dtype)
             if s is None:
                 return None
             structs.append(s)
-        return cls(kernel.lib, structs, keep) if structs else None
+        return cls(kernel.lib, structs, keep, p.dtype) if structs else None
 
     @staticmethod
-    def _struct(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerStruct | None:
+    def _struct(layer: nn.Module, keep: list[torch.Tensor], dtype: torch.dtype) -> _LayerStruct | None:
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2 = _scaled_rms_norm(layer.input_layernorm), _scaled_rms_norm(layer.post_attention_layernorm)
         if n1 is None or n2 is None or not _is_silu(mlp.act_fn):
             return None
         lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+        if not all(_linear_weight(m) is not None and m.weight.dtype == dtype and m.weight.is_contiguous()
                    and m.in_features % 8 == 0 for m in lins):
             return None
         hidden, d = attn.q_proj.in_features, int(attn.head_dim)
@@ -130,7 +158,7 @@ class FusedLayers:
                      and mlp.up_proj.weight.shape == (inter, hidden) and mlp.down_proj.weight.shape == (hidden, inter)
                      and n1[0].shape == (hidden,) and n2[0].shape == (hidden,) and d % 2 == 0 and kv_heads > 0
                      and q_heads % kv_heads == 0 and inter % 8 == 0)
-        norms_ok = all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in (n1, n2))
+        norms_ok = all(w.dtype == dtype and w.is_contiguous() for w, _ in (n1, n2))
         if not shapes_ok or not norms_ok:
             return None
 
@@ -143,7 +171,8 @@ class FusedLayers:
 
         keep += [n1[0], n2[0], *(m.weight for m in lins)]  # held: what the struct points at cannot be freed
         s = _LayerStruct(norm1=n1[0].data_ptr(), norm2=n2[0].data_ptr(), eps1=n1[1], eps2=n2[1],
-                         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=d, inter=inter)
+                         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=d, inter=inter,
+                         bf16=int(dtype == torch.bfloat16))
         for name, m in zip(("q", "k", "v", "o", "g", "u", "d"), lins, strict=True):
             setattr(s, "w" + name, m.weight.data_ptr())
             setattr(s, "b" + name, bias(m))
@@ -158,17 +187,18 @@ class FusedLayers:
         if len(k_layers) != len(self._refs) or len(v_layers) != len(self._refs):
             raise ValueError("the fused decode kernel takes one pool layer per decoder layer")
         shape = k_layers[0].shape
-        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == shape for t in (*k_layers, *v_layers)):
-            raise ValueError("the fused decode kernel takes contiguous float32 pool layers of one shape")
+        if not all(t.dtype == self.dtype and t.is_contiguous() and t.shape == shape for t in (*k_layers, *v_layers)):
+            raise ValueError(f"the fused decode kernel takes contiguous {self._name} pool layers of one shape")
         self._check_rows(h, cos, sin, write_index)
         q = torch.empty((rows, self.q_width), dtype=torch.float32)
         a = torch.empty((rows, self.q_width), dtype=torch.float32)
+        q16 = torch.empty((rows, self.q_width), dtype=torch.bfloat16) if self.dtype == torch.bfloat16 else None
         n = len(self._refs)
         ks = (ctypes.c_void_p * n)(*[t.data_ptr() for t in k_layers])
         vs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_layers])
         rc = self._all(self._table, n, h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(), ks, vs,
-                       shape[1], write_index.data_ptr(), q.data_ptr(), a.data_ptr(), attend.fn, attend.ctx,
-                       torch.get_num_threads())
+                       shape[1], write_index.data_ptr(), q.data_ptr(), None if q16 is None else q16.data_ptr(),
+                       a.data_ptr(), attend.fn, attend.ctx, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the fused decode kernel refused layer {rc - 1} at {rows} rows")
 
@@ -183,13 +213,14 @@ class FusedLayers:
     def pre(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
             v_layer: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
         """Layer ``index`` before attention: ``h [rows, hidden]`` (rows contiguous), ``cos``/``sin``
-        ``[rows, head_dim]`` contiguous; the new KV goes to ``write_index`` (int64) of the pool
-        layer ``k_layer``/``v_layer`` ``[Hkv, S, D]`` (contiguous float32). Returns the rotated
-        queries ``[rows, q_heads * head_dim]``."""
+        ``[rows, head_dim]`` contiguous, all float32 (holding bf16 values in bf16); the new KV goes
+        to ``write_index`` (int64) of the pool layer ``k_layer``/``v_layer`` ``[Hkv, S, D]``
+        (contiguous, in the weights' dtype). Returns the rotated queries ``[rows, q_heads *
+        head_dim]`` in float32."""
         rows = h.shape[0]
         self._check_rows(h, cos, sin, write_index)
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_layer, v_layer)):
-            raise ValueError("the fused decode kernel takes contiguous float32 pool layers")
+        if not all(t.dtype == self.dtype and t.is_contiguous() for t in (k_layer, v_layer)):
+            raise ValueError(f"the fused decode kernel takes contiguous {self._name} pool layers")
         q = torch.empty((rows, self.q_width), dtype=torch.float32)
         rc = self._pre(self._refs[index], h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
                        q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), k_layer.shape[1],

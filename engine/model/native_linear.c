@@ -203,25 +203,67 @@ int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int6
 }
 
 /* ---------------------------------------------------------------------------------------------
- * A decoder layer's decode-step work around its attention, for Llama-family layers in float32
- * (engine.model.fused_decode): the RMSNorms, the seven linears, the rotary embedding, the KV
- * written to its pool slots, SiLU times up, and both residual adds, in two calls per layer
+ * A decoder layer's decode-step work around its attention, for Llama-family layers in float32 or
+ * bfloat16 (engine.model.fused_decode): the RMSNorms, the seven linears, the rotary embedding, the
+ * KV written to its pool slots, SiLU times up, and both residual adds, in two calls per layer
  * (before and after attention) instead of about eighty PyTorch ops. Every step is per row, so
  * a row's result does not depend on the other rows in the call either.
+ *
+ * In bfloat16 (``bf16`` set) the weights, the RMSNorm weights and the pool are bf16, and the rows
+ * (h, the rotary tables, q, attention's output) are float32 arrays holding bf16 values: every
+ * product and sum is float32, rounded to bf16 (to nearest, ties to even, as PyTorch rounds)
+ * wherever PyTorch's bf16 forward of the same layer stores a bf16 tensor. So the fused step
+ * computes what the unfused one computes, but for the order of the sums inside the linears and
+ * the norm.
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
-    const float *norm1, *norm2;                   /* [hidden] RMSNorm weights */
+    const void *norm1, *norm2;                   /* [hidden] RMSNorm weights (float32 or bf16) */
     double eps1, eps2;
-    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd; /* nn.Linear weights [out][in], contiguous */
-    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd; /* their biases, or NULL */
+    const void *wq, *wk, *wv, *wo, *wg, *wu, *wd; /* nn.Linear weights [out][in], contiguous (float32 or bf16) */
+    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd; /* their biases (float32), or NULL */
     int64_t hidden, q_heads, kv_heads, head_dim, inter;
+    int64_t bf16; /* weights and pool in bfloat16 (above) */
 } radix_layer;
 
-/* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), as transformers' Llama RMSNorm in float32 */
-static void rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const float *w, double eps, float *y) {
+/* f rounded to the nearest bfloat16 (ties to even), as a float32; NaN stays NaN */
+static inline float bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u = 0x7fc00000u;
+    else
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_value(const void *w, int64_t i) {
+    const uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the bf16 bits of f, which already holds a bf16 value */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static void round_all(float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        y[i] = bf(y[i]);
+}
+
+/* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), as transformers' Llama RMSNorm in float32; in bf16
+ * as the decoder stack's norm: the normalised row rounded, times the weight, rounded */
+static void rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
+                     int bf16) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_rs;
         float *yr = y + r * n;
@@ -229,43 +271,54 @@ static void rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, cons
         for (int64_t i = 0; i < n; i++)
             ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)n + (float)eps);
-        for (int64_t i = 0; i < n; i++)
-            yr[i] = w[i] * (xr[i] * inv);
+        if (bf16)
+            for (int64_t i = 0; i < n; i++)
+                yr[i] = bf(bf16_value(w, i) * bf(xr[i] * inv));
+        else
+            for (int64_t i = 0; i < n; i++)
+                yr[i] = ((const float *)w)[i] * (xr[i] * inv);
     }
 }
 
 /* x * cos + rotate_half(x) * sin, in place, for one head of d values (rotate_half: the second
- * half negated, then the first) */
-static void rotate(float *x, const float *cos, const float *sin, int64_t d) {
+ * half negated, then the first); in bf16 each product and the sum rounded */
+static void rotate(float *x, const float *cos, const float *sin, int64_t d, int bf16) {
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; i++) {
         const float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
+        if (bf16) {
+            x[i] = bf(bf(a * cos[i]) - bf(b * sin[i]));
+            x[i + half] = bf(bf(b * cos[i + half]) + bf(a * sin[i + half]));
+        } else {
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
     }
 }
 
-/* h[r] += t[r] for each of the rows (the residual add) */
-static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64_t n) {
+/* h[r] += t[r] for each of the rows (the residual add); in bf16 t rounded, then the sum */
+static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64_t n, int bf16) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n; i++)
-            h[r * h_rs + i] += t[r * n + i];
+            h[r * h_rs + i] = bf16 ? bf(h[r * h_rs + i] + bf(t[r * n + i])) : h[r * h_rs + i] + t[r * n + i];
 }
 
 static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
-    return L && rows >= 1 && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
+    return L && rows >= 1 && (L->bf16 == 0 || L->bf16 == 1) && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
            (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0;
 }
 
 /* Before attention: q (rotated) of each row to q [rows][q_heads * head_dim]; k (rotated) and v to
- * the pool layer k_pool/v_pool [kv_heads][slots][head_dim] at slot write[r]. h [rows][hidden]
- * (row stride h_rs) is only read; cos/sin [rows][head_dim] are the model's rotary embedding. */
+ * the pool layer k_pool/v_pool [kv_heads][slots][head_dim] (float32, or bf16 for a bf16 layer) at
+ * slot write[r]. h [rows][hidden] (row stride h_rs) is only read; cos/sin [rows][head_dim] are the
+ * model's rotary embedding. */
 int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos,
-                    const float *sin, float *q, float *k_pool, float *v_pool, int64_t pool_slots,
+                    const float *sin, float *q, void *k_pool, void *v_pool, int64_t pool_slots,
                     const int64_t *write, int threads) {
     if (!layer_ok(L, rows, threads))
         return 1;
     const int64_t hd = L->hidden, d = L->head_dim, nq = L->q_heads * d, nkv = L->kv_heads * d;
+    const int bf16 = (int)L->bf16;
     for (int64_t r = 0; r < rows; r++)
         if (write[r] < 0 || write[r] >= pool_slots)
             return 1;
@@ -278,23 +331,36 @@ int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t 
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
-        rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x);
-        linear_part(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, 0);
-        linear_part(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, 0);
-        linear_part(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, 0);
+        rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x, bf16);
+        linear_part(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, bf16);
+        linear_part(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, bf16);
+        linear_part(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, bf16);
 #pragma omp barrier
 #pragma omp single
-        for (int64_t r = 0; r < rows; r++) {
-            const float *c = cos + r * d, *s = sin + r * d;
-            for (int64_t head = 0; head < L->q_heads; head++)
-                rotate(q + r * nq + head * d, c, s, d);
-            for (int64_t head = 0; head < L->kv_heads; head++) {
-                float *kr = k + r * nkv + head * d;
-                rotate(kr, c, s, d);
-                const int64_t at = (head * pool_slots + write[r]) * d;
-                for (int64_t i = 0; i < d; i++) {
-                    k_pool[at + i] = kr[i];
-                    v_pool[at + i] = v[r * nkv + head * d + i];
+        {
+            if (bf16) { /* the linears' outputs, stored in bf16 */
+                round_all(q, rows * nq);
+                round_all(k, rows * 2 * nkv); /* k and v, side by side */
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float *c = cos + r * d, *s = sin + r * d;
+                for (int64_t head = 0; head < L->q_heads; head++)
+                    rotate(q + r * nq + head * d, c, s, d, bf16);
+                for (int64_t head = 0; head < L->kv_heads; head++) {
+                    float *kr = k + r * nkv + head * d;
+                    const float *vr = v + r * nkv + head * d;
+                    rotate(kr, c, s, d, bf16);
+                    const int64_t at = (head * pool_slots + write[r]) * d;
+                    if (bf16)
+                        for (int64_t i = 0; i < d; i++) {
+                            ((uint16_t *)k_pool)[at + i] = bf16_bits(kr[i]);
+                            ((uint16_t *)v_pool)[at + i] = bf16_bits(vr[i]);
+                        }
+                    else
+                        for (int64_t i = 0; i < d; i++) {
+                            ((float *)k_pool)[at + i] = kr[i];
+                            ((float *)v_pool)[at + i] = vr[i];
+                        }
                 }
             }
         }
@@ -304,54 +370,83 @@ int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t 
 }
 
 /* After attention: h += o(a); h += down(silu(gate(x)) * up(x)) with x = norm2(h), in place.
- * a [rows][q_heads * head_dim] is attention's output, heads side by side. */
+ * a [rows][q_heads * head_dim] is attention's output, heads side by side (in bf16: rounded to
+ * bf16 first, as the unfused forward stores it). */
 int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows, const float *a, int threads) {
     if (!layer_ok(L, rows, threads))
         return 1;
     const int64_t hd = L->hidden, ni = L->inter, nq = L->q_heads * L->head_dim;
-    float *t = malloc(sizeof(float) * rows * (hd + 2 * ni));
+    const int bf16 = (int)L->bf16;
+    float *t = malloc(sizeof(float) * rows * (hd + 2 * ni + (bf16 ? nq : 0)));
     if (!t)
         return 1;
     float *g = t + rows * hd, *u = g + rows * ni;
     const int64_t n_gu = rows * ni;
+    if (bf16) {
+        float *ab = u + n_gu;
+        for (int64_t i = 0; i < rows * nq; i++)
+            ab[i] = bf(a[i]);
+        a = ab;
+    }
 #pragma omp parallel num_threads(threads)
     {
-        linear_part(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, 0);
+        linear_part(a, nq, rows, L->wo, hd, nq, L->bo, t, hd, bf16);
 #pragma omp barrier
 #pragma omp single
         {
-            add_rows(h, h_rs, t, rows, hd);
-            rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t);
+            add_rows(h, h_rs, t, rows, hd, bf16);
+            rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t, bf16);
         }
-        linear_part(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, 0);
-        linear_part(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, 0);
+        linear_part(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, bf16);
+        linear_part(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, bf16);
 #pragma omp barrier
+        if (bf16) {
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n_gu; j++)
-            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        linear_part(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, 0);
+            for (int64_t j = 0; j < n_gu; j++) {
+                const float x = bf(g[j]);
+                g[j] = bf(bf(x / (1.0f + expf(-x))) * bf(u[j]));
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n_gu; j++)
+                g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
+        linear_part(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, bf16);
 #pragma omp barrier
 #pragma omp single
-        add_rows(h, h_rs, t, rows, hd);
+        add_rows(h, h_rs, t, rows, hd, bf16);
     }
     free(t);
     return 0;
 }
 
-/* Every layer of a decode step of a few float32 rows, with attention in between through
- * ``attend`` (decode_attention.c's radix_attention_layer and its fixed arguments ``ctx``): the
- * same three calls a layer as engine.model.decoder_stack makes from Python, without the Python
- * between them. q [rows][q_heads*head_dim] and a (attention's output, the same shape) are the
- * caller's scratch; k_pools/v_pools the layers' pool tensors [kv_heads][pool_slots][head_dim].
- * Returns 0, or 1 + the index of the layer that refused (the layers before it are done). */
-typedef int (*radix_attend_fn)(const void *ctx, const float *q, const float *k, const float *v, float *out);
+/* Every layer of a decode step of a few rows, with attention in between through ``attend``
+ * (decode_attention.c's radix_attention_layer and its fixed arguments ``ctx``): the same three
+ * calls a layer as engine.model.decoder_stack makes from Python, without the Python between them.
+ * q [rows][q_heads*head_dim] and a (attention's output, the same shape) are the caller's float32
+ * scratch, and q16 (the same shape, bf16; NULL in float32) the queries as attention reads them in
+ * bf16; k_pools/v_pools the layers' pool tensors [kv_heads][pool_slots][head_dim]. Returns 0, or
+ * 1 + the index of the layer that refused (the layers before it are done). */
+typedef int (*radix_attend_fn)(const void *ctx, const void *q, const void *k, const void *v, float *out);
 
 int radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows,
-                 const float *cos, const float *sin, float *const *k_pools, float *const *v_pools, int64_t pool_slots,
-                 const int64_t *write, float *q, float *a, radix_attend_fn attend, const void *ctx, int threads) {
+                 const float *cos, const float *sin, void *const *k_pools, void *const *v_pools, int64_t pool_slots,
+                 const int64_t *write, float *q, uint16_t *q16, float *a, radix_attend_fn attend, const void *ctx,
+                 int threads) {
     for (int64_t i = 0; i < n_layers; i++) {
-        if (radix_layer_pre(layers[i], h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write, threads) ||
-            attend(ctx, q, k_pools[i], v_pools[i], a) || radix_layer_post(layers[i], h, h_rs, rows, a, threads))
+        const radix_layer *L = layers[i];
+        if (radix_layer_pre(L, h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write, threads))
+            return (int)(1 + i);
+        const void *qa = q;
+        if (L->bf16) {
+            if (!q16)
+                return (int)(1 + i);
+            const int64_t n = rows * L->q_heads * L->head_dim;
+            for (int64_t j = 0; j < n; j++)
+                q16[j] = bf16_bits(q[j]);
+            qa = q16;
+        }
+        if (attend(ctx, qa, k_pools[i], v_pools[i], a) || radix_layer_post(L, h, h_rs, rows, a, threads))
             return (int)(1 + i);
     }
     return 0;

@@ -170,8 +170,8 @@ class ModelRunner:
 
     def _check_fused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]]) -> bool:
         """Whether the stack's fused decode layers (``engine.model.fused_decode``) give the logits
-        of its unfused forward on the probes, up to float32 rounding (another order of operations:
-        1e-3 of the largest logit; a misread layer is off by far more)."""
+        of its unfused forward on the probes, up to rounding (another order of operations:
+        ``fused.bound`` of the largest logit; a misread layer is off by far more)."""
         fused = stack.fused
         try:
             for segments in probes:
@@ -179,7 +179,7 @@ class ModelRunner:
                 plain = self._paged(pool, segments, False, stack)
                 stack.fused = fused
                 got = self._paged(pool, segments, False, stack)
-                bound = 1e-3 * max(1.0, float(plain.abs().max()))
+                bound = fused.bound * max(1.0, float(plain.abs().max()))
                 if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
                     log.warning("fused decode layers off: logits differ from the unfused forward's on a probe")
                     return False
@@ -319,7 +319,7 @@ class ModelRunner:
         """What runs the scheduler's forward, in words (for the engine info)."""
         if self.stack is not None and self.stack.fused is not None:
             return ("decoder stack: the model's layers called directly, decode steps of up to "
-                    f"{native_linear.MAX_ROWS} rows in two fused C calls a layer, all layers in one C call when "
+                    f"{self.stack.fused.max_rows} rows in two fused C calls a layer, all layers in one C call when "
                     "no two rows share a prefix (RADIX_FUSED_DECODE=0 for "
                     "PyTorch's ops, RADIX_DECODER_STACK=0 for transformers' forward)")
         if self.stack is not None:

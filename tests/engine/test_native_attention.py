@@ -268,12 +268,17 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
     table = pool.alloc(len(seq) + 1)
     runner.forward_paged(pool, [PagedSegment(seq[:300], 0, table)])
     runner.forward_paged(pool, [PagedSegment(seq[300:], 300, table)])
+    seq.append(17)
+    ref, _ = runner.baseline_prefill(seq)
+    # the fused step (every layer in one C call, this attention called from C), then the unfused one
+    assert runner.stack.fused is not None
+    fused = runner.forward_paged(pool, [PagedSegment([17], len(seq) - 1, table)])[0]
+    assert torch.allclose(fused, ref, atol=5e-2), (fused - ref).abs().max()
+    monkeypatch.setattr(runner.stack, "fused", None)
     calls = []
     real = runner.attention.attend_rows
     monkeypatch.setattr(runner.attention, "attend_rows", lambda *a: calls.append(a[3][1].shape) or real(*a))
-    seq.append(17)
     row = runner.forward_paged(pool, [PagedSegment([17], len(seq) - 1, table)])[0]
-    ref, _ = runner.baseline_prefill(seq)
     assert len(calls) == runner.num_layers and calls[0][0] > 2  # many pieces, one call per layer
     assert torch.allclose(row, ref, atol=5e-2), (row - ref).abs().max()
 

@@ -78,8 +78,8 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def layer_call(self, k_layer: torch.Tensor, cut: object, q_heads: int, scale: float) -> native.LayerCall | None:
         """The decode rows' attention for C code to call per layer (``native.LayerCall``): float32
-        pool layers only, else None."""
-        if k_layer.dtype != torch.float32 or not k_layer.is_contiguous() or k_layer.dim() != 3:
+        or bfloat16 pool layers, else None."""
+        if k_layer.dtype not in NATIVE_DTYPES or not k_layer.is_contiguous() or k_layer.dim() != 3:
             return None
         return self.kernel.layer_call(k_layer, cut, q_heads, scale)  # type: ignore[arg-type]
 

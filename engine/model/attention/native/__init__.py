@@ -36,14 +36,15 @@ class _AttnLayer(ctypes.Structure):
                 + [(n, ctypes.c_int64) for n in ("npieces", "H", "M", "D")] + [("scale", ctypes.c_double)]
                 + [(n, ctypes.c_int64) for n in ("o_hs", "o_rs", "o_ts")] + [("lse", ctypes.c_void_p)]
                 + [(n, ctypes.c_int64) for n in ("l_hs", "l_rs", "l_ts")]
-                + [("work", ctypes.c_void_p), ("threads", ctypes.c_int64)])
+                + [("work", ctypes.c_void_p), ("threads", ctypes.c_int64), ("bf16", ctypes.c_int64)])
 
 
 class LayerCall:
-    """The attention of a step's float32 decode rows, each over its own runs of the pool, for C
-    code to call once per layer (``engine.model.fused_decode``): ``fn`` is the address of
-    ``radix_attention_layer`` and ``ctx`` of its fixed arguments; queries in and output out are
-    ``[rows, Hq * D]`` float32 (heads side by side). Holds every buffer the arguments point at."""
+    """The attention of a step's decode rows, each over its own runs of the pool, for C code to
+    call once per layer (``engine.model.fused_decode``): ``fn`` is the address of
+    ``radix_attention_layer`` and ``ctx`` of its fixed arguments; queries in are ``[rows, Hq * D]``
+    in the pool's dtype (float32 or bfloat16, heads side by side), output out the same shape in
+    float32. Holds every buffer the arguments point at."""
 
     def __init__(self, fn: int, struct: _AttnLayer, keep: tuple) -> None:
         self.fn, self.struct, self._keep = fn, struct, keep
@@ -115,7 +116,7 @@ class DecodeKernel:
     def layer_call(self, k_layer: torch.Tensor, cut: RowsCut, q_heads: int, scale: float) -> LayerCall:
         """The attention of ``cut``'s decode rows (pack positions 0..rows-1, each over its own
         runs) for every layer of a step whose pool layers are shaped like ``k_layer`` ``[H, S, D]``
-        (float32, contiguous), with ``q_heads`` query heads; see ``LayerCall``."""
+        (float32 or bfloat16, contiguous), with ``q_heads`` query heads; see ``LayerCall``."""
         h, slots, d = k_layer.shape
         rows, pieces = cut
         t, g = rows.shape[0], q_heads // h
@@ -125,7 +126,8 @@ class DecodeKernel:
         s = _AttnLayer(q_hs=g * d, q_rs=d, q_ts=row, k_sh=slots * d, k_sl=d, v_sh=slots * d, v_sl=d, keys=slots,
                        rows=rows.data_ptr(), nrows=t, pieces=pieces.data_ptr(), npieces=pieces.shape[0], H=h, M=g, D=d,
                        scale=scale, o_hs=g * d, o_rs=d, o_ts=row, lse=lse.data_ptr(), l_hs=g, l_rs=1, l_ts=q_heads,
-                       work=work.data_ptr(), threads=torch.get_num_threads())
+                       work=work.data_ptr(), threads=torch.get_num_threads(),
+                       bf16=int(k_layer.dtype == torch.bfloat16))
         return LayerCall(self._layer_fn, s, (rows, pieces, lse, work))
 
     def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides) -> None:

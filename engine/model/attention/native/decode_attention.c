@@ -686,10 +686,11 @@ typedef struct {
     int64_t l_hs, l_rs, l_ts;
     float *work;
     int64_t threads;
+    int64_t bf16; /* queries, keys and values in bfloat16 */
 } radix_attn_layer;
 
-int radix_attention_layer(const radix_attn_layer *c, const float *q, const float *k, const float *v, float *out) {
+int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *k, const void *v, float *out) {
     return radix_attention(q, c->q_hs, c->q_rs, c->q_ts, k, c->k_sh, c->k_sl, v, c->v_sh, c->v_sl, c->keys, c->rows,
-                           c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, 0, out, c->o_hs,
+                           c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, (int)c->bf16, out, c->o_hs,
                            c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads);
 }
