@@ -17,12 +17,15 @@ in a running service.
 
 Printed per server and stream count: output tokens/s (the servers' ``completion_tokens``
 over the wall clock, all streams together), time to first token p50/p95 (from sending
-to the first chunk with text) and the cached prompt tokens per request
-(``usage.prompt_tokens_details.cached_tokens``). With two servers, their ratio.
+to the first chunk with text), the decode rate a stream sees once its answer has started
+(the tokens after the first over the time from the first text to the last) and the cached
+prompt tokens per request (``usage.prompt_tokens_details.cached_tokens``). With two servers,
+their ratio.
 
 Servers started here are also held against the memory-bandwidth ceiling: one stream's decode
 step reads every weight and the context's KV, so a plain read's speed, measured in the same run,
-bounds its tokens/s (printed as a share of that bound).
+bounds its decode rate (printed as a share of that bound, and the wall-time rate beside it,
+whose first token is a prefill the ceiling does not bound).
 
 ``--ours`` starts this app (``python app.py`` on a free port, ``--dtype``, no second
 tier, and waits for its start-up growth-curve measurement to finish so it does not run
@@ -71,6 +74,12 @@ class Result:
     cached_tokens: int
     ttft_s: float
     text: str
+    last_s: float = 0.0  # when the last text came (from the request's start); 0 where unknown
+
+    @property
+    def decode_s(self) -> float:
+        """From the first text to the last: the decode steps after the first token."""
+        return max(0.0, self.last_s - self.ttft_s)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,15 @@ class Row:
         return percentile([r.ttft_s * 1000 for r in self.results], q)
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """One stream's decode rate: the tokens after each request's first, over the time from its
+        first text to its last (what a reader sees once the answer starts; a step of one stream
+        reads every weight, so this is the figure the memory-bandwidth ceiling bounds)."""
+        timed = [r for r in self.results if r.output_tokens > 1 and r.decode_s > 0]
+        spent = sum(r.decode_s for r in timed)
+        return sum(r.output_tokens - 1 for r in timed) / spent if spent > 0 else 0.0
+
+    @property
     def cached_per_request(self) -> float:
         return sum(r.cached_tokens for r in self.results) / max(1, len(self.results))
 
@@ -104,7 +122,7 @@ class Row:
 
 def parse_sse(lines: Iterator[str], t0: float) -> Result:
     """The stream of one chat completion: its text, first-text time and final usage."""
-    text, first, usage = [], None, None
+    text, first, last, usage = [], None, None, None
     for line in lines:
         if not line.startswith("data:"):
             continue
@@ -117,16 +135,18 @@ def parse_sse(lines: Iterator[str], t0: float) -> Result:
         for choice in body.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content")
             if piece:
+                last = time.perf_counter()
                 if first is None:
-                    first = time.perf_counter()
+                    first = last
                 text.append(piece)
         if body.get("usage"):
             usage = body["usage"]
     if usage is None:
         raise RuntimeError("the stream ended without usage (stream_options.include_usage)")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    end = time.perf_counter()
     return Result(int(usage["completion_tokens"]), int(usage["prompt_tokens"]), int(cached),
-                  (first or time.perf_counter()) - t0, "".join(text))
+                  (first or end) - t0, "".join(text), (last or end) - t0)
 
 
 def chat_once(client: httpx.Client, url: str, model: str, messages: Sequence[dict], max_tokens: int,
@@ -315,21 +335,24 @@ def ceiling_lines(rows: list[Row], dtype: str, bandwidth: Sequence[float], max_t
         ceiling = own / (weights + kv)
         read = (f"; the read ran at {' and '.join(f'{b / 1e9:.1f}' for b in r.bandwidth)} GB/s just before and "
                 f"after this row") if r.bandwidth else ""
-        lines.append(f"- {r.server}, one stream, {r.system_tokens:,} system tokens: {r.tokens_per_s:.1f} tokens/s = "
-                     f"{r.tokens_per_s / ceiling:.0%} of {ceiling:.1f} ({weights / 1e6:,.0f} MB of weights and "
-                     f"{kv / 1e6:,.0f} MB of KV at {context:,} tokens per step{read})")
+        decode = r.decode_tokens_per_s
+        lines.append(f"- {r.server}, one stream, {r.system_tokens:,} system tokens: decoding at {decode:.1f} tokens/s "
+                     f"= {decode / ceiling:.0%} of {ceiling:.1f} ({weights / 1e6:,.0f} MB of weights and "
+                     f"{kv / 1e6:,.0f} MB of KV at {context:,} tokens per step{read}); {r.tokens_per_s:.1f} "
+                     f"tokens/s in wall time, the first token's prefill included ({r.tokens_per_s / ceiling:.0%})")
     return lines
 
 
 def format_row(r: Row) -> str:
     return (f"| {r.server} | {r.system_tokens:,} | {r.streams} | {r.tokens_per_s:.1f} | {r.output_tokens:,} in "
-            f"{r.wall_s:.2f} s | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | "
+            f"{r.wall_s:.2f} s | {r.ttft_ms(0.5):.0f} | {r.ttft_ms(0.95):.0f} | {r.decode_tokens_per_s:.1f} | "
             f"{r.cached_per_request:,.0f} / {r.prompt_per_request:,.0f} |")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     lines = [title, "", "| server | system tokens | streams | output tokens/s | output tokens in wall time "
-                        "| TTFT p50 ms | TTFT p95 ms | cached / prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                        "| TTFT p50 ms | TTFT p95 ms | decode tokens/s a stream | cached / prompt tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     servers = list(dict.fromkeys(r.server for r in rows))
     if len(servers) == 2:

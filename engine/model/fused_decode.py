@@ -31,8 +31,10 @@ In bfloat16 the C code rounds to bf16 wherever the unfused bf16 forward stores a
 norms: a lone row's logits then differ from the unfused forward's by about what two bf16 runs of
 another kernel would (the probe's bound is wider than float32's, ``BOUND``). It reads the bf16
 weights in place (a oneDNN-packed linear keeps its plain weight beside the packed one). At one row
-on the Zen 4 here the step's linears took 12.4 ms against oneDNN's 18.0-18.6, and the step 37.5 ms
-unfused; at more rows oneDNN's bf16 dot products win, so bf16 takes at most ``BF16_MAX_ROWS`` rows.
+on the Zen 4 here the step's linears took 12.4 ms against oneDNN's 18.0-18.6, and a step behind
+2,300 tokens 15.4 ms fused against 37.5 unfused. At 8 rows (streams sharing that prompt) a step took
+55-60 ms fused against 61-63 unfused; at 16, 81-90 against 75-77 (oneDNN's bf16 dot products win
+there), so bf16 takes at most ``BF16_MAX_ROWS`` rows.
 
 Which layers: those ``DecoderStack`` takes, in float32 or bfloat16 on a CPU, with ``nn.Linear``
 projections (oneDNN-packed ones too; biases allowed), RMSNorms, SiLU, a rotary embedding over the
@@ -51,7 +53,7 @@ from engine.model.native_build import switched_off
 
 ENV_SWITCH = "RADIX_FUSED_DECODE"
 MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
-BF16_MAX_ROWS = 4  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
+BF16_MAX_ROWS = 8  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
 # The probe's bound on the logits against the unfused forward, a fraction of the largest logit: in
 # float32 rounding in another order; in bfloat16 that, then a bf16 rounding that can fall the other
 # way and carry through the layers. A misread layer is off by far more.

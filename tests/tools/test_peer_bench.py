@@ -35,7 +35,8 @@ def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
     metrics = [m for m in engine.recent() if m.tag == "api"]
     for row in rows:
         assert len(row.results) == 4
-        assert all(0 < r.output_tokens <= 5 and r.ttft_s > 0 for r in row.results)
+        assert all(0 < r.output_tokens <= 5 and r.ttft_s > 0 and r.last_s >= r.ttft_s for r in row.results)
+        assert row.decode_tokens_per_s > 0  # five tokens each: four after the first
         assert row.tokens_per_s == pytest.approx(row.output_tokens / row.wall_s)
         assert row.ttft_ms(0.5) <= row.ttft_ms(0.95)
         # The shared system prompt was cached by the warm-up request: every request hits it.
@@ -58,12 +59,23 @@ def test_one_stream_rows_are_held_against_the_bandwidth_ceiling(tmp_path):
     save_file({"w": torch.zeros(1000, 1000)}, tmp_path / "model.safetensors")  # 4 MB in float32
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 1, "hidden_size": 8,
                                                       "num_hidden_layers": 1, "num_key_value_heads": 1}))
-    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x"),), 1.0, system_tokens=80)  # 10 tokens/s
+    # 10 tokens in 1 s of wall time: the first at 0.1 s, the last at 1.0 (9 more in 0.9 s: 10 a second)
+    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x", 1.0),), 1.0, system_tokens=80)
     many = dataclasses.replace(one, streams=8)
     lines = ceiling_lines([one, many], "float32", [34e6, 38e6], max_tokens=21, folder=tmp_path)
     # 4 MB of weights + 100 context tokens x 64 B of KV per step at 36 MB/s: a ceiling of 8.99 tokens/s
     assert len(lines) == 3 and "ours float32, one stream" in lines[2]  # the 8-stream row has no ceiling
-    assert "111% of 9.0" in lines[2] and "at 100 tokens" in lines[2] and "0.0 and 0.0 GB/s" in lines[1]
+    assert "decoding at 10.0 tokens/s = 111% of 9.0" in lines[2] and "at 100 tokens" in lines[2]
+    assert "0.0 and 0.0 GB/s" in lines[1] and "10.0 tokens/s in wall time" in lines[2]
+
+
+def test_the_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it():
+    from tools.peer_bench import Result, Row
+
+    row = Row("s", 2, (Result(5, 9, 0, 0.5, "a", 1.5), Result(9, 9, 0, 1.0, "b", 2.0), Result(1, 9, 0, 0.2, "c", 0.2)),
+              3.0)
+    assert row.decode_tokens_per_s == pytest.approx((4 + 8) / 2.0)  # the one-token answer has no decode time
+    assert Row("s", 1, (), 1.0).decode_tokens_per_s == 0.0
 
 
 def test_a_row_bracketed_by_its_own_plain_reads_is_held_against_them(tmp_path):
@@ -77,7 +89,8 @@ def test_a_row_bracketed_by_its_own_plain_reads_is_held_against_them(tmp_path):
     save_file({"w": torch.zeros(1000, 1000)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 1, "hidden_size": 8,
                                                       "num_hidden_layers": 1, "num_key_value_heads": 1}))
-    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x"),), 1.0, system_tokens=80, bandwidth=(17e6, 19e6))
+    one = Row("ours float32", 1, (Result(10, 90, 80, 0.1, "x", 1.0),), 1.0, system_tokens=80,
+              bandwidth=(17e6, 19e6))
     lines = ceiling_lines([one], "float32", [34e6, 38e6], max_tokens=21, folder=tmp_path)
     # its own reads (18 MB/s mean), not the run's (36): a ceiling of 4.5 tokens/s
     assert "223% of 4.5" in lines[2] and "0.0 and 0.0 GB/s just before and after this row" in lines[2]
