@@ -33,7 +33,14 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
                                runner.num_kv_heads, runner.head_dim, weights=weights,
                                packed_linear=getattr(runner, "packed_linears", 0) > 0,
                                native_linear=getattr(runner, "native_linears", 0) > 0,
-                               fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None)
+                               fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None,
+                               attention=_attention_kernels(runner))
+
+
+def _attention_kernels(runner: ModelRunner) -> str:
+    """The runner's attention backend in words (its kernels and their paths), or "" where it has none."""
+    backend = getattr(runner, "attention", None)
+    return backend.describe() if backend is not None else ""
 
 
 def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, fingerprint: str,

@@ -21,17 +21,20 @@ log = logging.getLogger("engine.kvcache.kv_tier")  # the tier's one log, as befo
 
 def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int, num_kv_heads: int,
                 head_dim: int, weights: str = "", packed_linear: bool = False, native_linear: bool = False,
-                fused_decode: bool = False) -> str:
+                fused_decode: bool = False, attention: str = "") -> str:
     """Names what the KV depends on: the same model, weights (``weights_digest``), dtype,
-    tokenizer, geometry and linear kernels (oneDNN-packed or our native linears, and our fused decode
-    layers, change the KV's last bits),
-    or nothing."""
+    tokenizer, geometry, linear kernels (oneDNN-packed or our native linears, and our fused decode
+    layers, change the KV's last bits) and attention kernels (``attention``: the backend's own
+    description, which names its kernels and their paths; a token's KV past the first layer
+    depends on the attention of the layers below it), or nothing."""
     h = hashlib.sha1(f"{model_name}|{dtype}|{num_layers}|{num_kv_heads}|{head_dim}|".encode())
     h.update(f"weights={weights}|packed_linear={int(bool(packed_linear))}|".encode())
     if native_linear:  # our decode-step linears (engine.model.native_linear); absent: the names tiers had before
         h.update(b"native_linear=1|")
     if fused_decode:  # our fused decode layers (engine.model.fused_decode), likewise
         h.update(b"fused_decode=1|")
+    if attention:  # the attention backend and its kernels, likewise
+        h.update(f"attention={attention}|".encode())
     vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []
     h.update(repr(vocab).encode("utf-8", "surrogatepass"))
     h.update(str(getattr(tokenizer, "chat_template", "")).encode("utf-8", "surrogatepass"))

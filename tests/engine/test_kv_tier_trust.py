@@ -340,6 +340,43 @@ def test_the_fingerprint_covers_weights_and_packed_linears(tokenizer):
     assert kv_tier.fingerprint(**base, weights="w1") == kv_tier.fingerprint(**base, weights="w1")
 
 
+def test_the_fingerprint_names_the_attention_kernels(tokenizer):
+    base = dict(model_name="m", dtype=torch.float32, tokenizer=tokenizer, num_layers=2, num_kv_heads=2, head_dim=16)
+    assert kv_tier.fingerprint(**base) == kv_tier.fingerprint(**base, attention="")  # the names tiers had before
+    assert len({kv_tier.fingerprint(**base, attention=a) for a in ("", "cpu_sdpa", "cpu_native (AVX2)")}) == 3
+
+
+def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runner, tokenizer, tmp_path,
+                                                                       monkeypatch):
+    """The second run with ``RADIX_ATTENTION_BACKEND`` set to another kernel: KV the first run's
+    attention computed differs in its last bits from what this one computes, so none of it is read;
+    a third run on the first backend starts empty and consistent (the second removed the folder)."""
+    from engine.model.attention import BACKEND_ENV
+
+    doc = rand_ids(12, 2 * C + 1, len(tokenizer))
+    kw = dict(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
+    first = Engine(tiny_runner, **kw)
+    first.run(req(doc, 2))
+    first.close()
+    assert first.tier.num_chunks >= 2
+    other_backend = "cpu_sdpa" if tiny_runner.attention.name != "cpu_sdpa" else "math_chunked"
+    monkeypatch.setenv(BACKEND_ENV, other_backend)
+    other = make_tiny_runner(tokenizer)
+    try:
+        assert other.attention.name == other_backend
+        second = Engine(other, **kw)
+        assert second.tier.folder != first.tier.folder
+        assert second.stats().tier_chunks == 0 and second.run(req(doc + [9], 2)).tier_tokens == 0
+        second.close()
+        second.check_invariants()
+    finally:
+        other.close()
+    third = Engine(tiny_runner, **kw)
+    assert third.tier.folder == first.tier.folder and third.run(req(doc + [9], 2)).tier_tokens == 0
+    third.check_invariants()
+    third.close()
+
+
 def test_the_weights_digest_of_files_is_memoized_by_size_and_mtime(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\1" * 4096)
