@@ -94,8 +94,9 @@ def test_two_halves_merged_by_their_lse_equal_the_whole(kernel):
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
-def test_the_result_does_not_depend_on_the_thread_count(kernel):
-    q, k, v = pool_case(3, 4, 1500, 64, torch.float32, seed=5)
+@pytest.mark.parametrize("m", [4, 48])
+def test_the_result_does_not_depend_on_the_thread_count(kernel, m):
+    q, k, v = pool_case(3, m, 1500, 64, torch.float32, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -291,7 +292,8 @@ def test_with_amx_or_avx512_bf16_the_backend_takes_up_to_64_bf16_rows_of_a_64_wi
         pytest.skip("neither AMX nor AVX512-BF16 here: only the few-rows path runs")
     assert backend.takes_rows(torch.bfloat16, 48, 64) and backend.takes_rows(torch.bfloat16, 64, 64)
     assert not backend.takes_rows(torch.bfloat16, 65, 64) and not backend.takes_rows(torch.bfloat16, 48, 16)
-    assert not backend.takes_rows(torch.float32, 48, 64)  # float32: many rows stay on flash (no rounding)
+    # float32: many rows on AVX-512's FMAs (every product kept in float32), else on flash
+    assert backend.takes_rows(torch.float32, 48, 64) == kernel.many_rows_fp32
     q, k, v = pool_case(3, 48, 600, 64, torch.bfloat16)
     assert backend.attend(q, k, v, 0.125)[0].dtype == torch.float32  # ours
     q, k, v = pool_case(3, 65, 600, 64, torch.bfloat16)
@@ -319,7 +321,15 @@ def test_more_bf16_rows_than_one_call_takes_go_in_parts(kernel):
     assert err < 5e-3 and err < (flash_out.double() - ref_out).abs().max()
     assert (lse.double() - ref_lse).abs().max() < 2e-5
     fp32 = pool_case(3, 150, 700, 64, torch.float32, seed=9)
-    assert torch.equal(backend.attend(*fp32, 0.125)[0], CpuSdpaBackend().attend(*fp32, 0.125)[0])  # float32: flash
+    got32, lse32 = backend.attend(*fp32, 0.125)
+    if kernel.many_rows_fp32:  # float32 in parts too, each within float32 rounding of float64 math
+        for lo in (0, 64, 128):
+            part_out, _ = kernel.attend(fp32[0][:, :, lo:lo + 64], fp32[1], fp32[2], 0.125)
+            assert torch.equal(got32[:, :, lo:lo + 64], part_out)
+        ref32, ref_lse32 = reference(*fp32, 0.125)
+        assert (got32.double() - ref32).abs().max() < 2e-5 and (lse32.double() - ref_lse32).abs().max() < 2e-5
+    else:
+        assert torch.equal(got32, CpuSdpaBackend().attend(*fp32, 0.125)[0])  # flash
     assert backend.attend(q, k, v, 0.125, mask=torch.zeros(1, 1, 150, 700))[0].dtype == torch.bfloat16  # a mask: flash
 
 
@@ -328,7 +338,9 @@ def test_threads_calling_at_once_get_what_each_gets_alone(kernel):
     """Two engines' compute threads may call the kernel at the same time (each its own OpenMP
     team, each AMX call its own thread-local staging): every result equals the lone call's."""
     rows = (3, 24, 48, 2, 9, 64) if kernel.many_rows else (3, 8, 5, 2, 7, 1)  # else: up to MAX_ROWS
+    rows32 = (2, 48, 7, 64) if kernel.many_rows_fp32 else (2, 4)
     cases = [pool_case(3, m, 700 + 50 * i, 64, torch.bfloat16, seed=i) for i, m in enumerate(rows)]
+    cases += [pool_case(3, m, 650 + 70 * i, 64, torch.float32, seed=20 + i) for i, m in enumerate(rows32)]
     alone = [kernel.attend(q, k, v, 0.125) for q, k, v in cases]
     got: dict[int, list] = {}
 

@@ -7,10 +7,11 @@ with no mask and no causal rule: up to ``NATIVE_MAX_ROWS`` query rows (one reque
 heads: one stream's decode step) on any CPU with AVX2 or AVX-512, and up to ``AMX_MAX_ROWS``
 of bfloat16 (a decode step of up to 21 streams sharing a prefix, or a short question's chunk
 over it) where the CPU has AMX or AVX512-BF16 (Zen 4: 2.2-3.2x the flash kernel's speed at 24-64
-rows over 2,300-6,000 keys). Everything else goes to the flash kernel. Both compute in
-float32 (ours rounds nothing in float32; its error against float64 is below the flash
-kernel's, ``tests/engine/test_native_attention.py``), so batched answers still equal lone
-runs. Runs only where the kernel builds (``runs_on``).
+rows over 2,300-6,000 keys), and as many of float32 where it has AVX-512 (every product kept in
+float32). Everything else goes to the flash kernel. Both compute in float32 (ours rounds nothing
+in float32; its error against float64 is below the flash kernel's,
+``tests/engine/test_native_attention.py``), so batched answers still equal lone runs. Runs only
+where the kernel builds (``runs_on``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class CpuNativeBackend(CpuSdpaBackend):
 
     def _in_parts(self, parts: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """More bf16 rows than one call takes (a question's prefill chunk over the prefix it shares:
+        """More rows than one call takes (a question's prefill chunk over the prefix it shares:
         its tokens times the grouped heads) in calls of ``AMX_MAX_ROWS`` rows: each row attends on
         its own, so the parts' results side by side are the whole call's (2.4x the flash kernel's
         speed at 64 rows over 6,000 keys on the Zen 4)."""
@@ -87,5 +88,7 @@ class CpuNativeBackend(CpuSdpaBackend):
         rows = (f"up to {native.AMX_MAX_ROWS} bf16 rows with AMX" if self.kernel.amx else
                 f"up to {native.AMX_MAX_ROWS} bf16 rows with AVX512-BF16" if self.kernel.many_rows else
                 f"up to {self.few_rows} rows")
+        if self.kernel.many_rows_fp32:
+            rows += f", up to {native.AMX_MAX_ROWS} float32 rows with AVX-512"
         return (f"cpu_native (our {self.kernel.simd} kernel for decode rows over their keys, {rows}; "
                 "PyTorch's flash kernel for the rest)")

@@ -23,7 +23,8 @@ from engine.model.native_build import ENV_DIR, OnFirstUse  # noqa: F401  (ENV_DI
 SOURCE = Path(__file__).with_name("decode_attention.c")
 ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
 MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
-AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS (and DP_MAX_ROWS): bfloat16 with AMX or AVX512-BF16, head size a multiple of 32
+AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS (and DP_MAX_ROWS, FP_MAX_ROWS): bfloat16 with AMX or AVX512-BF16 (head size a
+# multiple of 32), float32 with AVX-512
 MAX_HEAD_DIM = 256
 CHUNK = 256  # keys per work item
 
@@ -70,14 +71,18 @@ class DecodeKernel:
         lib.radix_bf16_rows_path.restype = ctypes.c_int
         # many bf16 rows (up to AMX_MAX_ROWS): on AMX, or on AVX512-BF16's dot products without it
         self.many_rows = lib.radix_bf16_rows_path() > 0
+        lib.radix_fp32_rows_path.restype = ctypes.c_int
+        self.many_rows_fp32 = lib.radix_fp32_rows_path() > 0  # many float32 rows: AVX-512's FMAs (chunk_fp)
         self._layer_fn = ctypes.cast(lib.radix_attention_layer, ctypes.c_void_p).value
         lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
 
     def many_rows_for(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether calls of this dtype and head size can take the many-rows path (AMX or
-        AVX512-BF16's dot products)."""
+        """Whether calls of this dtype and head size can take a many-rows path (bf16: AMX or
+        AVX512-BF16's dot products; float32: AVX-512's FMAs)."""
+        if dtype == torch.float32:
+            return self.many_rows_fp32 and head_dim % 16 == 0
         return self.many_rows and dtype == torch.bfloat16 and head_dim % 32 == 0
 
     def max_rows(self, dtype: torch.dtype, head_dim: int) -> int:
