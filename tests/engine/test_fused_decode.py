@@ -283,7 +283,7 @@ def test_real_model_fused_steps_match_unfused(real_model):
         past, token = past + 1, int(plain.argmax())
 
 
-def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(tokenizer, tiny_runner, tmp_path,
+def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(tokenizer, runner, tmp_path,
                                                                           monkeypatch):
     """The second run, with another forward: KV a fused run wrote to the second tier differs in its last
     bits from what an unfused run computes, so the unfused run reads none of it (a folder of its own;
@@ -296,13 +296,13 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
         return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=3))
 
     doc = [10 + (i * 7919) % (len(tokenizer) - 10) for i in range(300)]
-    kw = dict(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
-    first = Engine(tiny_runner, **kw)
+    kw = dict(budget_bytes=1000 * runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
+    first = Engine(runner, **kw)
     first.run(req(doc))
     first.close()
     assert first.tier.num_chunks >= 1
     monkeypatch.setenv(ENV_SWITCH, "0")
-    unfused = make_tiny_runner(tokenizer)
+    unfused = make_runner(tokenizer)
     try:
         assert unfused.stack.fused is None
         second = Engine(unfused, **kw)
@@ -312,7 +312,7 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
         second.check_invariants()
     finally:
         unfused.close()
-    third = Engine(tiny_runner, **kw)
+    third = Engine(runner, **kw)
     assert third.tier.folder == first.tier.folder
     assert third.run(req(doc + [9])).tier_tokens == 0
     third.check_invariants()
