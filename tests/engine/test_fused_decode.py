@@ -302,7 +302,7 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
     first.close()
     assert first.tier.num_chunks >= 1
     monkeypatch.setenv(ENV_SWITCH, "0")
-    unfused = make_runner(tokenizer)
+    unfused = make_tiny_runner(tokenizer, dtype=runner.dtype)
     try:
         assert unfused.stack.fused is None
         second = Engine(unfused, **kw)
