@@ -306,7 +306,9 @@ class ModelRunner:
     def linear_kernels(self) -> str:
         """How the linear layers multiply, in words (for the engine info)."""
         if any(isinstance(m, PackedLinear) for m in self.model.modules()):
-            return "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
+            fused = getattr(getattr(self, "stack", None), "fused", None)
+            ours = (f"ours in the fused decode steps (up to {fused.max_rows} rows), " if fused is not None else "")
+            return f"{ours}oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
         if getattr(self, "native_linears", 0) and self.dtype == torch.float32:
             return (f"ours for decode steps (up to {native_linear.MAX_ROWS} rows), PyTorch's for prefill "
                     "(RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")

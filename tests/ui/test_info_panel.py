@@ -27,10 +27,11 @@ def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
 
 
 def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_bf16):
-    """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights, fp32 through our
-    kernel for decode steps where it builds (PyTorch's otherwise), bf16 without native bf16 through
-    ours from two rows on; both run the decoder stack (a Llama); the info tab says which."""
-    packed = "| linear layers | oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
+    """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights (and ours in its fused
+    decode steps), fp32 through our kernel for decode steps where it builds (PyTorch's otherwise), bf16
+    without native bf16 through ours from two rows on; both run the decoder stack (a Llama), fused where
+    our kernel builds; the info tab says which."""
+    packed = "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
     fp32 = info_markdown(Engine(tiny_runner))
     assert tiny_runner.packed_linears == 0
     assert "| linear layers | " + ("ours for decode steps (up to 32 rows)" if tiny_runner.native_linears
@@ -38,9 +39,11 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     assert "| forward | decoder stack: the model's layers called directly" in fp32
     assert ("two fused C calls a layer" in fp32) == (tiny_runner.stack.fused is not None)
     bf16 = info_markdown(Engine(tiny_runner_bf16))
-    assert "fused" not in bf16  # float32 only
+    fused = tiny_runner_bf16.stack.fused
+    assert ("two fused C calls a layer" in bf16) == (fused is not None)
     if tiny_runner_bf16.packed_linears:
-        assert packed in bf16
+        assert "| linear layers | " + ("ours in the fused decode steps (up to 8 rows), " if fused else "") + packed \
+            in bf16
     else:
         assert "| linear layers | " + ("ours from two rows on" if tiny_runner_bf16.native_linears
                                        else "PyTorch's default |") in bf16
