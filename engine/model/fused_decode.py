@@ -50,6 +50,7 @@ from torch import nn
 
 from engine.model import native_linear
 from engine.model.native_build import switched_off
+from engine.model.packed_linear import PackedLinear
 
 ENV_SWITCH = "RADIX_FUSED_DECODE"
 MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
@@ -84,12 +85,10 @@ def _scaled_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     return None if getattr(norm, "with_scale", True) is False else plain_rms_norm(norm)
 
 
-def _linear_weight(m: nn.Module) -> torch.Tensor | None:
-    """The plain ``[out, in]`` weight of a linear layer: an ``nn.Linear``'s, or the one a oneDNN-packed
-    linear keeps beside its packed copy (``engine.model.packed_linear``); else None."""
-    from engine.model.packed_linear import PackedLinear
-
-    return m.weight if isinstance(m, nn.Linear | PackedLinear) else None
+def _plain_weighted(m: nn.Module) -> bool:
+    """Whether ``m`` is a linear layer with a plain ``[out, in]`` weight: an ``nn.Linear``, or a
+    oneDNN-packed linear, which keeps that weight beside its packed copy (``engine.model.packed_linear``)."""
+    return isinstance(m, nn.Linear | PackedLinear)
 
 
 def _is_silu(act: object) -> bool:
@@ -149,7 +148,7 @@ class FusedLayers:
         if n1 is None or n2 is None or not _is_silu(mlp.act_fn):
             return None
         lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(_linear_weight(m) is not None and m.weight.dtype == dtype and m.weight.is_contiguous()
+        if not all(_plain_weighted(m) and m.weight.dtype == dtype and m.weight.is_contiguous()
                    and m.in_features % 8 == 0 for m in lins):
             return None
         hidden, d = attn.q_proj.in_features, int(attn.head_dim)
