@@ -86,7 +86,8 @@ static inline __attribute__((always_inline)) void rows_pass(const float *const *
  * WROWS * R independent accumulators keep both FMA pipes busy where pass()'s R chains wait on
  * the FMA's latency, and each x load serves WROWS products. */
 static inline __attribute__((always_inline)) void tile(const float *const *xr, int R, const char *w, int64_t in,
-                                                       int bf16, float acc[WROWS][TROWS]) {
+                                                       int bf16, float acc[WROWS][TROWS], const char *pf,
+                                                       int64_t pf_lines) {
     const int64_t esz = bf16 ? 2 : 4;
     __m256 a[WROWS][TROWS];
     for (int j = 0; j < WROWS; j++)
@@ -96,6 +97,8 @@ static inline __attribute__((always_inline)) void tile(const float *const *xr, i
         __m256 xv[TROWS];
         for (int r = 0; r < R; r++)
             xv[r] = _mm256_loadu_ps(xr[r] + i);
+        for (int64_t l = i >> 3; l < pf_lines; l += in >> 3) /* spread over the steps (see block()) */
+            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
         for (int j = 0; j < WROWS; j++) {
             const __m256 v = load_w(w + j * in * esz, i, bf16);
             for (int r = 0; r < R; r++)
@@ -108,11 +111,12 @@ static inline __attribute__((always_inline)) void tile(const float *const *xr, i
 }
 
 static inline __attribute__((always_inline)) void rows_tile(const float *const *xr, int R, const char *w, int64_t in,
-                                                            int bf16, float acc[WROWS][TROWS]) {
+                                                            int bf16, float acc[WROWS][TROWS], const char *pf,
+                                                            int64_t pf_lines) {
     if (R == 1)
-        tile(xr, 1, w, in, bf16, acc);
+        tile(xr, 1, w, in, bf16, acc, pf, pf_lines);
     else
-        tile(xr, TROWS, w, in, bf16, acc);
+        tile(xr, TROWS, w, in, bf16, acc, pf, pf_lines);
 }
 
 /* The rows of x from r0, up to ``most`` (<= ROWS) of them: their pointers (the missing ones repeat
@@ -130,7 +134,13 @@ static inline int x_rows(const float *x, int64_t x_rs, int64_t rows, int64_t r0,
  * WROWS weight rows at a time (tile(): 16 accumulators, eight weight loads and two of x for
  * sixteen FMAs), each group of them read once from memory and again from L1-L2 for every TROWS
  * rows of x. Over the model's 210 layer matrices at 16 rows on the Zen 4 here: 60 ms one weight
- * row by four rows of x, 42-45 four by four, 37-40 eight by two; at 8 rows 35-44, 30-32, 26-29. */
+ * row by four rows of x, 42-45 four by four, 37-40 eight by two; at 8 rows 35-44, 30-32, 26-29.
+ * While a tile's passes ran from L1-L2, nothing came from memory: the passes and the next tile's
+ * read took turns. Each pass now also asks for its share of the next tile's cache lines (a
+ * prefetch into L2, a line or so per step, so the tile is in by the time its first pass starts):
+ * all 210 matrices and the LM head at 16 rows 49-53 -> 34-37 ms, at 8 rows 31-38 -> 21-22
+ * (the next tile prefetched into L1, or two or four tiles ahead, measured slower). A prefetch
+ * changes no arithmetic, and one past the weight's end (the last tile's) faults on nothing. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t x_rs, int64_t rows, const char *w,
                                                         int64_t o, int64_t n, int64_t in, const float *bias, float *y,
                                                         int64_t y_rs, int bf16) {
@@ -139,14 +149,18 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     if (rows > ROWS)
         for (; j + WROWS <= o + n; j += WROWS) {
             const char *wj = w + j * in * esz;
+            const int64_t lines = WROWS * in * esz / 64, passes = (rows + TROWS - 1) / TROWS;
+            const int64_t share = (lines + passes - 1) / passes; /* the next tile's lines per pass */
             for (int64_t r0 = 0; r0 < rows; r0 += TROWS) {
                 const float *xr[ROWS];
                 const int R = x_rows(x, x_rs, rows, r0, TROWS, xr);
                 float acc[WROWS][TROWS];
+                const int64_t done = r0 / TROWS * share, now = lines - done < share ? lines - done : share;
+                const char *pf = wj + WROWS * in * esz + done * 64;
                 if (bf16)
-                    rows_tile(xr, R, wj, in, 1, acc);
+                    rows_tile(xr, R, wj, in, 1, acc, pf, now > 0 ? now : 0);
                 else
-                    rows_tile(xr, R, wj, in, 0, acc);
+                    rows_tile(xr, R, wj, in, 0, acc, pf, now > 0 ? now : 0);
                 for (int jj = 0; jj < WROWS; jj++) {
                     const float b = bias ? bias[j + jj] : 0.0f;
                     for (int r = 0; r < R; r++)
