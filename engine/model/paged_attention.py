@@ -318,6 +318,9 @@ class PagedPlan:
         # Shared segments: per group, one call per run of the shared prefix over all its members' queries.
         for start, end, runs in self.groups:
             n = end - start
+            if self.backend.merge_prefix(q[:, start:end], k_layer, v_layer, runs, scale, out[:, start:end],
+                                         lse[:, start:end]):
+                continue
             qs = q[:, start:end].reshape(1, hkv, g * n, d)
             outs, lses = [out[:, start:end]], [lse[:, start:end]]
             for first, length in runs:

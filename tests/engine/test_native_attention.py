@@ -94,6 +94,44 @@ def test_two_halves_merged_by_their_lse_equal_the_whole(kernel):
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 16, 30])  # 3, 48 and 90 folded rows: one call, or parts of 64
+def test_a_shared_prefix_merged_in_place_equals_attention_over_every_key(kernel, dtype, tokens):
+    """``merge_prefix``: the rows' own keys first (what the plan's rest calls leave in out/lse),
+    then a prefix in two runs of the pool read and merged in C, in place, against float64
+    attention over all of them; rows whose other part saw no keys (lse -inf) get the prefix's."""
+    backend = CpuNativeBackend()
+    h, g, d, scale = 3, 3, 64, 0.125
+    gen = torch.Generator().manual_seed(tokens)
+    k_pool, v_pool = (torch.randn(h, 900, d, generator=gen).to(dtype) for _ in range(2))
+    runs = ((100, 300), (500, 250))
+    own = slice(800, 840)
+    q = (torch.randn(h * g, tokens, d, generator=gen) * 2).to(dtype)  # [Hq, n, D], the plan's view
+    folded = q.reshape(1, h, g * tokens, d)
+    if not (backend.takes_rows(dtype, g * tokens, d) or (g * tokens > native.AMX_MAX_ROWS
+                                                        and kernel.many_rows_for(dtype, d))):
+        assert not backend.merge_prefix(q, k_pool, v_pool, runs, scale, torch.zeros(h * g, tokens, d),
+                                        torch.zeros(h * g, tokens))
+        return  # this CPU's calls of that size go to flash, and so does the merge
+    own_out, own_lse = reference(folded, k_pool[:, own].unsqueeze(0), v_pool[:, own].unsqueeze(0), scale)
+    out = own_out.float().reshape(h * g, tokens, d).clone()
+    lse = own_lse.float().reshape(h * g, tokens).clone()
+    lse[0, 0] = float("-inf")  # a row whose other part had no keys
+    wide_out, wide_lse = torch.empty(h * g, tokens + 2, d), torch.empty(h * g, tokens + 2)
+    wide_out[:, 1:-1], wide_lse[:, 1:-1] = out, lse  # views with a stride, as the plan passes
+    assert backend.merge_prefix(q, k_pool, v_pool, runs, scale, wide_out[:, 1:-1], wide_lse[:, 1:-1])
+    keys = torch.cat([k_pool[:, a:a + n] for a, n in runs] + [k_pool[:, own]], 1).unsqueeze(0)
+    values = torch.cat([v_pool[:, a:a + n] for a, n in runs] + [v_pool[:, own]], 1).unsqueeze(0)
+    ref_out, ref_lse = reference(folded, keys, values, scale)
+    prefix_out, prefix_lse = reference(folded, keys[:, :, :550], values[:, :, :550], scale)
+    ref_out, ref_lse = ref_out.reshape(h * g, tokens, d), ref_lse.reshape(h * g, tokens)
+    ref_out[0, 0], ref_lse[0, 0] = prefix_out[0, 0, 0], prefix_lse[0, 0, 0]
+    tol = 2e-5 if dtype == torch.float32 else 5e-3  # bf16's many-rows paths round the weights to bf16
+    assert (wide_out[:, 1:-1].double() - ref_out).abs().max() < tol
+    assert (wide_lse[:, 1:-1].double() - ref_lse).abs().max() < 2e-5
+
+
+@pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
 @pytest.mark.parametrize("m", [4, 48])
 def test_the_result_does_not_depend_on_the_thread_count(kernel, m):
     q, k, v = pool_case(3, m, 1500, 64, torch.float32, seed=5)

@@ -67,6 +67,23 @@ def test_fragmented_slots_are_gathered_exactly(runner):
     check(runner, logits, [seq + [7]])
 
 
+def spy_merges(runner, monkeypatch) -> list:
+    """Records the shared-prefix reads a backend merges in place (``merge_prefix`` that took the
+    call): the queries as one call folds them ``(1, H, g * n, D)`` and the runs' lengths."""
+    merged = []
+    real = runner.attention.merge_prefix
+
+    def spy(q, k_layer, v_layer, runs, scale, out, lse):
+        took = real(q, k_layer, v_layer, runs, scale, out, lse)
+        if took:
+            hq, n, d = q.shape
+            merged.append(((1, k_layer.shape[0], hq // k_layer.shape[0] * n, d), tuple(length for _, length in runs)))
+        return took
+
+    monkeypatch.setattr(runner.attention, "merge_prefix", spy)
+    return merged
+
+
 def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner, monkeypatch):
     """Eight requests decoding behind one cached 64-token prefix: per layer, one attention call
     reads the prefix (with all eight requests' queries) and one call reads their own tokens."""
@@ -86,6 +103,7 @@ def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner
         return real(q, k, v, scale, mask=mask, causal=causal)
 
     monkeypatch.setattr(runner.attention, "attend", spy)
+    merged = spy_merges(runner, monkeypatch)
     in_place = []  # a backend that reads decode rows in place (cpu_native): their rests in one call
     if runner.attention.takes_rows(runner.dtype, runner.query_groups, runner.head_dim):
         real_rows = runner.attention.attend_rows
@@ -93,11 +111,12 @@ def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner
     seqs = [s + [11] for s in seqs]
     logits = runner.forward_paged(pool, [PagedSegment([11], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
     check(runner, logits, seqs)
-    assert len(calls) + len(in_place) == 2 * runner.num_layers  # per layer: the prefix, and the rests
+    # per layer: the prefix, and the rests
+    assert len(calls) + len(in_place) + len(merged) == 2 * runner.num_layers
     groups = runner.model.config.num_attention_heads // runner.num_kv_heads
-    prefix_reads = [c for c in calls if c[1][2] == 64]
+    prefix_reads = [q for q, k in calls if k[2] == 64] + [q for q, lengths in merged if lengths == (64,)]
     assert len(prefix_reads) == runner.num_layers  # the prefix: once per layer
-    assert all(q[0] == 1 and q[2] == 8 * groups for q, _ in prefix_reads)  # every request's queries in that call
+    assert all(q[0] == 1 and q[2] == 8 * groups for q in prefix_reads)  # every request's queries in that call
 
 
 def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, monkeypatch):
@@ -123,13 +142,19 @@ def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, 
         return real(q, k, v, scale, mask=mask, causal=causal)
 
     monkeypatch.setattr(runner.attention, "attend", spy)
+    merged = spy_merges(runner, monkeypatch)
     seqs = [s + [13] for s in seqs]
     logits = runner.forward_paged(pool, [PagedSegment([13], len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)])
     check(runner, logits, seqs)
-    # the own tokens (one call, unless the backend reads decode rows in place), then each run of the prefix
-    own_rows = runner.attention.takes_rows(runner.dtype, runner.query_groups, runner.head_dim)
-    assert len(calls) == (2 if own_rows else 3) * runner.num_layers
     groups = runner.model.config.num_attention_heads // runner.num_kv_heads
+    own_rows = runner.attention.takes_rows(runner.dtype, runner.query_groups, runner.head_dim)
+    if merged:  # the backend reads both runs in one call per layer and merges in place
+        assert len(merged) == runner.num_layers
+        assert all(q[2] == 6 * groups and lengths == (40, 30) for q, lengths in merged)
+        assert len(calls) == (0 if own_rows else 1) * runner.num_layers
+        return
+    # the own tokens (one call, unless the backend reads decode rows in place), then each run of the prefix
+    assert len(calls) == (2 if own_rows else 3) * runner.num_layers
     for length in (40, 30):
         reads = [q for q, k in calls if k[2] == length]
         assert len(reads) == runner.num_layers and all(q[2] == 6 * groups for q in reads)

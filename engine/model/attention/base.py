@@ -106,6 +106,16 @@ class AttentionBackend(ABC):
         and ``lse [Hq, T]`` (float32) at its position."""
         raise NotImplementedError
 
+    def merge_prefix(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                     runs: tuple[tuple[int, int], ...], scale: float, out: torch.Tensor, lse: torch.Tensor) -> bool:
+        """A shared prefix's attention merged in place: the rows ``q [Hq, n, D]`` (``n`` tokens, a
+        view of the pack's queries) over the ``runs`` ``(first slot, length)`` of the pool layer
+        ``k_layer``/``v_layer`` ``[H, S, D]``, all visible, merged into ``out [Hq, n, D]`` and
+        ``lse [Hq, n]`` (float32 views), which hold the same rows' attention over their other keys.
+        Returns False, touching nothing, where this backend does not (the plan then calls
+        ``attend`` per run and merges in PyTorch)."""
+        return False
+
     @property
     def workspace_cap_bytes(self) -> int | None:
         """The most scratch memory one call allocates beyond its inputs and outputs, or None

@@ -61,7 +61,8 @@ class DecodeKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._run = lib.radix_attention
         self._run.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
-                              ctypes.c_float, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
+                              ctypes.c_float, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int,
+                              ctypes.c_int]
         self._run.restype = ctypes.c_int
         self._work = lib.radix_attn_work_floats
         self._work.argtypes = [i64] * 5
@@ -108,6 +109,15 @@ class DecodeKernel:
                    (m * d, d, 0), lse, (m, 1, 0))
         return out, lse
 
+    def merge_into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: tuple[tuple[int, int], ...],
+                   scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Rows ``q [H, M, D]`` (contiguous) over the ``runs`` ``(first slot, length)`` of the pool
+        layer ``k``/``v`` ``[H, S, D]``, all visible, merged into ``out [H, M, D]`` and ``lse [H, M]``
+        (float32, contiguous), which hold the same rows' attention over other keys (lse -inf where
+        none): afterwards they hold the attention over both. The caller checks ``fits``' limits."""
+        h, m, d = q.shape
+        self._call(q, (m * d, d, 0), k, v, _runs_view(runs), m, scale, out, (m * d, d, 0), lse, (m, 1, 0), merge_in=1)
+
     def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: RowsCut, scale: float,
                     out: torch.Tensor, lse: torch.Tensor) -> None:
         """Decode rows of a pack: ``q [Hq, T, D]`` (the pack's queries, ``Hq = g * H``), each row
@@ -135,7 +145,8 @@ class DecodeKernel:
                        bf16=int(k_layer.dtype == torch.bfloat16))
         return LayerCall(self._layer_fn, s, (rows, pieces, lse, work))
 
-    def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides) -> None:
+    def _call(self, q, q_strides, k, v, cut: RowsCut, m: int, scale: float, out, o_strides, lse, l_strides,
+              merge_in: int = 0) -> None:
         h, d = k.shape[0], k.shape[2]
         rows, cuts = cut
         work = torch.empty(self._work(h, m, d, cuts.shape[0], rows.shape[0]), dtype=torch.float32)
@@ -143,7 +154,7 @@ class DecodeKernel:
                        v.stride(1), min(k.shape[1], v.shape[1]), rows.data_ptr(), rows.shape[0], cuts.data_ptr(),
                        cuts.shape[0], h, m, d, scale,
                        int(q.dtype == torch.bfloat16), out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
-                       work.data_ptr(), torch.get_num_threads())
+                       work.data_ptr(), torch.get_num_threads(), merge_in)
         if rc != 0:  # a shape it does not take, or pieces outside the keys: nothing was written
             raise ValueError(f"the native attention kernel refused {m} rows of {tuple(q.shape)} over {tuple(k.shape)}")
 
@@ -161,6 +172,12 @@ def cut_rows(rows: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> RowsCut:
         cut += [(start + o, min(CHUNK, length - o), row) for start, length in runs for o in range(0, length, CHUNK)]
         table.append((pos, first, len(cut)))
     return torch.tensor(table, dtype=torch.int64).reshape(-1, 3), torch.tensor(cut, dtype=torch.int64).reshape(-1, 3)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_view(runs: tuple[tuple[int, int], ...]) -> RowsCut:
+    """One row over the runs of a shared prefix: the same for every layer of a forward."""
+    return cut_rows([(0, runs)])
 
 
 @functools.lru_cache(maxsize=64)

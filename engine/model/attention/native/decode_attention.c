@@ -726,12 +726,15 @@ int radix_fp32_rows_path(void) { return HAVE_FP_ROWS; }
 /* Rows of several tokens at once: token r (``rows[r]`` = pack position, first piece, end piece)
  * has M query rows per KV head, at q + h*q_hs + i*q_rs + pos*q_ts (i < M), and attends over
  * its own pieces (``pieces[p]`` = first key, key count, row). Writes out and lse at the same
- * places (their own strides). One token with every key of a view is a plain call. */
+ * places (their own strides). One token with every key of a view is a plain call.
+ * ``merge_in``: out and lse already hold these rows' attention over other keys (a normalised
+ * output and its log-sum-exp, or lse -inf where there were none); it is merged in as one more
+ * piece (weight e^(lse - max), sum 1), so a shared prefix's call needs no merge after it. */
 int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, const void *k, int64_t k_sh,
                     int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, int64_t keys, const int64_t *rows, int64_t nrows,
                     const int64_t *pieces, int64_t npieces, int64_t H, int64_t M, int64_t D, float scale, int bf16,
                     float *out, int64_t o_hs, int64_t o_rs, int64_t o_ts, float *lse, int64_t l_hs, int64_t l_rs,
-                    int64_t l_ts, float *work, int threads) {
+                    int64_t l_ts, float *work, int threads, int merge_in) {
     if (D % 16 || D > MAX_D || M < 1 || nrows < 1 || npieces < 1 || H < 1 || threads < 1)
         return 1;
     /* AMX from AMX_MIN_ROWS bf16 rows where it runs; else AVX512-BF16's dot products from
@@ -806,7 +809,9 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
     for (int64_t rhm = 0; rhm < nrows * H * M; rhm++) {
         const int64_t r = rhm / (H * M), h = rhm / M % H, m = rhm % M;
         const int64_t p0 = rows[3 * r + 1], p1 = rows[3 * r + 2], pos = rows[3 * r];
-        float best = -INFINITY;
+        float *dst = out + h * o_hs + m * o_rs + pos * o_ts, *lp = lse + h * l_hs + m * l_rs + pos * l_ts;
+        const float old = merge_in ? *lp : -INFINITY;
+        float best = old;
         for (int64_t c = p0; c < p1; c++) {
             const float *mx = work + (c * H + h) * per + M * D;
             best = mx[m] > best ? mx[m] : best;
@@ -815,6 +820,12 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
         float acc[MAX_D];
         for (int64_t d = 0; d < D; d++)
             acc[d] = 0.0f;
+        if (old > -INFINITY) {
+            const float w = expf(old - best);
+            total = w;
+            for (int64_t d = 0; d < D; d++)
+                acc[d] = w * dst[d];
+        }
         for (int64_t c = p0; c < p1; c++) {
             const float *o = work + (c * H + h) * per, *mx = o + M * D, *sm = mx + M;
             const float w = expf(mx[m] - best);
@@ -822,10 +833,9 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
             for (int64_t d = 0; d < D; d++)
                 acc[d] += w * o[m * D + d];
         }
-        float *dst = out + h * o_hs + m * o_rs + pos * o_ts;
         for (int64_t d = 0; d < D; d++)
             dst[d] = acc[d] / total;
-        lse[h * l_hs + m * l_rs + pos * l_ts] = best + logf(total);
+        *lp = best + logf(total);
     }
     return 0;
 }
@@ -851,5 +861,5 @@ typedef struct {
 int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *k, const void *v, float *out) {
     return radix_attention(q, c->q_hs, c->q_rs, c->q_ts, k, c->k_sh, c->k_sl, v, c->v_sh, c->v_sl, c->keys, c->rows,
                            c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, (int)c->bf16, out, c->o_hs,
-                           c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads);
+                           c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads, 0);
 }
