@@ -119,5 +119,5 @@ class CpuNativeBackend(CpuSdpaBackend):
                 f"up to {self.few_rows} rows")
         if self.kernel.many_rows_fp32:
             rows += f", up to {native.AMX_MAX_ROWS} float32 rows with AVX-512"
-        return (f"cpu_native (our {self.kernel.simd} kernel for decode rows over their keys, {rows}; "
-                "PyTorch's flash kernel for the rest)")
+        return (f"cpu_native (our {self.kernel.simd} kernel for decode rows over their keys, {rows}, "
+                "a shared prefix's runs in one call merged in place; PyTorch's flash kernel for the rest)")
