@@ -27,12 +27,14 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
     """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
     of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
     host memory ends with the process, so there the weights need no digest."""
+    from engine.model import native_linear  # torch's side: a remote engine never asks
+
     weights = "" if tier_dir is None else kv_tier.weights_digest(
         getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
     return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
                                runner.num_kv_heads, runner.head_dim, weights=weights,
                                packed_linear=getattr(runner, "packed_linears", 0) > 0,
-                               native_linear=getattr(runner, "native_linears", 0) > 0,
+                               native_linear=native_linear.MAX_ROWS if getattr(runner, "native_linears", 0) else 0,
                                fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None,
                                attention=_attention_kernels(runner))
 

@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger("engine.kvcache.kv_tier")  # the tier's one log, as before the split
 
 def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int, num_kv_heads: int,
-                head_dim: int, weights: str = "", packed_linear: bool = False, native_linear: bool = False,
+                head_dim: int, weights: str = "", packed_linear: bool = False, native_linear: int = 0,
                 fused_decode: bool = False, attention: str = "") -> str:
     """Names what the KV depends on: the same model, weights (``weights_digest``), dtype,
     tokenizer, geometry, linear kernels (oneDNN-packed or our native linears, and our fused decode
@@ -29,8 +29,8 @@ def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int,
     depends on the attention of the layers below it), or nothing."""
     h = hashlib.sha1(f"{model_name}|{dtype}|{num_layers}|{num_kv_heads}|{head_dim}|".encode())
     h.update(f"weights={weights}|packed_linear={int(bool(packed_linear))}|".encode())
-    if native_linear:  # our decode-step linears (engine.model.native_linear); absent: the names tiers had before
-        h.update(b"native_linear=1|")
+    if native_linear:  # our linears (engine.model.native_linear), up to that many float32 rows; absent: the
+        h.update(f"native_linear={int(native_linear)}|".encode())  # names tiers had before
     if fused_decode:  # our fused decode layers (engine.model.fused_decode), likewise
         h.update(b"fused_decode=1|")
     if attention:  # the attention backend and its kernels, likewise

@@ -5,7 +5,7 @@ before attention (RMSNorm, the q/k/v linears, the rotary embedding, the new KV w
 pool slots) and after it (the o linear, the residual, RMSNorm, gate/up, SiLU times up, down,
 the residual), each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
 Knows nothing about requests or the tree: ``engine.model.decoder_stack`` calls it for a step of
-at most ``native_linear.MAX_ROWS`` rows and does the attention between the two calls.
+at most ``MAX_ROWS`` rows and does the attention between the two calls.
 
 Where every row of the step is a decode row that shares no prefix with another (one stream, or
 streams with prompts of their own), ``run_all`` goes further: every layer's two calls and the
@@ -53,7 +53,7 @@ from engine.model.native_build import switched_off
 from engine.model.packed_linear import PackedLinear
 
 ENV_SWITCH = "RADIX_FUSED_DECODE"
-MAX_ROWS = native_linear.MAX_ROWS  # a step of more rows (a prefill chunk) runs unfused
+MAX_ROWS = 32  # float32: a step of more rows (a prefill chunk) runs unfused
 BF16_MAX_ROWS = 8  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
 # The probe's bound on the logits against the unfused forward, a fraction of the largest logit: in
 # float32 rounding in another order; in bfloat16 that, then a bf16 rounding that can fall the other

@@ -10,7 +10,7 @@ Why: a decode step multiplies a few rows by every weight, so it runs at the spee
 weights stream from memory. On the AMD EPYC these numbers come from (AVX2, no AVX-512), all
 linears of the embedded model at one row took 94.5 ms with MKL's float32 product (5.7 GB/s)
 and 43.7 ms with this kernel (12.3 GB/s; a plain read gets 14); at 16 rows 139 vs 70 ms. More
-than ``MAX_ROWS`` float32 rows (a prefill chunk) go to MKL, which is faster there. In
+than ``MAX_ROWS`` float32 rows (a long prefill chunk) go to MKL, which is as fast there. In
 bfloat16 PyTorch's product on that CPU (no native bf16; where there is, the linears are
 oneDNN-packed instead, ``engine.model.packed_linear``) took 161 ms at 8 rows and 1.87 s at
 128, ours 42 ms and 0.37 s, so ours takes every bf16 product of two rows or more. A
@@ -35,7 +35,9 @@ from engine.model.native_build import OnFirstUse
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ENV_SWITCH = "RADIX_NATIVE_LINEAR"
-MAX_ROWS = 32  # float32: more rows (a prefill chunk) go to MKL's product, faster there
+MAX_ROWS = 128  # float32: more rows (a long prefill chunk) go to MKL's product, as fast there
+# (all 210 layer matrices, Zen 4, AVX-512 tiles: ours 59-63 / 111-114 / 218-230 / 487-517 ms at
+# 32 / 64 / 128 / 256 rows, MKL's 107-109 / 178-185 / 292-305 / 456-468)
 BF16_BLOCK = 256  # bfloat16: from 2 rows on, this many per call (bounds the float32 copies); at one
 # row PyTorch's product is as fast as ours (37.3 vs 35.6 ms, all linears), and ours pays two casts
 DTYPES = (torch.float32, torch.bfloat16)  # the weights it reads

@@ -310,8 +310,8 @@ class ModelRunner:
             ours = (f"ours in the fused decode steps (up to {fused.max_rows} rows), " if fused is not None else "")
             return f"{ours}oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
         if getattr(self, "native_linears", 0) and self.dtype == torch.float32:
-            return (f"ours for decode steps (up to {native_linear.MAX_ROWS} rows), PyTorch's for prefill "
-                    "(RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
+            return (f"ours up to {native_linear.MAX_ROWS} rows (decode steps, short prefill chunks), MKL's for "
+                    "longer chunks (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
         if getattr(self, "native_linears", 0):
             return "ours from two rows on, PyTorch's for one (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)"
         return "PyTorch's default"

@@ -34,7 +34,7 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     packed = "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
     fp32 = info_markdown(Engine(tiny_runner))
     assert tiny_runner.packed_linears == 0
-    assert "| linear layers | " + ("ours for decode steps (up to 32 rows)" if tiny_runner.native_linears
+    assert "| linear layers | " + ("ours up to 128 rows (decode steps, short prefill chunks)" if tiny_runner.native_linears
                                    else "PyTorch's default |") in fp32
     assert "| forward | decoder stack: the model's layers called directly" in fp32
     assert ("two fused C calls a layer" in fp32) == (tiny_runner.stack.fused is not None)
