@@ -466,19 +466,19 @@ static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t
 #define HAVE_FP 1
 #define FP_CHUNK 256   /* keys per piece (native.CHUNK) */
 #define FP_MAX_ROWS 64 /* native.AMX_MAX_ROWS: the many-rows limit in either dtype */
-#define FP_KEYS 8      /* keys per block of scores */
+#define FP_AHEAD 32    /* keys ahead whose rows are prefetched */
 
-/* Raw scores of the B blocks of 16 rows from ``r0`` (Q^T ``qt``: [D][mpad]) against the KN keys
- * from ``kj`` (rows k_sl apart), to sc[key][mpad]. B and KN constants at each call. */
+/* Raw scores of the B (<= 4) blocks of 16 rows from ``r0`` (Q^T ``qt``: [D][mpad]) against the KN
+ * (<= 16) keys from ``kj`` (rows k_sl apart), to sc[key][mpad]. B and KN constants at each call. */
 static inline __attribute__((always_inline)) void fp_scores(const float *qt, int mpad, int r0, const int B,
                                                             const float *kj, int64_t k_sl, const int KN, int D,
                                                             float *sc) {
-    __m512 acc[FP_KEYS][2];
+    __m512 acc[16][4];
     for (int kk = 0; kk < KN; kk++)
         for (int b = 0; b < B; b++)
             acc[kk][b] = _mm512_setzero_ps();
     for (int d = 0; d < D; d++) {
-        __m512 qv[2];
+        __m512 qv[4];
         for (int b = 0; b < B; b++)
             qv[b] = _mm512_load_ps(qt + (int64_t)d * mpad + r0 + 16 * b);
         for (int kk = 0; kk < KN; kk++) {
@@ -492,13 +492,27 @@ static inline __attribute__((always_inline)) void fp_scores(const float *qt, int
             _mm512_store_ps(sc + (int64_t)kk * mpad + r0 + 16 * b, acc[kk][b]);
 }
 
-static inline void fp_key_block(const float *qt, int mpad, const float *kj, int64_t k_sl, const int KN, int D,
-                                float *sc) {
-    int r0 = 0;
-    for (; r0 + 32 <= mpad; r0 += 32)
-        fp_scores(qt, mpad, r0, 2, kj, k_sl, KN, D, sc);
-    if (r0 < mpad)
-        fp_scores(qt, mpad, r0, 1, kj, k_sl, KN, D, sc);
+/* Every row's scores against keys [j, j + KN) (all the rows' blocks in one pass: each key's
+ * broadcast serves every block), KN a constant at each call. */
+static inline __attribute__((always_inline)) void fp_key_block(const float *qt, int mpad, const float *kj,
+                                                               int64_t k_sl, const int KN, int D, float *sc) {
+    switch (mpad / 16) {
+    case 1: fp_scores(qt, mpad, 0, 1, kj, k_sl, KN, D, sc); break;
+    case 2: fp_scores(qt, mpad, 0, 2, kj, k_sl, KN, D, sc); break;
+    case 3: fp_scores(qt, mpad, 0, 3, kj, k_sl, KN, D, sc); break;
+    default: fp_scores(qt, mpad, 0, 4, kj, k_sl, KN, D, sc); break;
+    }
+}
+
+/* keys [j, j + KN) of the n: their rows' prefetches (keys FP_AHEAD on, values now, to L2), then
+ * their scores; KN a constant at each call */
+static inline __attribute__((always_inline)) void fp_keys(const float *qt, int mpad, const float *k, int64_t k_sl,
+                                                          const float *v, int64_t v_sl, int j, int n, const int KN,
+                                                          int D, float *sc) {
+    if (j + FP_AHEAD + KN <= n)
+        prefetch_rows((const char *)(k + (int64_t)(j + FP_AHEAD) * k_sl), (int64_t)KN * k_sl * 4, 0);
+    prefetch_rows((const char *)(v + (int64_t)j * v_sl), (int64_t)KN * v_sl * 4, 1);
+    fp_key_block(qt, mpad, k + (int64_t)j * k_sl, k_sl, KN, D, sc + (int64_t)j * mpad);
 }
 
 /* R rows of weights (P^T ``pt``: [n][mpad], from row r0) times T blocks of 16 dims of the n values
@@ -506,7 +520,7 @@ static inline void fp_key_block(const float *qt, int mpad, const float *kj, int6
 static inline __attribute__((always_inline)) void fp_values(const float *pt, int mpad, int r0, const int R,
                                                             const float *v, int64_t v_sl, int n, const int T,
                                                             float *out, int D) {
-    __m512 acc[4][4];
+    __m512 acc[6][4];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++)
             acc[r][t] = _mm512_setzero_ps();
@@ -535,15 +549,16 @@ static void chunk_fp(const float *q, int64_t q_sm, const float *k, int64_t k_sl,
     for (int d = 0; d < D; d++)
         for (int r = 0; r < mpad; r++)
             qt[d * mpad + r] = r < M ? q[(int64_t)r * q_sm + d] : 0.0f;
+    /* keys a pass: as many as keep 16-24 accumulators (B blocks of rows times the keys) in registers */
     int j = 0;
-    for (; j + FP_KEYS <= n; j += FP_KEYS) {
-        if (j + 4 * FP_KEYS < n)
-            prefetch_rows((const char *)(k + (int64_t)(j + 4 * FP_KEYS) * k_sl), (int64_t)FP_KEYS * k_sl * 4, 0);
-        prefetch_rows((const char *)(v + (int64_t)j * v_sl), (int64_t)FP_KEYS * v_sl * 4, 1);
-        fp_key_block(qt, mpad, k + (int64_t)j * k_sl, k_sl, FP_KEYS, D, sc + (int64_t)j * mpad);
+    switch (mpad / 16) {
+    case 1: for (; j + 16 <= n; j += 16) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 16, D, sc); break;
+    case 2: for (; j + 12 <= n; j += 12) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 12, D, sc); break;
+    case 3: for (; j + 8 <= n; j += 8) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 8, D, sc); break;
+    default: for (; j + 6 <= n; j += 6) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 6, D, sc); break;
     }
     for (; j < n; j++)
-        fp_key_block(qt, mpad, k + (int64_t)j * k_sl, k_sl, 1, D, sc + (int64_t)j * mpad);
+        fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 1, D, sc);
     /* softmax down the keys, sixteen rows a lane each; as chunk_rows: scores scaled, then the
      * maximum (a NaN score passed over), then exp of each score less it */
     const __m512 s = _mm512_set1_ps(scale);
@@ -575,6 +590,8 @@ static void chunk_fp(const float *q, int64_t q_sm, const float *k, int64_t k_sl,
         const int T = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
         int r0 = 0;
         if (T == 4) {
+            for (; r0 + 6 <= M; r0 += 6)
+                fp_values(sc, mpad, r0, 6, v + d0, v_sl, n, 4, o + (int64_t)r0 * D + d0, D);
             for (; r0 + 4 <= M; r0 += 4)
                 fp_values(sc, mpad, r0, 4, v + d0, v_sl, n, 4, o + (int64_t)r0 * D + d0, D);
             for (; r0 < M; r0++)
