@@ -340,6 +340,26 @@ def test_the_fingerprint_covers_weights_and_packed_linears(tokenizer):
     assert kv_tier.fingerprint(**base, weights="w1") == kv_tier.fingerprint(**base, weights="w1")
 
 
+def test_the_fingerprint_names_how_many_rows_our_linears_take(tokenizer):
+    """Which kernel computed a prefill chunk's KV depends on the float32 row limit of ours (MKL's
+    product past it), so another limit names another tier; the one a runner uses is recorded."""
+    from engine.model import native_linear
+    from engine.tier_setup import tier_fingerprint
+
+    base = dict(model_name="m", dtype=torch.float32, tokenizer=tokenizer, num_layers=2, num_kv_heads=2, head_dim=16)
+    assert kv_tier.fingerprint(**base, native_linear=True) == kv_tier.fingerprint(**base, native_linear=1)
+    assert len({kv_tier.fingerprint(**base, native_linear=n) for n in (0, 32, 128)}) == 3
+
+    class Runner:  # what tier_fingerprint reads of a runner, with our linears in use
+        name, dtype, num_layers, num_kv_heads, head_dim, native_linears = "m", torch.float32, 2, 2, 16, 7
+
+        class text:
+            pass
+
+    Runner.text.tokenizer = tokenizer
+    assert tier_fingerprint(Runner(), None) == kv_tier.fingerprint(**base, native_linear=native_linear.MAX_ROWS)
+
+
 def test_the_fingerprint_names_the_attention_kernels(tokenizer):
     base = dict(model_name="m", dtype=torch.float32, tokenizer=tokenizer, num_layers=2, num_kv_heads=2, head_dim=16)
     assert kv_tier.fingerprint(**base) == kv_tier.fingerprint(**base, attention="")  # the names tiers had before
