@@ -29,6 +29,7 @@
 #define WROWS 8 /* weight rows side by side in a tile, where there are more than ROWS rows of x */
 #define TROWS 2 /* rows of x per pass over a tile */
 #define BLOCK 8 /* outputs handed to a thread at a time (a multiple of WROWS) */
+#define PASS_MAX 4 /* the most rows of x a pass over a tile takes (TROWS, or four: tile4()) */
 
 static inline float sum8(__m256 a) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) void rows_pass(const float *const *
  * WROWS * R independent accumulators keep both FMA pipes busy where pass()'s R chains wait on
  * the FMA's latency, and each x load serves WROWS products. */
 static inline __attribute__((always_inline)) void tile(const float *const *xr, int R, const char *w, int64_t in,
-                                                       int bf16, float acc[WROWS][TROWS], const char *pf,
+                                                       int bf16, float acc[WROWS][PASS_MAX], const char *pf,
                                                        int64_t pf_lines) {
     const int64_t esz = bf16 ? 2 : 4;
     __m256 a[WROWS][TROWS];
@@ -116,7 +117,8 @@ static inline __attribute__((always_inline)) void tile(const float *const *xr, i
  * row, and are summed the same way (sum8 of the half), so the bits are tile()'s; a weight load
  * (to both halves) then serves four rows, and one FMA instruction two. */
 static inline __attribute__((always_inline)) void tile4(const float *const *xr, const char *w, int64_t in, int bf16,
-                                                        float acc[WROWS][4], const char *pf, int64_t pf_lines) {
+                                                        float acc[WROWS][PASS_MAX], const char *pf,
+                                                        int64_t pf_lines) {
     const int64_t esz = bf16 ? 2 : 4;
     __m512 a[WROWS][2];
     for (int j = 0; j < WROWS; j++)
@@ -148,7 +150,7 @@ static inline __attribute__((always_inline)) void tile4(const float *const *xr, 
 #endif
 
 static inline __attribute__((always_inline)) void rows_tile(const float *const *xr, int R, const char *w, int64_t in,
-                                                            int bf16, float acc[WROWS][TROWS], const char *pf,
+                                                            int bf16, float acc[WROWS][PASS_MAX], const char *pf,
                                                             int64_t pf_lines) {
     if (R == 1)
         tile(xr, 1, w, in, bf16, acc, pf, pf_lines);
@@ -175,7 +177,7 @@ static inline int x_rows(const float *x, int64_t x_rs, int64_t rows, int64_t r0,
  * While a tile's passes ran from L1-L2, nothing came from memory: the passes and the next tile's
  * read took turns. Each pass now also asks for its share of the next tile's cache lines (a
  * prefetch into L2, a line or so per step, so the tile is in by the time its first pass starts):
- * all 210 matrices and the LM head at 16 rows 49-53 -> 34-37 ms, at 8 rows 31-38 -> 21-22
+ * all 210 matrices and the LM head at 16 rows 49-53 -> 34-44 ms, at 8 rows 31-38 -> 21-26
  * (the next tile prefetched into L1, or two or four tiles ahead, measured slower). A prefetch
  * changes no arithmetic, and one past the weight's end (the last tile's) faults on nothing.
  * With AVX-512 a pass takes four rows of x (tile4(): two rows a register), same bits again: all
@@ -195,7 +197,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
                 const int R = x_rows(x, x_rs, rows, r0, QROWS, xr);
                 const int64_t done = r0 / QROWS * share, now = lines - done < share ? lines - done : share;
                 const char *pf = wj + WROWS * in * esz + done * 64;
-                float acc[WROWS][4];
+                float acc[WROWS][PASS_MAX];
 #if QROWS == 4
                 if (R > 2) {
                     if (bf16)
@@ -204,16 +206,10 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
                         tile4(xr, wj, in, 0, acc, pf, now > 0 ? now : 0);
                 } else
 #endif
-                {
-                    float a2[WROWS][TROWS];
-                    if (bf16)
-                        rows_tile(xr, R, wj, in, 1, a2, pf, now > 0 ? now : 0);
-                    else
-                        rows_tile(xr, R, wj, in, 0, a2, pf, now > 0 ? now : 0);
-                    for (int jj = 0; jj < WROWS; jj++)
-                        for (int r = 0; r < R; r++)
-                            acc[jj][r] = a2[jj][r];
-                }
+                if (bf16)
+                    rows_tile(xr, R, wj, in, 1, acc, pf, now > 0 ? now : 0);
+                else
+                    rows_tile(xr, R, wj, in, 0, acc, pf, now > 0 ? now : 0);
                 for (int jj = 0; jj < WROWS; jj++) {
                     const float b = bias ? bias[j + jj] : 0.0f;
                     for (int r = 0; r < R; r++)

@@ -492,27 +492,27 @@ static inline __attribute__((always_inline)) void fp_scores(const float *qt, int
             _mm512_store_ps(sc + (int64_t)kk * mpad + r0 + 16 * b, acc[kk][b]);
 }
 
-/* Every row's scores against keys [j, j + KN) (all the rows' blocks in one pass: each key's
- * broadcast serves every block), KN a constant at each call. */
-static inline __attribute__((always_inline)) void fp_key_block(const float *qt, int mpad, const float *kj,
-                                                               int64_t k_sl, const int KN, int D, float *sc) {
-    switch (mpad / 16) {
-    case 1: fp_scores(qt, mpad, 0, 1, kj, k_sl, KN, D, sc); break;
-    case 2: fp_scores(qt, mpad, 0, 2, kj, k_sl, KN, D, sc); break;
-    case 3: fp_scores(qt, mpad, 0, 3, kj, k_sl, KN, D, sc); break;
-    default: fp_scores(qt, mpad, 0, 4, kj, k_sl, KN, D, sc); break;
-    }
-}
-
 /* keys [j, j + KN) of the n: their rows' prefetches (keys FP_AHEAD on, values now, to L2), then
- * their scores; KN a constant at each call */
-static inline __attribute__((always_inline)) void fp_keys(const float *qt, int mpad, const float *k, int64_t k_sl,
-                                                          const float *v, int64_t v_sl, int j, int n, const int KN,
-                                                          int D, float *sc) {
+ * every row's scores against them (all B blocks in one pass: each key's broadcast serves every
+ * block); B and KN constants at each call */
+static inline __attribute__((always_inline)) void fp_keys(const float *qt, int mpad, const int B, const float *k,
+                                                          int64_t k_sl, const float *v, int64_t v_sl, int j, int n,
+                                                          const int KN, int D, float *sc) {
     if (j + FP_AHEAD + KN <= n)
         prefetch_rows((const char *)(k + (int64_t)(j + FP_AHEAD) * k_sl), (int64_t)KN * k_sl * 4, 0);
     prefetch_rows((const char *)(v + (int64_t)j * v_sl), (int64_t)KN * v_sl * 4, 1);
-    fp_key_block(qt, mpad, k + (int64_t)j * k_sl, k_sl, KN, D, sc + (int64_t)j * mpad);
+    fp_scores(qt, mpad, 0, B, k + (int64_t)j * k_sl, k_sl, KN, D, sc + (int64_t)j * mpad);
+}
+
+/* Every row's scores against all n keys, KN keys a pass, then one at a time (B, KN constants) */
+static inline __attribute__((always_inline)) void fp_all_keys(const float *qt, int mpad, const int B, const float *k,
+                                                              int64_t k_sl, const float *v, int64_t v_sl, int n,
+                                                              const int KN, int D, float *sc) {
+    int j = 0;
+    for (; j + KN <= n; j += KN)
+        fp_keys(qt, mpad, B, k, k_sl, v, v_sl, j, n, KN, D, sc);
+    for (; j < n; j++)
+        fp_keys(qt, mpad, B, k, k_sl, v, v_sl, j, n, 1, D, sc);
 }
 
 /* R rows of weights (P^T ``pt``: [n][mpad], from row r0) times T blocks of 16 dims of the n values
@@ -550,15 +550,12 @@ static void chunk_fp(const float *q, int64_t q_sm, const float *k, int64_t k_sl,
         for (int r = 0; r < mpad; r++)
             qt[d * mpad + r] = r < M ? q[(int64_t)r * q_sm + d] : 0.0f;
     /* keys a pass: as many as keep 16-24 accumulators (B blocks of rows times the keys) in registers */
-    int j = 0;
     switch (mpad / 16) {
-    case 1: for (; j + 16 <= n; j += 16) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 16, D, sc); break;
-    case 2: for (; j + 12 <= n; j += 12) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 12, D, sc); break;
-    case 3: for (; j + 8 <= n; j += 8) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 8, D, sc); break;
-    default: for (; j + 6 <= n; j += 6) fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 6, D, sc); break;
+    case 1: fp_all_keys(qt, mpad, 1, k, k_sl, v, v_sl, n, 16, D, sc); break;
+    case 2: fp_all_keys(qt, mpad, 2, k, k_sl, v, v_sl, n, 12, D, sc); break;
+    case 3: fp_all_keys(qt, mpad, 3, k, k_sl, v, v_sl, n, 8, D, sc); break;
+    default: fp_all_keys(qt, mpad, 4, k, k_sl, v, v_sl, n, 6, D, sc); break;
     }
-    for (; j < n; j++)
-        fp_keys(qt, mpad, k, k_sl, v, v_sl, j, n, 1, D, sc);
     /* softmax down the keys, sixteen rows a lane each; as chunk_rows: scores scaled, then the
      * maximum (a NaN score passed over), then exp of each score less it */
     const __m512 s = _mm512_set1_ps(scale);
