@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+from engine.held_signals import hold_signal
 from engine.types import CacheKey, GenerationEvent, GenerationRequest
 
 END_OF_STREAM = object()  # the last item on a handle's event queue
@@ -47,10 +48,21 @@ class EventQueue:
         self._items: deque = deque()
         self._cond = threading.Condition(threading.Lock())
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # an awaiting consumer
+        self._signal_pending = False  # a wake-up is held or under way (``put``)
 
     def put(self, item: object) -> None:
         with self._cond:
             self._items.append(item)
+            pending, self._signal_pending = self._signal_pending, True
+        if pending:
+            return  # a wake-up is on its way already: the consumer takes this item with it
+        if not hold_signal(self._signal):  # the compute thread holds it until its kernels start
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wake the consumer: a thread blocked in ``get_all``, or an awaiting coroutine."""
+        with self._cond:
+            self._signal_pending = False
             waiter, self._waiter = self._waiter, None  # one wake per batch: later puts find it gone
             self._cond.notify()
         if waiter is not None:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.held_signals import release_signals
 from engine.model.fused_decode import FusedLayers, plain_rms_norm
 
 ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
@@ -162,6 +163,7 @@ class DecoderStack:
         first = self.layers[0]
         call = rows_call(k_pool[first.index], fused.q_width // first.head_dim, first.scaling) \
             if rows_call is not None and self.one_scale else None
+        release_signals()  # the consumers' Python runs beside the kernels (compute_thread)
         if call is not None:
             fused.run_all(flat, cos, sin, [k_pool[layer.index] for layer in self.layers],
                           [v_pool[layer.index] for layer in self.layers], write_index, call)
@@ -176,6 +178,7 @@ class DecoderStack:
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
                 k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable) -> torch.Tensor:
         """Every layer through the model's own modules (module docstring)."""
+        release_signals()
         shape = h.shape[:-1]
         half = cos.shape[-1] // 2
         rolled = cos.shape[-1] == self.layers[0].head_dim and cos.shape[-1] % 2 == 0

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
 from engine.model import native_linear
@@ -119,6 +120,7 @@ class ModelRunner:
     def _probe_layers(self) -> list:
         from transformers import DynamicCache
 
+        release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
         out = self.model(torch.tensor([[0]], device=self.device), cache=DynamicCache(), use_cache=True)
         return out.cache.layers
 
@@ -216,6 +218,7 @@ class ModelRunner:
         start = kv.length
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True)
         return out.logits[0].float()
 
@@ -226,6 +229,7 @@ class ModelRunner:
         start = kv.length
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[0, -1].float()
@@ -264,6 +268,7 @@ class ModelRunner:
             mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
             _batch.paged = (plan, pool)
             try:
+                release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
                 out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                                  cache=PoolWriteCache(pool, plan.write_index), use_cache=True, logits_to_keep=last)
             finally:
@@ -296,6 +301,7 @@ class ModelRunner:
 
         self.synchronize()
         t0 = time.perf_counter()
+        release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
         out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), cache=DynamicCache(),
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()

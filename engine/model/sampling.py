@@ -50,6 +50,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token from fp32 ``logits`` (one row); ``history`` is the answer so far."""
     logits = guard_logits(logits, history, params)
     if params.temperature <= 0:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.ndim == 1:
+            # the same first-of-the-largest index (NaN counted largest, as torch's) without an
+            # ATen dispatch: 6 us against 57-150 on one decode step's 49,152 logits here
+            return int(logits.numpy().argmax())
         return int(torch.argmax(logits))
     # Shifted by the max first: the same distribution, but a tiny temperature cannot
     # overflow to inf (and NaN after softmax); it tends to greedy instead.

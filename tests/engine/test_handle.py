@@ -63,3 +63,94 @@ def test_stopping_early_cancels():
     for _ in h:
         break
     assert h.cancelled.is_set()
+
+
+def test_the_compute_thread_holds_wake_ups_until_it_lets_them_go():
+    """A put on a thread that holds (the compute thread) queues the event at once but wakes the
+    consumer only at ``release_signals``; several puts make one wake-up; a put on any other thread
+    wakes at once; the compute thread lets go at the end of every call."""
+    import threading
+
+    from engine.held_signals import holding, release_signals
+    from engine.model.compute_thread import ComputeThread
+
+    async def consume(h: RequestHandle, producer) -> list[str]:
+        loop = asyncio.get_running_loop()
+        got: list[str] = []
+
+        async def read() -> None:
+            async for e in h:
+                got.append(e.text)
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.05)  # the reader awaits
+        await loop.run_in_executor(None, producer, got)
+        await asyncio.wait_for(task, 5)
+        return got
+
+    def holding_producer(h: RequestHandle):
+        def produce(got: list[str]) -> None:
+            seen: list[list[str]] = []
+
+            def body() -> None:
+                holding()
+                h.events.put(ev("a"))
+                h.events.put(ev("ab"))
+                assert h.events.qsize() == 2  # queued, not signalled
+                threading.Event().wait(0.1)
+                seen.append(list(got))  # nobody woke the reader
+                release_signals()
+                threading.Event().wait(0.1)
+                seen.append(list(got))
+                h.events.put(END_OF_STREAM)
+                release_signals()
+
+            t = threading.Thread(target=body)
+            t.start()
+            t.join()
+            assert seen == [[], ["a", "ab"]]
+
+        return produce
+
+    h = RequestHandle(GenerationRequest(prompt_ids=(1,)))
+    assert asyncio.run(consume(h, holding_producer(h))) == ["a", "ab"]
+
+    # Elsewhere: at once, and a blocked thread consumer too.
+    h = RequestHandle(GenerationRequest(prompt_ids=(1,)))
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(e.text for e in h))
+    reader.start()
+    h.events.put(ev("x"))
+    h.events.put(END_OF_STREAM)
+    reader.join(5)
+    assert out == ["x"] and not reader.is_alive()
+    release_signals()  # a thread that holds nothing: nothing to do
+
+    # The compute thread holds, and lets go when its call ends even with no kernel after the put.
+    compute = ComputeThread("test-compute")
+    try:
+        h = RequestHandle(GenerationRequest(prompt_ids=(1,)))
+        compute.call(lambda: (h.events.put(ev("y")), h.events.put(END_OF_STREAM)))
+        assert [e.text for e in h] == ["y"]
+    finally:
+        compute.stop(join_timeout_s=5)
+
+
+def test_a_failing_wake_up_is_reported_not_raised(caplog):
+    import threading
+
+    from engine.held_signals import hold_signal, holding, release_signals
+
+    calls: list[str] = []
+
+    def body() -> None:
+        holding()
+        hold_signal(lambda: 1 / 0)
+        hold_signal(lambda: calls.append("second"))
+        release_signals()
+        release_signals()  # nothing left
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert calls == ["second"] and "wake-up failed" in caplog.text

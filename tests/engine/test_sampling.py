@@ -49,3 +49,20 @@ def test_seeded_sampling_with_guard_is_reproducible():
         return out
 
     assert run() == run()
+
+
+def test_greedy_picks_what_torch_argmax_picks_ties_and_nan_included():
+    import torch
+
+    from engine.types import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(49152, generator=g) for _ in range(5)]
+    tie = torch.zeros(100)
+    tie[[7, 40]] = 2.0
+    nan = torch.randn(100, generator=g)
+    nan[[13, 60]] = float("nan")
+    inf = torch.full((10,), float("-inf"))
+    for logits in [*cases, tie, nan, inf, torch.zeros(0)[:0].new_zeros(1)]:
+        assert sample(logits, SamplingParams(temperature=0), None) == int(torch.argmax(logits))
+    assert sample(tie, SamplingParams(temperature=0), None) == 7
