@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=env("RADIX_API_KEY", ""),
                    help="require this key (Authorization: Bearer) on the OpenAI-compatible API under /v1 "
                         "(default: env RADIX_API_KEY; none: open)")
+    p.add_argument("--operator-key", default=env("RADIX_OPERATOR_KEY", ""),
+                   help="with --isolate, /metrics and /kv_event_sources answer only requests that carry "
+                        "'Authorization: Bearer <this key>' (default: env RADIX_OPERATOR_KEY; none: they are off)")
+    p.add_argument("--public-metrics", action=argparse.BooleanOptionalAction,
+                   default=env("RADIX_PUBLIC_METRICS", "0").strip().lower() in ("1", "true", "yes", "on"),
+                   help="with --isolate, serve /metrics and /kv_event_sources to everyone anyway (their "
+                        "counters show each visitor's prompt length when it ends)")
     p.add_argument("--backend", default=env("RADIX_BACKEND", ""), metavar="URL",
                    help="remote mode: send requests to this OpenAI-compatible server (vLLM, SGLang, another "
                         "instance of this app) instead of running a model here; --model then names the "
@@ -100,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="remote mode: follow the backend's KV events from this ZMQ endpoint "
                         "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
                         "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
+    p.add_argument("--fleet", default=env("RADIX_FLEET", ""), metavar="URL,URL,...",
+                   help="remote mode, --backend a router (python -m tools.fleet): the replicas behind it; the page "
+                        "follows each one's KV events (its GET /kv_event_sources) and shows them side by side in a "
+                        "Fleet tab, with the replica each request landed on; requests still go through the router")
     p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
                    help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
                         "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
@@ -107,7 +118,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eviction-policy", default=env("RADIX_EVICTION_POLICY", "lru"), metavar="NAME",
                    help="which cached leaves go first when the pool is full: lru (least recently used, the default) "
                         "or lfu (fewest hits); see engine/kvcache/eviction.py. With --isolate, fair share first")
+    p.add_argument("--replica", action=argparse.BooleanOptionalAction,
+                   default=env("RADIX_REPLICA", "0").strip().lower() in ("1", "true", "yes", "on"),
+                   help="one replica of a fleet behind a router (python -m tools.fleet): serve the API, /health, "
+                        "/metrics and KV events with none of the page's start-up work (no warm start of the "
+                        "shipped prompts, no growth curve), so several start fast and their caches start empty")
     args = p.parse_args(argv)
+    args.fleet = [u.strip() for u in args.fleet.split(",") if u.strip()]
+    if args.fleet and not args.backend:
+        p.error("--fleet needs --backend (the router in front of those replicas)")
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
     if args.max_per_client < 0:
@@ -180,30 +199,43 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens_cap=args.max_new_tokens)
     engine.check_backend()
-    engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
+    fleet = getattr(args, "fleet", [])
+    if fleet:  # the router's own /kv_event_sources would be one replica's: follow each replica instead
+        engine.follow_fleet(fleet, os.environ.get("RADIX_BACKEND_API_KEY") or None)
+    else:
+        engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
     return engine
 
 
-def server_routes(engine, api_key: str | None = None, max_per_client: int | None = None) -> list:
-    """The HTTP routes served next to the page: the OpenAI-compatible API and ``/metrics``
-    (remote mode: ``/metrics`` only, the backend serves its own API). ``max_per_client``: None for
-    the deployment's default, 0 for no cap."""
+def server_routes(engine, api_key: str | None = None, max_per_client: int | None = None,
+                  operator_key: str | None = None, public_metrics: bool = False) -> list:
+    """The HTTP routes served next to the page: the OpenAI-compatible API (with vLLM's render
+    routes), ``/metrics`` and ``/health`` (remote mode: ``/metrics`` and ``/health``, the backend's;
+    the backend serves its own API). ``max_per_client``: None for the deployment's default, 0 for no
+    cap. Who may read ``/metrics`` and ``/kv_event_sources``: ``server.exposure``'s rule, from
+    ``operator_key`` and ``public_metrics``; ``/health`` says only up or down, to anyone."""
+    from server.exposure import ServerReadRule
+    from server.health import health_routes
     from server.metrics import EngineMetrics, metrics_routes
     from server.openai_api import ApiState, api_routes
+    from server.render import render_routes
 
+    rule = ServerReadRule(bool(engine.isolation), operator_key or None, public_metrics)
     if engine.capabilities.remote:  # the backend serves its own API; /metrics adds what its events say
-        return metrics_routes(EngineMetrics(lambda: engine))
+        return metrics_routes(EngineMetrics(lambda: engine), rule) + health_routes(lambda: engine)
     publisher = engine.kv_events  # the local engine's own KV-event stream (None without --kv-events-config)
     sources = {"0": publisher.config} if publisher is not None and publisher.config else None
-    return (api_routes(ApiState(get_engine=lambda: engine, api_key=api_key or None, max_per_client=max_per_client,
-                                kv_event_sources=sources))
-            + metrics_routes(EngineMetrics(lambda: engine)))
+    state = ApiState(get_engine=lambda: engine, api_key=api_key or None, max_per_client=max_per_client,
+                     kv_event_sources=sources, server_read=rule)
+    return (api_routes(state) + render_routes(state)  # render: the prompt's ids, for a kv_aware router
+            + metrics_routes(EngineMetrics(lambda: engine), rule) + health_routes(lambda: engine))
 
 
-def app_kwargs(engine, api_key: str | None = None, max_per_client: int | None = None) -> dict:
+def app_kwargs(engine, api_key: str | None = None, max_per_client: int | None = None,
+               operator_key: str | None = None, public_metrics: bool = False) -> dict:
     """For ``demo.launch(app_kwargs=...)``: Gradio builds its FastAPI app with these routes
     first, so the page's catch-all routes cannot shadow them (same port as the page)."""
-    return {"routes": server_routes(engine, api_key, max_per_client)}
+    return {"routes": server_routes(engine, api_key, max_per_client, operator_key, public_metrics)}
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -228,7 +260,7 @@ def port_problem(host: str, port: int) -> str | None:
 # 5 ms). The engine's compute thread spends a decode step inside C kernels that release the GIL
 # and needs it back between them, while the HTTP server's threads run Python for the tokens
 # already out; at 0.5 ms one float32 stream through /v1 ran 5% faster here (43.3 against 41.1
-# tokens/s, two alternating pairs of runs; docs/PERFORMANCE.md, sixth round).
+# tokens/s, two alternating pairs of runs; docs/CHANGELOG.md, sixth round).
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -294,14 +326,16 @@ def _serve(args: argparse.Namespace) -> int:
     from components.demo import launch_kwargs
     from components.warm_start import start_growth_curve, warm_start
 
-    if not args.backend and not args.no_cache:
+    page_work = not args.backend and not args.no_cache and not args.replica
+    if page_work:
         warm_start(engine)  # shipped prompts cached before the page is served: the first question is a hit
     demo = build_app(engine, args.max_queue)
-    if not args.backend and not args.no_cache:
+    if page_work:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
     try:
         demo.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True,
-                    **launch_kwargs(app_kwargs(engine, args.api_key, args.max_per_client)))
+                    **launch_kwargs(app_kwargs(engine, args.api_key, args.max_per_client, args.operator_key,
+                                               args.public_metrics)))
         while demo.is_running:  # until Ctrl+C or SIGTERM, which may also come while launch() runs
             time.sleep(0.5)
     except OSError as exc:  # the port was taken between the check and now

@@ -1,7 +1,7 @@
 """What a fair prefill timing is and what it yields: plain records, no engine.
 
 Owns: ``TimingPolicy`` (how many pairs and runs a timing takes, its bounds) and
-``default_policy``; the results ``PrefillPair``, ``PrefillTiming``, ``WarmPrefix``,
+``default_policy``; the results ``PrefillPair``, ``LogitsCheck``, ``PrefillTiming``, ``WarmPrefix``,
 ``GrowthPoint``, ``GrowthCurve``; the medians a timing reports. ``prefill_timing.py`` measures
 and re-exports them; the page reads them. Knows nothing about the engine, the runner or the UI.
 """
@@ -52,6 +52,20 @@ class PrefillPair:
 
 
 @dataclass(frozen=True)
+class LogitsCheck:
+    """What a paired timing's two sides computed for the prompt's last token (the logits its first
+    new token is picked from), compared: with reuse (the cached prefix's KV copied, the rest
+    computed) and without (every token computed). ``identical`` is ``torch.equal`` on the float32
+    rows; the digests are their bytes' SHA-256 (first 16 hex digits), so a reader can see it."""
+
+    identical: bool
+    max_abs_diff: float
+    same_next_token: bool  # the greedy pick (first of the largest) is the same token
+    reuse_digest: str
+    full_digest: str
+
+
+@dataclass(frozen=True)
 class PrefillTiming:
     """One prompt timed with and without reuse. ``reuse_ms``/``full_ms`` are the median pair's;
     ``full_ms`` is None when the no-reuse side was over the bound (``skipped`` says why).
@@ -69,6 +83,7 @@ class PrefillTiming:
     block_tokens: int = 0
     reuse_runs: int = 1  # runs behind each pair's reuse figure (their median)
     skipped: str | None = None
+    logits: LogitsCheck | None = None  # both sides' last logits compared (None: the no-reuse side came from the memo)
 
     @property
     def speedup(self) -> float | None:

@@ -35,11 +35,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from analysis.per_engine import per_engine
 from analysis.prefill_records import (
     GrowthCurve,
     GrowthPoint,
+    LogitsCheck,
     PrefillPair,
     PrefillTiming,
     TimingPolicy,
@@ -50,7 +52,7 @@ from analysis.prefill_records import (
 )
 from engine.types import CacheKey, EngineError, EngineFault
 
-__all__ = ["GrowthCurve", "GrowthPoint", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
+__all__ = ["GrowthCurve", "GrowthPoint", "LogitsCheck", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
            "WarmPrefix", "default_policy", "timer_for"]
 
 GROWTH_NAMESPACE = "growth-curve"  # the curve's filler lives here while it is measured, then is cleared
@@ -58,6 +60,25 @@ GROWTH_LENGTHS = (256, 512, 1024, 2048, 4096)
 GROWTH_SUFFIX_TOKENS = 32  # the "question" after the cached part, as in a chat turn
 BACKGROUND_BLOCK_TOKENS = 256  # the longest compute call of background work (the growth curve)
 QUIET_S = 0.1  # background work starts a call only after visitors left the engine idle this long
+
+
+LastLogits = Any  # a float32 ``torch.Tensor`` [vocab]: torch is not imported here (remote mode loads none)
+
+
+def compare_logits(reuse, full) -> LogitsCheck:
+    """The two sides' last-token logits, compared bit for bit (``torch.equal``) and by digest. Call it
+    on the runner's compute thread: ops over a vocabulary's row run in parallel, and any other thread
+    that runs one starts an OpenMP pool of its own on the same cores."""
+    import torch
+
+    a, b = reuse.detach().float().cpu().contiguous(), full.detach().float().cpu().contiguous()
+
+    def digest(t) -> str:
+        return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+
+    return LogitsCheck(identical=bool(torch.equal(a, b)), max_abs_diff=float((a - b).abs().max()),
+                       same_next_token=int(a.argmax()) == int(b.argmax()), reuse_digest=digest(a),
+                       full_digest=digest(b))
 
 
 class PrefillTimer:
@@ -145,33 +166,36 @@ class PrefillTimer:
                 self._scratch_bytes -= nbytes
 
     # ---------------------------------------------------------- one prompt
-    def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int]:
+    def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int, LastLogits]:
         """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
-        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused).
-        ``background``: blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when
-        visitors leave the engine idle."""
+        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused, the
+        last token's float32 logits: what the first new token is picked from). ``background``:
+        blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when visitors leave the
+        engine idle."""
         with self._scratch(len(key.ids)) as kv:  # allocated outside the timed part, on both sides alike
             return self._timed_prefill_into(kv, key, cached, background)
 
-    def _timed_prefill_into(self, kv, key: CacheKey, cached: int, background: bool) -> tuple[float, int]:
+    def _timed_prefill_into(self, kv, key: CacheKey, cached: int, background: bool) -> tuple[float, int, LastLogits]:
         runner, ids, n = self.runner, key.ids, len(key.ids)
         block = max(1, self.policy.block_tokens)
         if background:
             block = min(block, BACKGROUND_BLOCK_TOKENS)
+
+        last: list = [None]  # the latest call's logits (kept, not copied: a row of the vocabulary)
 
         def first() -> tuple[float, int, int]:
             runner.synchronize()
             t0 = time.perf_counter()
             reused = self.cache.copy_prefix(key, cached, kv) if cached > 0 else 0
             stop = min(n, reused + block)
-            runner.forward_last(ids[reused:stop], kv)
+            last[0] = runner.forward_last(ids[reused:stop], kv)
             runner.synchronize()
             return (time.perf_counter() - t0) * 1000, reused, stop
 
         def more(start: int, stop: int) -> float:
             runner.synchronize()
             t0 = time.perf_counter()
-            runner.forward_last(ids[start:stop], kv)
+            last[0] = runner.forward_last(ids[start:stop], kv)
             runner.synchronize()
             return (time.perf_counter() - t0) * 1000
 
@@ -184,7 +208,7 @@ class PrefillTimer:
                 self._wait_for_quiet()
             ms += runner.compute.call(more, pos, stop)
             pos = stop
-        return ms, reused
+        return ms, reused, last[0]
 
     def _memo_key(self, key: CacheKey) -> tuple | None:
         floor = self.policy.memo_min_tokens
@@ -260,14 +284,19 @@ class PrefillTimer:
         if not self._busy.acquire(timeout=self.policy.wait_s):
             return replace(base, skipped="other timings were running; try again in a moment")
         copied = cached
+        logits: dict[str, LastLogits] = {}  # each side's last run: what its first new token is picked from
 
         def reuse_side() -> float:
             nonlocal copied
             times = []
             for _ in range(reps):
-                ms, copied = self._timed_prefill(key, cached)
+                ms, copied, logits["reuse"] = self._timed_prefill(key, cached)
                 times.append(ms)
             return _median(times)
+
+        def full_side() -> float:
+            ms, _, logits["full"] = self._timed_prefill(key, 0)
+            return ms
 
         try:
             done: list[PrefillPair] = []
@@ -275,11 +304,11 @@ class PrefillTimer:
                 if memo:
                     reuse_ms, full_ms = reuse_side(), memo[0]
                 elif i % 2 == 0:  # alternate which side goes first: drift lands on both
-                    full_ms = self._timed_prefill(key, 0)[0]
+                    full_ms = full_side()
                     reuse_ms = reuse_side()
                 else:
                     reuse_ms = reuse_side()
-                    full_ms = self._timed_prefill(key, 0)[0]
+                    full_ms = full_side()
                 done.append(PrefillPair(reuse_ms, full_ms))
         finally:
             self._busy.release()
@@ -292,7 +321,8 @@ class PrefillTimer:
         now = time.time()
         self._memo_put(mk, (_median([p.full_ms for p in done]), now, len(done)))
         return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=best.reuse_ms, full_ms=best.full_ms,
-                       full_measured_at=now, full_runs=len(done), reuse_runs=reps)
+                       full_measured_at=now, full_runs=len(done), reuse_runs=reps,
+                       logits=self.runner.compute.call(compare_logits, logits["reuse"], logits["full"]))
 
     # ---------------------------------------------------------- warm start
     def warm(self, prefixes: Sequence[tuple[str, CacheKey]]) -> tuple[WarmPrefix, ...]:

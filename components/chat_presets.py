@@ -1,4 +1,6 @@
-"""Content shipped with the app: system prompts and few-shot sets.
+"""Content shipped with the app: system prompts and few-shot sets, and how a request lays them
+out (``chat_messages`` for the chat, ``few_shot_prompt`` for the few-shot panel): the panels send
+these layouts, and the warm start caches the shipped part of the same layouts.
 
 Shipped content may be shared across visitors even in isolation mode (see
 ``components.session``), so the demo still shows cross-request sharing, and it
@@ -16,6 +18,8 @@ per device; the short support prompt is kept for comparison.
 """
 
 from __future__ import annotations
+
+from engine.validation import flatten_content
 
 # The long default: a support team's handbook, as a shop would ship it to its assistant (about
 # 2,300 tokens with the chat template, embedded model's tokenizer). Plain prose, no markup.
@@ -277,6 +281,17 @@ FEW_SHOT_PRESETS: dict[str, dict] = {
                     "Lena teaches piano in Vienna.", "Omar drives a taxi in Dubai."],
     },
 }
+
+
+def chat_messages(system: str, history: list[dict], message: str) -> list[dict]:
+    """The chat's message layout: the system prompt (if any), the user and assistant turns so
+    far (their content flattened to text), then ``message``."""
+    msgs = [{"role": "system", "content": system}] if system.strip() else []
+    for turn in history or []:
+        if isinstance(turn, dict) and turn.get("role") in ("user", "assistant"):
+            msgs.append({"role": turn["role"], "content": flatten_content(turn.get("content"))})
+    msgs.append({"role": "user", "content": message})
+    return msgs
 
 
 def few_shot_prompt(instruction: str, examples: list[tuple[str, str]], query: str) -> str:

@@ -13,6 +13,7 @@ import gradio as gr
 
 from components.panels.chat_panel import build_chat_panel
 from components.panels.fewshot_panel import build_fewshot_panel
+from components.panels.fleet_panel import build_fleet_panel
 from components.panels.growth_panel import build_growth_panel
 from components.panels.info_panel import build_info_panel
 from components.panels.lab.tab import build_ordering_lab
@@ -21,6 +22,7 @@ from components.panels.live import KEEP_ZOOM_JS, LiveView
 from components.panels.memory_panel import build_memory_panel
 from components.panels.overview_panel import build_overview_panel
 from components.panels.replay_panel import build_replay_panel
+from components.panels.reuse_check_panel import build_reuse_check
 from components.panels.scheduler_panel import build_scheduler_panel
 from components.panels.tree_panel import build_tree_panel
 from components.session import share_page_blocks
@@ -100,6 +102,8 @@ def build_demo(engine: EngineAPI) -> gr.Blocks:
                 with gr.Row():
                     with gr.Column(scale=3):
                         build_chat_panel(engine, last_metrics, last_timing)
+                        if engine.capabilities.logprobs:
+                            build_reuse_check(engine, last_metrics)
                     with gr.Column(scale=2):
                         live["Chat"] = [build_overview_panel(engine, last_metrics, active=True,
                                                              last_timing=last_timing)]
@@ -113,6 +117,9 @@ def build_demo(engine: EngineAPI) -> gr.Blocks:
                         live["Few-shot"] = [build_overview_panel(engine, last_metrics, active=False)]
             with gr.Tab("Radix tree"):
                 live["Radix tree"] = [build_tree_panel(engine, last_metrics)]
+            if engine.fleet_view() is not None:  # remote mode in front of a router with --fleet
+                with gr.Tab("Fleet"):
+                    live["Fleet"] = [build_fleet_panel(engine, last_metrics)]
             with gr.Tab("Cache memory"):
                 live["Cache memory"] = [build_memory_panel(engine)]
             with gr.Tab("Scheduler"):

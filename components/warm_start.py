@@ -14,7 +14,7 @@ import threading
 import time
 
 from analysis.prefill_timing import timer_for
-from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, default_scenario, few_shot_prompt
+from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, chat_messages, default_scenario, few_shot_prompt
 from components.session import page_keyed
 from components.views.format import fmt_ms, plural
 from engine.cache_keys import shipped_part
@@ -34,8 +34,6 @@ def _public_key(engine, messages: list[dict]) -> CacheKey | None:
 def shipped_prefixes(engine) -> list[tuple[str, CacheKey]]:
     """(label, key) of every shipped block, the chat's default document first. A block too long
     for the engine's prompt cap is left out (its requests would be refused anyway)."""
-    from components.panels.chat_panel import chat_messages  # the chat's own message layout
-
     first = chat_default(engine)
     names = [first] + [n for n in SYSTEM_PRESETS if n != first]
     out = []

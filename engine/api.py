@@ -12,6 +12,11 @@ Contract, for both implementations:
   message for a person), a full inbox ``EngineBusy``, a shut-down engine ``EngineFault``. The
   handle it returns yields ``GenerationEvent``s; the last one has ``done`` and ``metrics``.
   ``cancel()`` on the handle (or closing its iterator) ends the request; its KV stays consistent.
+- Log-probabilities (``GenerationRequest.logprobs``, ``prompt_logprobs``) come on the events as
+  ``TokenLogprob``s, computed only for requests that ask; an engine that cannot give them
+  refuses the request with ``EngineError``, never drops them (the remote engine passes the
+  chosen tokens' through from its backend, ``logprobs`` 0, and refuses alternatives and the prompt's).
+  ``token_texts(ids)`` is each token on its own as they show it: its text and its bytes.
 - ``prompt_ids`` tokenizes and validates exactly as ``submit`` will (same errors, same ids), so
   a caller that shows the tokens first may pass them on as ``prompt_ids`` (tokenized once).
 - ``snapshot(viewer)`` and ``stats(viewer)``: with isolation on and a ``viewer`` namespace,
@@ -22,6 +27,9 @@ Contract, for both implementations:
 - ``clear_cache(namespace)`` frees what nobody is reading (one namespace, or all); it never
   breaks a running request. ``set_budget`` raises ``EngineError`` where
   ``capabilities.settable_budget`` is False.
+- ``healthy()`` says whether the engine takes requests now (locally: not closed and its worker
+  running; remotely: the backend's own ``GET /health`` answered 200, or ``/v1/models`` where it
+  serves no ``/health``). It never blocks for long (remote: a short timeout, the answer kept a moment).
 - ``persist_cache()`` writes the cache to the second tier (0 where ``capabilities.second_tier``
   is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
 - ``spawn`` raises ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log``
@@ -59,6 +67,7 @@ from engine.types import (
     CacheKey,
     EngineInfo,
     EngineStats,
+    FleetView,
     GenerationEvent,
     GenerationRequest,
     RequestMetrics,
@@ -78,12 +87,13 @@ class Capabilities:
     scheduler_steps: bool  # step_log() shows this process's forwards (the Scheduler tab)
     remote: bool = False  # a client of another server (``info().backend`` names it)
     second_tier: bool = False  # evicted KV goes to disk or host memory; persist_cache() writes it for a restart
+    logprobs: bool = False  # requests may ask for log-probabilities (GenerationRequest.logprobs, prompt_logprobs)
 
 
 LOCAL = Capabilities(local_cache=True, settable_budget=True, prefill_timing=True, private_engines=True,
-                     scheduler_steps=True)
+                     scheduler_steps=True, logprobs=True)
 REMOTE = Capabilities(local_cache=False, settable_budget=False, prefill_timing=False, private_engines=False,
-                      scheduler_steps=False, remote=True)
+                      scheduler_steps=False, remote=True, logprobs=True)  # the chosen tokens' only (logprobs 0)
 
 
 @runtime_checkable
@@ -115,6 +125,7 @@ class EngineAPI(Protocol):
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def token_pieces(self, ids: Sequence[int]) -> list[str]: ...
+    def token_texts(self, ids: Sequence[int]) -> list[tuple[str, bytes]]: ...
     @property
     def tokenizer(self) -> Any: ...
     @property
@@ -133,6 +144,12 @@ class EngineAPI(Protocol):
         ``active`` once they describe the server's cache); ``{}`` when none are followed."""
         ...
 
+    def fleet_view(self, viewer: str | None = None) -> FleetView | None:
+        """A remote engine in front of a router with ``--fleet``: every replica's real tree (as
+        ``viewer`` may see it), where this dashboard's requests landed, the fleet's duplication
+        (``server.remote.fleet``); None for an engine without a fleet (the local one)."""
+        ...
+
     # controls
     def clear_cache(self, namespace: str | None = None) -> int: ...
     def set_budget(self, budget_bytes: int) -> int: ...
@@ -142,5 +159,6 @@ class EngineAPI(Protocol):
         """Stop once the requests already submitted are done; its memory and files are let go."""
         ...
     def configure_scheduler(self, **changes: Any) -> None: ...
+    def healthy(self) -> bool: ...
     def persist_cache(self) -> int | None: ...
     def backend_metrics(self) -> dict[str, float]: ...

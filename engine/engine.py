@@ -37,6 +37,7 @@ from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
 from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
+from engine.namespaces import owner_of
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
@@ -119,6 +120,12 @@ class Engine(FacadeBase):
         self.max_new_tokens_cap = max_new_tokens_cap
         self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)  # the inbox; the scheduler drains it
+        # On a public deployment one address (or API client) may hold at most half the waiting
+        # places, so it can never fill the inbox for everyone else, while a classroom behind it
+        # (many tabs asking at once) still fits; a running request holds no place.
+        self.max_waiting_per_owner = max(1, max_queue // 2)
+        self._submit_lock = threading.Lock()
+        self._in_hand: list[RequestHandle] = []  # the worker's handles between the inbox and the scheduler
         self._stats_lock = threading.Lock()
         self._next_id = 1
         self._seq = 0
@@ -146,17 +153,24 @@ class Engine(FacadeBase):
                 f"This prompt needs {(len(ids) + 1) * self.cache.bytes_per_token / 2**20:,.1f} MiB of KV and the "
                 f"cache budget is {self.cache.budget_bytes / 2**20:,.1f} MiB: shorten it or raise the budget.")
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
+        validation.check_logprobs(request)
         with self._stats_lock:
             rid = self._next_id
             self._next_id += 1
         handle = RequestHandle(request, ids, rid)
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
-        if self._waiting() >= self.max_queue:
-            raise busy
-        try:
-            self._queue.put_nowait(handle)
-        except queue.Full:
-            raise busy from None
+        with self._submit_lock:  # the counts and the put as one: two submits cannot both take the last place
+            if self._waiting() >= self.max_queue:
+                raise busy
+            mine = self._waiting_of(owner_of(request.namespace)) if self.isolation else 0
+            if mine >= self.max_waiting_per_owner:
+                raise EngineBusy(f"The engine is busy: you already have {mine} requests waiting (at most "
+                                 f"{self.max_waiting_per_owner} from one address). Wait for one to start, then "
+                                 "try again.")
+            try:
+                self._queue.put_nowait(handle)
+            except queue.Full:
+                raise busy from None
         return handle
 
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot:
@@ -175,7 +189,8 @@ class Engine(FacadeBase):
                     locked_tokens=cache.locked_tokens(), running=len(sched.running), waiting=waiting,
                     tokens_per_s=sched.tokens_per_s(), max_batch=sched.config.max_batch,
                     running_bytes=cache.running_tokens * cache.bytes_per_token, tree_bytes=cache.tree_bytes,
-                    shared_tokens=cache.shared_tokens, **cache.tier_stats())
+                    shared_tokens=cache.shared_tokens, **cache.tier_stats(),
+                    kv_events_dropped_batches=None if self.kv_events is None else self.kv_events.dropped_batches)
 
     def _view(self, viewer: str | None) -> TreeSnapshot:
         return self.cache.snapshot(None, viewer=viewer)
@@ -205,10 +220,24 @@ class Engine(FacadeBase):
         """The scheduler's last ``n`` forwards (all kept ones if None), oldest first."""
         return self.scheduler.step_log(n)
 
+    def healthy(self) -> bool:
+        """Takes requests now: not closed and its worker thread alive (a step that fails only fails
+        its requests: the worker lives on)."""
+        return not self._closed and self._worker.is_alive()
+
     def busy(self) -> bool:
         """A request waits or runs, or a step is under way: background measurements wait for
         this to be False (``analysis.prefill_timing``), so visitors never queue behind them."""
         return bool(self._waiting() or self.scheduler.has_work() or self.runner.lock.locked())
+
+    def _waiting_of(self, owner: str) -> int:
+        """Requests of ``owner`` (``engine.namespaces.owner_of``) submitted and not admitted yet."""
+        with self._queue.mutex:
+            queued = [h.request.namespace for h in self._queue.queue if h is not _STOP]
+        # Copies: the worker and the compute thread change these lists.
+        in_hand = [h.request.namespace for h in list(self._in_hand) if h is not _STOP]
+        waiting = [r.namespace for r in list(self.scheduler.waiting)]
+        return sum(owner_of(ns) == owner for ns in queued + in_hand + waiting)
 
     def _waiting(self) -> int:
         """Requests submitted and not admitted yet (the inbox and the scheduler's waiting list):
@@ -241,7 +270,7 @@ class Engine(FacadeBase):
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
                           cache_enabled=self.cache.enabled, isolation=self.isolation,
                           linear_kernels=r.linear_kernels, forward=r.forward_kind,
-                          attention=r.attention.describe(),
+                          attention=r.attention.describe(), isa=r.kernel_isa,
                           eviction=self.eviction_policy.describe() if self.cache.enabled else "")
 
     def clear_cache(self, namespace: str | None = None) -> int:
@@ -273,6 +302,7 @@ class Engine(FacadeBase):
             if first is _STOP:
                 return
             pending = [first]
+            self._in_hand = pending  # taken from the inbox, not yet in the scheduler: still waiting
             while True:
                 try:
                     with self.runner.lock:  # engines sharing one runner take turns, step by step
@@ -302,7 +332,7 @@ class Engine(FacadeBase):
         compute = self.runner.compute
         while True:
             self._take(pending)
-            pending = []
+            pending = self._in_hand = []
             finished = self.scheduler.step()
             if (finished or self._stopping or not self.scheduler.has_work() or self.runner.lock.waiting
                     or compute.busy_elsewhere):
@@ -406,5 +436,6 @@ class Engine(FacadeBase):
                 matched_path=list(kv.path), prompt_ids=list(ids), output_ids=list(out_ids),
                 output_text=r.answer.text, finished_at=time.time(), batch_size_max=max(sizes),
                 batch_size_mean=sum(sizes) / len(sizes), prefill_chunks=max(1, t.prefill_chunks),
-                prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms)
+                prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms,
+                output_logprobs=None if req.logprobs is None else list(r.answer.logprobs))
             return self._add_record(m)

@@ -32,6 +32,7 @@ from engine.types import (
     CacheKey,
     EngineError,
     EngineStats,
+    FleetView,
     GenerationEvent,
     GenerationRequest,
     RequestMetrics,
@@ -108,6 +109,10 @@ class FacadeBase:
     def kv_event_figures(self) -> dict:
         """``{}``: this engine follows no server's KV events (a remote engine overrides it)."""
         return {}
+
+    def fleet_view(self, viewer: str | None = None) -> FleetView | None:
+        """None: no fleet behind this engine (a remote engine with ``--fleet`` overrides it)."""
+        return None
 
     def _start_records(self, history_size: int, lock: Any) -> None:
         self._records_lock = lock
@@ -258,6 +263,10 @@ class FacadeBase:
     def token_pieces(self, ids: Sequence[int]) -> list[str]:
         """One display string per token; their concatenation is ``decode(ids)``."""
         return self.text.token_pieces(ids)
+
+    def token_texts(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token on its own, as logprobs show it: (its text decoded alone, its UTF-8 bytes)."""
+        return self.text.token_texts(ids)
 
     @property
     def tokenizer(self) -> Any:

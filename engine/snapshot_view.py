@@ -38,9 +38,23 @@ HIDDEN_BUCKET_TOKENS = 256  # others' activity shows only in whole buckets: one 
 HIDDEN_SPILLED_BASE = -(1 << 50)  # ids of hidden "others" nodes of the second tier (below every other id)
 
 
+RATE_BUCKET_TOKENS_PER_S = 10.0  # everyone's output rate, as a stranger sees it: 100 tokens in a 10 s window
+
+
+def coarse_rate(tokens_per_s: float) -> float:
+    """Everyone's output tokens/s rounded down to whole ``RATE_BUCKET_TOKENS_PER_S``: one visitor's
+    answer (tens of tokens) does not move it, a server under load still reads as one."""
+    return (max(0.0, tokens_per_s) // RATE_BUCKET_TOKENS_PER_S) * RATE_BUCKET_TOKENS_PER_S
+
+
 def coarse_tokens(num_tokens: int) -> int:
     """``num_tokens`` rounded up to whole ``HIDDEN_BUCKET_TOKENS`` buckets."""
     return -(-num_tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS
+
+
+def coarse_bytes(num_bytes: int, bytes_per_token: int) -> int:
+    """``num_bytes`` of KV as the bytes of the whole ``HIDDEN_BUCKET_TOKENS`` buckets its tokens fill."""
+    return coarse_tokens(-(-num_bytes // bytes_per_token)) * bytes_per_token
 
 
 def is_own(viewer: str, namespace: str) -> bool:

@@ -5,6 +5,11 @@ geometry and, on disk, a digest of the weights) and ``make_tier`` (a disk folder
 fingerprint and mode, or host memory on a GPU without a folder, or none). Knows the runner
 only for its geometry and weights; what the store keeps and its trust rule are
 ``engine.kvcache.kv_tier``'s, how the cache uses it ``engine.kvcache.second_tier``'s.
+
+The tier's folder (``tier_dir``) is created with mode 0o700 and must be the user's alone
+(``kv_tier.unsafe_folder``: the user's or root's, not writable by others unless sticky): one
+that others may write gets no second tier (one log line), and its weights' digests are
+neither read nor kept there (the weights are hashed in full instead).
 """
 
 from __future__ import annotations
@@ -27,16 +32,25 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
     """What the second tier's KV depends on (``kv_tier.fingerprint``). On disk that includes a digest
     of the weights (memoized beside the tier's folders, so a start re-hashes only changed files);
     host memory ends with the process, so there the weights need no digest."""
-    from engine.model import native_linear  # torch's side: a remote engine never asks
+    from engine.model import native_build, native_linear  # torch's side: a remote engine never asks
 
     weights = "" if tier_dir is None else kv_tier.weights_digest(
-        getattr(runner, "weight_files", ()), runner.model, memo=Path(tier_dir) / "weight-digests.json")
+        getattr(runner, "weight_files", ()), runner.model, memo=_memo_in(Path(tier_dir)))
     return kv_tier.fingerprint(runner.name, runner.dtype, runner.text.tokenizer, runner.num_layers,
                                runner.num_kv_heads, runner.head_dim, weights=weights,
                                packed_linear=getattr(runner, "packed_linears", 0) > 0,
                                native_linear=native_linear.MAX_ROWS if getattr(runner, "native_linears", 0) else 0,
                                fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None,
-                               attention=_attention_kernels(runner))
+                               attention=_attention_kernels(runner), isa=native_build.isa())
+
+
+def _memo_in(tier_dir: Path) -> Path | None:
+    """Where the weights' digests are kept: in ``tier_dir`` when it is the user's alone, else nowhere."""
+    try:
+        tier_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    return None if kv_tier.unsafe_folder(tier_dir, parent=True) else tier_dir / "weight-digests.json"
 
 
 def _attention_kernels(runner: ModelRunner) -> str:
@@ -58,8 +72,12 @@ def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, finger
         return kv_tier.HostStore(tier_bytes, geometry) if runner.device.type != "cpu" else None
     folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        why = kv_tier.unsafe_folder(folder.parent, parent=True)
+        if why:
+            raise kv_tier.TierUnsafe(f"the KV tier's folder {folder.parent} {why}")
         store = kv_tier.DiskStore(folder, tier_bytes, geometry)
-    except (kv_tier.TierBusy, OSError) as exc:  # held by another engine, or a folder that cannot be made
+    except (kv_tier.TierBusy, kv_tier.TierUnsafe, OSError) as exc:  # held, not the user's alone, or not made
         log.warning("KV tier: running without a second tier: %s", exc)
         return None
     kv_tier.prune_other_tiers(folder.parent, keep=folder)

@@ -88,6 +88,12 @@ class GenerationRequest:
     public_len: int = 0
     tag: str = ""  # free label shown in the history (e.g. "chat", "few-shot")
     store: bool = True  # False: nothing of this request is kept in the cache (nobody could reuse it)
+    # Log-probabilities (``TokenLogprob``), computed only for requests that ask: ``logprobs`` k
+    # gives each generated token's with its k most likely alternatives (0 to 20); ``prompt_logprobs``
+    # k gives every prompt token's from the second on (the prompt is then computed whole, reusing
+    # no cached prefix: a cached token's logits were never computed by this request). None: off.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -127,12 +133,27 @@ class RequestMetrics:
     # instead of being found in the pool, and what loading them cost (inside ``prefill_ms``).
     tier_tokens: int = 0
     tier_load_ms: float = 0.0
+    # One per streamed output token (``output_ids`` minus a final eos), where the request asked
+    # for ``logprobs``; None otherwise. Prompt logprobs come only on the events (they can be long).
+    output_logprobs: list[TokenLogprob] | None = None
 
     @property
     def speedup(self) -> float | None:
         if self.baseline_prefill_ms is None or self.prefill_ms <= 0:
             return None
         return self.baseline_prefill_ms / self.prefill_ms
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability where it stands: the log-softmax, in float32 over the whole
+    vocabulary, of the very logits row the next token was sampled from (before the loop guards
+    and the temperature: the model's own distribution), and the ``top`` most likely tokens of
+    that row as ``(token_id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,6 +174,11 @@ class GenerationEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefilled_tokens: int = 0
+    # With ``GenerationRequest.logprobs``: this token's (``token_id``'s) log-probability.
+    logprob: TokenLogprob | None = None
+    # With ``GenerationRequest.prompt_logprobs``: once, on the progress event that ends the prefill
+    # (before any token), one entry per prompt token; the first is None (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +251,7 @@ class EngineInfo:
     linear_kernels: str = ""  # how the model's linear layers multiply ("" when unknown, e.g. remote)
     forward: str = ""  # what runs the scheduler's forward, in words ("" when unknown, e.g. remote)
     attention: str = ""  # the attention kernel serving reads the pool with, in words ("" when unknown)
+    isa: str = ""  # the instruction set our C kernels are built for, in words (RADIX_ISA; "" when none run)
     backend: str = ""  # remote mode: the server's URL (memory, budget and KV geometry unknown here)
     backend_model: str = ""  # remote mode: the model name the server serves
     cache_reported: bool | None = None  # remote mode: does the server report cached tokens (None: not yet known)
@@ -261,7 +288,10 @@ class EngineStats:
     tier_spilled_tokens: int = 0
     tier_bytes_read: int = 0
     tier_bytes_written: int = 0
+    tier_queued_bytes: int = 0  # evicted KV handed to the tier, not yet written (outside the pool's budget)
+    tier_queue_bound_bytes: int = 0  # the most that queue may hold
     tier_kind: str = ""  # "disk", "host memory" or "" (off)
+    kv_events_dropped_batches: int | None = None  # our KV-event publisher's dropped batches (None: not publishing)
 
     @property
     def hit_rate(self) -> float:
@@ -270,3 +300,50 @@ class EngineStats:
     @property
     def prefill_ms_saved(self) -> float:
         return max(0.0, self.baseline_prefill_ms - self.reuse_prefill_ms_measured)
+
+
+# ---------------------------------------------------------------- a fleet behind a router (remote mode)
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica of a fleet as its KV events and its ``/metrics`` describe it (``FleetView``)."""
+
+    url: str
+    snapshot: TreeSnapshot  # its blocks, as the tree tab draws a remote server's (origin "events")
+    block_size: int  # 0: no block stored yet
+    blocks_held: int
+    tokens_held: int
+    events_alive: bool  # its subscriber's thread runs (False: no events found at its /kv_event_sources)
+    requests_landed: int  # this dashboard's requests attributed to it (``FleetRequest.landed``)
+    hit_rate: float | None  # prefix-cache hits / queries from its /metrics (all its clients); None: unknown
+    running: float | None  # requests running there now, from its /metrics; None: unknown
+
+
+@dataclass(frozen=True)
+class FleetRequest:
+    """Where one request of this dashboard landed, and what the fleet held for it when it was sent.
+    Token counts are whole blocks of the prompt, at most all but its last token (as vLLM counts)."""
+
+    request_id: int
+    prompt_tokens: int
+    landed: int | None  # replica index; None: the rule could not tell (``rule`` says why)
+    rule: str  # "gained" / "reported" / "ambiguous" / "no events" (server.remote.fleet.attribute)
+    cached_reported: int | None  # the answer's usage.prompt_tokens_details.cached_tokens
+    cached_on_landed: int | None  # the landed replica's blocks of the prompt before it ran, by its events
+    best_before: int  # the most any replica held before it ran: what a perfect router would have reused
+    best_replica: int | None
+    namespace: str = PUBLIC  # whose request (a viewer under isolation sees only their own)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """Every replica side by side, the last requests' attribution and the fleet's duplication.
+    ``duplicate_bytes`` is None where the replicas do not say their KV bytes per token."""
+
+    replicas: tuple[ReplicaView, ...]
+    requests: tuple[FleetRequest, ...]
+    tokens_held: int  # summed over replicas (a block on two replicas counts twice)
+    tokens_distinct: int  # counted once however many replicas hold them
+    tokens_on_several: int  # distinct tokens held on more than one replica
+    duplicate_copy_tokens: int  # copies beyond the first: tokens_held - tokens_distinct
+    kv_bytes_per_token: float | None
+    duplicate_bytes: int | None

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from numbers import Real
 
-from engine.types import EngineError, SamplingParams
+from engine.types import EngineError, GenerationRequest, SamplingParams
 
 EMPTY_PROMPT = "The prompt is empty: type something first."
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per position (OpenAI's top_logprobs cap)
 PREFIX_CHARS_PER_TOKEN = 8  # characters tokenized per allowed token before an over-long text is refused
 
 
@@ -151,6 +152,16 @@ def check_sampling(params: object) -> SamplingParams:
         raise EngineError("Ignore EOS must be true or false.")
     return replace(params, max_new_tokens=int(max(-1.0, min(max_new, 2.0**31))), temperature=temperature,
                    top_p=top_p, seed=seed, no_repeat_ngram_size=int(ngram), repetition_penalty=penalty)
+
+
+def check_logprobs(request: GenerationRequest) -> None:
+    """``logprobs`` and ``prompt_logprobs``: None (off) or a whole number of alternatives, 0 to 20."""
+    for name, value in (("logprobs", request.logprobs), ("prompt_logprobs", request.prompt_logprobs)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise EngineError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
+                              f"token), or None for none; got {str(value)[:40]!r}.")
 
 
 def valid_text(text: str) -> str:

@@ -17,6 +17,7 @@ metric names, and reading the engine at scrape time:
 A value the engine cannot know (a remote backend's memory) is left out, not guessed. In remote
 mode, with the backend's KV events followed, its blocks per medium (``radix_backend_kv_blocks``)
 and the events applied (``radix_backend_kv_events_total``) are what its events said.
+Who may scrape it is ``server.exposure``'s rule (on a public deployment, the operator only).
 Knows nothing about the UI or the API's requests.
 """
 
@@ -26,13 +27,14 @@ import threading
 from collections.abc import Callable, Iterator
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Route
 
 from engine.api import EngineAPI
+from server.exposure import NOT_HERE, ServerReadRule
 
 PREFIX = "radix"
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -96,6 +98,10 @@ class _StatsCollector(Collector):
             if value is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield from _backend_kv(engine)
+        if stats.kv_events_dropped_batches is not None:  # this engine's own publisher (``--kv-events-config``)
+            yield CounterMetricFamily(f"{PREFIX}_kv_events_dropped_batches", "KV-event batches dropped because the "
+                                      "sending thread was behind (subscribers see a gap).",
+                                      value=stats.kv_events_dropped_batches)
 
 
 def _backend_kv(engine: EngineAPI) -> Iterator[Metric]:
@@ -119,6 +125,9 @@ def _backend_kv(engine: EngineAPI) -> Iterator[Metric]:
                               value=figures["events"])
     yield CounterMetricFamily(f"{PREFIX}_backend_kv_event_gaps", "Times the backend's event sequence skipped ahead "
                               "(filled from its replay endpoint).", value=figures["gaps"])
+    yield CounterMetricFamily(f"{PREFIX}_backend_kv_batches_rejected", "Event batches from the backend not applied "
+                              "(malformed, or failed to apply); the subscriber goes on.",
+                              value=figures.get("rejected", 0))
 
 
 class EngineMetrics:
@@ -164,10 +173,14 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-def metrics_routes(metrics: EngineMetrics) -> list[BaseRoute]:
+def metrics_routes(metrics: EngineMetrics, rule: ServerReadRule | None = None) -> list[BaseRoute]:
+    """``GET /metrics``, for whoever ``rule`` (``server.exposure``) lets read server-wide figures;
+    None: everyone (a private deployment)."""
     async def scrape(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
+        if rule is not None and not rule.allows(request.headers):
+            return JSONResponse({"detail": NOT_HERE}, status_code=404)
         return Response(await run_in_threadpool(metrics.text), media_type=CONTENT_TYPE_LATEST)
 
     return [Route("/metrics", scrape, methods=["GET"])]

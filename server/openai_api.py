@@ -26,10 +26,20 @@ from starlette.routing import BaseRoute
 
 from engine.api import EngineAPI
 from engine.handle import RequestHandle
-from engine.types import EngineBusy, EngineError, EngineFault, GenerationEvent, GenerationRequest, RequestMetrics
+from engine.types import (
+    EngineBusy,
+    EngineError,
+    EngineFault,
+    GenerationEvent,
+    GenerationRequest,
+    RequestMetrics,
+    TokenLogprob,
+)
+from server import openai_logprobs as lps
 from server import openai_protocol as proto
 from server.cache_scope import keyed_request
 from server.client_limits import ClientLimits, Lease, client_identity, default_max_per_client
+from server.exposure import NOT_HERE, ServerReadRule
 from server.openai_protocol import ApiError, ParsedRequest, StopMatcher
 from server.request_guard import MAX_BODY_BYTES, BodyTooLarge
 
@@ -52,6 +62,8 @@ class ApiState:
     # What ``GET /kv_event_sources`` serves, as vLLM does (``{"0": config}``): this engine's own
     # KV-event publisher, so a dashboard in front of this app finds its stream. None: 404.
     kv_event_sources: dict | None = None
+    # Who may read server-wide routes (``/kv_event_sources``); None: those with an API key, if any.
+    server_read: ServerReadRule | None = None
 
     def keys(self) -> list[str]:
         """The accepted keys: ``api_key`` may list several, comma-separated (one per client)."""
@@ -159,9 +171,31 @@ async def read_json(request: Request) -> object:
     except ClientDisconnect:  # gone before the body ended: nobody reads the answer, no traceback logged
         raise proto.bad_request("The client closed the connection before the body ended.") from None
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise proto.bad_request("The request body is not valid JSON.") from None
+    except RecursionError:  # deeper than the decoder's own limit
+        raise proto.bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.") from None
+    if nested_deeper(value, MAX_JSON_DEPTH):
+        raise proto.bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
+    return value
+
+
+# No request of this API nests deeper than a few levels (messages -> content parts -> fields).
+MAX_JSON_DEPTH = 32
+
+
+def nested_deeper(value: object, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests lists or objects deeper than ``limit``; iterative, so
+    no depth can exhaust the stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 async def events_of(handle: RequestHandle) -> AsyncIterator[GenerationEvent]:
@@ -183,12 +217,18 @@ class Outcome:
     metrics: RequestMetrics | None = None
     stopped: bool = False
     token_ids: list[int] = field(default_factory=list)  # generated, up to a stop string
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in ``token_ids``, where asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # with echo and logprobs, once prefilled
 
 
 async def deltas(handle: RequestHandle, stops: tuple[str, ...], out: Outcome) -> AsyncIterator[str]:
     """New visible text as it comes; fills ``out`` (the final text and metrics) on the way."""
     matcher = StopMatcher(stops)
     async for event in events_of(handle):
+        if event.prompt_logprobs is not None:  # the prompt is scored (echo): a stream sends it now
+            out.prompt_logprobs = event.prompt_logprobs
+            yield ""
+            continue
         if event.done:
             out.metrics = event.metrics
             if not matcher.stopped:
@@ -200,6 +240,8 @@ async def deltas(handle: RequestHandle, stops: tuple[str, ...], out: Outcome) ->
         if event.token_id is None or matcher.stopped:  # progress events; or past a stop string
             continue
         out.token_ids.append(event.token_id)
+        if event.logprob is not None:
+            out.logprobs.append(event.logprob)
         text = matcher.visible(event.text)
         if matcher.stopped:
             handle.cancel()  # the engine ends it at the next token and reports its metrics
@@ -236,10 +278,14 @@ class OpenAIApi:
         return JSONResponse(proto.models_list(self.state.model_name or ""))
 
     async def kv_event_sources(self, request: Request) -> Response:
-        try:
-            self.state.check_key(request)
-        except ApiError as exc:
-            return error_response(exc)
+        rule = self.state.server_read
+        if rule is not None and not rule.allows(request.headers):
+            return error_response(ApiError(404, NOT_HERE, "invalid_request_error", None, "not_found"))
+        if rule is None or not rule.isolation:
+            try:
+                self.state.check_key(request)
+            except ApiError as exc:
+                return error_response(exc)
         if not self.state.kv_event_sources:
             return error_response(ApiError(404, "This server publishes no KV events (start it with "
                                            "--kv-events-config).", "invalid_request_error", None, "not_found"))
@@ -258,8 +304,12 @@ class OpenAIApi:
             parsed = parse(await read_json(request), engine.max_new_tokens_cap)
             self.state.check_model(parsed.model)
             client = self.state.client_of(request)
+            if parsed.logprobs is not None and not engine.capabilities.logprobs:
+                raise proto.bad_request("This server cannot give log-probabilities: its engine is a client of another "
+                                        "server (remote mode) and does not pass them through.", "logprobs")
             gen = GenerationRequest(messages=parsed.messages, prompt=parsed.prompt, prompt_ids=parsed.prompt_ids,
-                                    sampling=parsed.sampling, tag=API_TAG)
+                                    sampling=parsed.sampling, tag=API_TAG, logprobs=parsed.logprobs,
+                                    prompt_logprobs=parsed.logprobs if parsed.echo else None)
             lease = self.state.take_place(client)  # 429 at the client's cap, before any work
         except Exception as exc:
             return error_response(api_error(exc))
@@ -272,7 +322,7 @@ class OpenAIApi:
             return error_response(api_error(exc, "messages" if chat else "prompt"))
         model = self.state.model_name or ""
         if parsed.stream:
-            return StreamingResponse(released(self._stream(handle, parsed, model, chat), lease),
+            return StreamingResponse(released(self._stream(handle, parsed, model, chat, engine), lease),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(watch_disconnect(request, handle))
@@ -288,21 +338,37 @@ class OpenAIApi:
         if out.metrics is None:
             return error_response(ApiError(500, "The request ended without a result.", "server_error"))
         finish, use = proto.finish_reason(out.metrics, out.stopped), proto.usage(out.metrics, completion_tokens(out))
-        if chat:
-            body = proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use)
-        else:
-            body = proto.completion_response(proto.new_id("cmpl"), model, out.text, finish, use)
+        try:
+            if chat:
+                logprobs = None if parsed.logprobs is None else lps.chat_logprobs(out.logprobs, engine.token_texts)
+                body = proto.chat_response(proto.new_id("chatcmpl"), model, out.text, finish, use, logprobs)
+            else:
+                echoed = echo_text(engine, parsed)
+                logprobs = None
+                if parsed.logprobs is not None:
+                    ids = [e.token_id for e in out.logprobs]
+                    logprobs = lps.completion_logprobs(ids, out.logprobs, engine.token_texts, engine.token_pieces,
+                                                       len(echoed))
+                    if parsed.echo:
+                        logprobs = lps.joined(prompt_logprobs(engine, handle, out), logprobs)
+                body = proto.completion_response(proto.new_id("cmpl"), model, echoed + out.text, finish, use,
+                                                 logprobs)
+        except Exception as exc:
+            return error_response(api_error(exc))
         if parsed.return_token_ids:
             body["prompt_token_ids"] = out.metrics.prompt_ids
             body["choices"][0]["token_ids"] = out.token_ids
         return JSONResponse(body)
 
-    async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str,
-                      chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str, chat: bool,
+                      engine: EngineAPI) -> AsyncIterator[bytes]:
         rid = proto.new_id("chatcmpl" if chat else "cmpl")
         usage_field = parsed.include_usage  # OpenAI sends "usage": null on every chunk but the last then
         out = Outcome()
         ids_sent = 0
+        # completions with echo: the prompt goes first, in a chunk of its own (with its logprobs, once scored)
+        echo_pending = parsed.echo
+        trail = None if parsed.logprobs is None else lps.LogprobTrail(chat, engine.token_texts, engine.token_pieces)
 
         def chunk(text: str, finish: str | None = None) -> bytes:
             nonlocal ids_sent
@@ -311,6 +377,8 @@ class OpenAIApi:
                                         with_usage_field=usage_field)
             else:
                 body = proto.completion_chunk(rid, model, text, finish, with_usage_field=usage_field)
+            if trail is not None and (finish is None or trail.sent < len(out.logprobs)):
+                body["choices"][0]["logprobs"] = trail.part(out.logprobs)  # the tokens since the last chunk
             if parsed.return_token_ids:  # vLLM's shape: each chunk carries its new token ids
                 body["choices"][0]["token_ids"] = out.token_ids[ids_sent:]
                 ids_sent = len(out.token_ids)
@@ -322,8 +390,15 @@ class OpenAIApi:
             if chat:
                 yield sse(proto.chat_chunk(rid, model, {"role": "assistant", "content": ""},
                                            with_usage_field=usage_field))
+            if echo_pending and parsed.logprobs is None:  # nothing to wait for
+                echo_pending = False
+                yield sse(self._echo_chunk(rid, model, parsed, engine, handle, out, trail, usage_field))
             async for delta in deltas(handle, parsed.stop, out):
-                yield chunk(delta)
+                if echo_pending and out.prompt_logprobs is not None:  # scored: before any token
+                    echo_pending = False
+                    yield sse(self._echo_chunk(rid, model, parsed, engine, handle, out, trail, usage_field))
+                if delta:
+                    yield chunk(delta)
             if out.metrics is None:
                 raise ApiError(500, "The request ended without a result.", "server_error")
             yield chunk("", proto.finish_reason(out.metrics, out.stopped))
@@ -336,6 +411,33 @@ class OpenAIApi:
         finally:
             handle.cancel()
         yield sse("[DONE]")
+
+    @staticmethod
+    def _echo_chunk(rid: str, model: str, parsed: ParsedRequest, engine: EngineAPI, handle: RequestHandle,
+                    out: Outcome, trail: lps.LogprobTrail | None, usage_field: bool) -> dict:
+        """The stream's first completion chunk under ``echo``: the prompt's text (and its logprobs);
+        the answer's text offsets then go on after it."""
+        text = echo_text(engine, parsed)
+        body = proto.completion_chunk(rid, model, text, with_usage_field=usage_field)
+        if trail is not None:
+            body["choices"][0]["logprobs"] = prompt_logprobs(engine, handle, out)
+            trail.offset = len(text)
+        return body
+
+
+def echo_text(engine: EngineAPI, parsed: ParsedRequest) -> str:
+    """The prompt as echoed (completions' ``echo``): the text given, or the ids given decoded; "" without echo."""
+    if not parsed.echo:
+        return ""
+    return parsed.prompt if parsed.prompt is not None else engine.decode(list(parsed.prompt_ids or ()))
+
+
+def prompt_logprobs(engine: EngineAPI, handle: RequestHandle, out: Outcome) -> dict:
+    """The echoed prompt's completion ``logprobs`` (its ids as the engine ran them), from the
+    entries its prefill sent."""
+    if out.prompt_logprobs is None or handle.ids is None:
+        raise ApiError(500, "The prompt's log-probabilities did not come.", "server_error")
+    return lps.completion_logprobs(handle.ids, out.prompt_logprobs, engine.token_texts, engine.token_pieces)
 
 
 def api_routes(state: ApiState) -> list[BaseRoute]:

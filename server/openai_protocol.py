@@ -20,6 +20,8 @@ from engine.types import RequestMetrics, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 200
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI (the engine's own cap: validation.MAX_LOGPROBS)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI
 
 
 class ApiError(Exception):
@@ -52,6 +54,10 @@ class ParsedRequest:
     stop: tuple[str, ...]
     cache_salt: str | None
     return_token_ids: bool = False  # vLLM's extra: prompt and output token ids in the response
+    # Alternatives per generated token whose log-probabilities the client asked for (chat's
+    # ``logprobs: true`` with ``top_logprobs``, completions' ``logprobs``); None: no logprobs.
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt comes first in the text (and in the logprobs, where asked)
 
 
 # ------------------------------------------------------------------ reading bodies
@@ -74,10 +80,10 @@ def _number(body: dict, name: str, default: float | None, low: float, high: floa
     return int(value) if integer else float(value)
 
 
-def _flag(body: dict, name: str) -> bool:
-    """An optional true/false parameter (absent or null: false)."""
+def _flag(body: dict, name: str, strict: bool = False) -> bool:
+    """An optional true/false parameter (absent or null: false); ``strict``: 1 and 0 are not booleans."""
     value = body.get(name)
-    if value not in (None, True, False):
+    if value not in (None, True, False) or (strict and value is not None and not isinstance(value, bool)):
         raise bad_request(f"'{name}' must be true or false.", name)
     return bool(value)
 
@@ -109,9 +115,6 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
         raise bad_request("'model' must be a string.", "model")
     if body.get("n") not in (None, 1):
         raise bad_request("'n' must be 1: this server returns one choice per request.", "n")
-    for name in ("logprobs", "echo"):
-        _unsupported(body, name, (None, False))
-    _unsupported(body, "top_logprobs", (None, 0))
     _unsupported(body, "best_of", (None, 1))
     for name in ("frequency_penalty", "presence_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
@@ -149,8 +152,42 @@ def _common(body: Any, max_new_tokens_cap: int) -> dict:
                 return_token_ids=token_ids)
 
 
+def _whole(body: dict, name: str, high: int, what: str) -> int | None:
+    """An optional whole number from 0 to ``high`` (absent or null: None)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer() \
+            or not 0 <= value <= high:
+        raise bad_request(f"'{name}' must be a whole number from 0 to {high} ({what}); got {str(value)[:40]!r}.",
+                          name)
+    return int(value)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, only with ``logprobs``)."""
+    if body.get("echo") not in (None, False):
+        raise bad_request("'echo' is not supported on /v1/chat/completions (it is a /v1/completions parameter).",
+                          "echo")
+    wanted = _flag(body, "logprobs", strict=True)
+    top = _whole(body, "top_logprobs", MAX_TOP_LOGPROBS, "the most likely tokens shown at each position")
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict) -> tuple[int | None, bool]:
+    """Completions' ``logprobs`` (0 to 5: the most likely tokens shown besides the chosen one) and ``echo``."""
+    if body.get("top_logprobs") is not None:
+        raise bad_request("'top_logprobs' is a /v1/chat/completions parameter; on /v1/completions give "
+                          f"'logprobs' a number from 0 to {MAX_COMPLETION_LOGPROBS}.", "top_logprobs")
+    return (_whole(body, "logprobs", MAX_COMPLETION_LOGPROBS, "the most likely tokens shown at each position"),
+            _flag(body, "echo", strict=True))
+
+
 def parse_chat(body: Any, max_new_tokens_cap: int) -> ParsedRequest:
     common = _common(body, max_new_tokens_cap)
+    common["logprobs"] = _chat_logprobs(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -174,6 +211,7 @@ def parse_chat(body: Any, max_new_tokens_cap: int) -> ParsedRequest:
 
 def parse_completion(body: Any, max_new_tokens_cap: int) -> ParsedRequest:
     common = _common(body, max_new_tokens_cap)
+    common["logprobs"], common["echo"] = _completion_logprobs(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -219,6 +257,9 @@ def now_s() -> int:
     return int(time.time())
 
 
+STARTED_S = now_s()
+
+
 def usage(m: RequestMetrics, completion_tokens: int) -> dict:
     """Token counts as OpenAI and vLLM report them, with ``prompt_tokens_details.cached_tokens``.
 
@@ -234,9 +275,9 @@ def finish_reason(m: RequestMetrics, stopped: bool) -> str:
     return "stop" if stopped or m.finish_reason != "length" else "length"
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish}], "usage": use}
 
 
@@ -251,9 +292,10 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use
     return chunk
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": now_s(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": use}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None,
@@ -268,4 +310,5 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
 
 
 def models_list(model: str, owned_by: str = "radix-cache-playground") -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": now_s(), "owned_by": owned_by}]}
+    # ``created``: when this process started serving, the same on every call (nothing moves with traffic)
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": STARTED_S, "owned_by": owned_by}]}

@@ -13,6 +13,7 @@ namespaces both count by. Knows nothing about Gradio's Blocks or the engine.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -30,16 +31,43 @@ REFUSED_PATH = re.compile(r"(^|/)gradio_api/(upload|upload_progress|deep_link|pr
 
 
 def connection_origin(headers, peer: str | None) -> str:
-    """The address a request comes from, as a public deployment counts clients: on Hugging Face
-    Spaces the address the Space's proxy appends last to ``X-Forwarded-For`` (the one entry a
-    client cannot forge), else the socket's peer. ``headers``: a mapping with ``get`` (HTTP
-    header names in lower case, as Starlette and Gradio give them)."""
+    """The client a request comes from, as the internet counts clients: on Hugging Face Spaces the
+    address the Space's proxy appends last to ``X-Forwarded-For`` (the one entry a client cannot
+    forge; with several header lines, the last entry of the last line, since a proxy that appends
+    a line puts its own after the client's), else the socket's peer; then as ``client_address``
+    names it (an IPv6 client by its /64, an IPv4-mapped one as IPv4). ``headers``: a mapping with
+    ``get`` (and ``getlist`` where it has several lines: Starlette's ``Headers``), names in lower
+    case as Starlette and Gradio give them."""
     if os.environ.get("SYSTEM") == "spaces":  # behind the Space's proxy: the hop it appended
-        forwarded = [part.strip() for part in str(headers.get("x-forwarded-for", "") or "").split(",")
-                     if part.strip()]
+        lines = headers.getlist("x-forwarded-for") if hasattr(headers, "getlist") else [headers.get("x-forwarded-for")]
+        forwarded = [part.strip() for line in lines for part in str(line or "").split(",") if part.strip()]
         if forwarded:
-            return forwarded[-1]
-    return peer or "unknown"
+            return client_address(forwarded[-1])
+    return client_address(peer) if peer else "unknown"
+
+
+def client_address(text: str) -> str:
+    """One client's name for an address: an IPv4 address as it is, an IPv4-mapped IPv6 one as its
+    IPv4, any other IPv6 address as its /64 (what one subscriber line is given, so rotating
+    through it buys nothing); text that is no address (a test client's name) as it is, cut."""
+    text = text.strip()
+    candidate = text[1:text.index("]")] if text.startswith("[") and "]" in text else text  # [v6]:port
+    candidate = candidate.split("%", 1)[0]  # a zone index names an interface, not a client
+    try:
+        address = ipaddress.ip_address(candidate)
+    except ValueError:
+        host, sep, port = candidate.rpartition(":")  # v4:port
+        if sep and port.isdigit() and host.count(":") == 0:
+            try:
+                return str(ipaddress.IPv4Address(host))
+            except ValueError:
+                pass
+        return text[:200]
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class BodyTooLarge(ClientDisconnect):

@@ -204,3 +204,19 @@ def raw_call(url: str, fn_index: int, data: list, timeout_s: float = 300) -> dic
     output = last.get("output") or {}
     return {"success": bool(last.get("success")), "output": output.get("data"), "error": output.get("error"),
             "logs": logs}
+
+
+def save_tiny_model(folder, tokenizer, seed: int = 0, max_positions: int = 2048) -> str:
+    """The tests' tiny random Llama (``tests/conftest.make_tiny_runner``'s shape) with the real
+    tokenizer saved next to it, as any checkpoint folder: for ``python app.py --model <folder>``
+    in a subprocess. Returns the folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -17,6 +17,10 @@ on what a module reaches. Two graphs: every import (inside functions too), and t
 run when a module is loaded (module level, outside ``if TYPE_CHECKING``), which is what says
 remote mode loads no torch: what the page and the server load reaches no module that imports
 torch or transformers, and none of the local core. A failure prints the chain.
+
+And no cycles: among the repository's own modules, no chain of imports (module level and inside
+functions alike; ``if TYPE_CHECKING`` imports never run and are left out) leads back to where it
+started. A lazy import inside a function hides a cycle from Python, not from this test.
 """
 
 from __future__ import annotations
@@ -254,3 +258,80 @@ def test_tests_mirror_the_packages():
     groups = {p.parent.name for p in (ROOT / "tests").rglob("test_*.py")}
     # remote: server/remote's KV events (their recorded streams in tests/remote/fixtures/)
     assert groups <= {"tests", "engine", "lab", "replay", "tools", "ui", "app", "remote"}, groups
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under ``if TYPE_CHECKING`` (never run: annotations only)."""
+    return {node for block in ast.walk(tree) if isinstance(block, ast.If)
+            and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for stmt in block.body for node in ast.walk(stmt) if isinstance(node, ast.Import | ast.ImportFrom)}
+
+
+def _depends_on(module: str) -> set[str]:
+    """The repository's modules ``module`` imports anywhere in its file, each by its most precise
+    name (``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``); parent packages
+    that merely run on the way are not dependencies."""
+    tree = _parsed(_modules()[module])
+    skip = _type_checking_only(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in _modules())
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in _modules():
+                    out.add(full)
+                elif node.module in _modules():
+                    out.add(node.module)
+    out.discard(module)
+    return out
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as its path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    """Cycles among our own modules, lazy imports included, fail with their path."""
+    cycle = _find_cycle({m: _depends_on(m) for m in _modules()})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_cycles():
+    """The check above would pass on an empty graph: make sure it finds one, and reads lazy imports."""
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    assert "components.chat_presets" in _depends_on("components.warm_start")
+    assert "engine.model.loader" in _depends_on("analysis.replay.simulate")  # inside model_geometry
+    assert "engine.kvcache.radix_tree" not in _depends_on("engine.kvcache.eviction")  # TYPE_CHECKING only
+
+
+def test_test_modules_have_unique_names():
+    """The tests folders have no ``__init__.py``: pytest imports each test file by its bare name, so two
+    files of one name in different folders stop the whole run at collection."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], sorted(n for n, c in names.items() if c > 1)

@@ -30,6 +30,7 @@ and the KV bytes per token.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ def _ideal_ms(runner, prefix_kv, prefix_len: int, suffix: list[int]) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         runner.model(input_ids=torch.tensor([suffix], device=runner.device), position_ids=positions,
-                     cache=cache, use_cache=True, logits_to_keep=1)
+                     use_cache=True, logits_to_keep=1, **{runner.cache_arg: cache})
     runner.synchronize()
     return (time.perf_counter() - t0) * 1000
 
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="one dtype (auto, float32, bfloat16, float16)")
     p.add_argument("--dtypes", default=None, help="several, side by side in one run, e.g. float32,bfloat16")
     p.add_argument("--no-tier", action="store_true", help="skip the second-tier row (disk on CPU, host memory on GPU)")
+    p.add_argument("--json", default=None, help="also write the rows and the title to this file")
     args = p.parse_args(argv)
     from engine.model.loader import ModelLoadError, load_model
     from engine.model.runner import ModelRunner
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         runner.close()  # its compute thread (and OpenMP pool) ends before the next dtype's starts
         del engine, runner
     print(format_table(rows, "; ".join(dict.fromkeys(titles))))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(title="; ".join(dict.fromkeys(titles)), rows=rows, chats=chats), f, indent=1)
     if len(dtypes) > 1:
         print()
         print(format_dtype_table(rows))

@@ -2,9 +2,12 @@
 
 Owns: ``percentile`` (nearest rank over the sorted values, the one definition every bench and
 the load test print) ``rss_bytes`` (``VmRSS`` from /proc), ``read_bandwidth`` and
-``bytes_per_token`` (what one decode step of one stream must read: the memory-bandwidth ceiling)
-and ``add_engine_args`` (the engine flags the load-shaped command lines share). Knows nothing
-about engines.
+``bytes_per_token`` (what one decode step of one stream must read: the memory-bandwidth ceiling),
+the machine's limits beside a benchmark's figures (``machine_limits``: read bandwidth and float32
+FMA rate measured in the same run; ``model_cost`` and ``decode_limit``: the tokens/s a decode step
+of a model cannot beat; ``machine_header``: the CPU, its ISA flags and ``RADIX_ISA``) and
+``add_engine_args`` (the engine flags the load-shaped command lines share). Knows nothing about
+engines.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -57,6 +62,117 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
         return nbytes / best
 
     return in_fresh_thread(measure)
+
+
+def fma_rate(n: int = 2048, repeats: int = 3) -> float:
+    """Float32 FLOP/s of a compute-bound product (``n x n`` by ``n x n``, 2 n^3 FLOPs, one
+    multiply-add counted as two), the best of ``repeats`` after a warm-up, with every thread
+    PyTorch uses, on a fresh thread (like ``read_bandwidth``)."""
+    import torch
+
+    from engine.model.compute_thread import in_fresh_thread
+
+    def measure() -> float:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+        torch.mm(a, b)  # warm-up: MKL's buffers and threads
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best
+
+    return in_fresh_thread(measure)
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """What the machine can do at best, measured in the benchmark's own run."""
+
+    read_bytes_per_s: float  # a plain read (``read_bandwidth``)
+    flops_per_s: float  # float32 multiply-adds, two FLOPs each (``fma_rate``)
+
+    def describe(self) -> str:
+        return (f"read bandwidth {self.read_bytes_per_s / 1e9:.1f} GB/s (torch sum over 1 GiB float32, best of 3), "
+                f"FMA rate {self.flops_per_s / 1e9:.0f} GFLOP/s (float32 2048^3 matmul, best of 3)")
+
+
+def machine_limits(read_bytes: int = 2**30, matmul_n: int = 2048, repeats: int = 3) -> MachineLimits:
+    """This machine's read bandwidth and float32 FMA rate, now (a second or two)."""
+    return MachineLimits(read_bandwidth(read_bytes, repeats), fma_rate(matmul_n, repeats))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one decode token of a model costs: bytes read once per step whatever the rows, FLOPs per
+    row, and what each context token adds."""
+
+    weight_bytes: int  # every parameter's bytes, a tied embedding counted once
+    kv_bytes_per_token: int  # K and V of every layer for one context token
+    flops_per_token: int  # 2 x the parameters a token multiplies by (not the input embedding's lookup)
+    attention_flops_per_context_token: int  # q.k and p.v of every layer and query head: 4 x layers x Hq x D
+
+    def step_seconds(self, rows: int, context_tokens: int, limits: MachineLimits) -> float:
+        """The least time of one decode step of ``rows`` streams, each over ``context_tokens``: the
+        weights once and every row's KV read at the read bandwidth, or its FLOPs at the FMA rate,
+        whichever is longer."""
+        read = self.weight_bytes + rows * context_tokens * self.kv_bytes_per_token
+        flops = rows * (self.flops_per_token + context_tokens * self.attention_flops_per_context_token)
+        return max(read / limits.read_bytes_per_s, flops / limits.flops_per_s)
+
+
+def decode_limit(cost: ModelCost, rows: int, context_tokens: int, limits: MachineLimits) -> float:
+    """The tokens/s ``rows`` streams decoding together cannot beat (``ModelCost.step_seconds``)."""
+    return rows / cost.step_seconds(rows, context_tokens, limits)
+
+
+def model_cost(model, kv_bytes_per_token: int, num_layers: int, q_heads: int, head_dim: int) -> ModelCost:
+    """``ModelCost`` of a loaded torch model: its parameters as loaded (a tied embedding, one tensor,
+    counted once; an untied input embedding is a lookup, no FLOPs)."""
+    seen: dict[int, tuple[int, int]] = {}
+    for p in model.parameters():
+        seen.setdefault(p.data_ptr(), (p.numel(), p.numel() * p.element_size()))
+    params = sum(n for n, _ in seen.values())
+    weight_bytes = sum(b for _, b in seen.values())
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    lookup = 0
+    if embed is not None and (head is None or head.weight.data_ptr() != embed.weight.data_ptr()):
+        lookup = embed.weight.numel()
+    return ModelCost(weight_bytes, kv_bytes_per_token, 2 * (params - lookup), 4 * num_layers * q_heads * head_dim)
+
+
+def limit_cell(tokens_per_s: float, limit: float) -> str:
+    """A row's figure beside its limit: ``"20.0 (62% of 32.1)"``."""
+    return f"{limit:.1f} ({tokens_per_s / limit:.0%})" if limit > 0 else "-"
+
+
+def machine_header(limits: MachineLimits | None = None) -> str:
+    """The CPU, its ISA flags, ``RADIX_ISA`` and (given) the limits measured: the lines a
+    benchmark prints first, so a figure says which machine it came from."""
+    from engine.model import native_build
+
+    flags = native_build.cpu_flags()
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    shown = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile"))
+    import torch
+
+    lines = [f"CPU: {model}, {os.cpu_count()} cores; {shown}",
+             f"RADIX_ISA={os.environ.get(native_build.ENV_ISA) or '(unset)'}: our kernels {native_build.describe_isa()}",
+             # RADIX_ISA narrows our C only; PyTorch's own vector code follows ATEN_CPU_CAPABILITY (and oneDNN
+             # ONEDNN_MAX_CPU_ISA, MKL MKL_ENABLE_INSTRUCTIONS), read once when torch first needs them
+             f"PyTorch's kernels: {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY="
+             f"{os.environ.get('ATEN_CPU_CAPABILITY') or '(unset)'}, ONEDNN_MAX_CPU_ISA="
+             f"{os.environ.get('ONEDNN_MAX_CPU_ISA') or '(unset)'})"]
+    if limits is not None:
+        lines.append(f"Limits measured in this run: {limits.describe()}")
+    return "\n".join(lines)
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

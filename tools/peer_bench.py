@@ -25,7 +25,11 @@ their ratio.
 Servers started here are also held against the memory-bandwidth ceiling: one stream's decode
 step reads every weight and the context's KV, so a plain read's speed, measured in the same run,
 bounds its decode rate (printed as a share of that bound, and the wall-time rate beside it,
-whose first token is a prefill the ceiling does not bound).
+whose first token is a prefill the ceiling does not bound). With the FMA rate measured too
+(``tools.measure.machine_limits``, as ``main`` does), every row of such a server gets its step's
+limit: the longer of the bytes a step of that many streams reads at the read bandwidth and its
+FLOPs at the FMA rate, as a tokens/s ceiling, and the row's share of it. The CPU, its ISA flags
+and ``RADIX_ISA`` come first.
 
 ``--ours`` starts this app (``python app.py`` on a free port, ``--dtype``, no second
 tier, and waits for its start-up growth-curve measurement to finish so it does not run
@@ -56,7 +60,17 @@ from pathlib import Path
 
 import httpx
 
-from tools.measure import bytes_per_token, percentile, read_bandwidth, run_clients
+from tools.measure import (
+    DTYPE_BYTES,
+    ModelCost,
+    bytes_per_token,
+    decode_limit,
+    machine_header,
+    machine_limits,
+    percentile,
+    read_bandwidth,
+    run_clients,
+)
 from tools.serve_bench import SYSTEM, chat_requests, policy_manual
 
 REPO = Path(__file__).resolve().parent.parent
@@ -312,6 +326,39 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 # ------------------------------------------------------------------ report
+def folder_cost(folder: Path, dtype: str) -> ModelCost:
+    """A model folder's decode cost (``ModelCost``) in ``dtype``: its stored tensors (a tied
+    embedding is stored once; every parameter a token multiplies by, the embedding as the head) and
+    its config's KV and attention sizes."""
+    weights, kv = bytes_per_token(folder, dtype, 1)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    params = weights // DTYPE_BYTES[dtype]
+    return ModelCost(weights, kv, 2 * params, 4 * cfg["num_hidden_layers"] * heads * head_dim)
+
+
+def limit_lines(rows: list[Row], dtype: str, bandwidth: float, flops_per_s: float, max_tokens: int,
+                folder: Path) -> list[str]:
+    """Every row of a server started here against its step's limit (``tools.measure.decode_limit``:
+    ``streams`` rows a step, each over the mean prompt plus half the answer)."""
+    from tools.measure import MachineLimits
+
+    cost, limits = folder_cost(folder, dtype), MachineLimits(bandwidth, flops_per_s)
+    lines = ["", f"Each step's limit ({limits.describe().replace('best of 3', 'best of 3, mean of the run')}; "
+                 f"{cost.weight_bytes / 1e6:,.0f} MB of weights, {cost.kv_bytes_per_token:,} bytes of KV per token):"]
+    for r in rows:
+        if not r.results or dtype not in r.server:
+            continue
+        context = int(r.prompt_per_request + (max_tokens - 1) / 2)
+        limit = decode_limit(cost, r.streams, context, limits)
+        lines.append(f"- {r.server}, {r.streams} stream(s), {r.system_tokens:,} system tokens: {r.tokens_per_s:.1f} "
+                     f"tokens/s = {r.tokens_per_s / limit:.0%} of the limit {limit:.1f} at {context:,} tokens of "
+                     "context")
+    return lines
+
+
 def ceiling_lines(rows: list[Row], dtype: str, bandwidth: Sequence[float], max_tokens: int,
                   folder: Path | None = None) -> list[str]:
     """Each one-stream row of a server started here against the memory-bandwidth ceiling: one
@@ -432,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     print(title, flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows: list[Row] = []
-    bandwidth = [read_bandwidth()] if args.ours or args.vllm else []
+    limits = machine_limits() if args.ours or args.vllm else None
+    print(machine_header(limits), flush=True)
+    bandwidth = [limits.read_bytes_per_s] if limits else []
+    flops = [limits.flops_per_s] if limits else []
     for url in args.url:
         rows += bench_workloads(url, url, workloads, args.max_tokens, log, ignore_eos)
     if args.ours:
@@ -449,8 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows, title))
     if bandwidth:
-        bandwidth.append(read_bandwidth())
+        after = machine_limits()  # the same measures as before the servers
+        bandwidth.append(after.read_bytes_per_s)
+        flops.append(after.flops_per_s)
         print("\n".join(ceiling_lines(rows, args.dtype, bandwidth, args.max_tokens)))
+        from engine.model.hub import converted_cache_dir
+
+        print("\n".join(limit_lines(rows, args.dtype, sum(bandwidth) / len(bandwidth), sum(flops) / len(flops),
+                                    args.max_tokens, converted_cache_dir())))
     return 0
 
 

@@ -28,7 +28,12 @@ Each run starts from a cold cache otherwise. Printed per row: output tokens per 
 request to its first token, queueing included), the peak growth of the process's
 resident memory during the run (``VmRSS``, sampled every 20 ms; the KV budget is the
 bound it should respect) and how many answers are token-identical to the same request
-run alone on an engine with no cache. Finally, at 8 streams (or the largest run):
+run alone on an engine with no cache, and the row's limit: the tokens/s its decode steps cannot
+beat on this machine (``tools.measure.decode_limit``: each step reads the model's weights once and
+every row's KV at the read bandwidth, or does its FLOPs at the float32 FMA rate, both measured at the
+start of the run; rows per step: 1 one at a time, the streams up to 16 batched, the streams for hf;
+the context: the mean prompt plus half the answer) and the row's share of it. First come the CPU,
+its ISA flags, ``RADIX_ISA`` and the limits measured. Finally, at 8 streams (or the largest run):
 batched / one-at-a-time and batched / hf throughput.
 """
 
@@ -36,6 +41,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import inspect
+import json
 import multiprocessing
 import sys
 import threading
@@ -44,13 +52,26 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from engine.engine import Engine
 from engine.model.compute_thread import in_fresh_thread
 from engine.model.native_linear import plain_linears
 from engine.model.packed_linear import unpack_linears
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
-from tools.measure import percentile, rss_bytes, run_clients
+from tools.measure import (
+    MachineLimits,
+    ModelCost,
+    decode_limit,
+    limit_cell,
+    machine_header,
+    machine_limits,
+    model_cost,
+    percentile,
+    rss_bytes,
+    run_clients,
+)
 
 SYSTEM = ("You are the help desk of Trailhead Outfitters, a shop for hiking and camping gear. Answer in two or "
           "three friendly sentences. Returns: unused items within 30 days with a receipt; used tents and sleeping "
@@ -108,6 +129,8 @@ class Row:
     identical: int
     rss_growth_mb: float | None = None  # peak VmRSS growth during the run (our engines only)
     budget_mb: float | None = None
+    device_peak_mb: float | None = None  # on CUDA: peak GPU memory allocated during the run (weights and pool in)
+    limit_tokens_per_s: float = 0.0  # what its decode steps cannot beat here (module docstring); 0: unknown
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,12 +159,17 @@ class RssPeak:
 
 def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: int, max_batch: int,
                reference: list[list[int]], budget_bytes: int | None = None,
-               warm: GenerationRequest | None = None) -> tuple[float, list[float], list[list[int]], int]:
+               warm: GenerationRequest | None = None) -> tuple[float, list[float], list[list[int]], int, int | None]:
     """``streams`` closed-loop clients through a fresh engine (``warm`` run first, off the
-    clock, to cache a shared prefix); returns wall s, TTFTs (ms), outputs, peak RSS growth."""
+    clock, to cache a shared prefix); returns wall s, TTFTs (ms), outputs, peak RSS growth and,
+    on CUDA, the peak GPU memory allocated during the run (bytes; None elsewhere)."""
     engine = Engine(runner, max_batch=max_batch, max_queue=max(32, len(requests)), budget_bytes=budget_bytes)
     if warm is not None:
         engine.run(warm)
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
     rss = RssPeak()
     outputs: list[list[int]] = [[] for _ in requests]
     ttfts: list[float] = [0.0] * len(requests)
@@ -165,8 +193,9 @@ def run_engine(runner: ModelRunner, requests: list[GenerationRequest], streams: 
 
     wall = run_clients(client, streams)
     growth = rss.stop()
+    device_peak = torch.cuda.max_memory_allocated(runner.device) if cuda else None
     engine.close()
-    return wall, ttfts, outputs, growth
+    return wall, ttfts, outputs, growth, device_peak
 
 
 def hf_peer(runner: ModelRunner):
@@ -190,8 +219,10 @@ def run_hf(model, ids: list[list[int]], eos_ids: Collection[int], streams: int,
                            pad_token_id=eos[0] if eos else 0)
     longest = max(len(i) for i in ids) + max_new_tokens
     pages = (longest + 15) // 16
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=pages * len(ids) + 8, max_batch_tokens=512,
-                                  max_requests_per_batch=streams, allow_block_sharing=True)
+    # the page size is ``page_size`` on transformers 5.24, ``block_size`` on 5.17 (the GPU machine's)
+    page = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb = ContinuousBatchingConfig(num_blocks=pages * len(ids) + 8, max_batch_tokens=512,
+                                  max_requests_per_batch=streams, allow_block_sharing=True, **{page: 16})
     t0 = time.perf_counter()
     results = model.generate_batch(inputs=ids, generation_config=gen, continuous_batching_config=cb,
                                    record_timestamps=True, progress_bar=False)
@@ -250,12 +281,28 @@ def default_budget(runner: ModelRunner) -> int | None:
     return 512 * 2**20 if runner.device.type == "cpu" else None
 
 
+MAX_BATCH = 16  # the batched engine's
+
+
+def runner_cost(runner: ModelRunner) -> ModelCost:
+    """The runner's model's decode cost: its loaded parameters and its KV bytes per token."""
+    q_heads = int(getattr(getattr(runner.model, "config", None), "num_attention_heads", 0) or runner.num_kv_heads)
+    return model_cost(runner.model, runner.kv_bytes_per_token, runner.num_layers, q_heads, runner.head_dim)
+
+
+def rows_per_step(engine: str, streams: int) -> int:
+    """How many streams one decode step of ``engine`` carries at ``streams`` clients."""
+    return 1 if engine == "one" else min(streams, MAX_BATCH) if engine == "batched" else streams
+
+
 def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_tokens: int,
               engines: list[str], log=print, peer_model: str | None = None, device: str = "auto",
               dtype: str = "auto", system_tokens: int = 0, warm: bool = True,
-              budget_bytes: int | None = None) -> list[Row]:
+              budget_bytes: int | None = None, max_batch: int = 16,
+              limits: MachineLimits | None = None) -> list[Row]:
     """``peer_model`` names the model for a peer in a child process; None runs the peer here.
-    ``system_tokens`` > 0: the long-prefix workload (see the module docstring)."""
+    ``system_tokens`` > 0: the long-prefix workload (see the module docstring). ``limits``: the
+    machine's, measured by the caller, for each row's limit (none without them)."""
     system = policy_manual(runner.text.encode, system_tokens) if system_tokens else SYSTEM
     requests = chat_requests(n_requests, max_new_tokens, system)
     budget = default_budget(runner) if budget_bytes is None else budget_bytes
@@ -269,20 +316,24 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
     alone.close()
     peer = HfPeer(runner, peer_model, device, dtype) if "hf" in engines else None
     ids = [runner.text.encode_chat(r.messages) for r in requests]
+    cost = runner_cost(runner)
+    context = int(sum(map(len, ids)) / max(1, len(ids)) + (max_new_tokens - 1) / 2)
     rows = []
     try:
         for c in streams:
             for kind in engines:
-                growth = None
+                growth = device_peak = None
                 if kind == "hf":
                     wall, ttfts, outs = peer.run(ids, runner.text.eos_ids, c, max_new_tokens)
                 else:
-                    wall, ttfts, outs, growth = run_engine(runner, requests, c, 1 if kind == "one" else 16,
-                                                           reference, budget, warm_up)
+                    wall, ttfts, outs, growth, device_peak = run_engine(
+                        runner, requests, c, 1 if kind == "one" else max_batch, reference, budget, warm_up)
                 same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
                 budget_mb = (budget or 0) / 2**20 if kind != "hf" else None
+                limit = decode_limit(cost, rows_per_step(kind, c), context, limits) if limits else 0.0
                 row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same,
-                          None if growth is None else growth / 2**20, budget_mb)
+                          None if growth is None else growth / 2**20, budget_mb,
+                          None if device_peak is None else device_peak / 2**20, limit)
                 rows.append(row)
                 log(format_row(row))
     finally:
@@ -300,14 +351,14 @@ def format_row(r: Row) -> str:
         memory = f"{r.rss_growth_mb:,.0f} MiB" + (f" ({r.rss_growth_mb / r.budget_mb:.2f}x)" if r.budget_mb else "")
     return (f"| {r.streams} | {NAMES.get(r.engine, r.engine)} | {r.tokens_per_s:.1f} | "
             f"{percentile(r.ttft_ms, 0.5):.0f} | {percentile(r.ttft_ms, 0.95):.0f} | {memory} | "
-            f"{r.identical}/{r.requests} |")
+            f"{r.identical}/{r.requests} | {limit_cell(r.tokens_per_s, r.limit_tokens_per_s)} |")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     lines = [f"Serving benchmark: {title}", "",
              "| streams | engine | output tokens/s | TTFT p50 ms | TTFT p95 ms | peak RSS growth (x budget) "
-             "| identical to solo |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| identical to solo | limit tokens/s (share) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     by = {(r.engine, r.streams): r for r in rows}
     c = 8 if any(r.streams == 8 for r in rows) else max(r.streams for r in rows)
@@ -319,6 +370,22 @@ def format_table(rows: list[Row], title: str) -> str:
                 ratio = batched.tokens_per_s / by[(other, c)].tokens_per_s
                 lines.append(f"At {c} streams: continuous batching = {ratio:.2f}x {NAMES[other]} (tokens/s)")
     return "\n".join(lines)
+
+
+def write_json(path: str, runner: ModelRunner, title: str, rows: list[Row]) -> None:
+    """The rows as JSON (``tools/gpu_check.py`` reads them), with what the memory figures are measured against."""
+    weights = sum(t.numel() * t.element_size() for t in runner.model.state_dict().values())
+    out = dict(title=title, device=str(runner.device), weight_bytes=weights, kv_bytes_per_token=runner.kv_bytes_per_token,
+               rows=[dict(dataclasses.asdict(r), tokens_per_s=r.tokens_per_s, ttft_p50_ms=percentile(r.ttft_ms, 0.5),
+                          ttft_p95_ms=percentile(r.ttft_ms, 0.95)) for r in rows])
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def describe_cost(cost: ModelCost) -> str:
+    return (f"Model: {cost.weight_bytes / 1e6:,.0f} MB of weights (parameters as loaded, a tied embedding once), "
+            f"{cost.kv_bytes_per_token:,} bytes of KV per token, {cost.flops_per_token / 1e6:,.0f} MFLOP per token "
+            f"+ {cost.attention_flops_per_context_token:,} FLOP per context token")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a system prompt of about this many tokens (a policy manual), cached before the clock starts")
     p.add_argument("--cold", action="store_true", help="with --system-tokens: start from an empty cache")
     p.add_argument("--budget-mb", type=int, default=None, help="KV budget (default 512 MiB on CPU)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together by the batched engine")
+    p.add_argument("--json", default=None, help="also write the rows (and the model's weight bytes) to this file")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.requests, args.max_new_tokens = "1,4", 4, 8
@@ -347,13 +416,19 @@ def main(argv: list[str] | None = None) -> int:
     budget = None if args.budget_mb is None else args.budget_mb * 2**20
     shape = f", a {args.system_tokens:,}-token system prompt ({'cold' if args.cold else 'cached'})" \
         if args.system_tokens else ""
+    limits = machine_limits()
+    print(machine_header(limits))
+    print(describe_cost(runner_cost(runner)))
     print(f"{title}: {args.requests} chat requests, {args.max_new_tokens} new tokens, streams {streams}{shape}",
           flush=True)
     rows = run_bench(runner, streams, args.requests, args.max_new_tokens, engines,
                      log=lambda s: print(s, flush=True), peer_model=args.model, device=args.device, dtype=args.dtype,
-                     system_tokens=args.system_tokens, warm=not args.cold, budget_bytes=budget)
+                     system_tokens=args.system_tokens, warm=not args.cold, budget_bytes=budget,
+                     max_batch=args.max_batch, limits=limits)
     print()
     print(format_table(rows, title))
+    if args.json:
+        write_json(args.json, runner, title, rows)
     return 0 if all(r.identical == r.requests for r in rows if r.engine != "hf") else 1
 
 

@@ -23,7 +23,7 @@ from functools import partial
 import gradio as gr
 
 from analysis.prefill_timing import timer_for
-from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS
+from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS, chat_messages
 from components.panels.common import (
     MODEL_NOTE,
     TOKEN_COLORS,
@@ -36,10 +36,9 @@ from components.panels.common import (
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_keyed
 from components.views.format import clamp_int, plural
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
-from components.warm_start import chat_default, warm_note
+from components.warm_start import chat_default, system_tokens, warm_note
 from engine.api import BASELINE_MAX_TOKENS, EngineAPI
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
-from engine.validation import flatten_content
 
 __all__ = ["build_chat_panel", "build_request", "chat_messages", "clamp_int", "respond", "stop_running"]
 
@@ -66,8 +65,6 @@ LONG_PRESET_TOKENS = 1000  # a system prompt at least this long gets START_HINT
 
 def start_hint(engine: EngineAPI, name: str) -> str:
     """The hint above the starters for preset ``name`` (with the warm-start sentence when there is one)."""
-    from components.warm_start import system_tokens
-
     text = SYSTEM_PRESETS.get(str(name), "")
     hint = START_HINT if text and system_tokens(engine, text) >= LONG_PRESET_TOKENS else SHORT_HINT
     note = warm_note(engine)
@@ -77,15 +74,6 @@ def start_hint(engine: EngineAPI, name: str) -> str:
 SETTLE_S = 1.0  # between the answer and its paired timing, so the page's redraws of the answer are over
 CUSTOM_HINT = ("**Your own system prompt:** type it, then ask two questions one after the other. The second reuses "
                "your system prompt and the first exchange from the cache.")
-
-
-def chat_messages(system: str, history: list[dict], message: str) -> list[dict]:
-    msgs = [{"role": "system", "content": system}] if system.strip() else []
-    for turn in history or []:
-        if isinstance(turn, dict) and turn.get("role") in ("user", "assistant"):
-            msgs.append({"role": turn["role"], "content": flatten_content(turn.get("content"))})
-    msgs.append({"role": "user", "content": message})
-    return msgs
 
 
 def sampling_for(engine: EngineAPI, max_new_tokens, loop_guard) -> SamplingParams:

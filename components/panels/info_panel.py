@@ -52,6 +52,7 @@ def info_markdown(engine: EngineAPI) -> str:
         *([f"| linear layers | {i.linear_kernels} |"] if i.linear_kernels else []),
         *([f"| forward | {i.forward} |"] if i.forward else []),
         *([f"| attention | {i.attention} |"] if i.attention else []),
+        *([f"| kernels' instruction set | {i.isa} |"] if i.isa else []),
         f"| KV cache per token | **{bpt:,} bytes** (2 × {i.num_layers} layers × {i.num_kv_heads} heads × "
         f"{i.head_dim} dims × {bpt // max(1, 2 * i.num_layers * i.num_kv_heads * i.head_dim)} bytes) |",
         f"| cache budget | **{fmt_bytes(s.budget_bytes)}** = {s.budget_bytes // max(1, bpt):,} tokens |",

@@ -18,7 +18,7 @@ from components.session import own_namespace
 from components.views.charts import hit_rate_figure, memory_gauge
 from components.views.format import fmt_bytes, fmt_ms, plural
 from engine.api import EngineAPI
-from engine.snapshot_view import coarse_tokens
+from engine.snapshot_view import coarse_bytes, coarse_tokens
 from engine.types import EngineError, RequestMetrics
 
 MiB = 2**20
@@ -46,15 +46,27 @@ def kv_event_rows(engine: EngineAPI) -> list[str]:
         f"| cached tokens, events vs the server's count | {checks['agree']:,} requests agree, {checks['differ']:,} "
         "differ (the blocks a prompt walked when sent, against what the server reported) |"]
 def outside_budget_row(engine: EngineAPI) -> str:
-    """The KV the process holds beside the budget: the paired timings' scratch buffers and the
-    request-order demo's pool, each with its bound."""
+    """The KV the process holds beside the budget: the paired timings' scratch buffers, the second
+    tier's queue of spills not yet written and the request-order demo's pool, each with its bound.
+
+    In isolation mode each figure may be another visitor's (a timing's scratch buffer is exactly
+    that visitor's prompt), so it shows only in ``HIDDEN_BUCKET_TOKENS`` buckets, as others' nodes do."""
     bpt = engine.info().kv_bytes_per_token
+
+    def held(nbytes: int) -> str:
+        if not engine.isolation or nbytes <= 0 or bpt <= 0:
+            return fmt_bytes(nbytes)
+        return f"≤{fmt_bytes(coarse_bytes(nbytes, bpt))}"
+
     timer = timer_for(engine)
-    scratch = (f"timing scratch buffers {fmt_bytes(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
+    scratch = (f"timing scratch buffers {held(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
                if timer is not None else "")
-    demo = (f"request-order demo's pool {fmt_bytes(demo_pool_bytes(engine))} (at most "
+    demo = (f"request-order demo's pool {held(demo_pool_bytes(engine))} (at most "
             f"{fmt_bytes(MAX_DEMO_TOKENS * bpt)}, only while a comparison runs)")
-    return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, demo) if p)} |"
+    stats = engine.stats()
+    spills = (f"spills waiting to be written {held(stats.tier_queued_bytes)} (at most "
+              f"{fmt_bytes(stats.tier_queue_bound_bytes)})" if stats.tier_queue_bound_bytes else "")
+    return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, spills, demo) if p)} |"
 
 
 def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:

@@ -9,7 +9,10 @@ isolation mode these are the requests of the viewer's namespace; on a shared
 the viewer's last answer. Beside it: requests running and waiting, the decode
 batch size, output tokens per second. Knows only the engine's plain data.
 
-In isolation mode other visitors' sizes follow the tree's rule (``engine.kvcache.prefix_cache``):
+In isolation mode the viewer sees only the forwards their own requests took part in
+(``visible_steps``): a forward of others alone would tell how many chunks and decode tokens
+another visitor's request took. Others in the viewer's forwards share one unnamed row, and
+their sizes follow the tree's rule (``engine.kvcache.prefix_cache``):
 every token figure that includes another visitor's tokens (a forward they took part in, the
 totals over the shown forwards, the KV held by running requests) shows only the
 ``HIDDEN_BUCKET_TOKENS`` bucket it fits in, so the timeline is no hit or prompt-length
@@ -25,7 +28,7 @@ from components.panels.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
 from components.views.format import fmt_tokens
 from engine.api import EngineAPI
-from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, is_own
+from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, RATE_BUCKET_TOKENS_PER_S, coarse_bytes, coarse_rate, is_own
 from engine.types import RequestMetrics, StepRecord
 
 SHOWN_FORWARDS = 120
@@ -50,10 +53,26 @@ def _tokens(n: int, exact: bool) -> str:
     return fmt_tokens(n, exact, HIDDEN_BUCKET_TOKENS)
 
 
+OTHERS_ROW = "others"
+
+
+def visible_steps(steps: list[StepRecord], namespace: str | None,
+                  my_ids: set[int] | frozenset[int] = frozenset()) -> list[StepRecord]:
+    """The forwards a viewer may see: all of them on a shared engine (``namespace`` None); in
+    isolation mode only those the viewer's own requests took part in. Forwards of others alone
+    would tell, request by request, how many chunks and tokens someone else's request took (its
+    prompt's and its answer's length)."""
+    if namespace is None:
+        return steps
+    return [r for r in steps if any(_is_mine(r, i, namespace, set(my_ids)) for i in range(len(r.request_ids)))]
+
+
 def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
                     my_ids: set[int] | frozenset[int] = frozenset(), empty_text: str | None = None) -> go.Figure:
     """Bars per (request, forward): x is wall time in seconds before the last forward ended.
-    With ``namespace`` (isolation mode), a forward shared with others shows coarse token counts."""
+    With ``namespace`` (isolation mode) only the viewer's forwards (``visible_steps``), the
+    others in them drawn on one unnamed row with coarse token counts."""
+    steps = visible_steps(steps, namespace, my_ids)
     fig = go.Figure()
     if not steps:
         fig.add_annotation(text=empty_text or "No forwards yet: send a chat message and watch it run.", showarrow=False,
@@ -63,11 +82,7 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
         fig.update_layout(height=320, margin=dict(l=10, r=10, t=30, b=10))
         return fig
     end = steps[-1].finished_at
-    order: list[int] = []
-    for rec in steps:
-        for rid in rec.request_ids:
-            if rid not in order:
-                order.append(rid)
+    order: list[str] = []
     series: dict[tuple[str, bool], dict[str, list]] = {}
     my_ids = set(my_ids)
     for rec in steps:
@@ -76,13 +91,17 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
         computed, cached = _tokens(rec.computed_tokens, exact), _tokens(rec.cached_tokens, exact)
         for i, rid in enumerate(rec.request_ids):
             mine = _is_mine(rec, i, namespace, my_ids)
+            row = OTHERS_ROW if namespace is not None and not mine else f"#{rid}"
+            if row not in order:
+                order.append(row)
             kind = "baseline" if rec.kind == "baseline" else "prefill" if rid in rec.prefill_request_ids else "decode"
             s = series.setdefault((kind, mine), dict(x=[], base=[], y=[], text=[]))
             s["x"].append(max(rec.duration_ms / 1000, 1e-3))
             s["base"].append(start)
-            s["y"].append(f"#{rid}")
+            s["y"].append(row)
             from_cache = f", {cached} from cache" if rec.cached_tokens else ""
-            s["text"].append(f"request #{rid}{' (yours)' if mine else ''}<br>{LABELS[kind]} in step "
+            who = "another visitor's request" if row == OTHERS_ROW else f"request #{rid}{' (yours)' if mine else ''}"
+            s["text"].append(f"{who}<br>{LABELS[kind]} in step "
                              f"{rec.step_id}, one forward for {rec.batch_size} request(s)<br>"
                              f"{computed} tokens computed in it{from_cache}<br>{rec.duration_ms:.0f} ms")
     for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
@@ -95,7 +114,7 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
                       margin=dict(l=10, r=10, t=50, b=10), uirevision="scheduler",
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
                       xaxis_title="seconds before now (last forward shown)")
-    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed([f"#{r}" for r in order])),
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(order)),
                      title="request")
     return fig
 
@@ -105,6 +124,7 @@ def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: st
     """The figures beside the timeline; with ``namespace`` (isolation mode) token figures that
     include other visitors' work are coarse."""
     s = engine.stats()
+    steps = visible_steps(steps, namespace, my_ids)
     decodes = [r for r in steps if r.kind == "decode"]
     mean_batch = sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0
     exact = all(_exact(r, namespace, set(my_ids)) for r in steps)
@@ -113,13 +133,14 @@ def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: st
     reserved = f"{s.running_bytes / 2**20:.1f} MiB"
     bpt = engine.info().kv_bytes_per_token
     if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
-        tokens = -(-s.running_bytes // bpt)
-        reserved = f"≤{-(-tokens // HIDDEN_BUCKET_TOKENS) * HIDDEN_BUCKET_TOKENS * bpt / 2**20:.1f} MiB"
+        reserved = f"≤{coarse_bytes(s.running_bytes, bpt) / 2**20:.1f} MiB"
+    rate = (f"**{s.tokens_per_s:.1f}**" if namespace is None else  # isolation: others' work is coarse
+            f"**{coarse_rate(s.tokens_per_s):.0f}** or more (in steps of {RATE_BUCKET_TOKENS_PER_S:.0f})")
     return "\n".join([
         "| scheduler right now | |", "|---|---|",
         f"| requests running | **{s.running}** (at most {s.max_batch} in a batch) |",
         f"| requests waiting | **{s.waiting}** |",
-        f"| output tokens/s, everyone | **{s.tokens_per_s:.1f}** (last 10 s) |",
+        f"| output tokens/s, everyone | {rate} (last 10 s) |",
         f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
         f"over the last {len(decodes)} decodes |",
         f"| tokens in the shown forwards | {computed} computed, {cached} served from the cache |",
@@ -129,7 +150,9 @@ def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: st
 
 
 def build_scheduler_panel(engine: EngineAPI, last_metrics: gr.State | None = None, active: bool = False) -> LiveView:
-    gr.Markdown("Every forward the engine ran, newest at the right. Requests run **together**: one forward is a "
+    shown = ("Every forward your requests took part in (other visitors' own forwards stay private)"
+             if engine.isolation else "Every forward the engine ran")
+    gr.Markdown(f"{shown}, newest at the right. Requests run **together**: one forward is a "
                 "column of bars, a decode token (blue) for each answering request and prompt **chunks** (orange) "
                 "for new ones, so a long prompt never stops anyone's stream. Your requests are drawn solid.",
                 elem_classes=["legend"])

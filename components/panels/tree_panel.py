@@ -49,10 +49,20 @@ REMOTE_EVENTS_NOTE = (
 )
 
 
+REMOTE_FLEET_NOTE = (
+    "  \n**Remote, in front of a router:** this is the *shadow* tree of the token ids this dashboard sent through "
+    "the router, coloured by the cached tokens each answer reported. Each replica's own cache, from its KV events, "
+    "is in the **Fleet** tab."
+)
+
+
 def remote_note(engine: EngineAPI) -> str:
-    """What the tree is, in remote mode: the server's own blocks (KV events) or the shadow tree."""
+    """What the tree is, in remote mode: the server's own blocks (KV events), the shadow tree, or
+    (in front of a router) the shadow tree with the replicas' real trees in the Fleet tab."""
     if not engine.capabilities.remote:
         return ""
+    if engine.fleet_view() is not None:
+        return REMOTE_FLEET_NOTE
     return REMOTE_EVENTS_NOTE if engine.kv_event_figures() else REMOTE_NOTE
 
 

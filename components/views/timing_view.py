@@ -62,6 +62,23 @@ def how_measured(t: PrefillTiming) -> str:
             f"computed{blocks}. Median of {plural(len(t.pairs), 'pair')} ({ratios}){runs}.")
 
 
+def logits_sentence(t: PrefillTiming) -> str:
+    """Did reuse change what the model computed for this prompt? Both sides' last-token logits,
+    compared bit for bit when the timing ran both (``PrefillTiming.logits``); "" otherwise."""
+    c = t.logits
+    if c is None:
+        return ""
+    if c.identical:
+        return (f"**Bit for bit:** the prompt's last-token logits with reuse and without are identical (digest "
+                f"`{c.full_digest}` on both sides): reuse changed nothing the model computed here.")
+    pick = ("the first new token is the same" if c.same_next_token else
+            "**and the first new token differs** (a near tie between two tokens)")
+    return (f"**Not bit for bit:** the prompt's last-token logits with reuse and without differ by at most "
+            f"{c.max_abs_diff:.1e} (digests `{c.reuse_digest}` and `{c.full_digest}`); {pick}. The two sides run the "
+            "model over different numbers of tokens per forward, and its kernels then add the same numbers in "
+            "another order.")
+
+
 def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = False) -> str:
     """The chat's numbers card with the paired timing (``running``: it is being measured now)."""
     paired = t is not None and t.full_ms is not None
@@ -83,6 +100,7 @@ def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = Fa
         notes.append(TIMING_STATUS.strip("*"))
     elif t is not None:
         notes.append(how_measured(t))
+        notes.append(logits_sentence(t))
     elif reuse_is_noise(m.cached_tokens, m.prompt_tokens) and m.finish_reason != "cancelled":
         what = "Nothing was reused" if m.cached_tokens == 0 else f"Only {m.cached_tokens:,} tokens were reused"
         notes.append(f"{what}, so there is no with/without comparison to make: both would compute (almost) "

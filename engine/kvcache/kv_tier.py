@@ -36,7 +36,20 @@ On disk the store also keeps: an exclusive lock on the folder for its lifetime
 (``TierBusy`` for a second store, in this process or another), LRU order across
 restarts (a put and a hit set the file's time; the scan keeps the newest within
 budget), and a full disk costs nothing already kept (the new chunk is written to a
-temporary file first; room is made only once it is complete).
+temporary file first; room is made only once it is complete). Chunks the cache spills
+are queued and written after it releases its lock (``ChunkStore.put_later``, see
+``chunk_store.py``).
+
+THE FOLDER IS THE USER'S ALONE (issue 43). Whoever can write the folder can plant a chunk
+whose header and CRC are right and whose KV is wrong, or a symlink where the store writes.
+So a store refuses (``TierUnsafe``: the engine runs without a second tier and says why in
+one line) a folder that is a symlink, that the user does not own, or that its group or
+others may write (``mode & 0o022``); it creates its folder with mode 0o700. Its parent,
+where the weights' digests are kept (``engine.tier_setup``), must be the user's or root's
+and not writable by others unless sticky (as ``/tmp``). Every file is opened without
+following a symlink (``O_NOFOLLOW``) and must be a regular file; a temporary file gets a
+fresh random name and is created exclusively (``O_CREAT | O_EXCL``, mode 0o600), so a
+link planted at any name is never followed and its target never written.
 """
 
 from __future__ import annotations
@@ -46,7 +59,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import stat
 import struct
 import time
 import zlib
@@ -75,6 +90,52 @@ _MAX_PATHS_FILE_BYTES = 256 * 2**20
 
 class TierBusy(RuntimeError):
     """Another store (another process, or another engine in this one) holds the tier's folder."""
+
+
+class TierUnsafe(RuntimeError):
+    """The tier's folder is not the user's alone (module docstring): the engine runs without it."""
+
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def unsafe_folder(path: Path, parent: bool = False) -> str:
+    """Why ``path`` may not hold a tier's files (the module docstring's rule), or "" if it may.
+    With ``parent`` (the folder the tier folders and the weights' digests sit in): it may be a
+    symlink and root's, and others may write it when it is sticky."""
+    try:
+        st = os.stat(path) if parent else os.lstat(path)
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is a symlink or not a folder"
+    owners = (os.geteuid(), 0) if parent else (os.geteuid(),)
+    if st.st_uid not in owners:
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022 and not (parent and st.st_mode & stat.S_ISVTX):
+        return f"may be written by others (mode {stat.S_IMODE(st.st_mode):o}; chmod go-w it)"
+    return ""
+
+
+def open_new(path: Path) -> int:
+    """A new file at ``path``, created exclusively (never an existing file, never through a
+    symlink), mode 0o600: its descriptor, open for writing."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+
+
+def open_regular(path: Path) -> int:
+    """``path`` opened for reading without following a symlink; OSError unless it is a regular
+    file (a FIFO or a device planted there is never read from)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path.name} is not a regular file")
+    return fd
+
+
+def temporary_name(target: Path) -> Path:
+    """A fresh name beside ``target`` for writing it (pid and a random suffix; ``*.tmp*``)."""
+    return target.with_name(f"{target.name}.tmp{os.getpid()}-{secrets.token_hex(6)}")
 
 
 class HostStore(ChunkStore):
@@ -109,6 +170,7 @@ class DiskStore(ChunkStore):
 
     kind = "disk"
     persistent = True
+    writes_later = True
 
     @property
     def paths_file(self) -> Path | None:
@@ -116,10 +178,17 @@ class DiskStore(ChunkStore):
         None once closed (the folder may be another engine's by then)."""
         return None if self._closed else self.folder / "spilled-paths.json"
 
-    def __init__(self, folder: Path, budget_bytes: int, geometry: ChunkGeometry) -> None:
-        super().__init__(budget_bytes, geometry)
+    def __init__(self, folder: Path, budget_bytes: int, geometry: ChunkGeometry,
+                 max_queued_bytes: int | None = None) -> None:
+        """``max_queued_bytes``: the bound on chunks handed over and not yet written
+        (``ChunkStore``). TierUnsafe for a folder others may write (module docstring)."""
+        super().__init__(budget_bytes, geometry, max_queued_bytes)
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_file = None
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        why = unsafe_folder(self.folder)
+        if why:
+            raise TierUnsafe(f"the KV tier folder {self.folder} {why}")
         self._lock_file = self._take_lock()
         self._clock_ns = 0  # the last file time set: strictly increasing, so LRU order survives a restart
         self._scan()
@@ -132,7 +201,11 @@ class DiskStore(ChunkStore):
         """flock on a file description of our own (a fresh open, never a dup), so the lock is this
         store's: a second store, in another process or this one, is refused."""
         path = self.folder / _LOCK_NAME
-        f = open(path, "a+")  # noqa: SIM115 (held for the store's lifetime; closed in _release)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise TierUnsafe(f"the KV tier folder's lock {path} is not a regular file")
+        f = os.fdopen(fd, "r+")  # held for the store's lifetime; closed in _release
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -168,9 +241,9 @@ class DiskStore(ChunkStore):
         found = []
         for path in self.folder.glob("*.kv"):
             try:
-                with open(path, "rb") as f:
+                with os.fdopen(open_regular(path), "rb") as f:
                     g.check_header(f.read(_HEADER.size), path.stem)
-                st = path.stat()
+                    st = os.fstat(f.fileno())
                 if st.st_size != expected:
                     raise ValueError(f"length {st.st_size}, expected {expected} bytes")
                 found.append((st.st_mtime_ns, path.stem))
@@ -199,9 +272,10 @@ class DiskStore(ChunkStore):
         kv = kv.detach().to("cpu").contiguous()
         payload = kv.reshape(-1).view(torch.uint8).numpy()  # a view, no copy
         header = self.geometry.header(key, zlib.crc32(payload))
-        tmp = self.folder / f"{key}.tmp{os.getpid()}"
+        tmp = temporary_name(self._path(key))
+        fd = open_new(tmp)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 f.write(payload)
         except OSError:
@@ -230,7 +304,7 @@ class DiskStore(ChunkStore):
         """The header checked field by field, then the payload read into ONE buffer (the tensor
         returned), its length and checksum checked."""
         g = self.geometry
-        with open(self._path(key), "rb", buffering=0) as f:
+        with os.fdopen(open_regular(self._path(key)), "rb", buffering=0) as f:
             crc = g.check_header(f.read(_HEADER.size), key)
             buf = torch.empty(g.nbytes, dtype=torch.uint8)
             view = memoryview(buf.numpy())
@@ -249,6 +323,12 @@ class DiskStore(ChunkStore):
     def _drop(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def _still_there(self, key: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self._path(key)).st_mode)
+        except OSError:
+            return False
+
     # ------------------------------------------------------------ the spilled paths
     def write_paths(self, paths: Iterable[CacheKey]) -> None:
         """``{"version": 1, "paths": [{"ids": [...], "namespace": str, "public_len": int}]}``, written
@@ -257,12 +337,13 @@ class DiskStore(ChunkStore):
         data = {"version": 1, "paths": [{"ids": [int(i) for i in p.ids], "namespace": p.namespace,
                                          "public_len": int(p.public_len)} for p in paths]}
         target = self.folder / "spilled-paths.json"
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp = temporary_name(target)
         with self._lock:
             if self._closed:
                 return
             try:
-                tmp.write_text(json.dumps(data))
+                with os.fdopen(open_new(tmp), "w") as f:
+                    f.write(json.dumps(data))
                 os.replace(tmp, target)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
@@ -275,11 +356,13 @@ class DiskStore(ChunkStore):
         skipped; a file that does not parse gives []. One log line either way; never raises."""
         source = self.folder / "spilled-paths.json"
         try:
-            if self._closed or not source.exists():
+            if self._closed or not os.path.lexists(source):
                 return []
-            if source.stat().st_size > _MAX_PATHS_FILE_BYTES:
-                raise ValueError(f"larger than {_MAX_PATHS_FILE_BYTES} bytes")
-            data = json.loads(source.read_bytes())
+            with os.fdopen(open_regular(source), "rb") as f:
+                if os.fstat(f.fileno()).st_size > _MAX_PATHS_FILE_BYTES:
+                    raise ValueError(f"larger than {_MAX_PATHS_FILE_BYTES} bytes")
+                raw = f.read(_MAX_PATHS_FILE_BYTES + 1)
+            data = json.loads(raw)
             if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("paths"), list):
                 raise ValueError("not a paths file of version 1")
         except (OSError, ValueError, RecursionError) as exc:
@@ -305,7 +388,7 @@ def prune_other_tiers(parent: Path, keep: Path) -> int:
         if folder == keep or not folder.is_dir() or folder.is_symlink() or not _TIER_FOLDER.match(folder.name):
             continue
         try:
-            with open(folder / _LOCK_NAME, "a+") as f:
+            with os.fdopen(os.open(folder / _LOCK_NAME, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600), "r+") as f:
                 try:
                     fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:

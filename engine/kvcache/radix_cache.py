@@ -13,10 +13,18 @@ room is made for what comes after it**, in every path that reuses one (admission
 from the tier, an insert). Eviction could otherwise take the matched leaf, and what comes
 after would be stored behind slots that are free or someone else's. Every store into the
 tree re-reads the match under the lock and asserts it still covers what it extends.
+
+No disk I/O under the lock (issue 43): eviction hands the evicted KV to the second tier as
+copies the tier then owns (``SecondTier.spill``, the store's bounded queue; a full queue means
+the KV is simply evicted), and every call that can evict (``_locked``) has the tier write them
+after it has released the lock. Meanwhile a queued chunk is found and served from its copy, so
+another thread's ``match_len`` or admission never waits for the disk, and a load never reads a
+half-written file. ``persist`` writes the queue out before it returns.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -78,6 +86,21 @@ class RadixCache(SlotLedger):
 
     def tier_stats(self) -> dict:
         return self.tier.stats() if self.tier is not None else {}
+
+    # ------------------------------------------------------------- the lock
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The cache's lock for a call that may evict; once it is released (by this thread's
+        outermost hold), the chunks its spills queued are written, by this thread, under no lock."""
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._write_spills()
+
+    def _write_spills(self) -> None:
+        if self.tier is not None and not _held_here(self._lock):
+            self.tier.write_queued()
 
     # ------------------------------------------------------------- room
     def _evict_for(self, short: int, namespace: str | None, incoming: int, removed: list[Node],
@@ -190,7 +213,7 @@ class RadixCache(SlotLedger):
     def load_prefix(self, key: CacheKey, max_len: int) -> int:
         """Bring what the second tier holds of ``key.ids[:max_len]`` (after the part in memory)
         back into the pool and the tree; returns tokens loaded (0 without room)."""
-        with self._lock:
+        with self._locked():
             m = self._match(key, max_len)
             need = self._tier_room(key, m.length, max_len)
             if not need:
@@ -206,8 +229,13 @@ class RadixCache(SlotLedger):
             return self._load(key, m.length, max_len)[0]  # allocates only: the match cannot go meanwhile
 
     def offload(self) -> int:
-        """Evict every unlocked entry to the second tier, in eviction's order (benchmarks, tests); tokens evicted."""
-        with self._lock:
+        """Evict every unlocked entry to the second tier, in eviction's order (benchmarks, tests);
+        tokens evicted. The tree's chunks are written first (``_write_tree``), so a tree larger
+        than the tier's write queue is spilled whole, not refused."""
+        if self.tier is not None:
+            self.tier.store.flush()
+            self._write_tree()
+        with self._locked():
             removed: list[Node] = []
             freed = self._evict_for(self.tree.num_tokens, None, 0, removed)
             self._evicted(removed, freed)
@@ -216,23 +244,41 @@ class RadixCache(SlotLedger):
 
     def persist(self) -> int:
         """Write every cached chunk to the second tier and the spilled paths beside them (for a
-        restart); returns chunks written."""
+        restart), the tier's queue written out before it returns; returns chunks written."""
         if self.tier is None:
             return 0
+        store = self.tier.store
+        store.flush()  # what evictions queued before is theirs, not this call's
+        before = store.stored_chunks
+        self._write_tree()
         with self._lock:
-            before = self.tier.store.stored_chunks
-            for node in self.tree.nodes():
-                path, slots = path_of(node, self.tree.root)
-                self.tier.spill(path, slots, len(path.ids) - len(node.key), self.pool)
-            self.tier.save_paths()
-            return self.tier.store.stored_chunks - before
+            paths = self.tier.paths_to_save()
+        store.write_paths(paths)
+        return store.stored_chunks - before
+
+    def _write_tree(self) -> None:
+        """Every cached chunk handed to the tier under the lock and written after it, in rounds:
+        what a full queue refused is handed over in the next round, once the queue has drained.
+        Each chunk is handed over once at most (as one synchronous pass would: a tier smaller than
+        the tree keeps the last ones), so the rounds end."""
+        store, handed = self.tier.store, set()
+        while True:
+            before = len(handed)
+            with self._lock:
+                complete = True
+                for node in self.tree.nodes():
+                    path, slots = path_of(node, self.tree.root)
+                    complete &= self.tier.spill(path, slots, len(path.ids) - len(node.key), self.pool, handed)
+            store.flush()
+            if complete or len(handed) == before:
+                return
 
     # ------------------------------------------------------------- requests
     def _match(self, key: CacheKey, max_len: int) -> MatchResult:
         return self.tree.match(key, max_len=max_len, touch=False)
 
     def acquire(self, key: CacheKey, max_len: int, total_tokens: int) -> RequestSlots | None:
-        with self._lock:
+        with self._locked():
             m = self._match(key, max_len)
             # Room for the whole request past the memory match: the tier's chunks (read only once
             # room is made, so a request waiting for room reads no file) plus its own slots.
@@ -306,7 +352,7 @@ class RadixCache(SlotLedger):
 
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
         n = min(len(key.ids), kv.length)
-        with self._lock:
+        with self._locked():
             existing = self.tree.match(key, max_len=n, touch=False)
             need = n - existing.length
             if need <= 0:
@@ -352,7 +398,7 @@ class RadixCache(SlotLedger):
         """Change the budget, evicting by the tree's policy (fair share of the new capacity in
         isolation mode) if it shrinks. Returns tokens evicted. Running requests keep their slots."""
         budget_bytes = int(budget_bytes)
-        with self._lock:
+        with self._locked():
             new_capacity = self._check_shrink(budget_bytes, self.tree.locked_tokens)
             evicted = 0
             over = self.tree.num_tokens + self._running_tokens - new_capacity
@@ -393,3 +439,8 @@ class RadixCache(SlotLedger):
                                 self.tier.kind if self.tier is not None else "")
         view = for_viewer(full, viewer) if viewer is not None else full
         return replace(view, nodes=with_text(view.nodes, decode, max_text_tokens))
+
+
+def _held_here(lock: threading.RLock) -> bool:
+    """Whether this thread holds ``lock`` (an outer hold: the writes wait for its release)."""
+    return lock._is_owned()  # type: ignore[attr-defined]  # RLock's own check, as Condition uses it

@@ -22,7 +22,11 @@ chunks or paths.
 
 Not thread-safe on its own: the cache calls it under the cache's lock. The store is
 thread-safe, and its ``on_drop`` may come from any thread (``SpilledTree.dropped`` only
-queues it).
+queues it). A spill does no I/O: it hands the chunks to the store's queue
+(``ChunkStore.put_later``: findable at once, served from the queued tensor until written), and
+the cache has them written once it has released its lock (``write_queued``). When the queue is
+full a chunk is not kept (the KV is simply evicted) and ``spill`` says so, so ``persist`` can
+write what is left after the queue drains.
 """
 
 from __future__ import annotations
@@ -70,22 +74,32 @@ class SecondTier:
         return chunk_key(self.fingerprint, namespace, public, path.ids[:end])
 
     # ------------------------------------------------------------- spill
-    def spill(self, path: CacheKey, slots: Sequence[int], start: int, pool: KVPool) -> None:
+    def spill(self, path: CacheKey, slots: Sequence[int], start: int, pool: KVPool,
+              handed: set[str] | None = None) -> bool:
         """``path``'s positions ``[start, len(path.ids))`` leave the pool (``slots`` hold the KV of
-        the whole path, still intact): keep the whole chunks that end in that range (chunks ending
-        earlier belong to the part above, which is spilled when it goes)."""
+        the whole path, still intact): hand the store the whole chunks that end in that range
+        (chunks ending earlier belong to the part above, which is spilled when it goes), a copy
+        of each, written later (module docstring). False if the store's queue refused one.
+        ``handed`` (persist's rounds): chunks handed over before, never again (one the store let
+        go since is not kept); those handed over now are added."""
         end = len(path.ids)
         chunks: list[tuple[int, str, bool]] = []  # (chunk end, key, kept), for the tree view
+        refused = self.store.refused_spills
         for stop in range((start // CHUNK_TOKENS + 1) * CHUNK_TOKENS, end + 1, CHUNK_TOKENS):
             if not self.may_keep(path.namespace, path.public_len, stop):
                 break
             key = self.key_of(path, stop)
-            kept = key in self.store or self._put(key, pool, slots[stop - CHUNK_TOKENS:stop])
+            kept = key in self.store
+            if not kept and (handed is None or key not in handed):
+                kept = self._put(key, pool, slots[stop - CHUNK_TOKENS:stop])
+                if kept and handed is not None:
+                    handed.add(key)
             chunks.append((stop, key, kept))
         if chunks:
             self.spilled.record(path.prefix(chunks[-1][0]), chunks)
             if self.listener is not None:
                 self.listener.tier_kept(self, path, [stop for stop, _, kept in chunks if kept])
+        return self.store.refused_spills == refused
 
     def publish_to(self, listener) -> None:
         """Tell ``listener`` what the tier holds now (paths of a previous run) and what it keeps and drops."""
@@ -100,7 +114,7 @@ class SecondTier:
             self.listener.tier_dropped(key)
 
     def _put(self, key: str, pool: KVPool, slots: Sequence[int]) -> bool:
-        if not self.store.put(key, pool.gather(slots)):
+        if not self.store.put_later(key, pool.gather(slots)):  # gather copies: the store owns the tensor
             return False
         self.spilled_tokens += CHUNK_TOKENS
         return True
@@ -148,10 +162,18 @@ class SecondTier:
         self.loaded_tokens += pos
 
     # ------------------------------------------------------------- persistence
+    def write_queued(self) -> None:
+        """Write the chunks spills handed over (call without the cache's lock: it does the I/O)."""
+        self.store.write_queued()
+
+    def paths_to_save(self) -> list[CacheKey]:
+        """The spilled paths, for ``store.write_paths`` (under the cache's lock; the write after it)."""
+        self.settle()
+        return self.spilled.leaf_paths()
+
     def save_paths(self) -> None:
         """Write the spilled paths beside the chunks, so the next start draws what the store holds."""
-        self.settle()
-        self.store.write_paths(self.spilled.leaf_paths())
+        self.store.write_paths(self.paths_to_save())
 
     def _restore_paths(self) -> None:
         """Mark each saved path as far as the store still holds its chunks (keys recomputed, so a
@@ -179,7 +201,8 @@ class SecondTier:
         store = self.store
         return dict(tier_bytes=store.bytes_in_use, tier_budget_bytes=store.budget_bytes, tier_chunks=store.num_chunks,
                     tier_loaded_tokens=self.loaded_tokens, tier_spilled_tokens=self.spilled_tokens,
-                    tier_bytes_read=store.bytes_read, tier_bytes_written=store.bytes_written, tier_kind=store.kind)
+                    tier_bytes_read=store.bytes_read, tier_bytes_written=store.bytes_written, tier_kind=store.kind,
+                    tier_queued_bytes=store.queued_bytes, tier_queue_bound_bytes=store.max_queued_bytes)
 
 
 def path_of(node: Node, root: Node) -> tuple[CacheKey, list]:

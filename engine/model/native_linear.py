@@ -13,7 +13,9 @@ and 43.7 ms with this kernel (12.3 GB/s; a plain read gets 14); at 16 rows 139 v
 than ``MAX_ROWS`` float32 rows (a long prefill chunk) go to MKL, which is as fast there. In
 bfloat16 PyTorch's product on that CPU (no native bf16; where there is, the linears are
 oneDNN-packed instead, ``engine.model.packed_linear``) took 161 ms at 8 rows and 1.87 s at
-128, ours 42 ms and 0.37 s, so ours takes every bf16 product of two rows or more. A
+128, ours 42 ms and 0.37 s, so ours takes every bf16 product, one row too (PyTorch's one-row
+product rounds otherwise than ours, so a lone decode row's logits differed from the same row's in a
+batch: found by the AVX2 build's checks on an AVX-512 machine, ``RADIX_ISA=avx2``, issue 48). A
 row's result does not depend on the other rows in the call, so batched decode rows equal
 lone ones bit for bit; against PyTorch's product they differ in the last bits, and the second
 tier's fingerprint says which kernels computed its KV.
@@ -31,15 +33,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model.native_build import OnFirstUse
+from engine.model.native_build import OnFirstUse, bf16_dot_products
 
 SOURCE = Path(__file__).with_name("native_linear.c")
 ENV_SWITCH = "RADIX_NATIVE_LINEAR"
 MAX_ROWS = 128  # float32: more rows (a long prefill chunk) go to MKL's product, as fast there
 # (all 210 layer matrices, Zen 4, AVX-512 tiles: ours 59-63 / 111-114 / 218-230 / 487-517 ms at
 # 32 / 64 / 128 / 256 rows, MKL's 107-109 / 178-185 / 292-305 / 456-468)
-BF16_BLOCK = 256  # bfloat16: from 2 rows on, this many per call (bounds the float32 copies); at one
-# row PyTorch's product is as fast as ours (37.3 vs 35.6 ms, all linears), and ours pays two casts
+BF16_BLOCK = 256  # bfloat16: this many rows per call (bounds the float32 copies); at one row PyTorch's
+# product is as fast as ours (37.3 vs 35.6 ms, all linears), but ours keeps a row's bits whatever its batch
 DTYPES = (torch.float32, torch.bfloat16)  # the weights it reads
 
 
@@ -87,7 +89,7 @@ def reset() -> None:
 
 class NativeLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose products outside autograd run on
-    the kernel: in float32 up to ``MAX_ROWS`` rows; in bfloat16 from two rows on (x widened to
+    the kernel: in float32 up to ``MAX_ROWS`` rows; in bfloat16 any number of rows (x widened to
     float32 on the way in, the result rounded back on the way out, as PyTorch's bf16 product
     accumulates in float32)."""
 
@@ -97,7 +99,7 @@ class NativeLinear(nn.Linear):
         k = _library.loaded()  # loaded before any model is converted (use_native_linears)
         if (k is None or rows == 0 or x.dtype != w.dtype or w.dtype not in DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or not w.is_contiguous()
-                or (rows > MAX_ROWS if w.dtype == torch.float32 else rows < 2)):
+                or (w.dtype == torch.float32 and rows > MAX_ROWS)):
             return nn.functional.linear(x, w, self.bias)
         flat = x.reshape(rows, x.shape[-1])
         bias = None if self.bias is None else self.bias.to(torch.float32)
@@ -122,7 +124,7 @@ def use_native_linears(model: nn.Module) -> int:
         return 0
     if p.device.type != "cpu" or p.dtype not in DTYPES or kernel() is None:
         return 0
-    if p.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if p.dtype == torch.bfloat16 and bf16_dot_products():
         return 0  # a CPU with native bf16 dot products: oneDNN's product (packed or not) is the one measured there
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.in_features % 8 == 0]
     for m in linears:

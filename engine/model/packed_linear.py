@@ -31,6 +31,8 @@ import platform
 import torch
 from torch import nn
 
+from engine.model.native_build import bf16_dot_products
+
 ENV_SWITCH = "RADIX_PACKED_LINEAR"  # "0": pack nothing; "1": float32 too; unset: bfloat16 only
 
 
@@ -87,15 +89,15 @@ def can_pack(model: nn.Module) -> bool:
         p = next(model.parameters())
     except StopIteration:
         return False
+    if p.dtype == torch.bfloat16 and not bf16_dot_products():  # (RADIX_ISA=avx2: as on a CPU without them)
+        return False
     return p.device.type == "cpu" and p.dtype in packed_dtypes() and _packing_works(p.dtype)
 
 
 @functools.cache
 def _packing_works(dtype: torch.dtype = torch.float32) -> bool:
     """One small packed product against ``F.linear``: any error or mismatch turns packing off
-    (bfloat16 also needs a CPU with native bf16 dot products)."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
+    (bfloat16 also needs a CPU with native bf16 dot products: ``can_pack`` asks first)."""
     try:
         gen = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 32, generator=gen).to(dtype), torch.randn(1, 5, 32, generator=gen).to(dtype)

@@ -24,6 +24,7 @@ scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ import torch
 from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
-from engine.model import native_linear
+from engine.model import native_build, native_linear
 from engine.model.attention import AttentionBackend, choose_backend
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
@@ -75,6 +76,14 @@ def _register_paged_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(PAGED_ATTENTION, sdpa_mask)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of the forward's cache argument: ``cache`` on the transformers line this project pins
+    (5.24), ``past_key_values`` on older ones (5.17, the GPU machine's). Read off the signature once,
+    never tried: an old forward takes an unknown ``cache=`` into its ``**kwargs`` and runs on a cache
+    of its own, silently, while a new one only warns about ``past_key_values=``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _on_compute_thread(method):
     """Run a runner method on the runner's compute thread, whichever thread calls it."""
 
@@ -92,6 +101,7 @@ class ModelRunner:
         self.model = loaded.model
         self.name, self.device, self.dtype = loaded.name, loaded.device, loaded.dtype
         self.weight_files = loaded.weight_files  # what the second tier's fingerprint hashes
+        self.cache_arg = cache_argument(self.model)  # every forward below passes its cache by this name
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
@@ -121,8 +131,9 @@ class ModelRunner:
         from transformers import DynamicCache
 
         release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-        out = self.model(torch.tensor([[0]], device=self.device), cache=DynamicCache(), use_cache=True)
-        return out.cache.layers
+        cache = DynamicCache()
+        self._model(cache, input_ids=torch.tensor([[0]], device=self.device))
+        return cache.layers
 
     def _enable_batching(self) -> bool:
         """Switch the model to the pool-reading attention, where that is exact: SDPA models
@@ -201,6 +212,10 @@ class ModelRunner:
         self.baseline_prefill(ids)
 
     # ---------------------------------------------------------------- running
+    def _model(self, cache, **inputs):
+        """transformers' forward with ``cache`` as its KV cache, under this line's name for it."""
+        return self.model(**inputs, use_cache=True, **{self.cache_arg: cache})
+
     def new_request_kv(self, capacity: int) -> RequestKV:
         return RequestKV(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
@@ -219,7 +234,7 @@ class ModelRunner:
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True)
+        out = self._model(kv.cache, input_ids=input_ids, position_ids=positions)
         return out.logits[0].float()
 
     @_on_compute_thread
@@ -230,8 +245,7 @@ class ModelRunner:
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=kv.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self._model(kv.cache, input_ids=input_ids, position_ids=positions, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     @_on_compute_thread
@@ -242,12 +256,15 @@ class ModelRunner:
         ``slots[past:past + len(ids)]`` and attention reads the slots of every position (a
         prefix shared by several requests once for all of them: ``engine.model.paged_attention``).
         Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``; with
-        ``every_position`` (one segment only, for tests) the logits of every new token."""
+        ``every_position`` (one segment only: tests, and a prompt chunk of a request that asked for
+        its prompt's log-probabilities) the logits of every new token, ``[len(ids), vocab]``."""
         if not segments or any(not s.ids for s in segments):
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:
             raise EngineError("every_position takes one segment")
         if not self.can_batch:
+            if every_position:
+                return self._forward_gathered(pool, segments[0], every_position=True)
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
         return self._paged(pool, segments, every_position, self.stack)
 
@@ -269,8 +286,8 @@ class ModelRunner:
             _batch.paged = (plan, pool)
             try:
                 release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-                out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                                 cache=PoolWriteCache(pool, plan.write_index), use_cache=True, logits_to_keep=last)
+                out = self._model(PoolWriteCache(pool, plan.write_index), input_ids=input_ids,
+                                  position_ids=positions, attention_mask=mask, logits_to_keep=last)
             finally:
                 _batch.paged = None
             logits = out.logits[0].float()
@@ -280,15 +297,17 @@ class ModelRunner:
         back[torch.tensor(plan.order, device=self.device)] = logits
         return back
 
-    def _forward_gathered(self, pool: KVPool, s: PagedSegment) -> torch.Tensor:
+    def _forward_gathered(self, pool: KVPool, s: PagedSegment, every_position: bool = False) -> torch.Tensor:
         """``forward_paged`` for one segment of a model whose attention cannot read the pool
         (sliding windows, soft-capping): its KV is gathered into a scratch buffer, the model
-        runs its own attention, and the new KV is written back to the pool."""
+        runs its own attention, and the new KV is written back to the pool. The last token's
+        logits ``[vocab]``, or with ``every_position`` every token's ``[len(ids), vocab]``."""
         n = len(s.ids)
         kv = self.new_request_kv(s.past + n)
         k_dst, v_dst = kv.prefill_from(s.past)
         pool.read_into(s.slots[: s.past], k_dst, v_dst)
-        logits = self.forward_last(s.ids, kv)  # already on the compute thread: runs in place
+        # already on the compute thread: these run in place
+        logits = self.forward(s.ids, kv) if every_position else self.forward_last(s.ids, kv)
         pool.write_from(s.slots[s.past:s.past + n], kv.k[:, :, s.past:s.past + n], kv.v[:, :, s.past:s.past + n])
         return logits
 
@@ -302,8 +321,7 @@ class ModelRunner:
         self.synchronize()
         t0 = time.perf_counter()
         release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-        out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), cache=DynamicCache(),
-                         use_cache=True, logits_to_keep=1)
+        out = self._model(DynamicCache(), input_ids=torch.tensor([list(ids)], device=self.device), logits_to_keep=1)
         logits = out.logits[0, -1].float()
         self.synchronize()
         return logits, (time.perf_counter() - t0) * 1000
@@ -319,8 +337,16 @@ class ModelRunner:
             return (f"ours up to {native_linear.MAX_ROWS} rows (decode steps, short prefill chunks), MKL's for "
                     "longer chunks (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
         if getattr(self, "native_linears", 0):
-            return "ours from two rows on, PyTorch's for one (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)"
+            return "ours at any number of rows (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)"
         return "PyTorch's default"
+
+    @property
+    def kernel_isa(self) -> str:
+        """The instruction set our C kernels are built for, in words (``RADIX_ISA``, for the engine
+        info); "" where none of them runs."""
+        ours = (getattr(self, "native_linears", 0) or getattr(getattr(self, "stack", None), "fused", None) is not None
+                or getattr(getattr(self, "attention", None), "name", "") == "cpu_native")
+        return native_build.describe_isa() if ours else ""
 
     @property
     def forward_kind(self) -> str:

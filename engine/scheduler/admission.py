@@ -5,7 +5,8 @@ isolation rule), in-batch prefix sharing (a request whose uncached prefix anothe
 request is prefilling right now waits until that prompt is cached, then hits), and
 acquiring through the ``PrefixCache``: match the tree, lock the match (read in place,
 never copied) and take pool slots for the rest (uncached prompt plus new tokens),
-evicting unlocked cache for room. Without room the request waits until a running one
+evicting unlocked cache for room; a request that asked for its prompt's log-probabilities
+reuses nothing (``reusable_len``). Without room the request waits until a running one
 gives slots back; one that could never fit fails with a clear error. Knows nothing about
 forwards, sampling or finishing: a request it cannot admit is handed back to fail.
 """
@@ -17,6 +18,7 @@ import time
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.radix_tree import common_prefix_len
 from engine.scheduler import policy
+from engine.scheduler.batch import running_per_owner
 from engine.scheduler.request import Request, State
 from engine.scheduler.state import SchedulerState
 from engine.types import EngineError
@@ -33,7 +35,7 @@ def admit(state: SchedulerState, cache: PrefixCache) -> Failed:
     admitted_any = True
     while admitted_any and state.waiting and state.rows_used() < state.config.max_batch:
         admitted_any = False
-        active = policy.running_per_visitor(state.running)
+        active = running_per_owner(state.running)
         for r in policy.ordered_waiting(state.waiting, state.running, cache, state.config):
             if policy.held_back(r, active, state.config):
                 continue  # one request per visitor at a time on a public deployment
@@ -51,7 +53,7 @@ def admit(state: SchedulerState, cache: PrefixCache) -> Failed:
 
 def _prefix_being_computed(r: Request, state: SchedulerState, cache: PrefixCache) -> bool:
     """Would ``r`` compute tokens that a running prefill is computing now (and will cache)?"""
-    if not cache.enabled:
+    if not cache.enabled or r.req.prompt_logprobs is not None:
         return False
     cached = cache.match_len(r.key)
     r.memo.matched(cached, time.perf_counter())
@@ -72,7 +74,7 @@ def _try_admit(r: Request, state: SchedulerState, cache: PrefixCache, failed: Fa
     failed (it left the waiting list for ``failed``)."""
     t0 = time.perf_counter()
     try:
-        rs = cache.acquire(r.key, len(r.ids) - 1, r.capacity_tokens)
+        rs = cache.acquire(r.key, reusable_len(r), r.capacity_tokens)
     except Exception as exc:  # only this request fails (out of memory, a bug): the others go on
         state.waiting.remove(r)
         failed.append((r, exc))
@@ -87,6 +89,13 @@ def _try_admit(r: Request, state: SchedulerState, cache: PrefixCache, failed: Fa
     r.admit(rs, t0, time.perf_counter())  # prefill_ms starts with the match and slot bookkeeping
     state.running.append(r)
     return True
+
+
+def reusable_len(r: Request) -> int:
+    """How much of ``r``'s prompt may come from the cache: all but the last token (whose logits
+    pick the first new one), or nothing where it asked for the prompt's log-probabilities (every
+    position's logits are then computed by this request itself)."""
+    return 0 if r.req.prompt_logprobs is not None else len(r.ids) - 1
 
 
 def _no_room(r: Request, cache: PrefixCache, isolation: bool) -> EngineError:

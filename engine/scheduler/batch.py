@@ -6,7 +6,8 @@ no-reuse baseline chunk), the packing of a step's model work (chunked prefill: a
 short newcomer is not stuck behind a long prompt, after a minimum share for the oldest
 prompt so steady arrivals cannot starve it, packed with every request in
 decode; a request measuring the no-reuse baseline prefills in forwards of its own, so
-its with-reuse figure is its own work only) and ``forward``: the rows as paged segments
+its with-reuse figure is its own work only, and so does one that asked for its prompt's
+log-probabilities, whose forward keeps every position's logits) and ``forward``: the rows as paged segments
 through the ``ModelRunner``, timed. Knows nothing about what the logits become
 (``postprocess``) or who was admitted (``admission``)::
 
@@ -25,6 +26,7 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import RequestSlots
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
+from engine.namespaces import owner_of
 from engine.scheduler.request import Request, State
 from engine.types import OutOfMemoryFault
 
@@ -44,6 +46,13 @@ class Batch:
     kind: str  # "prefill", "decode", "mixed" or "baseline"
     chunks: tuple[Chunk, ...] = ()
     decoding: tuple[Request, ...] = ()
+
+    @property
+    def every_position(self) -> bool:
+        """A lone prompt chunk of a request that asked for its prompt's log-probabilities: the
+        forward keeps the logits of every position, not only the last."""
+        return (self.kind == "prefill" and len(self.chunks) == 1 and not self.decoding
+                and self.chunks[0].request.req.prompt_logprobs is not None)
 
     @property
     def rows(self) -> list[Request]:
@@ -69,18 +78,25 @@ class Batch:
 class Output:
     logits: torch.Tensor | None  # a row per segment; None when the forward failed
     duration_ms: float = 0.0
+    # ``Batch.every_position``: the chunk's logits at every position, ``[num_tokens, vocab]``
+    # (``logits`` is its last row, the one the next token is sampled from)
+    every_position: torch.Tensor | None = None
     error: BaseException | None = None  # the whole forward failed: every row fails
     row_errors: dict[int, BaseException] | None = None  # these rows failed alone; the others' logits stand
 
 
-def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tuple[list[Batch], int]:
+def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0,
+         by_owner: bool = False) -> tuple[list[Batch], int]:
     """This step's prefill and decode forwards (the lone prefills of requests that measure the
     no-reuse baseline first, then the packed one) and what is left of the token ``budget``.
 
     Prompts with fewer chunks done go first (a short newcomer is not stuck behind a long
     prompt), but the oldest prompt in prefill takes ``oldest_min_tokens`` of the budget before
     anyone: under steady arrivals, each with no chunk done, it would otherwise never get a
-    token while holding its reserved slots."""
+    token while holding its reserved slots. With ``by_owner`` (a public deployment) the
+    prompts of visitors with fewer running requests go before those of visitors with more, so
+    a visitor who arrives beside a classroom (or a flood) behind one address is prefilled first,
+    as ``policy`` admitted it first."""
     prefills = [r for r in running if r.state is State.PREFILL]
     take: dict[int, int] = {}  # request seq -> tokens this step
     if prefills and oldest_min_tokens > 0 and budget > 0:
@@ -88,7 +104,8 @@ def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tup
         n = min(len(oldest.ids) - oldest.prefilled, oldest_min_tokens, budget)
         take[oldest.seq] = n
         budget -= n
-    order = sorted(prefills, key=lambda r: (r.timings.prefill_chunks, r.seq))
+    load = running_per_owner(running) if by_owner else {}
+    order = sorted(prefills, key=lambda r: (load.get(owner_of(r.namespace), 0), r.timings.prefill_chunks, r.seq))
     for r in order:
         if budget <= 0:
             break
@@ -99,13 +116,23 @@ def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0) -> tup
     for r in order:
         n = take.get(r.seq, 0)
         if n > 0:
-            (own if r.req.measure_baseline else packed).append(Chunk(r, r.prefilled, n))
+            alone = r.req.measure_baseline or r.req.prompt_logprobs is not None
+            (own if alone else packed).append(Chunk(r, r.prefilled, n))
     decoding = tuple(r for r in running if r.state is State.DECODE)
     batches = [Batch("prefill", (c,)) for c in own]
     if packed or decoding:
         kind = "decode" if not packed else "prefill" if not decoding else "mixed"
         batches.append(Batch(kind, tuple(packed), decoding))
     return batches, budget
+
+
+def running_per_owner(running: list[Request]) -> dict[str, int]:
+    """Running requests per owner (``engine.namespaces.owner_of``): what turns count by."""
+    counts: dict[str, int] = {}
+    for r in running:
+        v = owner_of(r.namespace)
+        counts[v] = counts.get(v, 0) + 1
+    return counts
 
 
 def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
@@ -115,6 +142,10 @@ def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
     segments = batch.segments()
     t0 = time.perf_counter()
     try:
+        if batch.every_position:
+            rows = runner.forward_paged(pool, segments, every_position=True)
+            runner.synchronize()
+            return Output(rows[-1:], (time.perf_counter() - t0) * 1000, every_position=rows)
         logits = runner.forward_paged(pool, segments)
         runner.synchronize()
         return Output(logits, (time.perf_counter() - t0) * 1000)

@@ -18,7 +18,7 @@ BASELINE_MAX_TOKENS = 2048  # prompt tokens; above this the no-reuse timing is s
 class SchedulerConfig:
     max_batch: int = 16  # requests in prefill or decode at once (a decode forward's batch size at most)
     chunk_tokens: int = 256  # prompt tokens computed per step, over all prefills and baselines
-    isolation: bool = False  # a public deployment: one running request per visitor namespace
+    isolation: bool = False  # a public deployment: turns and rows by owner (``policy.held_back``)
     lpm_queue_limit: int = 16  # a longer waiting list is served first-come-first-served
     max_wait_s: float = 10.0  # waited longer: admitted first, in arrival order (ageing guard)
     share_min_tokens: int = 16  # hold a request back while another prefills this many of its uncached tokens

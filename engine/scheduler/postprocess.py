@@ -1,7 +1,8 @@
 """After a forward: what its logits become, and how requests finish.
 
 Owns: the KV lengths a forward wrote, its step record, progress events, sampling the
-next token (first from the prefill's logits), streaming its text or stopping (eos,
+next token (first from the prefill's logits) and, for requests that ask, the
+log-probabilities of that token and of their prompt, streaming its text or stopping (eos,
 ``max_new_tokens``), handing a finished prompt's slots to the tree (``adopt``: later
 arrivals hit it; they stay locked while the request runs), caching prompt plus reply at
 the end, releasing slots, the no-reuse baseline's turn, and failing requests with a
@@ -18,7 +19,7 @@ import torch
 
 from engine.handle import END_OF_STREAM
 from engine.kvcache.prefix_cache import PrefixCache
-from engine.model import sampling
+from engine.model import logprobs, sampling
 from engine.model.runner import ModelRunner
 from engine.scheduler import baseline
 from engine.scheduler.batch import Batch, Output
@@ -65,6 +66,8 @@ class Postprocess:
         self._log(batch, out.duration_ms)
         assert out.logits is not None
         for i, c in enumerate(batch.chunks):
+            if out.every_position is not None:  # a lone chunk that scores its prompt (``Batch.every_position``)
+                self._score_prompt(c.request, c.start, out.every_position)
             self._prefill_chunk_done(c.request, out.logits[i])
         for i, r in enumerate(batch.decoding, start=len(batch.chunks)):
             self._take_token(r, out.logits[i])
@@ -78,11 +81,27 @@ class Postprocess:
         self.telemetry.log(batch.kind, batch.rows, computed=computed, cached=cached, duration_ms=duration_ms,
                            prefilling=prefilling, running=len(self.state.running), waiting=len(self.state.waiting))
 
+    def _score_prompt(self, r: Request, start: int, rows: torch.Tensor) -> None:
+        """Prompt log-probabilities from a chunk's rows: the row at position ``p`` scores prompt
+        token ``p + 1``; the chunk's last row, at the prompt's end, scores the first new token
+        instead (``_take_token``)::
+
+            rows:    start   start+1 ...  start+n-1
+            score:  ids[start+1] ...      ids[start+n] (or, past the prompt, the first new token)
+        """
+        ids = r.ids[start + 1:start + 1 + rows.shape[0]]
+        assert r.req.prompt_logprobs is not None
+        r.prompt_scored(start + 1, logprobs.logprobs_of(rows[:len(ids)], ids, r.req.prompt_logprobs))
+
     def _prefill_chunk_done(self, r: Request, logits: torch.Tensor) -> None:
         if r.prefilled < len(r.ids):
             r.emit(GenerationEvent(text="", phase="prefill", prompt_tokens=len(r.ids),
                                    cached_tokens=r.kv.cached_tokens, prefilled_tokens=r.prefilled))
             return
+        if r.req.prompt_logprobs is not None:  # all of them at once, before any token
+            r.emit(GenerationEvent(text="", phase="prefill", prompt_tokens=len(r.ids),
+                                   cached_tokens=r.kv.cached_tokens, prefilled_tokens=len(r.ids),
+                                   prompt_logprobs=r.take_prompt_logprobs()))
         # The prompt's slots pass to the tree, where later arrivals hit it; they stay locked
         # there until the request finishes.
         if r.req.store:
@@ -103,9 +122,11 @@ class Postprocess:
         if tok in self.runner.text.eos_ids and not r.req.sampling.ignore_eos:
             self.finish(r, "stop")
             return
-        text = r.append_token(tok, now, self.runner.text.decode)
+        # Only for requests that ask: from the very row the token was sampled from.
+        lp = None if r.req.logprobs is None else logprobs.token_logprob(logits, tok, r.req.logprobs)
+        text = r.append_token(tok, now, self.runner.text.decode, lp)
         r.emit(GenerationEvent(text=text, token_id=tok, phase="decode", prompt_tokens=len(r.ids),
-                               cached_tokens=r.kv.cached_tokens, prefilled_tokens=len(r.ids)))
+                               cached_tokens=r.kv.cached_tokens, prefilled_tokens=len(r.ids), logprob=lp))
         if len(r.answer.out_ids) >= r.max_new_tokens:
             self.finish(r, "length")
 

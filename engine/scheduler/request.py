@@ -10,7 +10,7 @@ Its state is split by who reads it, each part a small dataclass changed only thr
 methods (here, in this module; ``tests/engine/test_request_state.py`` checks no other
 module assigns a field): ``KVBookkeeping`` (the pool slots it holds, what its prompt found
 in the cache and gave back to it), ``Answer`` (the output ids, their text, detokenized
-incrementally, the seeded sampler, why it ended), ``Timings`` (timestamps and counters
+incrementally, their log-probabilities where asked, the seeded sampler, why it ended), ``Timings`` (timestamps and counters
 for the metrics) and ``PolicyMemo`` (what the waiting order remembers between steps).
 The transitions check their invariants (a chunk never computes past the prompt, a
 request finishes once) and raise ``IllegalTransition`` on a bug. Knows nothing about
@@ -29,7 +29,7 @@ import torch
 from engine.handle import END_OF_STREAM, RequestHandle, request_key
 from engine.kvcache.prefix_cache import RequestSlots
 from engine.text.detokenizer import Detokenizer
-from engine.types import CacheKey, GenerationEvent, GenerationRequest, RequestMetrics, SamplingParams
+from engine.types import CacheKey, GenerationEvent, GenerationRequest, RequestMetrics, SamplingParams, TokenLogprob
 
 
 class State(Enum):
@@ -93,6 +93,9 @@ class Answer:
 
     out_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per appended token, where asked
+    # the prompt's scored tokens (positions 1..), gathered chunk by chunk until the prefill ends
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "cancelled" once finished
     generator: torch.Generator | None = None
     _detokenizer: Detokenizer | None = field(default=None, repr=False)  # made with the first token
@@ -102,12 +105,16 @@ class Answer:
             seed = params.seed if params.seed is not None else int(time.time_ns() % 2**31)
             self.generator = torch.Generator().manual_seed(seed)
 
-    def append(self, token_id: int, decode: Callable[[Sequence[int]], str]) -> str:
-        """Add a sampled token; return the text so far (without a trailing partial character).
+    def append(self, token_id: int, decode: Callable[[Sequence[int]], str],
+               logprob: TokenLogprob | None = None) -> str:
+        """Add a sampled token (and its log-probability, where asked); return the text so far
+        (without a trailing partial character).
 
         Incremental (``engine.text.detokenizer``): a short window per token, so a long answer
         costs linear time. The final text is decoded whole at the end (``settle_text``)."""
         self.out_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if self._detokenizer is None:
             self._detokenizer = Detokenizer(decode)
         self._detokenizer.feed(token_id)
@@ -278,14 +285,33 @@ class Request:
         """A token was sampled (or, with no new tokens asked for, the prompt is done) at ``now``."""
         self.timings.token_sampled(now)
 
-    def append_token(self, token_id: int, now: float, decode: Callable[[Sequence[int]], str]) -> str:
-        """Stream a sampled (non-eos) token; returns the text so far."""
+    def append_token(self, token_id: int, now: float, decode: Callable[[Sequence[int]], str],
+                     logprob: TokenLogprob | None = None) -> str:
+        """Stream a sampled (non-eos) token, with its log-probability where asked; returns the text so far."""
         if self.state is not State.DECODE:
             raise IllegalTransition(f"a token appended in state {self.state.value}")
         if len(self.answer.out_ids) >= self.max_new_tokens:
             raise IllegalTransition("more tokens than max_new_tokens")
         self.timings.token_streamed(now)
-        return self.answer.append(token_id, decode)
+        return self.answer.append(token_id, decode, logprob)
+
+    def prompt_scored(self, start: int, entries: Sequence[TokenLogprob]) -> None:
+        """Log-probabilities of prompt positions ``[start, start + len(entries))``, from a prefill chunk."""
+        if self.state is not State.PREFILL:
+            raise IllegalTransition(f"prompt logprobs in state {self.state.value}")
+        if start != len(self.answer.prompt_logprobs) + 1 or start + len(entries) > len(self.ids):
+            raise IllegalTransition(f"prompt logprobs for [{start}, {start + len(entries)}) after "
+                                    f"{len(self.answer.prompt_logprobs)} scored of {len(self.ids)}")
+        self.answer.prompt_logprobs.extend(entries)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...]:
+        """The whole prompt's log-probabilities (None for the first token), handed out once: the
+        request keeps none of them after (a long prompt's would be a big record)."""
+        if len(self.answer.prompt_logprobs) != len(self.ids) - 1:
+            raise IllegalTransition(f"{len(self.answer.prompt_logprobs)} prompt logprobs for {len(self.ids)} tokens")
+        out: tuple[TokenLogprob | None, ...] = (None, *self.answer.prompt_logprobs)
+        self.answer.prompt_logprobs.clear()
+        return out
 
     def adopted(self, num_tokens: int) -> None:
         """Its KV passed to the tree, ``num_tokens`` of them new there."""

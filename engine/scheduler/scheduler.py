@@ -86,7 +86,8 @@ class Scheduler:
         self._drop_cancelled()
         for r, exc in admission.admit(self.state, self.cache):
             self.post.fail(r, exc)
-        forwards, left = pack(self.state.running, self.config.chunk_tokens, self.config.oldest_prefill_tokens)
+        forwards, left = pack(self.state.running, self.config.chunk_tokens, self.config.oldest_prefill_tokens,
+                             by_owner=self.config.isolation)
         yield from forwards
         yield from baseline.batches(self.state.running, left, self.config)
 

@@ -2,7 +2,8 @@
 
 Owns: rendering messages with the model's chat template (or a plain "role: content"
 transcript for a model without one), text to token ids and back, one display piece per
-token (through the one detokenizer, ``engine.text.detokenizer``), the vocabulary's bounds
+token (through the one detokenizer, ``engine.text.detokenizer``), each token's own text and
+bytes for logprobs (``engine.text.token_bytes``), the vocabulary's bounds
 the request checks use, and which token ids end an answer. Built from a tokenizer alone:
 the local engine's runner holds one, and the remote engine has one with no model at all.
 Knows nothing about forwards, the cache or the scheduler.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.text.detokenizer import token_pieces
+from engine.text.token_bytes import TokenBytes
 from engine.validation import flatten_content, valid_text
 
 # Tokens that end a turn in the chat templates of common families, where the vocabulary has them.
@@ -78,6 +80,16 @@ class TextCodec:
         """One display string per token whose concatenation is ``decode(ids)``, in linear time
         (``engine.text.detokenizer.token_pieces``)."""
         return token_pieces(self.decode, ids)
+
+    @functools.cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tokenizer)
+
+    def token_texts(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token on its own, as logprobs show it: (its text decoded alone, its exact UTF-8
+        bytes where the vocabulary says them; ``engine.text.token_bytes``)."""
+        tb = self._token_bytes
+        return [(tb.text(int(i)), tb.bytes_of(int(i))) for i in ids]
 
     # ------------------------------------------------------- special tokens
     @property

@@ -18,6 +18,9 @@ The model, as vLLM and SGLang publish it:
   whose parent left stays (the server still holds its KV, though no new prompt can reach it
   by prefix) and is drawn hanging from the root, flagged ``detached``.
 
+Input: the events come checked (``server.remote.kv_wire``: hashes ints or bytes, token ids
+ints, a positive block size, extra keys lists of scalars); applying one does not check again.
+
 Thread safety: every public method takes ``self.lock``.
 """
 
@@ -84,10 +87,12 @@ class DrawNode(NamedTuple):
         return tuple(t for b in self.blocks for t in b.token_ids)
 
 
-def _salt_of(extra_keys: Sequence[Any] | None) -> str | None:
+def _salt_of(extra_keys: Any) -> str | None:
     """The cache_salt among a block's extra keys: vLLM publishes them untagged, so the one
-    string that is not a LoRA name (``lora_name`` is passed apart) is taken as the salt."""
-    if not extra_keys:
+    string that is not a LoRA name (``lora_name`` is passed apart) is taken as the salt. (This
+    engine's publisher puts an opaque tag of a private block's namespaces there: drawn, and
+    walked, as a salt nobody here knows.) Anything but a list of keys has no salt."""
+    if not isinstance(extra_keys, list | tuple):
         return None
     for key in extra_keys:
         if isinstance(key, str):
@@ -279,13 +284,22 @@ class BlockTree:
             return out
 
     def check_invariants(self) -> None:
+        """Raise ``AssertionError`` (whatever ``-O`` says) where the indexes disagree with the
+        blocks: every block under its parent in ``kids``, the first blocks in ``firsts``, the
+        held counts the sum of the blocks' media. Tests call it; it walks the whole tree."""
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(what)
         with self.lock:
             held: Counter[str] = Counter()
             for h, b in self.blocks.items():
-                assert b.hash == h and b.media and all(n > 0 for n in b.media.values())
+                require(b.hash == h and bool(b.media) and all(n > 0 for n in b.media.values()),
+                        f"block {h!r}: its hash or media")
                 held.update(b.media)
-                assert h in self.kids.get(b.parent, ())
-            assert {h for hs in self.firsts.values() for h in hs} == self.kids.get(None, set())
+                require(h in self.kids.get(b.parent, ()), f"block {h!r} is not among its parent's kids")
+            require({h for hs in self.firsts.values() for h in hs} == self.kids.get(None, set()),
+                    "firsts and the parentless kids differ")
             for parent, kids in self.kids.items():
-                assert kids and all(c in self.blocks and self.blocks[c].parent == parent for c in kids)
-            assert +held == +self.held, (held, self.held)
+                require(bool(kids) and all(c in self.blocks and self.blocks[c].parent == parent for c in kids),
+                        f"the kids of {parent!r}")
+            require(+held == +self.held, f"held {dict(self.held)} but the blocks hold {dict(held)}")

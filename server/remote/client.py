@@ -31,6 +31,7 @@ BACKEND_METRICS = (
     "sglang:cache_hit_rate", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs",
     "radix_prefix_cache_queries_total", "radix_prefix_cache_hits_total", "radix_cache_bytes",
     "radix_cache_budget_bytes", "radix_evicted_tokens_total", "radix_num_requests_waiting",
+    "radix_num_requests_running", "radix_kv_tree_bytes", "radix_cache_tokens",
     "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total", "llamacpp:requests_processing",
     "llamacpp:requests_deferred", "llamacpp:n_busy_slots_per_decode",
 )
@@ -44,6 +45,7 @@ class StreamResult:
     finish: str
     ttft_ms: float
     decode_tokens_per_s: float | None
+    logprobs: list[float] | None = None  # the chosen tokens' (asked with ``logprobs``); None: none came
 
 
 class BackendClient:
@@ -57,6 +59,7 @@ class BackendClient:
                                  timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._metrics: dict[str, float] = {}
         self._metrics_at: float | None = None
+        self._health, self._health_at = False, None  # healthy()'s last answer and when (monotonic)
         self.owned_by = ""  # /v1/models' "owned_by" of the served model ("llamacpp", "vllm", ...), once checked
 
     def check(self) -> None:
@@ -73,6 +76,22 @@ class BackendClient:
                               f"{', '.join(map(str, names[:5]))}. Pass one of them as --backend-model.")
         owners = [m.get("owned_by") for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == self.model]
         self.owned_by = str(owners[0]) if owners and owners[0] else ""
+
+    def healthy(self, max_age_s: float = 1.0) -> bool:
+        """Whether the backend is up: its ``GET /health`` answered 200 (vLLM, SGLang, this app), or
+        ``GET /v1/models`` where it serves no ``/health``; 2 s at most, the answer kept ``max_age_s``."""
+        now = time.monotonic()
+        if self._health_at is not None and now - self._health_at < max_age_s:
+            return self._health
+        try:
+            r = self.http.get("/health", timeout=2.0)
+            if r.status_code in (404, 405):
+                r = self.http.get("/v1/models", timeout=2.0)
+            up = r.status_code == 200
+        except httpx.HTTPError:
+            up = False
+        self._health, self._health_at = up, time.monotonic()
+        return up
 
     def _get_json(self, path: str) -> object:
         try:
@@ -113,10 +132,13 @@ class BackendClient:
             return EngineError(f"The backend refused the request (HTTP {status}): {message}")
         return EngineFault(f"The backend failed on the request (HTTP {status}): {message}")
 
-    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None, cold: bool = False) -> dict:
+    def _body(self, ids: list[int], p: SamplingParams, max_new: int, salt: str | None, cold: bool = False,
+              logprobs: int | None = None) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_new, "temperature": p.temperature,
                 "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
+        if logprobs is not None:  # completions' count of alternatives; 0: the chosen token's alone
+            body["logprobs"] = logprobs
         if p.seed is not None:
             body["seed"] = p.seed
         if p.repetition_penalty != 1.0:
@@ -132,16 +154,19 @@ class BackendClient:
         return body
 
     def stream(self, ids: list[int], sampling: SamplingParams, max_new: int, salt: str | None,
-               cancelled: threading.Event, cold: bool = False) -> Iterator[GenerationEvent]:
+               cancelled: threading.Event, cold: bool = False, logprobs: int | None = None) -> Iterator[GenerationEvent]:
         """Send one request and yield its text as it streams (``yield from`` it: it returns a
         ``StreamResult``). Setting ``cancelled`` closes the connection at the next chunk. ``cold``
         asks the server not to reuse any cache (a fresh ``salt`` does it on vLLM and SGLang,
-        ``cache_prompt: false`` on llama.cpp, which ignores salts)."""
+        ``cache_prompt: false`` on llama.cpp, which ignores salts). ``logprobs`` (0: the chosen
+        token's only) asks for log-probabilities; the result's ``logprobs`` is None when any chunk
+        came without them."""
         text, token_ids, usage, finish = "", [], None, "length"
+        chosen: list[float] | None = [] if logprobs is not None else None
         t0 = time.perf_counter()
         t_first = t_last = None
         try:
-            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt, cold)) as r:
+            with self.http.stream("POST", "/v1/completions", json=self._body(ids, sampling, max_new, salt, cold, logprobs)) as r:
                 if r.status_code != 200:
                     raise self._status_error(r.status_code, r.read())
                 for line in r.iter_lines():
@@ -168,6 +193,8 @@ class BackendClient:
                     if t_first is None:
                         t_first = t_last
                     token_ids += delta.token_ids
+                    if chosen is not None and (delta.token_ids or delta.text):
+                        chosen = chosen + list(delta.logprobs) if delta.logprobs is not None else None
                     if delta.finish_reason:
                         finish = "stop" if delta.finish_reason != "length" else "length"
                     if delta.text:
@@ -183,7 +210,7 @@ class BackendClient:
         ttft_ms = ((t_first or time.perf_counter()) - t0) * 1000
         n = len(token_ids) or (usage.completion_tokens if usage and usage.completion_tokens else 0)
         tps = (n - 1) / (t_last - t_first) if n > 1 and t_first and t_last and t_last > t_first else None
-        return StreamResult(text, token_ids, usage, finish, ttft_ms, tps)
+        return StreamResult(text, token_ids, usage, finish, ttft_ms, tps, chosen)
 
     def metrics(self, max_age_s: float = 10.0) -> dict[str, float]:
         """The cache and queue numbers the server's ``/metrics`` exposes, where it has them

@@ -27,8 +27,14 @@ requests). Each request also records the cached prefix its ids walk down the rea
 sent (``cached_tokens_blocks``), next to what the server reported. The shadow tree is then kept
 only as the fallback drawn while no events have come.
 
+In front of a router (``--fleet``), ``follow_fleet`` follows every replica's events instead
+(``server.remote.fleet.Fleet``): each request takes every replica's match when sent and is
+attributed to the replica it landed on once done (off the request's thread), and
+``fleet_view`` hands the Fleet tab the replicas' trees side by side.
+
 Tokenizing is local, with the same model's tokenizer, so the ids sent are the ids drawn.
-Knows nothing about Gradio.
+Log-probabilities are not passed through: a request that asks for them is refused with an
+``EngineError`` (the API answers 400), never answered without them. Knows nothing about Gradio.
 """
 
 from __future__ import annotations
@@ -56,15 +62,18 @@ from engine.types import (
     EngineError,
     EngineFault,
     EngineInfo,
+    FleetView,
     GenerationEvent,
     GenerationRequest,
     RequestMetrics,
     StepRecord,
+    TokenLogprob,
     TreeSnapshot,
 )
 from server.remote.block_tree import BlockTree
 from server.remote.block_view import block_snapshot, owners
 from server.remote.client import BackendClient, StreamResult
+from server.remote.fleet import Fleet
 from server.remote.kv_events import EventSource, KVEventSubscriber, discover, parse_override
 
 log = logging.getLogger(__name__)
@@ -113,11 +122,18 @@ class RemoteEngine(FacadeBase):
         self._salts: dict[int, str | None] = {}  # request id -> the cache_salt it was sent with
         self.block_checks = {"agree": 0, "differ": 0}  # cached_tokens_blocks vs the server's count
         self._owners_memo: tuple = ((), {}, {})
+        self.fleet: Fleet | None = None  # the replicas behind a router (follow_fleet)
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestHandle:
         ids = self.prompt_ids(request)
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
+        validation.check_logprobs(request)
+        if (request.logprobs or 0) > 0 or request.prompt_logprobs is not None:
+            # Said, never dropped: a client comparing runs must not get an answer without them.
+            raise EngineError("In remote mode only each chosen token's log-probability is passed through from the "
+                              "backend (logprobs 0): no alternatives and no prompt logprobs. Ask the backend "
+                              "server for them directly.")
         with self._lock:
             if self._in_flight >= self.max_queue:
                 raise EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
@@ -154,7 +170,15 @@ class RemoteEngine(FacadeBase):
                                                     self.max_context - len(ids)))
         salt = self._salt(req.namespace)
         blocks_cached = self._blocks_cached(ids, salt)
-        result = yield from self.client.stream(ids, req.sampling, max_new, salt, handle.cancelled)
+        pending = self.fleet.before(ids, salt) if self.fleet is not None else None
+        result = yield from self.client.stream(ids, req.sampling, max_new, salt, handle.cancelled,
+                                               logprobs=req.logprobs)
+        if pending is not None and self.fleet is not None:
+            self.fleet.finished(pending)  # the replicas' counters now, before this session's next request
+        if req.logprobs is not None and result.finish != "cancelled" and (
+                result.logprobs is None or len(result.logprobs) != len(result.token_ids)):
+            raise EngineError("The backend returned no log-probabilities for every token (it needs "
+                              "'logprobs' on /v1/completions and 'return_token_ids'), so none can be shown.")
         baseline_ms = None
         if req.measure_baseline and not handle.cancelled.is_set():
             # Without reuse: the same prompt under a salt nobody has used, so no server has it cached.
@@ -168,8 +192,13 @@ class RemoteEngine(FacadeBase):
                     # A "cold" run the server still served from its cache measures nothing: say so (None).
                     baseline_ms = done.value.ttft_ms if not reused else None
                     break
-        yield GenerationEvent(text=result.text, done=True,
-                              metrics=self._record(req, ids, result, baseline_ms, salt, blocks_cached))
+        metrics = self._record(req, ids, result, baseline_ms, salt, blocks_cached)
+        if pending is not None and self.fleet is not None:  # attributed once its replica's events come
+            threading.Thread(target=self.fleet.settle, name="fleet-attribution", daemon=True,
+                             args=(pending, metrics.request_id, metrics.output_ids,
+                                   metrics.cached_tokens if result.usage is not None
+                                   and result.usage.cached_tokens is not None else None, req.namespace)).start()
+        yield GenerationEvent(text=result.text, done=True, metrics=metrics)
 
     def _blocks_cached(self, ids: list[int], salt: str | None) -> int | None:
         """The prompt's prefix the server holds now, by its events (None: no events). Like vLLM,
@@ -218,7 +247,9 @@ class RemoteEngine(FacadeBase):
                 finish_reason=res.finish, cache_bytes=0, cache_budget_bytes=0, evicted_tokens=0,
                 inserted_tokens=len(key.ids) - existing, matched_path=list(path), prompt_ids=list(ids),
                 output_ids=list(out_ids), output_text=res.text, finished_at=time.time(),
-                cached_tokens_reported=reported, cached_tokens_blocks=blocks_cached)
+                cached_tokens_reported=reported, cached_tokens_blocks=blocks_cached,
+                output_logprobs=(None if req.logprobs is None or res.logprobs is None else
+                                 [TokenLogprob(t, lp) for t, lp in zip(res.token_ids, res.logprobs, strict=False)]))
             return self._add_record(m)
 
     # ------------------------------------------------------------- state
@@ -282,6 +313,32 @@ class RemoteEngine(FacadeBase):
                  source.replay_endpoint or "none", source.topic)
         return source
 
+    def follow_fleet(self, urls: list[str], api_key: str | None = None) -> list[EventSource | None]:
+        """Follow the events of every replica behind the router (``--fleet URL,...``), each found
+        through its own ``GET /kv_event_sources``; returns the sources (None: a replica without)."""
+        self.fleet = Fleet(urls, api_key)
+        return self.fleet.follow()
+
+    def fleet_view(self, viewer: str | None = None) -> FleetView | None:
+        """Every replica's tree (as ``viewer`` may see it, owners by this dashboard's walks, text
+        decoded), where the last requests landed (under isolation, ``viewer``'s own only), the
+        duplication; None without ``--fleet``."""
+        if self.fleet is None:
+            return None
+        with self._lock:
+            walks = [(m.namespace, list(m.prompt_ids) + list(m.output_ids), self._salts.get(m.request_id))
+                     for m in self.recent()]
+
+        def snapshot_of(tree: BlockTree) -> TreeSnapshot:
+            owner, hits = owners(tree, walks)
+            snap = block_snapshot(tree, owner, hits)
+            if viewer is not None and self.isolation:
+                snap = for_viewer(snap, viewer)
+            return dataclasses.replace(snap, nodes=with_text(snap.nodes, self.decode, 256))
+
+        private = viewer is not None and self.isolation  # a visitor lists only their own requests
+        return self.fleet.view(snapshot_of, lambda q: not private or q.namespace == viewer)
+
     @property
     def events_active(self) -> bool:
         """True once the server's events have described its cache (the real tree is drawn)."""
@@ -296,6 +353,7 @@ class RemoteEngine(FacadeBase):
         return {"endpoint": self.events.source.endpoint, "block_size": self.blocks.block_size,
                 "media": self.blocks.counts(), "batches": st.batches, "events": st.events, "replayed": st.replayed,
                 "gaps": st.gaps, "lost": st.lost, "restarts": st.restarts, "decode_errors": st.decode_errors,
+                "rejected": st.rejected,
                 "last_event_at": st.last_event_at, "checks": dict(self.block_checks), "alive": self.events.alive,
                 "active": self.events_active}
 
@@ -328,7 +386,7 @@ class RemoteEngine(FacadeBase):
 
     def version(self) -> int:
         with self._lock:
-            return self._version + self.blocks.version
+            return self._version + self.blocks.version + (sum(self.fleet.signature()) if self.fleet else 0)
 
     def info(self) -> EngineInfo:
         return EngineInfo(model_name=self.model, device="remote", dtype="unknown", num_layers=0, num_kv_heads=0,
@@ -368,6 +426,10 @@ class RemoteEngine(FacadeBase):
     def backend_metrics(self) -> dict[str, float]:
         return self.client.metrics()
 
+    def healthy(self) -> bool:
+        """The backend answers its health check now (``BackendClient.healthy``)."""
+        return self.client.healthy()
+
     def check_backend(self) -> None:
         self.client.check()
         if self.isolation and self.salts_ignored:
@@ -391,4 +453,6 @@ class RemoteEngine(FacadeBase):
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
+        if self.fleet is not None:
+            self.fleet.close()
         self.client.close()

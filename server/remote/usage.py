@@ -54,6 +54,9 @@ class ChunkDelta:
     text: str
     finish_reason: str | None
     token_ids: tuple[int, ...]
+    # The chosen tokens' log-probabilities, where the request asked (OpenAI completions' shape:
+    # ``logprobs.token_logprobs``; chat's ``logprobs.content[].logprob``); None where absent.
+    logprobs: tuple[float, ...] | None = None
 
 
 def parse_choice(body: object) -> ChunkDelta | None:
@@ -77,7 +80,23 @@ def parse_choice(body: object) -> ChunkDelta | None:
     ids = choice.get("token_ids")
     token_ids = tuple(i for i in ids if _int(i) is not None) if isinstance(ids, list) else ()
     finish = choice.get("finish_reason")
-    return ChunkDelta(text if isinstance(text, str) else "", finish if isinstance(finish, str) else None, token_ids)
+    return ChunkDelta(text if isinstance(text, str) else "", finish if isinstance(finish, str) else None, token_ids,
+                      _chosen_logprobs(choice.get("logprobs")))
+
+
+def _chosen_logprobs(block: object) -> tuple[float, ...] | None:
+    """The chosen tokens' logprobs of one choice's ``logprobs`` (completions or chat shape); None
+    when there are none or one is not a number (a server's ``null`` for a prompt's first token)."""
+    if not isinstance(block, dict):
+        return None
+    values = block.get("token_logprobs")
+    if values is None and isinstance(block.get("content"), list):
+        values = [c.get("logprob") if isinstance(c, dict) else None for c in block["content"]]
+    if not isinstance(values, list):
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return None
+    return tuple(float(v) for v in values)
 
 
 def error_message(body: object) -> str | None:

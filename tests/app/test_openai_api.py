@@ -6,6 +6,7 @@ client that goes away mid-stream."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -235,9 +236,21 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(tiny_runner):
         wait_idle(engine)
         m = engine.recent()[-1]
         assert m.finish_reason == "cancelled" and m.output_tokens < 900
-        # Not streamed: a client that gives up waiting (here, a read timeout) cancels too.
+        # Not streamed: a client that gives up waiting (here, a read timeout) cancels too. Once the
+        # request runs, the runner's lock holds the engine's steps past the timeout: the tiny model
+        # could write all 900 tokens within the second.
+        def pause_once_running() -> None:
+            deadline = time.monotonic() + 30
+            while engine.stats().running < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            with tiny_runner.lock:
+                time.sleep(2.0)
+
+        pauser = threading.Thread(target=pause_once_running)
+        pauser.start()
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "v1/completions", json=body | {"stream": False}, timeout=httpx.Timeout(60, read=1.0))
+        pauser.join()
         wait_idle(engine)
         m = engine.recent()[-1]
         assert m.finish_reason == "cancelled" and m.output_tokens < 900 and len(engine.recent()) == 2

@@ -301,18 +301,30 @@ def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, ti
     assert remote.snapshot().num_tokens == 0  # each variant's namespace is cleared after it ran
 
 
-def test_app_flags_build_the_remote_engine_and_serve_only_metrics(backend, tokenizer, monkeypatch):
+def test_app_flags_build_the_remote_engine_and_serve_only_metrics_and_health(backend, tokenizer, monkeypatch):
     _, url = backend
     monkeypatch.setenv("RADIX_BACKEND_API_KEY", "sesame")
     args = app.parse_args(["--backend", url.rstrip("/") + "/v1", "--max-new-tokens", "16"])
     remote = app.build_remote_engine(args, tokenizer=tokenizer)
     assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
-    # the backend serves its own /v1; /metrics here adds what its KV events say (none from this backend)
-    assert [r.path for r in app.app_kwargs(remote)["routes"]] == ["/metrics"]
+    # the backend serves its own /v1; /metrics here adds what its KV events say (none from this backend),
+    # /health is the backend's health (tests/app/test_health.py)
+    assert [r.path for r in app.app_kwargs(remote)["routes"]] == ["/metrics", "/health"]
     assert remote.events is None and remote.snapshot().origin == "shadow"
     assert remote.info().backend == remote.base_url
     with pytest.raises(EngineError, match="budget cannot be set"):
         remote.set_budget(1)
+
+
+def test_fleet_flag_needs_a_backend_and_takes_a_list(monkeypatch):
+    """``--fleet URL,URL`` (env ``RADIX_FLEET``) names the replicas behind the router ``--backend``;
+    alone it is refused in one line (the real fleet is tests/remote/test_fleet.py's)."""
+    with pytest.raises(SystemExit):
+        app.parse_args(["--fleet", "http://127.0.0.1:1"])
+    args = app.parse_args(["--backend", "http://127.0.0.1:9", "--fleet", " http://a:1, http://b:2 ,"])
+    assert args.fleet == ["http://a:1", "http://b:2"]
+    monkeypatch.setenv("RADIX_FLEET", "http://c:3")
+    assert app.parse_args(["--backend", "http://127.0.0.1:9"]).fleet == ["http://c:3"]
 
 
 def test_server_package_imports_no_ui():

@@ -34,6 +34,7 @@ QUESTIONS = [
     ([{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Which district keeps 70 pallets?"}]),
     ([{"role": "user", "content": f"Remember this: {SECRET}. Say OK."}]),
 ]
+OPERATOR_KEY = "restart-matrix-operator"  # /metrics of an isolated run answers the operator only
 START_LIMIT_S = 600  # a usual start is 15-40 s on a quiet machine (model load, warm start); a hang or a crash is not
 
 
@@ -46,7 +47,7 @@ class App:
         self.log = root / f"{name}-{self.port}.log"
         full_env = {**os.environ, "RADIX_PLAYGROUND_CACHE": str(root), "RADIX_DISK_CACHE_MB": "2048",
                     "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
-                    **(env or {})}
+                    "RADIX_OPERATOR_KEY": OPERATOR_KEY, **(env or {})}
         self.started = time.monotonic()
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), *flags], cwd=REPO,
@@ -84,7 +85,9 @@ class App:
 
     def metrics(self) -> dict[str, float]:
         out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+        r = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        for line in r.text.splitlines():
             if line.startswith("radix_") and " " in line:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)

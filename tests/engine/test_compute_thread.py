@@ -145,7 +145,11 @@ def test_turn_lock_counts_its_waiters_and_works_as_a_lock():
         assert lock.waiting and not got.is_set()  # blocked, and seen as waiting
     t.join(10)
     assert got.is_set() and not lock.waiting and not lock.locked()
-    assert not lock.acquire(timeout=0) or (lock.release() or True)
+    # Free again: the waiter took it and let it go, so a try without waiting gets it at once.
+    assert lock.acquire(timeout=0), "the lock is still held after the waiter released it"
+    assert lock.locked() and not lock.waiting
+    lock.release()
+    assert not lock.locked()
 
 
 def test_two_engines_on_one_runner_take_turns_step_by_step(tiny_runner):

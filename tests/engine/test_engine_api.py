@@ -40,6 +40,7 @@ def test_both_engines_implement_all_of_it(local, remote):
     assert local.capabilities.local_cache and local.capabilities == LOCAL
     assert remote.capabilities == REMOTE and remote.capabilities.remote and not remote.capabilities.local_cache
     assert remote.info().backend == "http://127.0.0.1:9" and local.info().backend == ""
+    assert local.fleet_view() is None and remote.fleet_view() is None  # a fleet only with --fleet
 
 
 def test_what_remote_cannot_do_says_so(remote):

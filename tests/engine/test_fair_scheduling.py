@@ -105,12 +105,12 @@ def test_oldest_prompt_gets_a_minimum_prefill_share_under_steady_arrivals(tiny_r
 
 def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_runner):
     """Visitor A sends two long prompts (measuring the no-reuse baseline, as the few-shot tab does);
-    B asks a short question once A's first is two chunks into its prefill. B is admitted at once
-    (A's second waits for A's first: one running request per visitor) and its prompt goes ahead
-    of A's remaining chunks but for the oldest prompt's minimum share: its first token comes
-    within ``2 + ceil(question / (chunk - oldest share))`` steps of its arrival (the step under
-    way when it arrives, the one where A's first takes the budget, then its own chunks), and
-    before A's second starts."""
+    with nobody else waiting both run (the isolation rule is work-conserving). B asks a short
+    question once A's prompts are two chunks into their prefill. B is admitted at once, and its
+    prompt goes ahead of A's remaining chunks (B has fewer running requests) but for the oldest
+    prompt's minimum share: its first token comes within ``2 + ceil(question / (chunk - oldest
+    share))`` steps of its arrival (the step under way when it arrives, the one where A's first
+    takes the budget, then its own chunks), and before A's prompts are done."""
     import math
 
     engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
@@ -124,7 +124,8 @@ def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_
                                              sampling=SamplingParams(max_new_tokens=8))) for ids in long_a]
         gate.allow(2)
         wait_for(lambda: last_step_id(engine) == 2, what="A's first two chunks")
-        assert [first_chunk_step(engine, h.request_id) for h in a] == [1, None]
+        # Both admitted at once; the first's chunk takes step 1's budget, the second starts in step 2.
+        assert [first_chunk_step(engine, h.request_id) for h in a] == [1, 2], "A's second waited on an idle server"
         b = engine.submit(GenerationRequest(prompt_ids=question, namespace="v-b",
                                             sampling=SamplingParams(max_new_tokens=4)))
         arrived = last_step_id(engine)
@@ -135,5 +136,5 @@ def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_
     wait_idle(engine)
     token_at = first_token_step(engine, b.request_id)
     assert token_at is not None and token_at - arrived <= bound, (token_at, arrived, bound)
-    assert first_chunk_step(engine, a[1].request_id) > token_at, "A's second ran before B's first token"
+    assert all(first_token_step(engine, h.request_id) > token_at for h in a), "A's prompts went ahead of B's"
     assert_clean(engine)

@@ -261,26 +261,47 @@ def real_model(request, real_runner):
     runner.close()
 
 
+def _teacher_forced(runner, ids, tokens: list[int], fused: bool, steps: int = 12) -> list[torch.Tensor]:
+    """The last row's logits of each of ``steps`` decode steps after ``ids``, reading ``tokens``
+    one by one; where ``tokens`` runs out, the step's own greedy pick (appended to ``tokens``)."""
+    pool = _pool(runner, 64)
+    slots = pool.alloc(len(ids) + steps + 1)
+    _run(runner, pool, [PagedSegment(ids, 0, slots)], fused=False)
+    out, past, token = [], len(ids), ids[-1]
+    for i in range(steps):
+        out.append(_run(runner, pool, [PagedSegment([token], past, slots)], fused=fused)[-1].float())
+        if i == len(tokens):
+            tokens.append(int(out[-1].argmax()))
+        past, token = past + 1, tokens[i]
+    return out
+
+
 @pytest.mark.slow
-def test_real_model_fused_steps_match_unfused(real_model):
-    """The embedded model, teacher-forced: each fused step's logits within the dtype's tolerance of the
-    unfused step's, and the token it picks a top token of the unfused logits (bf16: within the tolerance)."""
-    real_runner = real_model
-    if real_runner.stack is None or real_runner.stack.fused is None:
+def test_real_model_fused_steps_match_unfused(real_model, real_runner):
+    """The embedded model, teacher-forced on the float32 model's greedy tokens. float32: each fused
+    step's logits within 1e-4 of the unfused step's, and its pick a top token of them. bfloat16: the
+    fused steps are no further from the float32 model than PyTorch's own bf16 steps are (both round
+    differently, and where PyTorch's bf16 products run on other kernels, as oneDNN's AMX tiles, the
+    two bf16 paths are about as far from each other as each is from float32), and each pick is a
+    top token of the float32 logits within bf16's tolerance."""
+    runner = real_model
+    if runner.stack is None or runner.stack.fused is None:
         pytest.skip("the embedded model runs unfused here (no kernel)")
-    ids = real_runner.text.encode("The three rules of packing a tent are")
-    pools = _pool(real_runner, 64), _pool(real_runner, 64)
-    slots = [p.alloc(len(ids) + 12) for p in pools][0]
-    for pool in pools:
-        _run(real_runner, pool, [PagedSegment(ids, 0, slots)], fused=False)
-    past, token = len(ids), ids[-1]
-    for _ in range(12):  # teacher-forced: both read the same tokens
-        plain = _run(real_runner, pools[0], [PagedSegment([token], past, slots)], fused=False)
-        got = _run(real_runner, pools[1], [PagedSegment([token], past, slots)], fused=True)
-        assert _close(got, plain, real_runner.dtype)
-        top = float(plain[-1].max())
-        assert float(plain[-1, int(got[-1].argmax())]) >= top - TOLERANCE[real_runner.dtype] * max(1.0, abs(top))
-        past, token = past + 1, int(plain.argmax())
+    ids = runner.text.encode("The three rules of packing a tent are")
+    tokens: list[int] = []
+    truth = _teacher_forced(real_runner, ids, tokens, fused=False)  # float32, unfused, greedy: the reference
+    plain = _teacher_forced(runner, ids, tokens, fused=False)
+    got = _teacher_forced(runner, ids, tokens, fused=True)
+    tol = TOLERANCE[runner.dtype]
+    if runner.dtype == torch.float32:
+        assert all(_close(g, p) for g, p in zip(got, plain, strict=True))
+    else:
+        err_plain = max(float((p - t).abs().max()) for p, t in zip(plain, truth, strict=True))
+        err_fused = max(float((g - t).abs().max()) for g, t in zip(got, truth, strict=True))
+        assert err_fused <= 1.5 * err_plain, (err_fused, err_plain)
+    for g, t in zip(got, truth, strict=True):
+        top = float(t.max())
+        assert float(t[int(g.argmax())]) >= top - tol * max(1.0, abs(top))
 
 
 def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(tokenizer, runner, tmp_path,

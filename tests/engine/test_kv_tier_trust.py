@@ -397,20 +397,25 @@ def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runn
     third.close()
 
 
-def test_the_weights_digest_of_files_is_memoized_by_size_and_mtime(tmp_path):
+def test_the_weights_digest_of_files_is_memoized_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    from engine.kvcache import tier_identity
+
+    monkeypatch.setattr(tier_identity, "_RACY_NS", -(10**15))  # as if each hash came long after the file's last change
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\1" * 4096)
     memo = tmp_path / "tier" / "weight-digests.json"
     first = kv_tier.weights_digest([weights], memo=memo)
     assert first and kv_tier.weights_digest([weights]) == first
     table = json.loads(memo.read_text())
-    size, mtime_ns, digest = table[str(weights)]
-    assert size == 4096
-    table[str(weights)][2] = "0" * 64  # an unchanged file is not hashed again: the memo is believed
+    entry = table[str(weights)]
+    st = weights.stat()
+    assert (entry["size"], entry["mtime_ns"], entry["ctime_ns"], entry["ino"]) == (
+        4096, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    entry["sha256"] = "0" * 64  # an unchanged file is not hashed again: the memo is believed
     memo.write_text(json.dumps(table))
     assert kv_tier.weights_digest([weights], memo=memo) != first
     weights.write_bytes(b"\2" * 4096)  # retrained: same size, new content and time
-    os.utime(weights, ns=(mtime_ns + 10**9, mtime_ns + 10**9))
+    os.utime(weights, ns=(entry["mtime_ns"] + 10**9, entry["mtime_ns"] + 10**9))
     retrained = kv_tier.weights_digest([weights], memo=memo)
     assert retrained != first and retrained == kv_tier.weights_digest([weights])
 

@@ -107,3 +107,20 @@ def test_dtype_names():
     assert resolve_dtype("bfloat16", cpu) == resolve_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int3", cpu)
+
+
+def test_tokenizer_dir_env_gives_the_embedded_tokenizer(tokenizer, tmp_path, monkeypatch):
+    """RADIX_TOKENIZER_DIR: the embedded tokenizer's saved files, where no GGUF file or hub is (the GPU check)."""
+    from engine.model.hub import TOKENIZER_DIR_ENV, load_tokenizer
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv(TOKENIZER_DIR_ENV, str(tmp_path / "tok"))
+    carried = load_tokenizer()
+    text = "Hello\n\nworld, été"
+    assert carried.encode(text) == tokenizer.encode(text) and len(carried) == len(tokenizer)
+    msgs = [{"role": "user", "content": text}]
+    assert carried.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
+        tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    monkeypatch.setenv(TOKENIZER_DIR_ENV, str(tmp_path))
+    with pytest.raises(ModelLoadError, match="no saved tokenizer"):
+        load_tokenizer()

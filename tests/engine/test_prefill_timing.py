@@ -301,3 +301,92 @@ def test_on_a_shared_deployment_shipped_content_leaves_half_the_cache_to_visitor
                                 sampling=SamplingParams(max_new_tokens=4))
     assert len(engine.run(visitor).output_ids) == 4  # answered, not refused for room
     engine.close()
+
+
+def _logits_of(runner, cache, key: CacheKey, cached: int, block: int) -> torch.Tensor:
+    """The prompt's last-token logits, computed here independently of the timer: the cached prefix's
+    KV copied (``cached`` > 0), then the rest ``block`` tokens per forward, as a timing's side runs."""
+    ids = list(key.ids)
+    kv = runner.new_request_kv(len(ids))
+
+    def go() -> torch.Tensor:
+        pos = cache.copy_prefix(key, cached, kv) if cached else 0
+        out = None
+        while pos < len(ids):
+            out = runner.forward_last(ids[pos:pos + block], kv)
+            pos += block
+        return out
+
+    return runner.compute.call(go)
+
+
+def test_a_timing_compares_both_sides_logits_bit_for_bit(engine, tiny_runner):
+    """The paired timing says whether reuse changed what the model computed: the last prompt token's
+    logits of both sides, ``torch.equal`` and digests, equal to the same forwards run here."""
+    import hashlib
+
+    from analysis.prefill_timing import compare_logits
+
+    vocab = len(tiny_runner.text.tokenizer)
+    shared = rand_ids(7, 60, vocab)
+    run(engine, shared)
+    key, cached = run(engine, shared + rand_ids(8, 9, vocab))
+    timer = PrefillTimer(engine, TimingPolicy(pairs=2, reuse_runs=1, block_tokens=32))
+    t = timer.time_pairs(key, cached)
+    check = t.logits
+    assert check is not None and t.full_ms is not None
+    reuse = _logits_of(tiny_runner, engine.cache, key, t.cached_tokens, 32)
+    full = _logits_of(tiny_runner, engine.cache, key, 0, 32)
+    digest = lambda x: hashlib.sha256(x.float().contiguous().numpy().tobytes()).hexdigest()[:16]  # noqa: E731
+    assert (check.reuse_digest, check.full_digest) == (digest(reuse), digest(full))
+    assert check.identical == torch.equal(reuse, full) == (check.max_abs_diff == 0.0)
+    assert check.max_abs_diff == float((reuse - full).abs().max())
+    assert check.same_next_token == (int(reuse.argmax()) == int(full.argmax()))
+    same = compare_logits(full, full.clone())
+    assert same.identical and same.max_abs_diff == 0.0 and same.reuse_digest == same.full_digest
+    other = full.clone()
+    other[3] = torch.nextafter(other[3], torch.tensor(float("inf")))  # one bit of one logit
+    flipped = compare_logits(other, full)
+    assert not flipped.identical and flipped.reuse_digest != flipped.full_digest and flipped.max_abs_diff > 0
+
+
+def test_a_memo_timing_makes_no_claim_about_the_logits(engine, tiny_runner):
+    vocab = len(tiny_runner.text.tokenizer)
+    shared = rand_ids(9, 40, vocab)
+    run(engine, shared, public_len=40)
+    key, cached = run(engine, shared + rand_ids(10, 8, vocab), public_len=40)
+    timer = PrefillTimer(engine, TimingPolicy(pairs=1, reuse_runs=1, block_tokens=64, memo_min_tokens=16))
+    assert timer.time_pairs(key, cached).logits is not None  # measured afresh: compared
+    memo = timer.time_pairs(key, cached)
+    assert memo.full_from_memo and memo.logits is None  # the no-reuse side was not run this time
+
+
+def test_a_scratch_buffer_is_freed_with_its_last_reference_not_by_the_garbage_collector(engine, tiny_runner):
+    """A request buffer and its layers must not form a reference cycle: a timing's scratch buffers
+    (100 MB each at 2,300 tokens on the embedded model) then piled up between the cyclic collector's
+    runs; eight tabs timing at once held 2.3 GB over the memory the page promises."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        kv = tiny_runner.new_request_kv(64)
+        tiny_runner.forward_last(rand_ids(11, 40, 500), kv)  # the layers were initialised and hold views
+        storage, buffer = weakref.ref(kv.k), weakref.ref(kv)
+        del kv
+        assert buffer() is None and storage() is None  # freed at once, no collection needed
+        vocab = len(tiny_runner.text.tokenizer)
+        shared = rand_ids(12, 50, vocab)
+        run(engine, shared)
+        key, cached = run(engine, shared + rand_ids(13, 6, vocab))
+        timer = PrefillTimer(engine, TimingPolicy(pairs=1, reuse_runs=1, block_tokens=16))
+        made: list = []
+        real = tiny_runner.new_request_kv
+        tiny_runner.new_request_kv = lambda n: made.append(weakref.ref(b := real(n))) or b
+        try:
+            assert timer.time_pairs(key, cached).full_ms is not None
+        finally:
+            del tiny_runner.new_request_kv
+        assert len(made) == 2 and all(ref() is None for ref in made)  # both sides' buffers gone
+    finally:
+        gc.enable()

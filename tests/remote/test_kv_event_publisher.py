@@ -67,8 +67,12 @@ class Raw:
 def test_hashes_are_stable_and_namespaced():
     ids = tuple(range(BS))
     assert block_hash(None, (), ids) == 5381774573828011315  # the same in every process, every run
-    assert block_hash(None, (), ids) != block_hash(None, ("v-alice",), ids) != block_hash(7, (), ids)
+    key = b"k" * 32
+    assert block_hash(None, (), ids) != block_hash(None, ("v-alice",), ids, key) != block_hash(7, (), ids)
+    assert block_hash(None, ("v-alice",), ids, key) != block_hash(None, ("v-alice",), ids, b"j" * 32)
     assert 0 <= block_hash(None, (), ids) < 2**63
+    with pytest.raises(ValueError):  # a private block's hash is never the guessable one
+        block_hash(None, ("v-alice",), ids)
 
 
 def test_our_subscriber_follows_our_publisher():
@@ -109,7 +113,9 @@ def test_private_blocks_carry_no_tokens_under_isolation():
         stored = [e for e in events if e["type"] == "BlockStored"]
         assert [len(e["block_hashes"]) for e in stored] == [2, len(p) // BS - 2]
         assert len(stored[0]["token_ids"]) == 2 * BS and stored[0]["extra_keys"] is None  # shipped: public
-        assert stored[1]["token_ids"] == [] and all(k == ["v-alice"] for k in stored[1]["extra_keys"])
+        assert stored[1]["token_ids"] == []
+        tags = {tuple(k) for k in stored[1]["extra_keys"]}  # one opaque tag for her blocks, not her name
+        assert len(tags) == 1 and next(iter(tags))[0].startswith("ns-") and "alice" not in next(iter(tags))[0]
     finally:
         raw.close()
         pub.close()
@@ -293,3 +299,182 @@ def test_a_dashboard_finds_this_apps_own_stream_by_asking_it(tiny_runner):
     finally:
         engine.close()
         plain.close()
+
+
+# ------------------------------------------------------------------ where it listens, and its bounds
+def test_the_default_endpoint_binds_loopback_and_a_star_warns(monkeypatch, caplog):
+    from engine.kvcache import kv_events
+    from server.remote.kv_wire import source_from_config
+    from tests.helpers_app import free_port
+
+    monkeypatch.setattr(kv_events, "DEFAULT_ENDPOINT", f"tcp://127.0.0.1:{free_port()}")
+    pub = KVEventPublisher.from_config({"enable_kv_cache_events": True, "topic": "ours", "block_size": BS})
+    try:
+        assert pub.endpoint == kv_events.DEFAULT_ENDPOINT and pub.binds  # loopback only, not every interface
+        assert pub.config["endpoint"] == pub.endpoint and pub.config["publisher_binds"] is True
+        source = source_from_config(pub.config, "http://127.0.0.1:7860")
+        assert source.endpoint == pub.endpoint and not source.bind  # the served config says: connect to it
+        sub = KVEventSubscriber(source, BlockTree()).start()
+        try:
+            tree = RadixTree()
+            tree.listener = pub
+            p = prompts(1)[0]
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+            pub.flush()
+            assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published > 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+    port = free_port()
+    with caplog.at_level("WARNING", logger="engine.kvcache.kv_events"):
+        star = KVEventPublisher.from_config({"endpoint": f"tcp://*:{port}", "topic": "ours"})
+    try:
+        assert star.config["endpoint"] == f"tcp://*:{port}" and "publisher_binds" not in star.config
+        assert source_from_config(star.config, "http://10.1.2.3:7860").endpoint == f"tcp://10.1.2.3:{port}"
+        assert any("every interface" in r.getMessage() for r in caplog.records)
+    finally:
+        star.close()
+
+
+def test_publisher_binds_binds_a_plain_loopback_host_for_a_router_to_connect():
+    """A fleet's replica (``tools.fleet``): vLLM's router connects to each replica's endpoint, so
+    ``"publisher_binds": true`` binds the plain host given (loopback), where vLLM's rule connects."""
+    from server.remote.kv_wire import source_from_config
+    from tests.helpers_app import free_port
+
+    port, replay = free_port(), free_port()
+    pub = KVEventPublisher.from_config({"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint":
+                                        f"tcp://127.0.0.1:{replay}", "topic": "kv-events", "publisher_binds": True,
+                                        "block_size": BS})
+    try:
+        assert pub.binds and pub.endpoint == f"tcp://127.0.0.1:{port}" and pub.config["publisher_binds"] is True
+        source = source_from_config(pub.config, "http://127.0.0.1:7860")
+        assert source.endpoint == pub.endpoint and not source.bind  # a subscriber connects, as the router does
+        sub = KVEventSubscriber(source, BlockTree()).start()
+        try:
+            tree = RadixTree()
+            tree.listener = pub
+            p = prompts(1)[0]
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+            pub.flush()
+            assert sub.wait_for(lambda: sub.tree.num_blocks == pub.num_published > 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_a_stalled_sending_thread_never_blocks_the_cache_and_drops_are_counted():
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS, max_queue=2)
+    sub = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
+    gate = threading.Event()
+    real = pub._send
+
+    def stalled(seq: int, payload: bytes) -> None:
+        gate.wait(10)
+        real(seq, payload)
+
+    pub._send = stalled
+    tree = RadixTree()
+    tree.listener = pub
+    try:
+        t0 = time.monotonic()
+        for i in range(20):  # no shared prefix: one batch each
+            p = prompts(1, seed=100 + i)[0]
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        assert time.monotonic() - t0 < 1.0  # the cache's thread did not wait
+        assert pub.dropped_batches >= 15 and pub._queue.qsize() <= 2
+        pub._send = real
+        gate.set()
+        pub.flush()
+        dropped = pub.dropped_batches
+        p = prompts(1, seed=999)[0]  # one more batch after the drops: the subscriber sees the seqs they took
+        tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        assert sub.wait_for(lambda: sub.stats.last_seq == 20), sub.stats
+        assert pub.dropped_batches == dropped and sub.stats.lost == dropped and sub.alive
+    finally:
+        gate.set()
+        sub.close()
+        pub.close()
+
+
+def test_replay_requests_are_rate_limited_and_a_client_that_never_reads_is_dropped(monkeypatch):
+    from engine.kvcache import kv_events
+
+    monkeypatch.setattr(kv_events, "REPLAY_SESSION_S", 0.5)
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS)
+    tree = RadixTree()
+    tree.listener = pub
+    ctx = zmq.Context()
+    try:
+        for i in range(30):
+            p = prompts(1, seed=200 + i)[0]
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        spam = ctx.socket(zmq.DEALER)
+        spam.setsockopt(zmq.LINGER, 0)
+        spam.connect(pub.replay_endpoint)
+        for _ in range(200):  # one client asking again and again, never reading
+            spam.send_multipart([b"", (0).to_bytes(8, "big")])
+        silent = [ctx.socket(zmq.DEALER) for _ in range(8)]  # clients that ask once and never read
+        for s in silent:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(pub.replay_endpoint)
+            s.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.5)
+        assert pub.replay_refused > 150 and len(pub._answers) <= kv_events.REPLAY_SESSIONS
+        ends = 0
+        while spam.poll(100):
+            ends += spam.recv_multipart()[-2] == (-1).to_bytes(8, "big", signed=True)
+        assert ends <= kv_events.REPLAY_BURST + 5  # answers, not 200 copies of the buffer
+        for s in silent:
+            s.close(linger=0)
+        spam.close(linger=0)
+        time.sleep(1.5)  # the sessions time out (or their clients are gone), and the bucket refills
+        assert not pub._answers
+        late = KVEventSubscriber(EventSource(pub.endpoint, pub.replay_endpoint, "ours"), BlockTree()).start()
+        try:  # an honest subscriber still gets the whole history
+            assert late.wait_for(lambda: late.tree.num_blocks == pub.num_published > 0)
+            assert late.stats.replayed == 30
+        finally:
+            late.close()
+    finally:
+        ctx.destroy(linger=0)
+        pub.close()
+
+
+def test_a_replay_client_that_never_reads_holds_a_bounded_answer_and_is_dropped(monkeypatch):
+    """What waits for a client is bounded by the ROUTER's SNDHWM (the answer goes out a few
+    messages at a time as its pipe takes them), and a client that does not take it in time is dropped."""
+    import random as _random
+
+    from engine.kvcache import kv_events
+
+    monkeypatch.setattr(kv_events, "REPLAY_SESSION_S", 1.0)
+    monkeypatch.setattr(kv_events, "REPLAY_HWM", 4)
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS)
+    tree = RadixTree()
+    tree.listener = pub
+    ctx = zmq.Context()
+    try:
+        rng = _random.Random(7)
+        for _ in range(40):  # about 160 KB a batch, 6.4 MB in all: more than the kernel's socket buffers take
+            p = [rng.randrange(70_000, 2**31) for _ in range(32_000)]
+            tree.insert(CacheKey(tuple(p), PUBLIC, 0), [None] * len(p))
+        pub.flush()
+        silent = ctx.socket(zmq.DEALER)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.setsockopt(zmq.RCVHWM, 1)
+        silent.setsockopt(zmq.RCVBUF, 1024)
+        silent.connect(pub.replay_endpoint)
+        silent.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.4)
+        answers = list(pub._answers.values())
+        assert len(answers) == 1 and answers[0].pos < len(answers[0].items) == 40  # held back, not all queued
+        time.sleep(1.2)
+        assert not pub._answers and pub.replay_abandoned == 1 and pub.replay_served == 0
+    finally:
+        ctx.destroy(linger=0)
+        pub.close()

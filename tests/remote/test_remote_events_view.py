@@ -46,6 +46,7 @@ def test_panels_and_metrics_show_the_servers_blocks(remote):
     assert remote_note(remote) == REMOTE_EVENTS_NOTE
     text = EngineMetrics(lambda: remote).text().decode()
     assert 'radix_backend_kv_blocks{medium="GPU"} 12.0' in text and "radix_backend_kv_events_total 8.0" in text
+    assert "radix_backend_kv_batches_rejected_total 0.0" in text
     remote.check_invariants()
 
 

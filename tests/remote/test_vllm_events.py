@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 import app
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import EngineError, GenerationRequest, SamplingParams
 from server.remote.block_tree import BlockTree
 from server.remote.kv_events import KVEventSubscriber, discover
 from tools.vllm_server import VLLMServer, venv_path, vllm_available
@@ -207,3 +207,26 @@ def test_a_server_restart_rebuilds_the_tree(vllm, remote):
     assert remote.blocks.num_blocks == raw.count >= m.prompt_tokens // 32  # only the new process's blocks
     assert len(remote.blocks.match(m.prompt_ids)) == m.prompt_tokens // 32
     remote.check_invariants()
+
+
+def test_the_reuse_check_runs_on_vllm_with_its_logprobs(vllm, remote):
+    """Issue 44, item 5: in front of vLLM the chat's reuse check sends the prompt again with the
+    dashboard's salt (reused) and with a fresh one (nothing reused: vLLM mixes the salt into the first
+    block's hash) and compares the logprobs vLLM itself returned for each token."""
+    from analysis.reuse_check import check_reuse, compare
+
+    ids = tuple(remote.prompt_ids(ask("Why does a prefix cache need exact token prefixes?")))
+    remote.run(GenerationRequest(prompt_ids=ids, sampling=SamplingParams(max_new_tokens=2)))  # now cached
+    c = check_reuse(remote, GenerationRequest(prompt_ids=ids), GenerationRequest(prompt_ids=ids, namespace="cold-1"),
+                    new_tokens=8)
+    reuse, cold = remote.recent()[-2:]
+    assert c == compare(reuse, cold)
+    assert c.fair and cold.cached_tokens == 0 and c.reused_tokens == reuse.cached_tokens > 0
+    for m in (reuse, cold):  # vLLM's own numbers, one per generated token
+        assert len(m.output_logprobs) == len(m.output_ids) == m.output_tokens > 0
+        assert all(t.logprob <= 0.0 for t in m.output_logprobs)
+        assert [t.token_id for t in m.output_logprobs] == list(m.output_ids)
+    print(f"vLLM (bf16) reuse check: same tokens {c.same_tokens}, identical {c.identical_logprobs}, "
+          f"max diff {c.max_logprob_diff:.2e}, first difference {c.first_difference}")
+    with pytest.raises(EngineError, match="remote mode"):
+        remote.submit(GenerationRequest(prompt_ids=ids, logprobs=2))  # alternatives are not passed through

@@ -29,7 +29,7 @@ def test_the_engine_line_sits_beside_the_chat(tiny_runner_bf16):
 def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_bf16):
     """bf16 where the CPU has native bf16 multiplies through oneDNN-packed weights (and ours in its fused
     decode steps), fp32 through our kernel for decode steps where it builds (PyTorch's otherwise), bf16
-    without native bf16 through ours from two rows on; both run the decoder stack (a Llama), fused where
+    without native bf16 through ours at any number of rows; both run the decoder stack (a Llama), fused where
     our kernel builds; the info tab says which."""
     packed = "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
     fp32 = info_markdown(Engine(tiny_runner))
@@ -45,8 +45,15 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
         assert "| linear layers | " + ("ours in the fused decode steps (up to 8 rows), " if fused else "") + packed \
             in bf16
     else:
-        assert "| linear layers | " + ("ours from two rows on" if tiny_runner_bf16.native_linears
+        assert "| linear layers | " + ("ours at any number of rows" if tiny_runner_bf16.native_linears
                                        else "PyTorch's default |") in bf16
+
+
+def test_the_kernels_instruction_set_is_named(tiny_runner):
+    """The ISA our C kernels were built for (RADIX_ISA, issue 48) shows where they run."""
+    text = info_markdown(Engine(tiny_runner))
+    ours = tiny_runner.native_linears or tiny_runner.attention.name == "cpu_native"
+    assert ("| kernels' instruction set | native (-march=native" in text) == bool(ours)
 
 
 def test_the_attention_kernel_is_named(tiny_runner):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from components.panels.scheduler_panel import scheduler_markdown, timeline_figure
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
+from tests.helpers_app import wait_idle
 
 
 def test_timeline_from_a_real_batch(tiny_runner):
@@ -36,7 +37,29 @@ def test_mixed_forward_colours_each_request_by_its_work():
                      prefill_request_ids=(2,))
     fig = timeline_figure([rec], namespace="v-a")
     by_name = {t.name: list(t.y) for t in fig.data}
-    assert by_name == {"batched decode (yours)": ["#1"], "prefill chunk": ["#2"]}
+    assert by_name == {"batched decode (yours)": ["#1"], "prefill chunk": ["others"]}  # no one else's id
+    assert not any("#2" in t for trace in fig.data for t in trace.hovertext)
+    assert {t.name: list(t.y) for t in timeline_figure([rec]).data} == {  # a shared engine names them all
+        "batched decode": ["#1"], "prefill chunk": ["#2"]}
+
+
+def test_forwards_of_other_visitors_alone_are_not_shown_in_isolation(tiny_runner):
+    """A forward without the viewer's requests would tell, for another visitor's request, how many
+    prefill chunks and decode tokens it took. In isolation mode the viewer sees the same timeline
+    and figures whatever another visitor asked, and however long their answer was."""
+    drawn = []
+    for prompt_len, new_tokens in ((47, 3), (66, 7)):
+        engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+        other = engine.run(GenerationRequest(prompt_ids=tuple(range(40, 40 + prompt_len)), namespace="v-you",
+                                             sampling=SamplingParams(max_new_tokens=new_tokens)))
+        assert other.output_tokens == new_tokens
+        wait_idle(engine)  # the figures read "running 0" only once the engine has finished its bookkeeping
+        steps = engine.step_log()
+        assert steps and not timeline_figure(steps, namespace="v-me").data  # nothing of theirs
+        text = scheduler_markdown(engine, steps, "v-me")  # the coarse rate has its own test (below)
+        drawn.append([line for line in text.splitlines() if "output tokens/s" not in line])
+        assert timeline_figure(steps, None).data  # a shared engine shows everyone's forwards
+    assert drawn[0] == drawn[1], drawn
 
 
 def test_empty_timeline_says_so():
@@ -91,3 +114,21 @@ def test_reserved_kv_of_everyone_is_coarse_in_isolation():
     assert f"| {37 * bpt / 2**20:.1f} MiB of the" in scheduler_markdown(engine, [], None)
     coarse = scheduler_markdown(engine, [], "v-me")
     assert f"≤{256 * bpt / 2**20:.1f} MiB of the" in coarse and f"{37 * bpt / 2**20:.1f} MiB" not in coarse
+
+
+def test_everyones_output_rate_is_coarse_in_isolation():
+    """One visitor's answer (tens of tokens in the 10 s window) does not move the rate a stranger reads."""
+    from types import SimpleNamespace
+
+    from engine.types import EngineStats
+
+    base = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0, baseline_prefill_ms=0,
+                reuse_prefill_ms_measured=0, cache_bytes=0, budget_bytes=2**30, cached_tokens_now=0, num_nodes=0,
+                evicted_tokens=0, queue_depth=0)
+    shown = {}
+    for rate in (0.0, 4.7, 6.6, 9.9):  # idle, then answers of 47, 66 and 99 tokens in the window
+        stats = EngineStats(**base, tokens_per_s=rate)
+        engine = SimpleNamespace(stats=lambda s=stats: s, info=lambda: SimpleNamespace(kv_bytes_per_token=46_080))
+        shown[rate] = scheduler_markdown(engine, [], "v-me")
+        assert f"**{rate:.1f}**" in scheduler_markdown(engine, [], None)  # a private deployment: exact
+    assert len(set(shown.values())) == 1, shown

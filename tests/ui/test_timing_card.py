@@ -73,6 +73,9 @@ def test_warm_start_makes_the_first_starter_click_a_hit_and_the_card_compares_a_
     assert request_id == metrics.request_id and timing.full_ms and timing.reuse_ms
     assert len(timing.pairs) == 3 and "Median of 3 pairs" in numbers and "live, in the batch" in numbers
     assert metrics.baseline_prefill_ms is None  # the paired timing replaces the in-batch baseline
+    check = timing.logits  # both sides ran: the card says what their logits were, bit for bit or not
+    assert check is not None and (check.full_digest in numbers) and (check.reuse_digest in numbers)
+    assert ("Bit for bit" in numbers) == check.identical and ("Not bit for bit" in numbers) != check.identical
     html = key_numbers_html(engine, metrics, "", timing)
     value, _ = speed_card(metrics, timing)
     assert value in html and "median of 3 pairs" in html
@@ -85,9 +88,26 @@ def test_card_says_when_the_no_reuse_figure_came_from_the_memo(engine):
                       full_ms=3000, full_measured_at=0.0, full_from_memo=True, full_runs=3, block_tokens=512)
     text = turn_markdown(m, t)
     assert "30.0× faster" in text and "measured at 00:00:00 UTC" in text and "reused since" in text
+    assert "bit for bit" not in text.lower()  # the no-reuse side did not run now: no claim either way
     skipped = dataclasses.replace(t, full_ms=None, reuse_ms=None, pairs=(), skipped="one pair would run too much")
     assert "No paired timing: one pair would run too much." in turn_markdown(m, skipped)
     assert speed_card(m, skipped) is None
+
+
+def test_card_states_what_the_logits_comparison_found(engine):
+    from analysis.prefill_timing import LogitsCheck
+
+    m = engine.run(GenerationRequest(prompt="hello there"))
+    m = dataclasses.replace(m, prompt_tokens=400, cached_tokens=380, computed_tokens=20)
+    base = PrefillTiming(prompt_tokens=400, cached_tokens=380, pairs=(PrefillPair(10, 90),), reuse_ms=10, full_ms=90,
+                         full_measured_at=0.0, full_runs=1, block_tokens=512)
+    same = LogitsCheck(True, 0.0, True, "a" * 16, "a" * 16)
+    assert "**Bit for bit:**" in turn_markdown(m, dataclasses.replace(base, logits=same))
+    close = LogitsCheck(False, 1.19e-7, True, "b" * 16, "c" * 16)
+    text = turn_markdown(m, dataclasses.replace(base, logits=close))
+    assert "**Not bit for bit:**" in text and "1.2e-07" in text and "the first new token is the same" in text
+    flip = dataclasses.replace(close, same_next_token=False)
+    assert "first new token differs" in turn_markdown(m, dataclasses.replace(base, logits=flip))
 
 
 def test_growth_panel_words():

@@ -154,3 +154,46 @@ def test_absurd_slider_values_are_clamped(engine):
     assert [clamp_int(v, 7, 1, 10) for v in (None, "x", float("nan"), -5, 1e12, "3", 4.9)] == [7, 7, 7, 1, 10, 3, 4]
     req = build_request(engine, [{"role": "user", "content": "hi"}], float("inf"), "yes", None, tag="t")
     assert req.sampling.max_new_tokens == engine.max_new_tokens_cap
+
+
+def test_the_memory_tab_shows_the_tiers_unwritten_spills_beside_the_budget(tiny_runner, tmp_path):
+    """Evicted KV waiting to be written to disk is held outside the pool's budget: the tab says how much,
+    and its bound."""
+    from engine.engine import Engine
+    from engine.types import GenerationRequest, SamplingParams
+
+    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                    tier_dir=str(tmp_path))
+    try:
+        engine.run(GenerationRequest(prompt_ids=tuple(range(100, 260)), sampling=SamplingParams(max_new_tokens=2)))
+        stats = engine.stats()
+        assert stats.tier_queue_bound_bytes > 0 and stats.tier_queued_bytes == 0  # written after each eviction
+        assert "spills waiting to be written 0 B (at most" in memory_markdown(engine)
+    finally:
+        engine.close()
+
+
+def test_another_visitors_timing_buffer_shows_only_coarse_in_isolation(tiny_runner):
+    """The paired timing's scratch buffer is exactly one visitor's prompt: on a public deployment the
+    memory tab shows it only in the tree's 256-token buckets, so a stranger reading it cannot tell a
+    47-token prompt from a 66-token one; a private deployment shows the exact bytes."""
+    from analysis.prefill_timing import timer_for
+    from components.views.format import fmt_bytes
+    from engine.engine import Engine
+    from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
+
+    bpt = tiny_runner.kv_bytes_per_token
+    for isolation in (True, False):
+        engine = Engine(tiny_runner, isolation=isolation)
+        try:
+            timer, shown = timer_for(engine), []
+            for prompt_tokens in (47, 66):
+                with timer._scratch(prompt_tokens):  # what a visitor's no-reuse timing holds while it runs
+                    shown.append(memory_markdown(engine, [], "v-stranger" if isolation else None))
+                    exact = f"timing scratch buffers {fmt_bytes(prompt_tokens * bpt)} "
+                    assert (exact in shown[-1]) != isolation, shown[-1]
+            if isolation:
+                assert shown[0] == shown[1]
+                assert f"timing scratch buffers ≤{fmt_bytes(HIDDEN_BUCKET_TOKENS * bpt)} " in shown[0]
+        finally:
+            engine.close()

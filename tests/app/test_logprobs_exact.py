@@ -1,0 +1,200 @@
+"""Bit for bit through the API (issue 44, item 7): a client checks for itself that neither its
+batch nor the cache changes what the model computes.
+
+Twelve different questions behind one shared system prompt, greedy, 16 new tokens each, with
+their logprobs (the chosen token's and the 5 likeliest), asked three ways:
+
+- **alone**: one by one (the system prompt is reused from the second question on);
+- **batched**: all at once, beside a few clients with long prompts of their own (prefill
+  chunks packed with decode rows, several rows per forward);
+- **no reuse**: each with a fresh ``cache_salt`` (nothing cached to reuse).
+
+The answers' text, tokens and top-5 tokens must be identical in all three. Their logprobs are
+compared exactly where the engine is bit for bit today (``EXACT``) and within 1e-4 otherwise;
+the exact-equality expectation for the rest stands as strict xfails, so the gap stays visible
+until the kernels are invariant to batch shape and chunking (issue 44, items 1-2). Each run
+prints the largest difference it found. On the tiny random model (fast) and the embedded
+model (slow), both in float32.
+
+Measured (5 Dec 2026, 2-core Intel Xeon with AVX-512 and AMX, float32): nothing is bit for bit yet. Tiny model: 9-11 of
+192 tokens' logprobs differ, by one float32 step (9.5e-7), alone vs batched and alone vs no
+reuse alike. SmolLM2-135M: 167-178 of 192 differ; largest 1.7e-5 alone vs batched, 1.2e-5
+alone vs no reuse; text and tokens identical. The differences show at every position, not only
+the first token. The linears are row-invariant up to 128 rows (checked), but a forward of more
+rows goes to MKL's product, whose sums depend on its shape: a prompt prefilled packed beside
+other chunks, or in one chunk instead of a suffix after a reused prefix, gets KV that differs
+in the last bits, and every later token reads it (batched with no prefix shared and no reuse
+either way still differed by 1.9e-6 on the tiny model). bfloat16, not asserted here: tiny model
+7.8e-3 (one bf16 step), text identical; SmolLM2 10 of 12 answers identical batched and 8 of 12
+without reuse, the first token's logprob off by up to 0.08 and 0.11.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from engine.engine import Engine
+from tests.helpers_app import assert_clean, launched_app, wait_idle
+
+SYSTEM = ("You are the help desk of a small library. Answer in one or two plain sentences, name the shelf or "
+          "service you mean, and never invent a rule the library does not have. Opening hours are nine to six "
+          "on weekdays and ten to four on Saturdays; the reading room is on the first floor; loans last three "
+          "weeks and may be renewed twice unless someone has reserved the book.")
+QUESTIONS = ("When do you open on Saturday?", "Where is the reading room?", "How long is a loan?",
+             "Can I renew a book twice?", "What if someone reserved my book?", "Do you open on Sunday?",
+             "Is there a quiet place to study?", "How many times may I renew?", "Who do I ask about a lost card?",
+             "Can children borrow books?", "Where are the newspapers?", "What time do you close on Monday?")
+LONG_WORDS = ("archive", "catalogue", "periodical", "manuscript", "atlas", "folio", "index", "lending")
+NEW_TOKENS = 16
+TOP = 5
+TOLERANCE = 1e-4  # float32: what the engine guarantees today for logprobs (tokens and text: identical)
+# Comparisons that hold bit for bit today (measured; see the module docstring): none yet. Each
+# of the others has a strict xfail below stating the exact-equality expectation.
+EXACT: frozenset[str] = frozenset()
+PAIRS = ("alone vs batched", "alone vs no reuse")
+NOT_YET = ("issue 44 items 1-2: the kernels' summation order depends on the forward's shape (past 128 rows the "
+           "linears go to MKL; the prompt's packing and chunking differ), so logprobs move in the last bits")
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # the chosen token's, one per token
+    tops: tuple[tuple[float, ...], ...]  # the TOP likeliest tokens' logprobs, per token
+    top_tokens: tuple[tuple[str, ...], ...]
+    cached_tokens: int
+
+
+def ask(url: str, question: str, salt: str) -> Answer:
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": TOP,
+            "return_token_ids": True, "cache_salt": salt}
+    r = httpx.post(url + "v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    return Answer(choice["message"]["content"], tuple(choice["token_ids"]), tuple(e["logprob"] for e in content),
+                  tuple(tuple(t["logprob"] for t in e["top_logprobs"]) for e in content),
+                  tuple(tuple(t["token"] for t in e["top_logprobs"]) for e in content),
+                  r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def long_client(url: str, i: int, words: int) -> None:
+    """A client with a long prompt of its own: its prefill chunks share forwards with the questions."""
+    text = " ".join(LONG_WORDS[(i + k) % len(LONG_WORDS)] + str(k % 97) for k in range(words))
+    r = httpx.post(url + "v1/completions", json={"prompt": text, "max_tokens": 8, "temperature": 0,
+                                                 "cache_salt": f"long-{i}"}, timeout=600)
+    assert r.status_code == 200, r.text
+
+
+@dataclass(frozen=True)
+class Runs:
+    alone: tuple[Answer, ...]
+    batched: tuple[Answer, ...]
+    no_reuse: tuple[Answer, ...]
+    batch_size_max: int  # the largest decode forward the batched run's questions took part in
+
+    def pairs(self) -> dict[str, tuple[tuple[Answer, ...], tuple[Answer, ...]]]:
+        return dict(zip(PAIRS, ((self.alone, self.batched), (self.alone, self.no_reuse)), strict=True))
+
+
+def three_runs(engine: Engine, url: str, long_words: int) -> Runs:
+    alone = tuple(ask(url, q, "alone") for q in QUESTIONS)
+    wait_idle(engine)
+    before = len(engine.recent())
+    with ThreadPoolExecutor(len(QUESTIONS) + 3) as pool:
+        longs = [pool.submit(long_client, url, i, long_words) for i in range(3)]
+        batched = tuple(f.result() for f in [pool.submit(ask, url, q, "batched") for q in QUESTIONS])
+        for f in longs:
+            f.result()
+    wait_idle(engine)
+    size = max(m.batch_size_max for m in engine.recent()[before:] if m.output_tokens == NEW_TOKENS)
+    no_reuse = tuple(ask(url, q, f"fresh-{i}") for i, q in enumerate(QUESTIONS))
+    return Runs(alone, batched, no_reuse, size)
+
+
+def max_difference(a: tuple[Answer, ...], b: tuple[Answer, ...]) -> float:
+    """The largest difference between two runs' logprobs: chosen tokens' and the top lists'."""
+    diffs = [abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p.logprobs, q.logprobs, strict=True)]
+    diffs += [abs(x - y) for p, q in zip(a, b, strict=True) for s, t in zip(p.tops, q.tops, strict=True)
+              for x, y in zip(s, t, strict=True)]
+    return max(diffs)
+
+
+def report(name: str, runs: Runs) -> dict[str, float]:
+    found = {pair: max_difference(*answers) for pair, answers in runs.pairs().items()}
+    print(f"\n[{name}] largest logprob difference (batched decode forwards of up to {runs.batch_size_max} rows): "
+          + ", ".join(f"{pair}: {d:.3g}" for pair, d in found.items()))
+    return found
+
+
+def check_runs(name: str, runs: Runs) -> None:
+    assert runs.batch_size_max > 1, "the batched run never batched: it proves nothing"
+    assert all(a.cached_tokens > 0 for a in runs.alone[1:]), "the alone run reused the system prompt"
+    assert all(a.cached_tokens == 0 for a in runs.no_reuse)
+    found = report(name, runs)
+    for pair, (a, b) in runs.pairs().items():
+        assert [x.text for x in a] == [y.text for y in b], pair
+        assert [x.ids for x in a] == [y.ids for y in b], pair
+        assert [x.top_tokens for x in a] == [y.top_tokens for y in b], pair
+        assert found[pair] <= TOLERANCE, (pair, found[pair])
+        if pair in EXACT:
+            assert found[pair] == 0.0, (pair, found[pair])
+
+
+def check_exact(runs: Runs, pair: str) -> None:
+    a, b = runs.pairs()[pair]
+    assert [x.logprobs for x in a] == [y.logprobs for y in b] and [x.tops for x in a] == [y.tops for y in b]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_runner) -> Runs:
+    engine = Engine(tiny_runner, budget_bytes=128 * 2**20, max_new_tokens_cap=NEW_TOKENS)
+    try:
+        with launched_app(engine) as url:
+            runs = three_runs(engine, url, long_words=300)
+        wait_idle(engine)
+        assert_clean(engine)
+    finally:
+        engine.close()
+    return runs
+
+
+def test_alone_batched_and_without_reuse_agree(tiny_runs):
+    check_runs("tiny float32", tiny_runs)
+
+
+@pytest.mark.xfail(strict=True, reason=NOT_YET)
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p not in EXACT])
+def test_logprobs_are_bit_identical_alone_batched_and_without_reuse(tiny_runs, pair):
+    check_exact(tiny_runs, pair)
+
+
+@pytest.fixture(scope="module")
+def real_runs(real_runner) -> Runs:
+    engine = Engine(real_runner, budget_bytes=512 * 2**20, max_new_tokens_cap=NEW_TOKENS)
+    try:
+        with launched_app(engine) as url:
+            runs = three_runs(engine, url, long_words=400)
+        wait_idle(engine)
+        assert_clean(engine)
+    finally:
+        engine.close()
+    return runs
+
+
+@pytest.mark.slow
+def test_real_model_alone_batched_and_without_reuse_agree(real_runs):
+    check_runs("SmolLM2 float32", real_runs)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=NOT_YET)
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p not in EXACT])
+def test_real_model_logprobs_are_bit_identical_alone_batched_and_without_reuse(real_runs, pair):
+    check_exact(real_runs, pair)

@@ -1,0 +1,81 @@
+"""The routing lab: the built-in trace through vLLM's router under each policy in turn, one table.
+
+Usage: python -m tools.routing_lab [--replicas 3] [--policies round_robin,random,cache_aware,kv_aware]
+       [--model PATH] [--users 8] [--turns 3] [--concurrency 4] [--max-tokens 16] [--budget-mb 64]
+
+For each policy a fresh fleet (``tools.fleet``): the replicas start again, so every policy meets
+empty caches, and the router starts with that policy. The trace (``tools.fleet.trace``) is replayed
+through the router, users of a round ``--concurrency`` at a time. Per policy: requests answered,
+the fleet-wide cached-token share (``usage.prompt_tokens_details.cached_tokens`` over prompt
+tokens), time to first token p50/p95 as the client saw it, output tokens per second over the
+replay, and how many requests each replica got (its ``/metrics``). Nothing here is simulated: our
+replicas and the real router, on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tools.fleet import POLICIES, Fleet, metrics_of
+from tools.fleet.trace import built_in_trace, replay, summarize
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> dict:
+    fleet = Fleet(args.replicas, policy, model=args.model, budget_mb=args.budget_mb, threads=args.threads)
+    with fleet:
+        before = [metrics_of(r.url) for r in fleet.members]
+        t0 = time.monotonic()
+        results = replay(fleet.url, fleet.model_name, built_in_trace(args.users, args.turns, seed=args.seed),
+                         max_tokens=args.max_tokens, concurrency=args.concurrency, deadline_s=args.deadline_s)
+        row = summarize(results, time.monotonic() - t0)
+        after = [metrics_of(r.url) for r in fleet.members]
+    row["per_replica"] = [int(a.get("radix_requests_total", 0) - b.get("radix_requests_total", 0))
+                          for a, b in zip(after, before, strict=True)]
+    row["policy"] = policy
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = "| policy | answered | cached share | TTFT p50 | TTFT p95 | output tok/s | requests per replica |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['answered']}/{r['requests']} | {r['hit_rate']:.1%} | "
+                     f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | "
+                     f"{r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.routing_lab", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--policies", default="round_robin,random,cache_aware,kv_aware",
+                   help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument("--model", default=None, help="the replicas' --model (default: the embedded SmolLM2-135M)")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=4, help="users of a round sent at once (default 4)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--budget-mb", type=float, default=64.0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores / replicas)")
+    p.add_argument("--deadline-s", type=float, default=900.0, help="each replay's limit (turns past it are not sent)")
+    args = p.parse_args(argv)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies: {', '.join(unknown)}")
+    rows = []
+    for policy in policies:
+        print(f"{policy}: starting {args.replicas} fresh replicas and the router ...", flush=True)
+        rows.append(run_policy(policy, args))
+        r = rows[-1]
+        print(f"  {r['answered']}/{r['requests']} answered, {r['hit_rate']:.1%} of prompt tokens cached, "
+              f"{r['wall_s']:.1f} s", flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
