@@ -11,7 +11,10 @@ same loaded model:
 - ``salted``: the same, every flood request with a ``cache_salt`` of its own;
 - ``long``: one visitor runs two ``--long-tokens``-token prompts at once, another asks;
 - ``start``: the app just started (warm start done, the growth curve begun in the background),
-  a visitor asks at once; then the same question again once the curve is done (idle).
+  a visitor asks at once; then the same question again once the curve is done (idle);
+- ``classroom``: ``--tabs`` page tabs behind one address (this machine's), each with a session
+  of its own, click a starter question at once (the handbook preset, ``--class-new-tokens`` new
+  tokens, the page's defaults otherwise), over the page's own event route; first text per tab.
 
 It prints, per scenario, the asking visitor's first text (seconds from sending to the first
 streamed text: queueing included) as p50 / p95, what the flood got back (200 / 429 / 503), and
@@ -45,7 +48,7 @@ offline_env()
 
 import httpx  # noqa: E402
 
-SCENARIOS = ("flood", "salted", "long", "start")
+SCENARIOS = ("flood", "salted", "long", "start", "classroom")
 KEYS = {"flooder": "flood-bench-flooder", "visitor": "flood-bench-visitor", "long": "flood-bench-long"}
 RSS_OVERHEAD_MB = 512  # beside the KV budget and the timer's scratch: activations, clients, server, Gradio
 QUESTION = "In two sentences: which of our delivery options is fastest, and what does it cost?"
@@ -60,6 +63,9 @@ class Scale:
     questions: int = 3
     long_tokens: int = 4000
     max_new_tokens: int = 16
+    tabs: int = 8
+    class_new_tokens: int = 96
+    class_preset: str = "Northwind handbook (long)"  # components.chat_presets.HANDBOOK_SYSTEM
 
 
 @dataclass
@@ -146,11 +152,12 @@ def run_scenario(runner, name: str, scale: Scale, log=print) -> ScenarioResult:
     from analysis.prefill_timing import timer_for
     from components.warm_start import start_growth_curve, warm_start
 
-    args = app.parse_args(["--isolate", "--max-new-tokens", str(scale.max_new_tokens)])
+    cap = max(scale.max_new_tokens, scale.class_new_tokens) if name == "classroom" else scale.max_new_tokens
+    args = app.parse_args(["--isolate", "--max-new-tokens", str(cap)])
     engine = app.build_engine(args, runner=runner)
     result = ScenarioResult(name)
     timer = timer_for(engine)
-    if name == "start":
+    if name in ("start", "classroom"):
         warm_start(engine)  # as app.py: before the page is served
     result.rss_start = result.rss_peak = rss_bytes()
     result.rss_limit = engine.cache.budget_bytes + timer.scratch_bound_bytes + RSS_OVERHEAD_MB * 2**20
@@ -165,6 +172,8 @@ def run_scenario(runner, name: str, scale: Scale, log=print) -> ScenarioResult:
                 _flood(engine, http, scale, salted=name == "salted", result=result, log=log)
             elif name == "long":
                 _long(engine, http, scale, result, log)
+            elif name == "classroom":
+                _classroom(demo.local_url, scale, result, log)
             elif name == "start":
                 curve = start_growth_curve(engine)
                 first = ask(http, "visitor", QUESTION, scale.max_new_tokens, result.refused)
@@ -217,6 +226,63 @@ def _long(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log)
 
         _visitor_asks_during(engine, http, scale, result, log, q, one, 2, statuses,
                              lambda: engine.stats().running > 0)  # the long prompts are under way
+
+
+def _classroom(url: str, scale: Scale, result: ScenarioResult, log) -> None:
+    """``scale.tabs`` tabs (gradio_client sessions, all from this machine's one address) click a
+    starter question at once; each tab's first text, from its click to the first streamed token
+    (the answer's first words, or the status that says the answer is being written)."""
+    from gradio_client import Client
+
+    from components.chat_presets import STARTER_QUESTIONS
+
+    tabs = [Client(url, verbose=False, download_files=False) for _ in range(scale.tabs)]
+    go = threading.Barrier(scale.tabs)
+    firsts: list[float | None] = [None] * scale.tabs
+
+    def click(i: int) -> None:
+        question = STARTER_QUESTIONS[i % len(STARTER_QUESTIONS)]
+        go.wait()
+        t0 = time.perf_counter()
+        job = tabs[i].submit(question, [], scale.class_preset, "", scale.class_new_tokens, True, api_name="/chat")
+        for update in job:  # (chatbot, message box, coloured prompt, status, ...)
+            history = update[0] if isinstance(update, list | tuple) and update else None
+            status = update[3] if isinstance(update, list | tuple) and len(update) > 3 else None
+            answering = isinstance(status, str) and status.startswith("*Writing the answer")  # first token out
+            if answering or (history and history[-1].get("role") == "assistant"
+                             and _text(history[-1].get("content"))):
+                firsts[i] = time.perf_counter() - t0
+                break
+        outputs = job.result()
+        if firsts[i] is None:
+            # A short answer can arrive whole in its last update, with no "writing" status before it,
+            # and a few tokens can decode to no visible text yet (a character's first bytes): the
+            # tab was answered if its turn ended with the assistant's message in the chat.
+            history = outputs[0] if isinstance(outputs, list | tuple) and outputs else None
+            status = outputs[3] if isinstance(outputs, list | tuple) and len(outputs) > 3 else None
+            failed = isinstance(status, str) and ("request failed" in status or "Stopped" in status)
+            if history and history[-1].get("role") == "assistant" and not failed:
+                firsts[i] = time.perf_counter() - t0
+            else:
+                result.refused.append(f"tab {i}: no answer")
+
+    threads = [threading.Thread(target=click, args=(i,), daemon=True) for i in range(scale.tabs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result.first_text_s += [f for f in firsts if f is not None]
+    log("  first text per tab (s): " + ", ".join(f"{f:.1f}" if f is not None else "-" for f in sorted(
+        firsts, key=lambda f: float("inf") if f is None else f)))
+
+
+def _text(content) -> str:
+    """A chatbot message's text (Gradio sends a list of parts)."""
+    if isinstance(content, list):
+        return "".join(_text(c) for c in content)
+    if isinstance(content, dict):
+        return str(content.get("text") or "")
+    return str(content or "")
 
 
 def _visitor_asks_during(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log, q: int,
@@ -273,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", type=int, default=default.questions, help="questions the other visitor asks (3)")
     p.add_argument("--long-tokens", type=int, default=default.long_tokens, help="tokens of each long prompt (4,000)")
     p.add_argument("--max-new-tokens", type=int, default=default.max_new_tokens)
+    p.add_argument("--tabs", type=int, default=default.tabs, help="classroom: tabs behind one address (8)")
+    p.add_argument("--class-new-tokens", type=int, default=default.class_new_tokens,
+                   help="classroom: new tokens per starter question (96)")
     args = p.parse_args(argv)
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     unknown = set(scenarios) - set(SCENARIOS)
@@ -291,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rss_model = rss_bytes()
     print(f"model: {runner.name} on {runner.device} ({str(runner.dtype).replace('torch.', '')})", flush=True)
-    scale = Scale(args.flood, args.flood_tokens, args.questions, args.long_tokens, args.max_new_tokens)
+    scale = Scale(args.flood, args.flood_tokens, args.questions, args.long_tokens, args.max_new_tokens, args.tabs,
+                  args.class_new_tokens)
     results = run_bench(runner, scenarios, scale, log=lambda s: print(s, flush=True))
     print(format_results(results), flush=True)
     if results:
