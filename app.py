@@ -141,9 +141,19 @@ def build_engine(args: argparse.Namespace, runner=None):
     from engine.engine import Engine
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
+    from engine.zerogpu.detect import OFF, SPACES, zerogpu_mode
 
+    mode = zerogpu_mode()
     if runner is None:
-        runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
+        device = args.device
+        if mode == SPACES:  # the main process has no GPU: the model stays on the CPU, each call moves it
+            device = "cpu"
+            os.environ["RADIX_PACKED_LINEAR"] = os.environ["RADIX_NATIVE_LINEAR"] = "0"
+        runner = ModelRunner(load_model(args.model, device=device, dtype=args.dtype))
+    if mode != OFF:  # ZeroGPU: the tree and the pool here, each forward in a GPU call (engine.zerogpu)
+        from engine.zerogpu.runner import ZeroGPURunner
+
+        runner = ZeroGPURunner(runner, mode)
     from engine.model.loader import cache_root
 
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
@@ -280,6 +290,10 @@ def _stop_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.zerogpu.detect import SPACES, zerogpu_mode
+
+    if zerogpu_mode() == SPACES:
+        import spaces  # noqa: F401  (ZeroGPU: before anything touches CUDA)
     args = parse_args(argv)
     # Before anything is loaded: a port that cannot be served ends here, in one line.
     problem = port_problem(args.host, args.port)

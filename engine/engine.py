@@ -105,7 +105,9 @@ class Engine(FacadeBase):
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
         fp = tier_fingerprint(runner, tier_dir) if enable_cache and tier_bytes > 0 else ""
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
-        self._capabilities = dataclasses.replace(LOCAL, second_tier=self.tier is not None)  # fixed at start
+        self._capabilities = dataclasses.replace(  # fixed at start
+            LOCAL, second_tier=self.tier is not None,
+            prefill_timing=runner.in_process_forwards)  # ZeroGPU: forwards run in GPU calls, timed in-step only
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
                                    if enable_cache else NoPrefixCache(pool))

@@ -23,6 +23,7 @@ scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -44,7 +45,7 @@ from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.text.codec import TextCodec
-from engine.types import EngineError
+from engine.types import EngineError, EngineFault
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,10 @@ def _on_compute_thread(method):
 
 
 class ModelRunner:
+    in_process_forwards = True  # False for a runner whose forwards run elsewhere (engine.zerogpu)
+
     def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
         # Every forward runs on this one thread (see engine.model.compute_thread: one OpenMP pool).
         self.compute = ComputeThread()
         self.model = loaded.model
@@ -364,6 +368,17 @@ class ModelRunner:
         """End the compute thread (after the calls queued before), for command lines that build
         runners one after another: its OpenMP pool goes with it. The runner cannot run after this."""
         self.compute.stop(join_timeout_s=timeout_s)
+
+    def forward_ms(self, wall_ms: float) -> float:
+        """A forward's time as the figures count it, given its wall time here: the same here."""
+        return wall_ms
+
+    def loaded_for_device(self, device: torch.device) -> LoadedModel:
+        """This runner's model moved to ``device``, for a runner there (a ZeroGPU worker)."""
+        if self.packed_linears or self.native_linears:
+            raise EngineFault("this model's linears were repacked for the CPU: load it with RADIX_PACKED_LINEAR=0 "
+                              "and RADIX_NATIVE_LINEAR=0 to move it to another device")
+        return dataclasses.replace(self.loaded, model=self.model.to(device), device=device)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -145,10 +145,10 @@ def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
         if batch.every_position:
             rows = runner.forward_paged(pool, segments, every_position=True)
             runner.synchronize()
-            return Output(rows[-1:], (time.perf_counter() - t0) * 1000, every_position=rows)
+            return Output(rows[-1:], runner.forward_ms((time.perf_counter() - t0) * 1000), every_position=rows)
         logits = runner.forward_paged(pool, segments)
         runner.synchronize()
-        return Output(logits, (time.perf_counter() - t0) * 1000)
+        return Output(logits, runner.forward_ms((time.perf_counter() - t0) * 1000))
     except OutOfMemoryFault as exc:
         if len(segments) < 2:
             return Output(None, error=exc)
