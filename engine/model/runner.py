@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,7 @@ from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.text.codec import TextCodec
-from engine.types import EngineError, EngineFault
+from engine.types import EngineError, EngineFault, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,17 @@ def cache_argument(model: torch.nn.Module) -> str:
     never tried: an old forward takes an unknown ``cache=`` into its ``**kwargs`` and runs on a cache
     of its own, silently, while a new one only warns about ``past_key_values=``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class RowFuture:
+    """What a decode row's next tokens depend on besides the model: a runner that computes
+    elsewhere (``engine.zerogpu``) may use it to compute the following steps ahead; this one
+    ignores it. ``history`` is the answer so far."""
+
+    sampling: SamplingParams
+    history: tuple[int, ...]
+    max_new_tokens: int
 
 
 def _on_compute_thread(method):
@@ -254,14 +266,16 @@ class ModelRunner:
 
     @_on_compute_thread
     @torch.inference_mode()
-    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False) -> torch.Tensor:
+    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False,
+                      ahead: Sequence[RowFuture] | None = None) -> torch.Tensor:
         """The scheduler's forward: every request's KV lives in ``pool``. ``segments[i]`` runs
         its ``ids`` after the ``past`` tokens it holds; their KV is written to the pool at
         ``slots[past:past + len(ids)]`` and attention reads the slots of every position (a
         prefix shared by several requests once for all of them: ``engine.model.paged_attention``).
         Returns fp32 logits of each segment's last token: ``[len(segments), vocab]``; with
         ``every_position`` (one segment only: tests, and a prompt chunk of a request that asked for
-        its prompt's log-probabilities) the logits of every new token, ``[len(ids), vocab]``."""
+        its prompt's log-probabilities) the logits of every new token, ``[len(ids), vocab]``.
+        ``ahead`` (decode rows only, one per segment) is for runners that compute elsewhere."""
         if not segments or any(not s.ids for s in segments):
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:

@@ -25,7 +25,7 @@ import torch
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import RequestSlots
 from engine.model.paged_attention import PagedSegment
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, RowFuture
 from engine.namespaces import owner_of
 from engine.scheduler.request import Request, State
 from engine.types import OutOfMemoryFault
@@ -146,7 +146,7 @@ def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
             rows = runner.forward_paged(pool, segments, every_position=True)
             runner.synchronize()
             return Output(rows[-1:], runner.forward_ms((time.perf_counter() - t0) * 1000), every_position=rows)
-        logits = runner.forward_paged(pool, segments)
+        logits = runner.forward_paged(pool, segments, ahead=_futures(batch))
         runner.synchronize()
         return Output(logits, runner.forward_ms((time.perf_counter() - t0) * 1000))
     except OutOfMemoryFault as exc:
@@ -155,6 +155,14 @@ def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
     except Exception as exc:
         return Output(None, error=exc)
     return _one_by_one(runner, pool, segments, t0)
+
+
+def _futures(batch: Batch) -> tuple[RowFuture, ...] | None:
+    """A decode-only forward's rows as ``RowFuture``s (a runner computing elsewhere may run the
+    next steps ahead; the local runner ignores them)."""
+    if batch.kind != "decode" or batch.chunks:
+        return None
+    return tuple(RowFuture(r.req.sampling, tuple(r.answer.out_ids), r.max_new_tokens) for r in batch.decoding)
 
 
 def _one_by_one(runner: ModelRunner, pool: KVPool, segments: list[PagedSegment], t0: float) -> Output:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from engine.kvcache.kv_pool import KVPool
 from engine.model.paged_attention import PagedSegment
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, RowFuture
 from engine.types import EngineError, EngineFault
 from engine.zerogpu import step_call
 from engine.zerogpu.detect import EMULATE, SPACES
@@ -32,6 +32,9 @@ BASE_S = 10.0  # a call's start on a Space: the worker, the weights to the devic
 S_PER_TOKEN = 0.002  # generous for a 1B-class model on an H200 slice
 BYTES_PER_S = 2e9  # pickled KV in and out
 MAX_S = 120.0
+
+MAX_AHEAD = 31  # decode forwards a call may run after the asked one (32 tokens a call at most)
+AHEAD_LOGITS_BYTES = 64 * 2**20  # the most logits of forwards run ahead held here at once
 
 _DEVICE_RUNNER: ModelRunner | None = None  # the runner a worker computes with (inherited by fork)
 
@@ -68,7 +71,7 @@ class ZeroGPURunner:
 
     in_process_forwards = False  # Engine: no paired prefill timing in this mode
 
-    def __init__(self, inner: ModelRunner, mode: str) -> None:
+    def __init__(self, inner: ModelRunner, mode: str, max_ahead: int = MAX_AHEAD) -> None:
         global _DEVICE_RUNNER
         if mode not in (SPACES, EMULATE):
             raise ValueError(f"unknown ZeroGPU mode {mode!r}")
@@ -82,22 +85,38 @@ class ZeroGPURunner:
             from engine.zerogpu.emulation import gpu
 
             self._call = gpu(gpu_forward, duration=duration_s)
-        self.calls = 0
+        self.calls = 0  # GPU calls made
+        self.reused_steps = 0  # forwards served from what a call ran ahead
+        self.max_ahead = max_ahead
         self.last_device_ms = 0.0
+        self._ahead: list[step_call.StepOut] = []  # forwards the last call ran ahead, in order
+        self._to_local: dict[int, int] = {}
+        self._to_pool: dict[int, int] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False):
-        """``ModelRunner.forward_paged``, computed in a GPU call (``step_call``)."""
+    def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False,
+                      ahead: Sequence[RowFuture] | None = None):
+        """``ModelRunner.forward_paged``, computed in a GPU call (``step_call``); a forward the last
+        call already ran ahead comes from what it brought back."""
         if not segments or any(not s.ids for s in segments):
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:
             raise EngineError("every_position takes one segment")
-        return self.inner.compute.call(self._forward_paged, pool, segments, every_position)
+        return self.inner.compute.call(self._forward_paged, pool, segments, every_position, ahead)
 
-    def _forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool):
-        work, written = step_call.pack(pool, segments, every_position)
+    def _forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
+                       ahead: Sequence[RowFuture] | None):
+        if self._ahead and not every_position:
+            step = self._ahead.pop(0)
+            if step_call.signature(step.segments) == _signature_or_none(segments, self._to_local):
+                self.reused_steps += 1
+                self.last_device_ms = step.device_ms
+                return step_call.apply(pool, self._to_pool, step)
+        self._ahead.clear()  # not the forward it guessed: what it ran ahead is dropped
+        steps = self.ahead_steps(segments, ahead)
+        work, to_local = step_call.pack(pool, segments, every_position, ahead, steps)
         try:
             result = self._call(work)
         except EngineError:
@@ -106,8 +125,20 @@ class ZeroGPURunner:
             log.warning("GPU call failed: %s", exc)
             raise EngineFault(_visitor_text(exc)) from exc
         self.calls += 1
-        self.last_device_ms = result.device_ms
-        return step_call.apply(pool, written, result)
+        first, *rest = result.steps
+        self.last_device_ms = first.device_ms
+        self._to_local, self._to_pool = to_local, {v: k for k, v in to_local.items()}
+        self._ahead = rest
+        return step_call.apply(pool, self._to_pool, first)
+
+    def ahead_steps(self, segments: Sequence[PagedSegment], ahead: Sequence[RowFuture] | None) -> int:
+        """How many decode forwards a call runs after the asked one: none unless every row is
+        greedy (a sampled token cannot be guessed), and no more than ``AHEAD_LOGITS_BYTES`` of
+        logits held here."""
+        if not ahead or any(f.sampling.temperature > 0 for f in ahead):
+            return 0
+        per_step = len(segments) * self.inner.text.vocab_size * 4
+        return max(0, min(self.max_ahead, AHEAD_LOGITS_BYTES // max(1, per_step) - 1))
 
     @property
     def forward_kind(self) -> str:
@@ -119,6 +150,13 @@ class ZeroGPURunner:
         """The last forward's time as the figures count it: its time on the device, not the call's
         start and transfers around it."""
         return self.last_device_ms
+
+
+def _signature_or_none(segments: Sequence[PagedSegment], to_local: dict[int, int]):
+    try:
+        return step_call.signature(segments, to_local)
+    except KeyError:  # a slot the last call never saw
+        return None
 
 
 def _visitor_text(exc: Exception) -> str:
