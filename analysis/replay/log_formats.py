@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from engine.types import EngineError
 from engine.validation import check_messages, flatten_content
@@ -159,16 +159,35 @@ def _timestamp(item: dict) -> float | None:
         return float(value)
     if isinstance(value, str):
         try:
-            parsed = datetime.fromisoformat(value.strip())
+            parsed = _fromisoformat(value.strip())
         except ValueError:
             try:
                 return float(value)
             except ValueError:
                 raise LogLineError(f'"timestamp" {value[:40]!r} is neither ISO 8601 nor epoch seconds') from None
         if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=UTC)
+            parsed = parsed.replace(tzinfo=timezone.utc)
         return parsed.timestamp()
     raise LogLineError('"timestamp" must be ISO 8601 text or epoch seconds')
+
+
+# Python 3.10's fromisoformat (a ZeroGPU Space runs 3.10) reads only what isoformat() writes: no "Z"
+# for UTC, and fractions of exactly 3 or 6 digits. 3.11 reads both; this lets 3.10 read them too.
+_ISO_FRACTION = re.compile(r"(T\d{2}:\d{2}:\d{2})[.,](\d+)")
+
+
+def _fromisoformat(text: str) -> datetime:
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return datetime.fromisoformat(_iso_for_py310(text))
+
+
+def _iso_for_py310(text: str) -> str:
+    """`text` in the subset of ISO 8601 that 3.10's fromisoformat reads ("Z" as "+00:00", 6-digit fraction)."""
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    return _ISO_FRACTION.sub(lambda m: f"{m.group(1)}.{(m.group(2) + '000000')[:6]}", text, count=1)
 
 
 def _session(item: dict) -> str:

@@ -23,7 +23,7 @@ import json
 import random
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 _WORDS = ("router firmware reset password network cable light signal wireless channel band guest portal update "
@@ -49,7 +49,7 @@ def generate(requests: int, seed: int = 0, start: datetime | None = None) -> Ite
     rag_system = "Answer from the documents below only. Cite the document number."
     docs = [f"Document {i + 1}: " + _text(docs_rng, 260) for i in range(8)]
     chats: list[list[dict]] = []
-    clock = start or datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
+    clock = start or datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc)
     for _ in range(requests):
         clock += timedelta(seconds=rng.uniform(0.2, 4.0))
         stamp = clock.isoformat().replace("+00:00", "Z")

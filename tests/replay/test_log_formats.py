@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from analysis.replay.log_formats import LogLineError, LogOrder, parse_line, read_log
+from analysis.replay.log_formats import LogLineError, LogOrder, _iso_for_py310, parse_line, read_log
 
 SYS = {"role": "system", "content": "Be brief."}
 
@@ -78,6 +78,21 @@ def test_timestamps_iso_and_epoch_order_requests():
     got = list(read_log(lines))
     assert [r.prompt for r in got] == ["a", "b", "d", "c"]
     assert got[0].timestamp == 1767225600.0 and got[3].timestamp == 1767225630.0
+
+
+@pytest.mark.parametrize(("text", "py310"), [
+    ("2026-01-01T00:00:30Z", "2026-01-01T00:00:30+00:00"),
+    ("2026-01-01T00:00:30.5Z", "2026-01-01T00:00:30.500000+00:00"),
+    ("2026-01-01T00:00:30,1234567+02:00", "2026-01-01T00:00:30.123456+02:00"),
+    ("2026-01-01T00:00:30.123", "2026-01-01T00:00:30.123000"),
+    ("2026-01-01", "2026-01-01"),
+])
+def test_iso_timestamps_read_the_same_on_python_310(text, py310):
+    # Python 3.10's fromisoformat (a ZeroGPU Space) reads only isoformat()'s own output: the rewrite
+    # must give that, and mean the same instant as 3.11's reading of the original.
+    from datetime import datetime
+    assert _iso_for_py310(text) == py310
+    assert datetime.fromisoformat(py310) == datetime.fromisoformat(text)
 
 
 def test_reorder_window_is_bounded_and_counts_late_records():
