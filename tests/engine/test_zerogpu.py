@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from engine.engine import Engine
 from engine.kvcache.kv_pool import KVPool, contiguous_runs
+from engine.model import sampling
 from engine.model.paged_attention import PagedSegment
+from engine.model.runner import RowFuture
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from engine.zerogpu import emulation, step_call
 from engine.zerogpu.detect import EMULATE, OFF, SPACES, zerogpu_mode
@@ -135,6 +137,46 @@ def test_a_forward_in_a_call_is_the_same_computation_bit_for_bit(tokenizer, dtyp
         assert torch.equal(mine, theirs)
 
 
+def test_forwards_run_ahead_are_used_only_when_asked_for_exactly(tokenizer):
+    """A decode call runs the next forwards ahead on its greedy guesses; the runner serves the
+    next forward from them only when it is exactly that forward, else it calls again. Every
+    logit and KV byte equals the plain runner's either way."""
+    plain = make_tiny_runner(tokenizer)
+    zero = ZeroGPURunner(plain, EMULATE)
+    ids = torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    futures = (RowFuture(SamplingParams(max_new_tokens=20), (), 20),
+               RowFuture(SamplingParams(max_new_tokens=20, repetition_penalty=1.3), (), 20))
+    pools, rows = [], []
+    for runner in (plain, zero):
+        pool = _pool(runner, 256)
+        a, b = pool.alloc(64 + 20), pool.alloc(20)
+        runner.forward_paged(pool, [PagedSegment(ids, 0, a)])
+        pools.append(pool)
+        rows.append((a, a[:64] + b))
+
+    def step(toks, past, ahead=None):
+        out = []
+        for runner, pool, (r1, r2) in zip((plain, zero), pools, rows, strict=True):
+            out.append(runner.forward_paged(pool, [PagedSegment([toks[0]], past, r1), PagedSegment([toks[1]], past, r2)],
+                                            ahead=ahead))
+        assert torch.equal(out[0], out[1])
+        return out[0]
+
+    calls = zero.calls
+    logits = step([11, 12], 64, futures)  # one call, which also runs ahead
+    assert zero.calls == calls + 1 and len(zero._ahead) > 3
+    guess = [int(logits[0].argmax()), sampling.sample(logits[1], futures[1].sampling, None, ())]
+    logits = step(guess, 65)  # exactly the forward it guessed: no call
+    assert zero.calls == calls + 1 and zero.reused_steps >= 1
+    other = [int(logits[0].argmax()), (int(logits[1].argmax()) + 1) % 1000]  # the second row's token differs
+    step(other, 66)  # not what it guessed: a new call, the rest dropped
+    assert zero.calls == calls + 2 and not zero._ahead
+    for p0, p1, (r1, r2) in zip(pools[:1], pools[1:], rows[:1], strict=True):
+        written = torch.tensor(r1[:67] + r2[64:67])
+        assert torch.equal(torch.stack(p0.k)[:, :, written], torch.stack(p1.k)[:, :, written])
+        assert torch.equal(torch.stack(p0.v)[:, :, written], torch.stack(p1.v)[:, :, written])
+
+
 # --------------------------------------------------------------------------------- the engine
 
 def test_the_second_call_reuses_the_first_calls_kv_and_answers_as_the_normal_engine(runners):
@@ -153,6 +195,36 @@ def test_the_second_call_reuses_the_first_calls_kv_and_answers_as_the_normal_eng
         assert zero.calls > before
         zerogpu.check_invariants()
         assert "GPU call" in zerogpu.info().forward
+    finally:
+        normal.close()
+        zerogpu.close()
+
+
+def test_concurrent_answers_with_loop_guards_equal_the_normal_engines_with_fewer_calls(runners):
+    """Three requests decoding together (loop guards on, as the page asks; different lengths, so
+    rows leave the batch mid-way): the same answers and log-probabilities as the normal engine,
+    and most decode forwards served from calls that ran ahead."""
+    plain, zero = runners
+    guard = dict(no_repeat_ngram_size=3, repetition_penalty=1.3)
+
+    def three(engine):
+        with engine.runner.lock:  # all three are in the first step: the same batches on both engines
+            handles = [engine.submit(GenerationRequest(
+                prompt_ids=tuple(engine.text.encode(q)), logprobs=1,
+                sampling=SamplingParams(max_new_tokens=n, **guard))) for q, n in zip(QUESTIONS, (5, 12, 24), strict=True)]
+        return [list(h)[-1].metrics for h in handles]
+
+    normal, zerogpu = Engine(plain, budget_bytes=8 << 20), Engine(zero, budget_bytes=8 << 20)
+    try:
+        expected = three(normal)
+        calls, reused = zero.calls, zero.reused_steps
+        got = three(zerogpu)
+        for m, e in zip(got, expected, strict=True):
+            assert m.output_ids == e.output_ids and m.cached_tokens == e.cached_tokens
+            assert [(t.token_id, t.logprob) for t in m.output_logprobs] == \
+                   [(t.token_id, t.logprob) for t in e.output_logprobs]
+        assert zero.reused_steps - reused > zero.calls - calls  # more forwards came from ahead than from calls
+        zerogpu.check_invariants()
     finally:
         normal.close()
         zerogpu.close()
