@@ -267,7 +267,7 @@ class Engine(FacadeBase):
 
     def info(self) -> EngineInfo:
         r = self.runner
-        return EngineInfo(model_name=r.name, device=str(r.device), dtype=str(r.dtype).replace("torch.", ""),
+        return EngineInfo(model_name=r.name, device=r.where, dtype=str(r.dtype).replace("torch.", ""),
                           num_layers=r.num_layers, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
                           cache_enabled=self.cache.enabled, isolation=self.isolation,

@@ -383,6 +383,11 @@ class ModelRunner:
         runners one after another: its OpenMP pool goes with it. The runner cannot run after this."""
         self.compute.stop(join_timeout_s=timeout_s)
 
+    @property
+    def where(self) -> str:
+        """Where the forwards run, in words (the page's "Running ... on")."""
+        return str(self.device)
+
     def forward_ms(self, wall_ms: float) -> float:
         """A forward's time as the figures count it, given its wall time here: the same here."""
         return wall_ms

@@ -141,6 +141,12 @@ class ZeroGPURunner:
         return max(0, min(self.max_ahead, AHEAD_LOGITS_BYTES // max(1, per_step) - 1))
 
     @property
+    def where(self) -> str:
+        if self.mode == EMULATE:
+            return f"ZeroGPU calls (emulated: a forked worker on this {self.inner.device.type})"
+        return "ZeroGPU (a GPU lent to each call)"
+
+    @property
     def forward_kind(self) -> str:
         where = ("a forked worker on this machine: ZeroGPU emulated (RADIX_ZEROGPU=emulate)" if self.mode == EMULATE
                  else "a ZeroGPU worker on the Space's GPU")
