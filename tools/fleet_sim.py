@@ -40,6 +40,7 @@ REAL_LAB = {
 }
 STAND_IN_ANSWER = "The desk will be glad to help you with that; please ask there when you arrive."
 ANSWER_TOKENS = 16  # the lab's --max-tokens
+BLIND = "kv_aware (blind)"
 
 
 def table(runs: list[FleetRun]) -> str:
@@ -53,14 +54,17 @@ def table(runs: list[FleetRun]) -> str:
     return "\n".join(lines)
 
 
-def builtin_requests(users: int = 8, turns: int = 3, seed: int = 0, concurrency: int = 4) -> list[SimRequest]:
-    """The routing lab's trace as token ids (token-level blocks). Arrival: rounds a minute apart,
-    within a round ``concurrency`` users at a time, a second apart (the lab waits for answers)."""
+def builtin_requests(users: int = 8, turns: int = 3, seed: int = 0, concurrency: int = 4, model: str | None = None,
+                     max_tokens: int = ANSWER_TOKENS) -> list[SimRequest]:
+    """The routing lab's trace as token ids (token-level blocks), with ``model``'s tokenizer and
+    chat template (None: the embedded model's). Each answer is ``STAND_IN_ANSWER`` cut to
+    ``max_tokens``. Arrival: rounds a minute apart, within a round ``concurrency`` users at a time,
+    a second apart (the lab waits for each round's answers)."""
     from engine.model.hub import load_tokenizer
     from engine.text.codec import TextCodec
     from tools.fleet.trace import SYSTEM_PROMPTS, built_in_trace
 
-    codec = TextCodec(load_tokenizer())
+    codec = TextCodec(load_tokenizer(model) if model else load_tokenizer())
     history: dict[int, list[dict]] = {}
     items = []
     for r, round_ in enumerate(built_in_trace(users, turns, seed=seed)):
@@ -70,35 +74,46 @@ def builtin_requests(users: int = 8, turns: int = 3, seed: int = 0, concurrency:
             prompt = codec.encode(codec.render_chat(messages))
             messages.append({"role": "assistant", "content": STAND_IN_ANSWER})
             after = codec.encode(codec.render_chat(messages, add_generation_prompt=False))
-            answer = after[len(prompt):len(prompt) + ANSWER_TOKENS]
-            items.append((prompt, answer, f"user-{turn.user}", r * 60.0 + (i // concurrency) * 1.0))
+            answer = after[len(prompt):len(prompt) + max_tokens]
+            items.append((prompt, answer, f"user-{turn.user}", r * 60.0 + (i // max(1, concurrency)) * 1.0))
     return requests_from_ids(items, block_tokens=1)
 
 
-def run_builtin(args: argparse.Namespace) -> int:
+def predict_builtin(policies: list[str], replicas: int = 3, budget_mb: float = 64.0, users: int = 8, turns: int = 3,
+                    seed: int = 0, concurrency: int = 4, model: str | None = None,
+                    max_tokens: int = ANSWER_TOKENS) -> tuple[dict[str, FleetRun], str]:
+    """What the simulator predicts for the routing lab's trace and fleet: one run per policy
+    (``kv_aware (blind)`` too when kv_aware is asked), and a line saying what was simulated."""
     from analysis.replay.simulate import model_geometry
 
-    geometry = model_geometry()
-    budget_tokens = int(args.budget_mb * 2**20) // geometry.kv_bytes_per_token
-    requests = builtin_requests()
-    replicas = args.replica_counts[0] if args.replicas_given else 3
+    geometry = model_geometry(model or "embedded")
+    budget_tokens = int(budget_mb * 2**20) // geometry.kv_bytes_per_token
+    requests = builtin_requests(users, turns, seed, concurrency, model, max_tokens)
     load = LoadModel(prefill_tokens_per_s=2_000.0, decode_tokens_per_s=20.0)  # a small model on shared CPUs
-    print(f"built-in trace: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens; "
-          f"{replicas} replicas of {budget_tokens:,} tokens ({args.budget_mb:g} MiB at "
-          f"{geometry.kv_bytes_per_token:,} bytes per token, {geometry.name}); token-level blocks")
+    names = [*policies, BLIND] if "kv_aware" in policies else list(policies)
+    runs = {name: simulate_fleet(requests, replicas, KvAware(blind=True) if name == BLIND else name, budget_tokens,
+                                 block_tokens=1, load=load, seed=seed) for name in names}
+    what = (f"simulated: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens; "
+            f"{replicas} replicas of {budget_tokens:,} tokens ({budget_mb:g} MiB at {geometry.kv_bytes_per_token:,} "
+            f"bytes per token, {geometry.name}); token-level blocks")
+    return runs, what
+
+
+def run_builtin(args: argparse.Namespace) -> int:
+    replicas = args.replica_counts[0] if args.replicas_given else 3
+    runs, what = predict_builtin(args.policy_list, replicas, args.budget_mb, seed=args.seed)
+    print(what)
     rows = ["| policy | simulated hit rate | ceiling | requests per replica | real lab (docs/FLEET.md) | real per replica |",
             "|---|---:|---:|---|---:|---|"]
-    policies = [*args.policy_list, "kv_aware (blind)"] if "kv_aware" in args.policy_list else args.policy_list
-    for name in policies:
-        policy = KvAware(blind=True) if name == "kv_aware (blind)" else name
-        run = simulate_fleet(requests, replicas, policy, budget_tokens, block_tokens=1, load=load, seed=args.seed)
+    for name, run in runs.items():
         real = REAL_LAB.get(name)
         real_cells = f"{real[0]:.1%} | {' / '.join(map(str, real[1]))}" if real and replicas == 3 else "- | -"
         rows.append(f"| {name} | {run.hit_rate:.1%} | {run.ceiling_rate:.1%} | "
                     f"{' / '.join(map(str, run.per_replica or []))} | {real_cells} |")
     print("\n".join(rows))
-    print("kv_aware (blind): the simulator's kv_aware with every lookup missing, as vllm-router 0.1.17's did "
-          "in the real runs (docs/FLEET.md): it routes on load alone.")
+    if BLIND in runs:
+        print(f"{BLIND}: the simulator's kv_aware with every lookup missing, as vllm-router 0.1.17's did in the "
+              "real runs (docs/FLEET.md): it routes on load alone.")
     return 0
 
 
