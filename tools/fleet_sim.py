@@ -7,7 +7,8 @@ Usage: python -m tools.fleet_sim [--replicas 8,16,32,64] [--requests 100000] [--
 
 ``--trace synthetic`` (default): a GENERATED chat workload (``analysis.replay.fleet_trace``) of
 ``--requests`` requests, routed over each fleet size under each policy; one table row per (size,
-policy): hit rate, the run's ceiling (most any replica held), duplication, imbalance, seconds.
+policy): hit rate, the run's ceiling (most any replica held), duplication, imbalance, seconds; and
+per size a reference row, one cache with the whole fleet's memory (``--no-pooled``: without it).
 
 ``--trace builtin``: the trace the real routing lab sends (``tools/fleet/trace.py``: the same
 system prompts, users, turns and seeded order), rendered with the embedded SmolLM2 tokenizer and
@@ -41,12 +42,16 @@ REAL_LAB = {
 STAND_IN_ANSWER = "The desk will be glad to help you with that; please ask there when you arrive."
 ANSWER_TOKENS = 16  # the lab's --max-tokens
 BLIND = "kv_aware (blind)"
+POOLED = "(one pooled cache)"
 
 
 def table(runs: list[FleetRun]) -> str:
     lines = ["| replicas | policy | hit rate | ceiling | duplication | shared blocks | imbalance | seconds |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
+        if r.per_replica is None:  # a reference row: one cache, nothing to route, copy or balance
+            lines.append(f"| {r.replicas} | {r.policy} | {r.hit_rate:.1%} | - | - | - | - | {r.seconds:.1f} |")
+            continue
         d = r.duplication
         shared = d.shared_blocks / d.distinct_blocks if d.distinct_blocks else 0.0
         lines.append(f"| {r.replicas} | {r.policy} | {r.hit_rate:.1%} | {r.ceiling_rate:.1%} | {d.share:.1%} | "
@@ -128,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=16, help="the cache's block (builtin: 1, token-level)")
     p.add_argument("--rate", type=float, default=100.0, help="synthetic: requests per second")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-pooled", action="store_true",
+                   help="leave out each size's reference row: one cache with the whole fleet's memory")
     args = p.parse_args(argv)
     args.replicas_given = args.replicas is not None
     try:
@@ -154,14 +161,26 @@ def main(argv: list[str] | None = None) -> int:
         what = f"{len(requests):,} requests from {args.trace}"
     print(f"{what}, {sum(r.prompt_tokens for r in requests) / max(1, len(requests)):,.0f} prompt tokens on average; "
           f"{args.budget_tokens:,} tokens per replica in blocks of {args.block_tokens}", flush=True)
+    unbounded = simulate_fleet(requests, 1, "round_robin", None, args.block_tokens)
+    print(f"reuse if nothing were ever evicted (one unbounded cache, a bound for every policy): "
+          f"{unbounded.hit_rate:.1%}", flush=True)
     runs = []
     for n in args.replica_counts:
         for name in args.policy_list:
             runs.append(simulate_fleet(requests, n, name, args.budget_tokens, args.block_tokens, seed=args.seed))
             r = runs[-1]
             print(f"  {n} x {name}: hit {r.hit_rate:.1%}, {r.seconds:.1f} s", file=sys.stderr, flush=True)
+        if not args.no_pooled:
+            runs.append(pooled(requests, n, args.budget_tokens, args.block_tokens))
     print(table(runs))
     return 0
+
+
+def pooled(requests: list[SimRequest], replicas: int, budget_tokens: int, block_tokens: int) -> FleetRun:
+    """The reference for a fleet of ``replicas``: one cache with all their memory (no split, no copies)."""
+    run = simulate_fleet(requests, 1, "round_robin", replicas * budget_tokens, block_tokens)
+    run.policy, run.replicas, run.per_replica = POOLED, replicas, None
+    return run
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from tools.fleet_sim import main
 
 
 def test_the_table_has_a_row_per_size_and_policy(capsys):
-    assert main(["--replicas", "2,3", "--requests", "300", "--policies", "round_robin,oracle",
+    assert main(["--replicas", "2,3", "--requests", "300", "--policies", "round_robin,oracle", "--no-pooled",
                  "--budget-tokens", "5000"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "%" in line]
     assert [tuple(c.strip() for c in row.split("|")[1:3]) for row in rows] == [
@@ -29,3 +29,11 @@ def test_the_routing_labs_trace_is_predicted_and_set_beside_the_measured_rows():
     assert rows[2].endswith(f"| {runs['round_robin'].hit_rate:.1%} | 8 / 8 / 8 |")
     assert rows[3].endswith("| - | - |")  # a policy the simulator does not have
     assert "simulated" not in table([measured])
+
+
+def test_each_size_gets_a_pooled_reference_row(capsys):
+    assert main(["--replicas", "2", "--requests", "200", "--policies", "round_robin"]) == 0
+    out = capsys.readouterr().out
+    assert "one unbounded cache" in out
+    assert [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 2 ")] == [
+        "round_robin", "(one pooled cache)"]
