@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,13 +64,13 @@ class FleetState:
 class Policy(Protocol):
     name: str
 
-    def choose(self, blocks: list[int] | object, prompt_blocks: int, prompt_tokens: int, key: str,
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
                state: FleetState) -> int:
         """The replica for a request whose prompt covers ``blocks[:prompt_blocks]`` whole blocks."""
         ...
 
 
-def _bits(mask: int):
+def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
@@ -82,7 +83,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         r = self._next % state.replicas
         self._next = r + 1
         return r
@@ -91,7 +93,8 @@ class RoundRobin:
 class RandomPolicy:
     name = "random"
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         return state.rng.randrange(state.replicas)
 
 
@@ -119,7 +122,8 @@ class ConsistentHash:
     def __init__(self) -> None:
         self._ring: HashRing | None = None
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         if self._ring is None:
             self._ring = HashRing(state.replicas)
         return self._ring.owner(key)
@@ -128,7 +132,8 @@ class ConsistentHash:
 class PowerOfTwo:
     name = "power_of_two"
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         if state.replicas == 1:
             return 0
         a, b = state.rng.sample(range(state.replicas), 2)
@@ -145,7 +150,8 @@ class CacheAware:
         self.max_tree_tokens = max_tree_tokens
         self.trees: ReplicaCaches | None = None  # what the router sent where: prompts only
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         if self.trees is None:
             cap = self.max_tree_tokens // self.block_tokens if self.max_tree_tokens is not None else None
             self.trees = ReplicaCaches(state.replicas, cap)
@@ -169,7 +175,8 @@ class KvAware:
     def __init__(self, blind: bool = False) -> None:
         self.blind = blind
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         if self.blind:
             return state.least_loaded()
         depth, mask = state.caches.longest(blocks, prompt_blocks)
@@ -179,7 +186,8 @@ class KvAware:
 class Oracle:
     name = "oracle"
 
-    def choose(self, blocks, prompt_blocks, prompt_tokens, key, state) -> int:
+    def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
+               state: FleetState) -> int:
         _, mask = state.caches.longest(blocks, prompt_blocks)
         return min(_bits(mask), key=lambda r: (state.caches.held(r), r))
 

@@ -28,6 +28,7 @@ import heapq
 import random
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis.replay.fleet_cache import Duplication, ReplicaCaches
@@ -85,7 +86,7 @@ class FleetRun:
 
 def simulate_fleet(requests: list[SimRequest], replicas: int, policy: str | Policy, budget_tokens: int | None,
                    block_tokens: int = 16, load: LoadModel = LoadModel(), seed: int = 0,
-                   on_request=None) -> FleetRun:
+                   on_request: Callable[[SimRequest, int, int, ReplicaCaches], None] | None = None) -> FleetRun:
     """Route ``requests`` (in arrival order) over ``replicas`` replicas of ``budget_tokens`` each
     (None: no limit). ``on_request(request, replica, cached_tokens, caches)`` is called after each."""
     started = time.perf_counter()
