@@ -5,6 +5,7 @@ Everything here is model-free and runs in seconds.
 
 from __future__ import annotations
 
+import json
 import random
 
 from hypothesis import given, settings
@@ -187,3 +188,21 @@ def test_budgets_hold_and_rates_stay_between_zero_and_one(seed, replicas, budget
     assert 0.0 <= run.hit_rate <= run.ceiling_rate <= 1.0
     assert sum(run.per_replica) == len(requests) and run.imbalance >= 1.0 - 1e-9
     assert 0.0 <= run.duplication.share < 1.0
+
+
+def test_a_replay_log_becomes_routable_requests(tokenizer):
+    from analysis.replay.fleet_trace import requests_from_log
+
+    system = {"role": "system", "content": "You answer questions about the harbour office. " * 8}
+    lines = [json.dumps({"timestamp": 100, "session": "a", "response": "At 7.",
+                         "messages": [system, {"role": "user", "content": "When?"}]}),
+             json.dumps({"timestamp": 103, "session": "b", "messages": [system, {"role": "user", "content": "Where?"}]}),
+             "not json"]
+    requests = requests_from_log(lines, tokenizer, block_tokens=4, output_tokens=9)
+    assert [(r.key, r.arrival_s) for r in requests] == [("a", 0.0), ("b", 3.0)]
+    answered, plain = requests
+    assert answered.output_tokens > 0 and plain.output_tokens == 9
+    assert len(answered.blocks) == (answered.prompt_tokens + answered.output_tokens) // 4
+    assert len(plain.blocks) == plain.prompt_tokens // 4
+    run = simulate_fleet(requests, 1, "round_robin", None, block_tokens=4)
+    assert 60 <= run.cached_tokens < plain.prompt_tokens  # the shared system prompt, in whole blocks
