@@ -8,8 +8,10 @@ empty caches, and the router starts with that policy. The trace (``tools.fleet.t
 through the router, users of a round ``--concurrency`` at a time. Per policy: requests answered,
 the fleet-wide cached-token share (``usage.prompt_tokens_details.cached_tokens`` over prompt
 tokens), time to first token p50/p95 as the client saw it, output tokens per second over the
-replay, and how many requests each replica got (its ``/metrics``). Nothing here is simulated: our
-replicas and the real router, on loopback.
+replay, and how many requests each replica got (its ``/metrics``). The measured columns are our
+replicas and the real router, on loopback; beside them (``--no-predict`` leaves them out) what the
+fleet simulator predicts for the same trace, fleet size, budget and policy (``tools.fleet_sim``:
+no model, no router, token-level caches; see docs/FLEET.md, "The simulator").
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import argparse
 import sys
 import time
 
+from analysis.replay.fleet_policies import POLICIES as SIMULATED
 from tools.fleet import POLICIES, Fleet, metrics_of
 from tools.fleet.trace import built_in_trace, replay, summarize
+from tools.fleet_sim import predict_builtin
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> dict:
@@ -37,13 +41,22 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], predicted: dict | None = None) -> str:
+    """The measured rows; with ``predicted`` (policy -> the simulator's run) two more columns."""
     head = "| policy | answered | cached share | TTFT p50 | TTFT p95 | output tok/s | requests per replica |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
+    rule = "|---|---:|---:|---:|---:|---:|---|"
+    if predicted is not None:
+        head, rule = head + " simulated share | simulated per replica |", rule + "---:|---|"
+    lines = [head, rule]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['answered']}/{r['requests']} | {r['hit_rate']:.1%} | "
-                     f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | "
-                     f"{r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} |")
+        line = (f"| {r['policy']} | {r['answered']}/{r['requests']} | {r['hit_rate']:.1%} | "
+                f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | "
+                f"{r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} |")
+        if predicted is not None:
+            run = predicted.get(r["policy"])
+            line += (f" {run.hit_rate:.1%} | {' / '.join(map(str, run.per_replica))} |" if run is not None
+                     else " - | - |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -61,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mb", type=float, default=64.0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores / replicas)")
     p.add_argument("--deadline-s", type=float, default=900.0, help="each replay's limit (turns past it are not sent)")
+    p.add_argument("--no-predict", action="store_true", help="leave out the simulator's prediction")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES]
@@ -73,7 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"  {r['answered']}/{r['requests']} answered, {r['hit_rate']:.1%} of prompt tokens cached, "
               f"{r['wall_s']:.1f} s", flush=True)
-    print(table(rows))
+    predicted = None
+    if not args.no_predict:
+        try:  # the measurements took minutes: a prediction that fails must not lose them
+            runs, what = predict_builtin([x for x in policies if x in SIMULATED], args.replicas, args.budget_mb,
+                                         args.users, args.turns, args.seed, args.concurrency, args.model,
+                                         args.max_tokens)
+        except Exception as exc:
+            print(f"no simulated columns: {type(exc).__name__}: {exc}")
+        else:
+            predicted = {name: run for name, run in runs.items() if name in policies}
+            print(what)
+            if "kv_aware" in runs:
+                print(f"simulated kv_aware with every lookup missing (as vllm-router 0.1.17 behaved): "
+                      f"{runs['kv_aware (blind)'].hit_rate:.1%}")
+    print(table(rows, predicted))
     return 0
 
 

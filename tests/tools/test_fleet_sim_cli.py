@@ -1,0 +1,39 @@
+"""``python -m tools.fleet_sim`` on a small generated trace: one table row per fleet size and policy."""
+
+from __future__ import annotations
+
+from tools.fleet_sim import main
+
+
+def test_the_table_has_a_row_per_size_and_policy(capsys):
+    assert main(["--replicas", "2,3", "--requests", "300", "--policies", "round_robin,oracle", "--no-pooled",
+                 "--budget-tokens", "5000"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "%" in line]
+    assert [tuple(c.strip() for c in row.split("|")[1:3]) for row in rows] == [
+        ("2", "round_robin"), ("2", "oracle"), ("3", "round_robin"), ("3", "oracle")]
+
+
+def test_the_routing_labs_trace_is_predicted_and_set_beside_the_measured_rows():
+    from tools.fleet_sim import BLIND, predict_builtin
+    from tools.routing_lab import table
+
+    runs, what = predict_builtin(["round_robin", "cache_aware", "kv_aware"])
+    assert "24 requests" in what and set(runs) == {"round_robin", "cache_aware", "kv_aware", BLIND}
+    assert runs["round_robin"].per_replica == [8, 8, 8]
+    assert runs["cache_aware"].hit_rate > runs["round_robin"].hit_rate
+    assert runs[BLIND].hit_rate < runs["kv_aware"].hit_rate
+    measured = {"policy": "round_robin", "answered": 24, "requests": 24, "hit_rate": 0.619, "ttft_p50_s": 0.457,
+                "ttft_p95_s": 1.66, "output_tokens_per_s": 23.2, "per_replica": [8, 8, 8]}
+    rows = table([measured, {**measured, "policy": "sticky_least_loaded"}], runs).splitlines()
+    assert rows[0].endswith("simulated share | simulated per replica |")
+    assert rows[2].endswith(f"| {runs['round_robin'].hit_rate:.1%} | 8 / 8 / 8 |")
+    assert rows[3].endswith("| - | - |")  # a policy the simulator does not have
+    assert "simulated" not in table([measured])
+
+
+def test_each_size_gets_a_pooled_reference_row(capsys):
+    assert main(["--replicas", "2", "--requests", "200", "--policies", "round_robin"]) == 0
+    out = capsys.readouterr().out
+    assert "one unbounded cache" in out
+    assert [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 2 ")] == [
+        "round_robin", "(one pooled cache)"]
