@@ -23,6 +23,7 @@ from components.panels.memory_panel import build_memory_panel
 from components.panels.overview_panel import build_overview_panel
 from components.panels.replay_panel import build_replay_panel
 from components.panels.reuse_check_panel import build_reuse_check
+from components.panels.routing_panel import build_routing_panel
 from components.panels.scheduler_panel import build_scheduler_panel
 from components.panels.tree_panel import build_tree_panel
 from components.session import share_page_blocks
@@ -129,6 +130,8 @@ def build_demo(engine: EngineAPI) -> gr.Blocks:
                 live["Latency"] = [build_latency_panel(engine)] + ([growth] if growth is not None else [])
             with gr.Tab("Your traffic"):
                 build_replay_panel(engine)
+            with gr.Tab("Routing"):
+                build_routing_panel()
             with gr.Tab("Engine info"):
                 live["Engine info"] = [build_info_panel(engine)]
         _wire_live(demo, tabs, live)

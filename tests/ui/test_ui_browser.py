@@ -204,7 +204,7 @@ def test_the_page_runs_no_torch_outside_the_compute_thread(page):
     """Every tab, chats, Stop and redraws above: no thread but the runner's compute thread ran a
     parallel torch op. Each thread that does keeps an OpenMP pool of its own (new native threads),
     and two pools on the machine's cores slow every forward (engine/model/compute_thread.py)."""
-    for tab in ("Radix tree", "Cache memory", "Scheduler", "Latency", "Your traffic", "Few-shot",
+    for tab in ("Radix tree", "Cache memory", "Scheduler", "Latency", "Your traffic", "Routing", "Few-shot",
                 "Prompt-ordering lab", "Engine info", "Chat"):
         page.get_by_role("tab", name=tab).click()
         page.wait_for_timeout(1500)
