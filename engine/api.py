@@ -88,6 +88,7 @@ class Capabilities:
     remote: bool = False  # a client of another server (``info().backend`` names it)
     second_tier: bool = False  # evicted KV goes to disk or host memory; persist_cache() writes it for a restart
     logprobs: bool = False  # requests may ask for log-probabilities (GenerationRequest.logprobs, prompt_logprobs)
+    gpu_calls: bool = False  # each forward runs in a ZeroGPU call (engine.zerogpu): a step may wait for a GPU
 
 
 LOCAL = Capabilities(local_cache=True, settable_budget=True, prefill_timing=True, private_engines=True,

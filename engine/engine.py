@@ -107,7 +107,8 @@ class Engine(FacadeBase):
         self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
         self._capabilities = dataclasses.replace(  # fixed at start
             LOCAL, second_tier=self.tier is not None,
-            prefill_timing=runner.in_process_forwards)  # ZeroGPU: forwards run in GPU calls, timed in-step only
+            prefill_timing=runner.in_process_forwards,  # ZeroGPU: forwards run in GPU calls, timed in-step only
+            gpu_calls=not runner.in_process_forwards)
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
         self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
                                    if enable_cache else NoPrefixCache(pool))

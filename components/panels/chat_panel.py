@@ -135,6 +135,14 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
         yield text, "**Stopped** before the request ran: nothing was computed.", None
 
 
+def gpu_call_note(engine: EngineAPI) -> str:
+    """On ZeroGPU: why an answer may pause, and what it costs the visitor ("" elsewhere)."""
+    if not engine.capabilities.gpu_calls:
+        return ""
+    return ("On ZeroGPU each step of this answer runs in a GPU call: a pause is a call waiting in ZeroGPU's queue "
+            "for a GPU, and each call's time counts against your daily GPU quota.")
+
+
 def paired_timer(engine: EngineAPI):
     """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
     return timer_for(engine)
@@ -164,7 +172,7 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
     waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else
                "*Prefilling the prompt…*")
-    notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped) if n]
+    notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped, gpu_call_note(engine)) if n]
     yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None, None
     shown, final = None, None
     try:

@@ -281,6 +281,21 @@ def test_memory_stays_flat_over_many_calls(runners):
         engine.close()
 
 
+def test_the_chat_tells_the_visitor_why_an_answer_may_pause(runners):
+    from components.panels.chat_panel import respond
+
+    plain, zero = runners
+    for runner, says in ((zero, True), (plain, False)):
+        engine = Engine(runner, budget_bytes=8 << 20)
+        try:
+            assert engine.capabilities.gpu_calls is says
+            first, *_, last = respond(engine, "Hello?", [], "Pirate", "", 4, True)
+            assert ("waiting in ZeroGPU's queue" in first[3]) is says
+            assert last[0][-1]["role"] == "assistant"
+        finally:
+            engine.close()
+
+
 def test_the_app_builds_a_zerogpu_engine_when_asked(runners, monkeypatch):
     import app
 
