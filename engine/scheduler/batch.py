@@ -146,7 +146,9 @@ def forward(runner: ModelRunner, pool: KVPool, batch: Batch) -> Output:
             rows = runner.forward_paged(pool, segments, every_position=True)
             runner.synchronize()
             return Output(rows[-1:], runner.forward_ms((time.perf_counter() - t0) * 1000), every_position=rows)
-        logits = runner.forward_paged(pool, segments, ahead=_futures(batch))
+        futures = None if runner.in_process_forwards else _futures(batch)  # only a runner that computes elsewhere
+        logits = (runner.forward_paged(pool, segments) if futures is None
+                  else runner.forward_paged(pool, segments, ahead=futures))
         runner.synchronize()
         return Output(logits, runner.forward_ms((time.perf_counter() - t0) * 1000))
     except OutOfMemoryFault as exc:
