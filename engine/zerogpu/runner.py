@@ -90,6 +90,7 @@ class ZeroGPURunner:
         self.max_ahead = max_ahead
         self.last_device_ms = 0.0
         self._ahead: list[step_call.StepOut] = []  # forwards the last call ran ahead, in order
+        self._ahead_pool: KVPool | None = None  # the pool they were computed over
         self._to_local: dict[int, int] = {}
         self._to_pool: dict[int, int] = {}
 
@@ -108,7 +109,7 @@ class ZeroGPURunner:
 
     def _forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
                        ahead: Sequence[RowFuture] | None):
-        if self._ahead and not every_position:
+        if self._ahead and not every_position and pool is self._ahead_pool:  # engines sharing a runner: own pools
             step = self._ahead.pop(0)
             if step_call.signature(step.segments) == _signature_or_none(segments, self._to_local):
                 self.reused_steps += 1
@@ -128,7 +129,7 @@ class ZeroGPURunner:
         first, *rest = result.steps
         self.last_device_ms = first.device_ms
         self._to_local, self._to_pool = to_local, {v: k for k, v in to_local.items()}
-        self._ahead = rest
+        self._ahead, self._ahead_pool = rest, pool
         return step_call.apply(pool, self._to_pool, first)
 
     def ahead_steps(self, segments: Sequence[PagedSegment], ahead: Sequence[RowFuture] | None) -> int:

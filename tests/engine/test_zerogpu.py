@@ -177,6 +177,22 @@ def test_forwards_run_ahead_are_used_only_when_asked_for_exactly(tokenizer):
         assert torch.equal(torch.stack(p0.v)[:, :, written], torch.stack(p1.v)[:, :, written])
 
 
+def test_forwards_run_ahead_over_one_pool_never_serve_another(tokenizer):
+    """Two engines on one runner (the lab's private engines) have pools of their own: the same ids at
+    the same slot numbers in another pool are another computation, so they get a call of their own."""
+    zero = ZeroGPURunner(make_tiny_runner(tokenizer), EMULATE)
+    ids = list(range(10, 42))
+    future = (RowFuture(SamplingParams(max_new_tokens=8), (), 8),)
+    pools = [_pool(zero, 64), _pool(zero, 64)]
+    slots = [pool.alloc(40) for pool in pools]
+    logits = [zero.forward_paged(pool, [PagedSegment(ids, 0, s)]) for pool, s in zip(pools, slots, strict=True)]
+    zero.forward_paged(pools[0], [PagedSegment([int(logits[0][0].argmax())], 32, slots[0])], ahead=future)
+    calls = zero.calls
+    guess = int(zero._ahead[0].segments[0].ids[0])
+    zero.forward_paged(pools[1], [PagedSegment([guess], 33, slots[1])])
+    assert zero.calls == calls + 1 and zero.reused_steps == 0
+
+
 # --------------------------------------------------------------------------------- the engine
 
 def test_the_second_call_reuses_the_first_calls_kv_and_answers_as_the_normal_engine(runners):
