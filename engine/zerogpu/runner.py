@@ -59,10 +59,7 @@ def _device_runner() -> ModelRunner:
     import torch
 
     if runner.device.type == "cpu" and torch.cuda.is_available():
-        from dataclasses import replace
-
-        loaded = runner.loaded_for_device(torch.device("cuda"))
-        _DEVICE_RUNNER = runner = ModelRunner(replace(loaded))
+        _DEVICE_RUNNER = runner = ModelRunner(runner.loaded_for_device(torch.device("cuda")))
     return runner
 
 
