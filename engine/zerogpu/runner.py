@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner, RowFuture
@@ -115,6 +116,7 @@ class ZeroGPURunner:
         self._ahead.clear()  # not the forward it guessed: what it ran ahead is dropped
         steps = self.ahead_steps(segments, ahead)
         work, to_local = step_call.pack(pool, segments, every_position, ahead, steps)
+        release_signals()  # the call blocks for a while: held wake-ups (a first token, say) go out now
         try:
             result = self._call(work)
         except EngineError:
