@@ -41,7 +41,8 @@ def tier_fingerprint(runner: ModelRunner, tier_dir: str | None) -> str:
                                packed_linear=getattr(runner, "packed_linears", 0) > 0,
                                native_linear=native_linear.MAX_ROWS if getattr(runner, "native_linears", 0) else 0,
                                fused_decode=getattr(getattr(runner, "stack", None), "fused", None) is not None,
-                               attention=_attention_kernels(runner), isa=native_build.isa())
+                               attention=_attention_kernels(runner), isa=native_build.isa(),
+                               exact=bool(getattr(runner, "exact", False)))
 
 
 def _memo_in(tier_dir: Path) -> Path | None:

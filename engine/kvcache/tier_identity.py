@@ -43,7 +43,7 @@ log = logging.getLogger("engine.kvcache.kv_tier")  # the tier's one log, as befo
 
 def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int, num_kv_heads: int,
                 head_dim: int, weights: str = "", packed_linear: bool = False, native_linear: int = 0,
-                fused_decode: bool = False, attention: str = "", isa: str = "") -> str:
+                fused_decode: bool = False, attention: str = "", isa: str = "", exact: bool = False) -> str:
     """Names what the KV depends on: the same model, weights (``weights_digest``), dtype,
     tokenizer, geometry, linear kernels (oneDNN-packed or our native linears, and our fused decode
     layers, change the KV's last bits) and attention kernels (``attention``: the backend's own
@@ -59,6 +59,8 @@ def fingerprint(model_name: str, dtype: torch.dtype, tokenizer, num_layers: int,
         h.update(b"fused_decode=1|")
     if attention:  # the attention backend and its kernels, likewise
         h.update(f"attention={attention}|".encode())
+    if exact:  # the exact forward (issue 44: engine.model.attention.exact), whose bits are its own, likewise
+        h.update(b"exact=1|")
     if isa and isa != "native":  # a narrower build of our kernels (RADIX_ISA), likewise
         h.update(f"isa={isa}|".encode())
     vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []

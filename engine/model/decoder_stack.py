@@ -150,6 +150,32 @@ class DecoderStack:
             h = h[:, keep]
         return self.head(h)
 
+    def forward_exact(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
+                      k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], call: object,
+                      keep: torch.Tensor | int) -> torch.Tensor:
+        """``forward`` with every row's bits its own (issue 44): whatever the number of rows, every
+        layer runs the fused C calls (``FusedLayers.run_all``) with the exact attention ``call``
+        (``engine.model.attention.exact.ExactCall``) between them, and the final norm and the head
+        run on our kernels (``FusedLayers.tail``). Needs ``exact_ready``. Same arguments and result."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, positions)
+        dtype, flat = h.dtype, h[0].float().contiguous()
+        release_signals()  # the consumers' Python runs beside the kernels (compute_thread)
+        self.fused.run_all(flat, cos[0].float().contiguous(), sin[0].float().contiguous(),
+                           [k_pool[layer.index] for layer in self.layers], [v_pool[layer.index] for layer in self.layers],
+                           write_index.contiguous(), call)
+        if not (isinstance(keep, int) and keep == 0):
+            flat = flat[keep].contiguous()
+        return self.fused.tail.logits(flat).to(dtype).unsqueeze(0)
+
+    @property
+    def exact_ready(self) -> bool:
+        """Whether ``forward_exact`` can run: the fused layers and their tail built, one attention
+        scale for every layer, and the rotary embedding over whole heads."""
+        fused = self.fused
+        return (fused is not None and fused.tail is not None and self.one_scale
+                and all(layer.head_dim == self.layers[0].head_dim for layer in self.layers))
+
     def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
                k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
                rows_call: Callable | None) -> torch.Tensor:

@@ -119,6 +119,7 @@ class FusedLayers:
         self._keep = keep  # every tensor the structs point at: the model's weights, the biases made float32 here
         first = structs[0]
         self.q_width = int(first.q_heads * first.head_dim)
+        self.tail: _Tail | None = None  # the final norm and the LM head in C, for an exact forward
 
     @classmethod
     def build(cls, model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
@@ -139,7 +140,11 @@ class FusedLayers:
             if s is None:
                 return None
             structs.append(s)
-        return cls(kernel.lib, structs, keep, p.dtype) if structs else None
+        if not structs:
+            return None
+        fused = cls(kernel.lib, structs, keep, p.dtype)
+        fused.tail = _Tail.build(model, p.dtype, kernel)
+        return fused
 
     @staticmethod
     def _struct(layer: nn.Module, keep: list[torch.Tensor], dtype: torch.dtype) -> _LayerStruct | None:
@@ -240,3 +245,42 @@ class FusedLayers:
                         torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the fused decode kernel refused layer {index} at {h.shape[0]} rows")
+
+
+class _Tail:
+    """The decoder's final RMSNorm and its LM head on our kernels (``radix_rms_norm``, our linear):
+    the last steps of an exact forward (issue 44), where a row's logits must not depend on the rows
+    beside it (PyTorch's and oneDNN's products pick their kernels by the number of rows)."""
+
+    def __init__(self, lib: ctypes.CDLL, norm: tuple[torch.Tensor, float], head: nn.Module,
+                 kernel: native_linear.LinearKernel, dtype: torch.dtype) -> None:
+        self._norm_fn = lib.radix_rms_norm
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._norm_fn.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_double, ptr, ctypes.c_int]
+        self._norm_fn.restype = ctypes.c_int
+        self.norm_weight, self.eps = norm
+        self.weight = head.weight.detach()
+        self.bias = None if head.bias is None else head.bias.detach().float().contiguous()
+        self.kernel, self.dtype = kernel, dtype
+
+    @classmethod
+    def build(cls, model: nn.Module, dtype: torch.dtype, kernel: native_linear.LinearKernel) -> _Tail | None:
+        norm = _scaled_rms_norm(getattr(getattr(model, "model", None), "norm", None))
+        head = getattr(model, "lm_head", None)
+        if norm is None or head is None or not _plain_weighted(head):
+            return None
+        if (norm[0].dtype != dtype or not norm[0].is_contiguous() or head.weight.dtype != dtype
+                or not head.weight.is_contiguous() or head.weight.shape[1] != norm[0].shape[0]
+                or head.weight.shape[1] % 8):
+            return None
+        return cls(kernel.lib, norm, head, kernel, dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [rows, hidden]`` float32 (bf16 values in bf16), contiguous: the final norm, then the
+        head; ``[rows, vocab]`` in the model's dtype, as the model's own head returns them."""
+        x = torch.empty_like(h)
+        rc = self._norm_fn(h.data_ptr(), h.stride(0), h.shape[0], h.shape[1], self.norm_weight.data_ptr(), self.eps,
+                           x.data_ptr(), int(self.dtype == torch.bfloat16))
+        if rc != 0:
+            raise ValueError(f"the fused decode kernel refused the final norm of {tuple(h.shape)}")
+        return self.kernel.run(x, self.weight, self.bias).to(self.dtype)

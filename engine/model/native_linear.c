@@ -366,6 +366,17 @@ static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64
             h[r * h_rs + i] = bf16 ? bf(h[r * h_rs + i] + bf(t[r * n + i])) : h[r * h_rs + i] + t[r * n + i];
 }
 
+/* The rows' RMSNorm alone (the decoder's final norm in an exact forward, issue 44): the same code
+ * as every layer's, so a row's bits do not depend on the rows beside it. Returns 0, or 1 for a
+ * shape it does not take. */
+int radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
+                   int bf16) {
+    if (rows < 1 || n < 1 || x_rs < n || (bf16 != 0 && bf16 != 1))
+        return 1;
+    rms_norm(x, x_rs, rows, n, w, eps, y, bf16);
+    return 0;
+}
+
 static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
     return L && rows >= 1 && (L->bf16 == 0 || L->bf16 == 1) && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
            (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0;

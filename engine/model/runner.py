@@ -38,7 +38,8 @@ from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
 from engine.model import native_build, native_linear
-from engine.model.attention import AttentionBackend, choose_backend
+from engine.model.native_build import switched_off
+from engine.model.attention import AttentionBackend, choose_backend, exact
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
@@ -51,6 +52,7 @@ from engine.types import EngineError, EngineFault, SamplingParams
 log = logging.getLogger(__name__)
 
 PAGED_ATTENTION = "radix_paged"
+EXACT_SWITCH = "RADIX_EXACT"  # "0": the fast paths, whose bits depend on the batch (issue 44)
 _batch = threading.local()  # the plan and pool of the paged forward running on this thread, if any
 
 
@@ -84,6 +86,14 @@ def cache_argument(model: torch.nn.Module) -> str:
     never tried: an old forward takes an unknown ``cache=`` into its ``**kwargs`` and runs on a cache
     of its own, silently, while a new one only warns about ``past_key_values=``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class _BufferLayers:
+    """A scratch buffer's layers as a forward over the pool reads them: ``k[layer]`` ``[H, S, D]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,8 @@ class ModelRunner:
         # forward_paged's own layer-by-layer forward where the model is a Llama-family decoder and it
         # checks out bit for bit against transformers' forward (engine.model.decoder_stack).
         self.stack: DecoderStack | None = self.compute.call(self._check_stack) if self.can_batch else None
+        # Every forward exact (issue 44): a row's bits its own, whatever its batch, chunk or cache.
+        self.exact = bool(self.stack is not None and self.compute.call(self._check_exact))
         self.compute.call(self._warm_up)
 
     @torch.inference_mode()
@@ -219,6 +231,45 @@ class ModelRunner:
             stack.fused = fused
         return True
 
+    @property
+    def runs_exact(self) -> bool:
+        """Whether forwards run exact now: chosen at start (``exact``), and the stack and its fused
+        layers still there (a test or a caller that drops them gets the paths they name)."""
+        stack = self.stack
+        return bool(self.exact and stack is not None and stack.fused is not None and self.can_batch)
+
+    def _check_exact(self) -> bool:
+        """Whether every forward runs exact (``DecoderStack.forward_exact``): where it can, it is not
+        switched off (``RADIX_EXACT=0``), and its logits are those of the unfused stack up to
+        rounding on the probes (``_check_fused``'s bound; a misread layer is off by far more)."""
+        stack = self.stack
+        if switched_off(EXACT_SWITCH) or not stack.exact_ready or self.device.type != "cpu" or not exact.takes(
+                self.dtype, self.query_groups * self.num_kv_heads, self.num_kv_heads, self.head_dim):
+            return False
+        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                      40 * self.kv_bytes_per_token)
+        prefix = pool.alloc(20)
+        alone = prefix + pool.alloc(2)
+        probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
+                  [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))]]
+        fused = stack.fused
+        try:
+            for segments in probes:
+                stack.fused = None
+                plain = self._paged(pool, segments, False, stack)
+                stack.fused = fused
+                got = self._exact_paged(pool, segments, False)
+                bound = fused.bound * max(1.0, float(plain.abs().max()))
+                if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
+                    log.warning("exact forward off: logits differ from the unfused forward's on a probe")
+                    return False
+        except Exception as exc:  # noqa: BLE001 - a refusal of a kernel: the fast paths
+            log.warning("exact forward off: %s", exc)
+            return False
+        finally:
+            stack.fused = fused
+        return True
+
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""
         ids = list(range(1, 17))
@@ -246,6 +297,8 @@ class ModelRunner:
         """
         if not ids:
             raise EngineError("nothing to compute: at least one token must be run")
+        if self.runs_exact:
+            return self._exact_buffer(ids, kv, every_position=True)
         start = kv.length
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
@@ -257,6 +310,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_last(self, ids: Sequence[int], kv: RequestKV) -> torch.Tensor:
         """Like ``forward`` but computes logits for the last position only (a prefill's need)."""
+        if self.runs_exact:
+            return self._exact_buffer(ids, kv, every_position=False)[-1]
         start = kv.length
         input_ids = torch.tensor([list(ids)], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
@@ -284,7 +339,33 @@ class ModelRunner:
             if every_position:
                 return self._forward_gathered(pool, segments[0], every_position=True)
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
+        if self.runs_exact:
+            return self._exact_paged(pool, segments, every_position)
         return self._paged(pool, segments, every_position, self.stack)
+
+    def _exact_paged(self, pool, segments: Sequence[PagedSegment], every_position: bool) -> torch.Tensor:
+        """``forward_paged``'s body in exact mode: every row through ``DecoderStack.forward_exact``
+        over an ``exact.ExactPlan`` (rows in the caller's order). ``pool`` has per-layer ``k``/``v``."""
+        plan = exact.ExactPlan(segments, self.device)
+        first = self.stack.layers[0]
+        call = plan.call(pool.k[first.index], self.query_groups * self.num_kv_heads, first.scaling)
+        input_ids = torch.tensor([plan.ids], device=self.device)
+        positions = torch.tensor([plan.positions], device=self.device)
+        last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
+        return self.stack.forward_exact(input_ids, positions, plan.write_index, pool.k, pool.v, call, last)[0].float()
+
+    def _exact_buffer(self, ids: Sequence[int], kv: RequestKV, every_position: bool) -> torch.Tensor:
+        """``forward``'s work in exact mode: ``ids`` after the ``kv.length`` tokens in the scratch
+        buffer ``kv``, whose slots are its positions; the same kernels as the pool's forwards, so a
+        buffer's logits equal the pool's bit for bit. Every position's logits (``[len(ids), vocab]``),
+        or the last one's (``[1, vocab]``)."""
+        start, n = kv.length, len(ids)
+        kv.ensure_capacity(start + n)
+        buffer = _BufferLayers([kv.k[i] for i in range(kv.k.shape[0])], [kv.v[i] for i in range(kv.v.shape[0])])
+        segment = PagedSegment(list(ids), start, range(start + n), runs=[(0, 0, start + n)])
+        logits = self._exact_paged(buffer, [segment], every_position)
+        kv.prefill_from(start + n)
+        return logits
 
     def _paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
                stack: DecoderStack | None) -> torch.Tensor:
@@ -338,9 +419,13 @@ class ModelRunner:
 
         self.synchronize()
         t0 = time.perf_counter()
-        release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
-        out = self._model(DynamicCache(), input_ids=torch.tensor([list(ids)], device=self.device), logits_to_keep=1)
-        logits = out.logits[0, -1].float()
+        if self.runs_exact:  # the same kernels as the reuse side: both sides' logits compare bit for bit
+            logits = self._exact_buffer(ids, self.new_request_kv(len(ids)), every_position=False)[-1]
+        else:
+            release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
+            out = self._model(DynamicCache(), input_ids=torch.tensor([list(ids)], device=self.device),
+                              logits_to_keep=1)
+            logits = out.logits[0, -1].float()
         self.synchronize()
         return logits, (time.perf_counter() - t0) * 1000
 
@@ -369,6 +454,10 @@ class ModelRunner:
     @property
     def forward_kind(self) -> str:
         """What runs the scheduler's forward, in words (for the engine info)."""
+        if getattr(self, "exact", False) and self.runs_exact:
+            return ("exact: every row, whatever its batch, through the decoder's layers in fused C calls, our "
+                    "attention in blocks fixed by position and our final norm and head, so a row's logits do not "
+                    "depend on its batch, its chunk or the cache, bit for bit (RADIX_EXACT=0 for the faster paths)")
         if self.stack is not None and self.stack.fused is not None:
             return ("decoder stack: the model's layers called directly, decode steps of up to "
                     f"{self.stack.fused.max_rows} rows in two fused C calls a layer, all layers in one C call when "

@@ -73,6 +73,7 @@ def test_the_runner_takes_its_backend_once_at_start(tokenizer, monkeypatch):
     from tests.conftest import make_tiny_runner
 
     monkeypatch.setenv(BACKEND_ENV, "math_chunked")
+    monkeypatch.setenv("RADIX_EXACT", "0")  # the backends serve the fast paths (issue 44: exact mode has its own)
     runner = make_tiny_runner(tokenizer)
     try:
         assert isinstance(runner.attention, MathChunkedBackend)
@@ -146,6 +147,7 @@ def test_the_whole_forward_with_a_tiny_workspace_equals_the_cpu_kernel(tiny_runn
     """``forward_paged`` on the math backend with blocks of a few rows and keys: logits equal
     the default backend's to 1e-5 (fp32), over a shared prefix, chunks and decodes."""
     runner = tiny_runner
+    monkeypatch.setattr(runner, "exact", False)  # the backends serve the fast paths
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(10, 1000, (48,), generator=gen).tolist()
     seqs = [shared + torch.randint(10, 1000, (5 + 9 * i,), generator=gen).tolist() for i in range(3)]
@@ -269,6 +271,7 @@ class OutOfMemoryOnce(CpuSdpaBackend):
 def test_out_of_memory_in_attention_fails_the_forward_clearly_and_leaves_the_cache_as_it_was(tiny_runner,
                                                                                                 monkeypatch):
     runner = tiny_runner
+    monkeypatch.setattr(runner, "exact", False)  # the backends serve the fast paths
     pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
                   200 * runner.kv_bytes_per_token)
     gen = torch.Generator().manual_seed(4)

@@ -78,6 +78,7 @@ class DecodeKernel:
         lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
+        self.lib = lib  # the exact attention too (engine.model.attention.exact)
 
     def many_rows_for(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether calls of this dtype and head size can take a many-rows path (bf16: AMX or

@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_ROWS 8
@@ -876,4 +877,213 @@ int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *
     return radix_attention(q, c->q_hs, c->q_rs, c->q_ts, k, c->k_sh, c->k_sl, v, c->v_sh, c->v_sl, c->keys, c->rows,
                            c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, (int)c->bf16, out, c->o_hs,
                            c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads, 0);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Exact attention (issue 44): a token's result depends on its queries and its keys alone.
+ *
+ * Every path above is fast for its case, and each reduces in its own order: pieces cut where a
+ * run of the pool starts, a shared prefix merged apart from the rest, AMX rounding the weights to
+ * bf16. So a token's bits depended on its batch, on where the cache ended and on its chunk. Here
+ * one order serves every case: token t at position p attends over keys 0..p in blocks of
+ * EXACT_BLOCK keys fixed by absolute position ([0, 256), [256, 512), ...; the last one ends at
+ * p), each block reduced in key order (scores, their maximum, the weights, their sum in 16 lanes
+ * by key index, the weighted values per dimension in key order), the blocks merged into a running
+ * state in block order. Nothing depends on which slots hold the keys, on the other tokens of the
+ * call, on the thread that runs it or on the thread count, so a decode row alone, the same row
+ * among sixteen, and the same position inside a prefill chunk over a cached prefix or from
+ * nothing give the same bits.
+ *
+ * Sharing: a work item is one KV head of a chunk of up to EXACT_MAX_CHUNK consecutive tokens,
+ * block by block, so tokens of a chunk that share a prefix read each of its blocks once from
+ * memory and again from cache (a prefill chunk's tokens, or decode rows behind one prompt).
+ *
+ * The context (radix_exact): q and out are [ntok][H*G*D] (query head h*G + i reads KV head h,
+ * as transformers lays them out), q in the pool's dtype, out float32; k and v one pool layer
+ * [H][slots][D]. tok[t] = (position p, first run, end run): token t's runs, in position order,
+ * are runs[first..end) = (first position, first slot, length), covering positions 0..p at least.
+ * chunks[0..nchunks] are token boundaries. Returns 0, or a code (radix_exact_why). */
+#define EXACT_BLOCK 256
+#define EXACT_MAX_G 16
+#define EXACT_MAX_CHUNK 16
+
+typedef struct {
+    int64_t H, G, D, slots, ntok;
+    const int64_t *tok;
+    const int64_t *runs;
+    int64_t nruns;
+    const int64_t *chunks;
+    int64_t nchunks;
+    double scale;
+    int64_t bf16, threads;
+} radix_exact;
+
+const char *radix_exact_why(int code) {
+    switch (code) {
+    case 0: return "";
+    case 2: return "a head size that is not a multiple of 16 up to 256, or no heads";
+    case 3: return "more than 16 query heads per KV head";
+    case 4: return "a token whose runs do not cover its positions from 0, or a slot outside the pool";
+    case 5: return "a chunk of tokens empty, out of order or longer than 16";
+    case 6: return "out of memory for the per-thread state";
+    default: return "an unknown refusal";
+    }
+}
+
+static int exact_check(const radix_exact *c) {
+    if (c->D % 16 || c->D > MAX_D || c->D < 16 || c->H < 1 || c->ntok < 1 || c->threads < 1)
+        return 2;
+    if (c->G < 1 || c->G > EXACT_MAX_G)
+        return 3;
+    for (int64_t t = 0; t < c->ntok; t++) {
+        const int64_t p = c->tok[3 * t], r0 = c->tok[3 * t + 1], r1 = c->tok[3 * t + 2];
+        if (p < 0 || r0 < 0 || r1 > c->nruns || r0 >= r1)
+            return 4;
+        int64_t at = 0;
+        for (int64_t r = r0; r < r1 && at <= p; r++) {
+            const int64_t *run = c->runs + 3 * r;
+            if (run[0] != at || run[2] < 1 || run[1] < 0 || run[1] + run[2] > c->slots)
+                return 4;
+            at += run[2];
+        }
+        if (at <= p)
+            return 4;
+    }
+    if (c->nchunks < 1 || c->chunks[0] != 0 || c->chunks[c->nchunks] != c->ntok)
+        return 5;
+    for (int64_t i = 0; i < c->nchunks; i++) {
+        const int64_t n = c->chunks[i + 1] - c->chunks[i];
+        if (n < 1 || n > EXACT_MAX_CHUNK)
+            return 5;
+    }
+    return 0;
+}
+
+/* The G rows qt[i*D..] over n keys (key rows at kp[j], value rows at vp[j]): the block's maximum
+ * score bm[i], its sum of weights bs[i] and its weighted values ba[i*D..] (weights relative to bm). */
+static void exact_block(const char *qt, const char *const *kp, const char *const *vp, int n, int G, int D,
+                        float scale, int bf16, int esz, float (*sc)[EXACT_BLOCK], float *bm, float *bs, float *ba) {
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < G; i++) {
+            vf acc = vf_zero();
+            for (int d0 = 0; d0 < D; d0 += 16)
+                acc = vf_fmadd(load16(qt + ((int64_t)i * D + d0) * esz, bf16), load16(kp[j] + (int64_t)d0 * esz, bf16),
+                               acc);
+            sc[i][j] = vf_sum(acc) * scale;
+        }
+    const int npad = (n + 15) / 16 * 16;
+    for (int i = 0; i < G; i++) {
+        for (int j = n; j < npad; j++)
+            sc[i][j] = 0.0f;
+        float m = sc[i][0];
+        for (int j = 1; j < n; j++)
+            m = sc[i][j] > m ? sc[i][j] : m;
+        const vf mv = vf_set1(m);
+        vf s = vf_zero();
+        for (int j0 = 0; j0 < npad; j0 += 16) {
+            const int left = n - j0 < 16 ? n - j0 : 16;
+            const vf w = vf_first(exp16(vf_sub(vf_load(sc[i] + j0), mv)), left);
+            vf_store(sc[i] + j0, w);
+            s = vf_add(s, w);
+        }
+        bm[i] = m;
+        bs[i] = vf_sum(s);
+    }
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        vf acc[EXACT_MAX_G];
+        for (int i = 0; i < G; i++)
+            acc[i] = vf_zero();
+        for (int j = 0; j < n; j++) {
+            const vf vj = load16(vp[j] + (int64_t)d0 * esz, bf16);
+            for (int i = 0; i < G; i++)
+                acc[i] = vf_fmadd(vf_set1(sc[i][j]), vj, acc[i]);
+        }
+        for (int i = 0; i < G; i++)
+            vf_store(ba + (int64_t)i * D + d0, acc[i]);
+    }
+}
+
+/* The running state (m, s, a) of one row merged with a block's (bm, bs, ba): the one place the
+ * blocks meet, the same arithmetic for every token and every block after the first. */
+static void exact_merge(float *m, float *s, float *a, float bm, float bs, const float *ba, int D) {
+    const float top = bm > *m ? bm : *m;
+    const float e1 = expf(*m - top), e2 = expf(bm - top);
+    const vf v1 = vf_set1(e1), v2 = vf_set1(e2);
+    *s = *s * e1 + bs * e2;
+    *m = top;
+    for (int d0 = 0; d0 < D; d0 += 16)
+        vf_store(a + d0, vf_add(vf_mul(vf_load(a + d0), v1), vf_mul(vf_load(ba + d0), v2)));
+}
+
+int radix_exact_attention(const radix_exact *c, const void *q, const void *k, const void *v, float *out) {
+    const int code = exact_check(c);
+    if (code)
+        return code;
+    const int G = (int)c->G, D = (int)c->D, bf16 = (int)c->bf16, esz = bf16 ? 2 : 4;
+    const int64_t H = c->H, row = H * G * D;
+    const float scale = (float)c->scale;
+    int failed = 0;
+#pragma omp parallel num_threads((int)c->threads)
+    {
+        /* per thread: the chunk's states (m, s, a per token and row), one block's, the scores, key pointers */
+        const int64_t per = (int64_t)G * (D + 2);
+        float *state = malloc(sizeof(float) * (EXACT_MAX_CHUNK * per + per) + sizeof(float) * EXACT_MAX_G * EXACT_BLOCK +
+                              2 * sizeof(char *) * EXACT_BLOCK + 64);
+        if (!state) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *blk = state + EXACT_MAX_CHUNK * per;
+            float (*sc)[EXACT_BLOCK] = (float (*)[EXACT_BLOCK])(blk + per);
+            const char **kp = (const char **)(sc + EXACT_MAX_G), **vp = kp + EXACT_BLOCK;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < H * c->nchunks; item++) {
+                const int64_t h = item % H, ch = item / H, t0 = c->chunks[ch], t1 = c->chunks[ch + 1];
+                const char *kh = (const char *)k + h * c->slots * D * esz, *vh = (const char *)v + h * c->slots * D * esz;
+                int64_t last = 0;
+                for (int64_t t = t0; t < t1; t++)
+                    last = c->tok[3 * t] > last ? c->tok[3 * t] : last;
+                for (int64_t b = 0; b * EXACT_BLOCK <= last; b++) {
+                    const int64_t a0 = b * EXACT_BLOCK;
+                    for (int64_t t = t0; t < t1; t++) {
+                        const int64_t p = c->tok[3 * t];
+                        if (p < a0)
+                            continue;
+                        const int n = (int)(p + 1 - a0 < EXACT_BLOCK ? p + 1 - a0 : EXACT_BLOCK);
+                        int64_t r = c->tok[3 * t + 1];
+                        for (int j = 0; j < n; j++) { /* key a0 + j: its run, then its slot */
+                            while (c->runs[3 * r] + c->runs[3 * r + 2] <= a0 + j)
+                                r++;
+                            const int64_t slot = c->runs[3 * r + 1] + (a0 + j - c->runs[3 * r]);
+                            kp[j] = kh + slot * D * esz;
+                            vp[j] = vh + slot * D * esz;
+                        }
+                        const char *qt = (const char *)q + (t * row + h * G * D) * esz;
+                        float *st = state + (t - t0) * per, *bm = blk, *bs = blk + G, *ba = blk + 2 * G;
+                        float *sm = st, *ss = st + G, *sa = st + 2 * G;
+                        if (b == 0) {
+                            exact_block(qt, kp, vp, n, G, D, scale, bf16, esz, sc, sm, ss, sa);
+                            continue;
+                        }
+                        exact_block(qt, kp, vp, n, G, D, scale, bf16, esz, sc, bm, bs, ba);
+                        for (int i = 0; i < G; i++)
+                            exact_merge(sm + i, ss + i, sa + (int64_t)i * D, bm[i], bs[i], ba + (int64_t)i * D, D);
+                    }
+                }
+                for (int64_t t = t0; t < t1; t++) {
+                    const float *st = state + (t - t0) * per;
+                    for (int i = 0; i < G; i++) {
+                        const vf inv = vf_set1(1.0f / st[G + i]);
+                        float *dst = out + t * row + (h * G + i) * D;
+                        for (int d0 = 0; d0 < D; d0 += 16)
+                            vf_store(dst + d0, vf_mul(vf_load(st + 2 * G + (int64_t)i * D + d0), inv));
+                    }
+                }
+            }
+        }
+        free(state);
+    }
+    return failed ? 6 : 0;
 }

@@ -1,0 +1,118 @@
+"""Exact attention: a token's result depends on its queries and its keys, nothing else (issue 44).
+
+Owns: ``ExactPlan``, one packed forward's tokens in the form ``radix_exact_attention``
+(``native/decode_attention.c``) takes (each token's position and the runs of the pool that hold
+its keys), and ``ExactCall``, that kernel's call for every layer of the forward, from C (the
+fused layers call it between their two halves, ``engine.model.fused_decode``) or from Python.
+Knows nothing of the tree or the scheduler.
+
+Why: the paged plan (``engine.model.paged_attention``) is built for speed, and each of its
+paths reduces in an order of its own (a shared prefix read apart and merged, pieces cut where a
+run of the pool starts, the flash kernel's blocks for a prefill chunk), so a token's bits hung on
+its batch, on where the cache ended and on its chunk. Here every token at position ``p`` reduces
+over keys ``0..p`` in blocks fixed by absolute position, merged in order (the C file says how);
+a decode row alone or among sixteen, a position inside a prefill chunk over a cached prefix or
+from nothing, and KV loaded from the second tier all give the same bits. Tokens go in the
+caller's order (no regrouping, so logits need no permutation back), in chunks of
+``CHUNK_TOKENS`` consecutive tokens that read a shared block once between them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from engine.model.attention import native
+
+BLOCK = 256  # decode_attention.c's EXACT_BLOCK: keys per block, by absolute position
+MAX_GROUP = 16  # its EXACT_MAX_G: query heads per KV head
+CHUNK_TOKENS = 8  # tokens per work item (at most its EXACT_MAX_CHUNK, 16)
+
+
+class _ExactStruct(ctypes.Structure):
+    """``radix_exact`` in ``decode_attention.c``."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in ("H", "G", "D", "slots", "ntok")]
+                + [("tok", ctypes.c_void_p), ("runs", ctypes.c_void_p), ("nruns", ctypes.c_int64),
+                   ("chunks", ctypes.c_void_p), ("nchunks", ctypes.c_int64), ("scale", ctypes.c_double),
+                   ("bf16", ctypes.c_int64), ("threads", ctypes.c_int64)])
+
+
+class ExactCall:
+    """The exact attention of one forward's tokens for every layer whose pool layers are shaped
+    like the one it was made for: ``fn``/``ctx`` for C (``radix_layers``' attend), ``attend`` for
+    Python. Holds every buffer its struct points at."""
+
+    def __init__(self, lib: ctypes.CDLL, struct: _ExactStruct, keep: tuple) -> None:
+        self._lib, self.struct, self._keep = lib, struct, keep
+        self.fn = ctypes.cast(lib.radix_exact_attention, ctypes.c_void_p).value
+        self.ctx = ctypes.addressof(struct)
+        self._run = lib.radix_exact_attention
+        self._run.argtypes = [ctypes.c_void_p] * 5
+        self._run.restype = ctypes.c_int
+        lib.radix_exact_why.argtypes = [ctypes.c_int]
+        lib.radix_exact_why.restype = ctypes.c_char_p
+
+    def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+        """``q [T, Hq * D]`` (contiguous, the pool's dtype; query head ``h * G + i`` reads KV head
+        ``h``) over the pool layer ``k_layer``/``v_layer`` ``[H, S, D]``: ``[T, Hq * D]`` float32."""
+        s = self.struct
+        if (q.shape != (s.ntok, s.H * s.G * s.D) or not q.is_contiguous() or k_layer.shape != (s.H, s.slots, s.D)
+                or v_layer.shape != k_layer.shape or not (k_layer.is_contiguous() and v_layer.is_contiguous())
+                or not q.dtype == k_layer.dtype == v_layer.dtype):
+            raise ValueError(f"the exact attention kernel takes [{s.ntok}, {s.H * s.G * s.D}] queries over "
+                             f"[{s.H}, {s.slots}, {s.D}] pool layers of one dtype")
+        out = torch.empty((s.ntok, s.H * s.G * s.D), dtype=torch.float32)
+        rc = self._run(self.ctx, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"the exact attention kernel refused: {self._lib.radix_exact_why(rc).decode()}")
+        return out
+
+
+class ExactPlan:
+    """What one exact forward needs, built once before the layers run: the pack's token ids,
+    positions and the slots their KV goes to (in the caller's order: ``order`` is the identity),
+    and each token's runs of the pool. ``segments`` are ``PagedSegment``s."""
+
+    def __init__(self, segments: Sequence, device: torch.device) -> None:
+        from engine.kvcache.kv_pool import contiguous_runs
+
+        self.device = device
+        self.order = list(range(len(segments)))
+        self.lens = [len(s.ids) for s in segments]
+        self.ids = [t for s in segments for t in s.ids]
+        self.positions = [p for s in segments for p in range(s.past, s.past + len(s.ids))]
+        self.write_index = torch.tensor([slot for s in segments for slot in s.slots[s.past:s.past + len(s.ids)]],
+                                        dtype=torch.long, device=device)
+        self.total = len(self.ids)
+        tok, runs = [], []
+        for s in segments:
+            own = s.runs if s.runs is not None else contiguous_runs(s.slots[: s.past + len(s.ids)])
+            first = len(runs)
+            runs += [tuple(r) for r in own]
+            tok += [(p, first, len(runs)) for p in range(s.past, s.past + len(s.ids))]
+        self.tok = torch.tensor(tok, dtype=torch.int64).reshape(-1, 3)
+        self.runs = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
+        self.chunks = torch.tensor(list(range(0, self.total, CHUNK_TOKENS)) + [self.total], dtype=torch.int64)
+
+    def call(self, k_layer: torch.Tensor, q_heads: int, scale: float) -> ExactCall:
+        """The exact attention of this plan's tokens for pool layers shaped like ``k_layer``
+        ``[H, S, D]`` (float32 or bfloat16), ``q_heads`` query heads, scale ``scale``."""
+        kernel = native.kernel()
+        if kernel is None:
+            raise ValueError(f"the exact attention kernel is not available: {native.why()}")
+        h, slots, d = k_layer.shape
+        s = _ExactStruct(H=h, G=q_heads // h, D=d, slots=slots, ntok=self.total, tok=self.tok.data_ptr(),
+                         runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=self.chunks.data_ptr(),
+                         nchunks=self.chunks.shape[0] - 1, scale=scale, bf16=int(k_layer.dtype == torch.bfloat16),
+                         threads=torch.get_num_threads())
+        return ExactCall(kernel.lib, s, (self.tok, self.runs, self.chunks))
+
+
+def takes(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the exact kernel takes a model of these sizes in this dtype (and has built)."""
+    return (dtype in (torch.float32, torch.bfloat16) and kv_heads > 0 and q_heads % kv_heads == 0
+            and q_heads // kv_heads <= MAX_GROUP and head_dim % 16 == 0 and 16 <= head_dim <= native.MAX_HEAD_DIM
+            and native.kernel() is not None)
