@@ -14,7 +14,7 @@ over keys ``0..p`` in blocks fixed by absolute position, merged in order (the C 
 a decode row alone or among sixteen, a position inside a prefill chunk over a cached prefix or
 from nothing, and KV loaded from the second tier all give the same bits. Tokens go in the
 caller's order (no regrouping, so logits need no permutation back), in chunks of
-``CHUNK_TOKENS`` consecutive tokens that read a shared block once between them.
+chunks of consecutive tokens (up to ``MAX_ROWS`` query rows) that read a shared block once between them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine.model.attention import native
 
 BLOCK = 256  # decode_attention.c's EXACT_BLOCK: keys per block, by absolute position
 MAX_GROUP = 16  # its EXACT_MAX_G: query heads per KV head
-CHUNK_TOKENS = 8  # tokens per work item (at most its EXACT_MAX_CHUNK, 16)
+MAX_CHUNK_TOKENS, MAX_ROWS = 16, 64  # its EXACT_MAX_CHUNK (tokens per work item) and EXACT_ROWS (their query rows)
 
 
 class _ExactStruct(ctypes.Structure):
@@ -37,7 +37,8 @@ class _ExactStruct(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("H", "G", "D", "slots", "ntok")]
                 + [("tok", ctypes.c_void_p), ("runs", ctypes.c_void_p), ("nruns", ctypes.c_int64),
                    ("chunks", ctypes.c_void_p), ("nchunks", ctypes.c_int64), ("scale", ctypes.c_double),
-                   ("bf16", ctypes.c_int64), ("threads", ctypes.c_int64)])
+                   ("bf16", ctypes.c_int64), ("threads", ctypes.c_int64), ("k_now", ctypes.c_void_p),
+                   ("v_now", ctypes.c_void_p)])
 
 
 class ExactCall:
@@ -95,7 +96,6 @@ class ExactPlan:
             tok += [(p, first, len(runs)) for p in range(s.past, s.past + len(s.ids))]
         self.tok = torch.tensor(tok, dtype=torch.int64).reshape(-1, 3)
         self.runs = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
-        self.chunks = torch.tensor(list(range(0, self.total, CHUNK_TOKENS)) + [self.total], dtype=torch.int64)
 
     def call(self, k_layer: torch.Tensor, q_heads: int, scale: float) -> ExactCall:
         """The exact attention of this plan's tokens for pool layers shaped like ``k_layer``
@@ -104,11 +104,13 @@ class ExactPlan:
         if kernel is None:
             raise ValueError(f"the exact attention kernel is not available: {native.why()}")
         h, slots, d = k_layer.shape
+        per = max(1, min(MAX_CHUNK_TOKENS, MAX_ROWS // (q_heads // h)))
+        chunks = torch.tensor(list(range(0, self.total, per)) + [self.total], dtype=torch.int64)
         s = _ExactStruct(H=h, G=q_heads // h, D=d, slots=slots, ntok=self.total, tok=self.tok.data_ptr(),
-                         runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=self.chunks.data_ptr(),
-                         nchunks=self.chunks.shape[0] - 1, scale=scale, bf16=int(k_layer.dtype == torch.bfloat16),
+                         runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=chunks.data_ptr(),
+                         nchunks=chunks.shape[0] - 1, scale=scale, bf16=int(k_layer.dtype == torch.bfloat16),
                          threads=torch.get_num_threads())
-        return ExactCall(kernel.lib, s, (self.tok, self.runs, self.chunks))
+        return ExactCall(kernel.lib, s, (self.tok, self.runs, chunks))
 
 
 def takes(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -887,16 +887,19 @@ int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *
  * bf16. So a token's bits depended on its batch, on where the cache ended and on its chunk. Here
  * one order serves every case: token t at position p attends over keys 0..p in blocks of
  * EXACT_BLOCK keys fixed by absolute position ([0, 256), [256, 512), ...; the last one ends at
- * p), each block reduced in key order (scores, their maximum, the weights, their sum in 16 lanes
- * by key index, the weighted values per dimension in key order), the blocks merged into a running
- * state in block order. Nothing depends on which slots hold the keys, on the other tokens of the
- * call, on the thread that runs it or on the thread count, so a decode row alone, the same row
- * among sixteen, and the same position inside a prefill chunk over a cached prefix or from
- * nothing give the same bits.
+ * p), and the blocks merge into a running state in block order. Within a block each score is one
+ * chain of FMAs down the head's dimensions in order (query rows side by side in the lanes, as
+ * chunk_fp lays them), scaled; the block's maximum; the weights exp(score - maximum) summed in key
+ * order; each output dimension the weighted values summed in key order. Nothing depends on which
+ * slots hold the keys, on the other rows computed beside a row, on the thread or the thread count,
+ * so a decode row alone, the same row among sixteen, and the same position inside a prefill chunk
+ * over a cached prefix or from nothing give the same bits.
  *
- * Sharing: a work item is one KV head of a chunk of up to EXACT_MAX_CHUNK consecutive tokens,
- * block by block, so tokens of a chunk that share a prefix read each of its blocks once from
- * memory and again from cache (a prefill chunk's tokens, or decode rows behind one prompt).
+ * Sharing: a work item is one KV head of a chunk of up to EXACT_MAX_CHUNK consecutive tokens. Per
+ * block, tokens whose keys there lie in the same slots (a prefill chunk's tokens, decode rows
+ * behind one prompt) are computed together, up to EXACT_ROWS query rows: each key's row is read
+ * once for all of them. A token whose block ends earlier (the diagonal of a prefill chunk) joins
+ * its neighbours with its own key count: its scores past it are never used, its sums stop there.
  *
  * The context (radix_exact): q and out are [ntok][H*G*D] (query head h*G + i reads KV head h,
  * as transformers lays them out), q in the pool's dtype, out float32; k and v one pool layer
@@ -906,6 +909,7 @@ int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *
 #define EXACT_BLOCK 256
 #define EXACT_MAX_G 16
 #define EXACT_MAX_CHUNK 16
+#define EXACT_ROWS 64 /* query rows computed together over a block (four groups of 16 lanes) */
 
 typedef struct {
     int64_t H, G, D, slots, ntok;
@@ -916,6 +920,7 @@ typedef struct {
     int64_t nchunks;
     double scale;
     int64_t bf16, threads;
+    const void *k_now, *v_now; /* the layer's keys and values, set per call (not read from the caller) */
 } radix_exact;
 
 const char *radix_exact_why(int code) {
@@ -924,7 +929,7 @@ const char *radix_exact_why(int code) {
     case 2: return "a head size that is not a multiple of 16 up to 256, or no heads";
     case 3: return "more than 16 query heads per KV head";
     case 4: return "a token whose runs do not cover its positions from 0, or a slot outside the pool";
-    case 5: return "a chunk of tokens empty, out of order or longer than 16";
+    case 5: return "a chunk of tokens empty, out of order or longer than 16, or of more than 64 query rows";
     case 6: return "out of memory for the per-thread state";
     default: return "an unknown refusal";
     }
@@ -953,54 +958,181 @@ static int exact_check(const radix_exact *c) {
         return 5;
     for (int64_t i = 0; i < c->nchunks; i++) {
         const int64_t n = c->chunks[i + 1] - c->chunks[i];
-        if (n < 1 || n > EXACT_MAX_CHUNK)
+        if (n < 1 || n > EXACT_MAX_CHUNK || n * c->G > EXACT_ROWS)
             return 5;
     }
     return 0;
 }
 
-/* The G rows qt[i*D..] over n keys (key rows at kp[j], value rows at vp[j]): the block's maximum
- * score bm[i], its sum of weights bs[i] and its weighted values ba[i*D..] (weights relative to bm). */
-static void exact_block(const char *qt, const char *const *kp, const char *const *vp, int n, int G, int D,
-                        float scale, int bf16, int esz, float (*sc)[EXACT_BLOCK], float *bm, float *bs, float *ba) {
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < G; i++) {
-            vf acc = vf_zero();
-            for (int d0 = 0; d0 < D; d0 += 16)
-                acc = vf_fmadd(load16(qt + ((int64_t)i * D + d0) * esz, bf16), load16(kp[j] + (int64_t)d0 * esz, bf16),
-                               acc);
-            sc[i][j] = vf_sum(acc) * scale;
+/* One thread's scratch for the exact kernel. */
+typedef struct {
+    float qt[MAX_D * EXACT_ROWS];        /* the group's queries, transposed: [D][rpad] */
+    float sc[EXACT_BLOCK * EXACT_ROWS];  /* scores, then weights: [key][rpad] */
+    float bm[EXACT_ROWS], bs[EXACT_ROWS];
+    float ba[EXACT_ROWS * MAX_D];        /* the block's weighted values per row */
+    int nr[EXACT_ROWS];                  /* each row's key count in the block */
+    const char *kp[EXACT_BLOCK], *vp[EXACT_BLOCK], *gk[EXACT_BLOCK], *gv[EXACT_BLOCK];
+    float state[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)];
+    float block[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)]; /* one block's partials, before the fold */
+} exact_scratch;
+
+/* Rows r0 .. r0+RB-1 of the weights (sc, [key][rpad]) times T blocks of 16 dims of the value rows from
+ * d0, to ba: keys below ``least`` (every row's count) with no test, then up to ``most`` each row to
+ * its own count; each sum in key order. RB and T constants at the calls that matter. */
+static inline __attribute__((always_inline)) void exact_values(exact_scratch *w, int rpad, int r0, const int RB,
+                                                               int least, int most, int d0, const int T, int D,
+                                                               int bf16, int esz) {
+    vf acc[4][4];
+    for (int i = 0; i < RB; i++)
+        for (int t = 0; t < T; t++)
+            acc[i][t] = vf_zero();
+    int j = 0;
+    for (; j < least; j++) {
+        vf vv[4];
+        for (int t = 0; t < T; t++)
+            vv[t] = load16(w->vp[j] + (int64_t)(d0 + 16 * t) * esz, bf16);
+        const float *p = w->sc + (int64_t)j * rpad + r0;
+        for (int i = 0; i < RB; i++) {
+            const vf pw = vf_set1(p[i]);
+            for (int t = 0; t < T; t++)
+                acc[i][t] = vf_fmadd(pw, vv[t], acc[i][t]);
         }
-    const int npad = (n + 15) / 16 * 16;
-    for (int i = 0; i < G; i++) {
-        for (int j = n; j < npad; j++)
-            sc[i][j] = 0.0f;
-        float m = sc[i][0];
-        for (int j = 1; j < n; j++)
-            m = sc[i][j] > m ? sc[i][j] : m;
-        const vf mv = vf_set1(m);
-        vf s = vf_zero();
-        for (int j0 = 0; j0 < npad; j0 += 16) {
-            const int left = n - j0 < 16 ? n - j0 : 16;
-            const vf w = vf_first(exp16(vf_sub(vf_load(sc[i] + j0), mv)), left);
-            vf_store(sc[i] + j0, w);
-            s = vf_add(s, w);
-        }
-        bm[i] = m;
-        bs[i] = vf_sum(s);
     }
-    for (int d0 = 0; d0 < D; d0 += 16) {
-        vf acc[EXACT_MAX_G];
-        for (int i = 0; i < G; i++)
-            acc[i] = vf_zero();
+    for (; j < most; j++) {
+        vf vv[4];
+        for (int t = 0; t < T; t++)
+            vv[t] = load16(w->vp[j] + (int64_t)(d0 + 16 * t) * esz, bf16);
+        const float *p = w->sc + (int64_t)j * rpad + r0;
+        for (int i = 0; i < RB; i++) {
+            if (j >= w->nr[r0 + i])
+                continue;
+            const vf pw = vf_set1(p[i]);
+            for (int t = 0; t < T; t++)
+                acc[i][t] = vf_fmadd(pw, vv[t], acc[i][t]);
+        }
+    }
+    for (int i = 0; i < RB; i++)
+        for (int t = 0; t < T; t++)
+            vf_store(w->ba + (int64_t)(r0 + i) * D + d0 + 16 * t, acc[i][t]);
+}
+
+/* R query rows (row r's D values at qr[r], the pool's dtype) over the first nr[r] of the n keys at
+ * kp/vp: each row's block maximum bm, sum of weights bs, and weighted values ba [R][D] (weights
+ * relative to its maximum). Every row's numbers are those it gets computed alone (top of section). */
+static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w, const char *const *qr, int R, int n,
+                                                               int D, float scale, int bf16) {
+    const int esz = bf16 ? 2 : 4, rpad = (R + 15) / 16 * 16, nb = rpad / 16;
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < rpad; r++)
+            w->qt[d * rpad + r] = r < R ? load1(qr[r], d, bf16) : 0.0f;
+    const vf vs = vf_set1(scale);
+    /* scores: lanes are rows, each a chain of FMAs over d in order; four keys a pass (each query
+     * vector loaded once for them), then one at a time: the same chain either way */
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        if (j + 12 <= n)
+            for (int kk = 8; kk < 12; kk++)
+                prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 0);
+        const char *k0 = w->kp[j], *k1 = w->kp[j + 1], *k2 = w->kp[j + 2], *k3 = w->kp[j + 3];
+        vf acc[4][EXACT_ROWS / 16];
+        for (int kk = 0; kk < 4; kk++)
+            for (int b = 0; b < nb; b++)
+                acc[kk][b] = vf_zero();
+        for (int d = 0; d < D; d++) {
+            const vf kb0 = vf_set1(load1(k0, d, bf16)), kb1 = vf_set1(load1(k1, d, bf16));
+            const vf kb2 = vf_set1(load1(k2, d, bf16)), kb3 = vf_set1(load1(k3, d, bf16));
+            for (int b = 0; b < nb; b++) {
+                const vf qv = vf_load(w->qt + d * rpad + 16 * b);
+                acc[0][b] = vf_fmadd(kb0, qv, acc[0][b]);
+                acc[1][b] = vf_fmadd(kb1, qv, acc[1][b]);
+                acc[2][b] = vf_fmadd(kb2, qv, acc[2][b]);
+                acc[3][b] = vf_fmadd(kb3, qv, acc[3][b]);
+            }
+        }
+        for (int kk = 0; kk < 4; kk++)
+            for (int b = 0; b < nb; b++)
+                vf_store(w->sc + (int64_t)(j + kk) * rpad + 16 * b, vf_mul(acc[kk][b], vs));
+    }
+    for (; j < n; j++) {
+        const char *kj = w->kp[j];
+        vf acc[EXACT_ROWS / 16];
+        for (int b = 0; b < nb; b++)
+            acc[b] = vf_zero();
+        for (int d = 0; d < D; d++) {
+            const vf kb = vf_set1(load1(kj, d, bf16));
+            for (int b = 0; b < nb; b++)
+                acc[b] = vf_fmadd(kb, vf_load(w->qt + d * rpad + 16 * b), acc[b]);
+        }
+        for (int b = 0; b < nb; b++)
+            vf_store(w->sc + (int64_t)j * rpad + 16 * b, vf_mul(acc[b], vs));
+    }
+    for (int r = 0; r < R; r++) /* a row's keys past its own count: out of its maximum */
+        for (int j = w->nr[r]; j < n; j++)
+            w->sc[(int64_t)j * rpad + r] = -INFINITY;
+    for (int b = 0; b < nb; b++) {
+        vf best = vf_set1(-INFINITY);
+        for (int j = 0; j < n; j++)
+            best = vf_max(vf_load(w->sc + (int64_t)j * rpad + 16 * b), best);
         for (int j = 0; j < n; j++) {
-            const vf vj = load16(vp[j] + (int64_t)d0 * esz, bf16);
-            for (int i = 0; i < G; i++)
-                acc[i] = vf_fmadd(vf_set1(sc[i][j]), vj, acc[i]);
+            float *at = w->sc + (int64_t)j * rpad + 16 * b;
+            vf_store(at, exp16(vf_sub(vf_load(at), best)));
         }
-        for (int i = 0; i < G; i++)
-            vf_store(ba + (int64_t)i * D + d0, acc[i]);
+        float top[16];
+        vf_store(top, best);
+        for (int i = 0; i < 16 && 16 * b + i < R; i++)
+            w->bm[16 * b + i] = top[i];
     }
+    for (int r = 0; r < R; r++) /* weights past a row's count: 0 (exp16 leaves e^-87) */
+        for (int j = w->nr[r]; j < n; j++)
+            w->sc[(int64_t)j * rpad + r] = 0.0f;
+    for (int b = 0; b < nb; b++) { /* each row's sum of weights, in key order (adding 0 past its count) */
+        vf total = vf_zero();
+        for (int j = 0; j < n; j++)
+            total = vf_add(total, vf_load(w->sc + (int64_t)j * rpad + 16 * b));
+        float sum[16];
+        vf_store(sum, total);
+        for (int i = 0; i < 16 && 16 * b + i < R; i++)
+            w->bs[16 * b + i] = sum[i];
+    }
+    /* weighted values, four rows at a time (each value row read once for them): each dimension
+     * summed in key order, up to the row's own count (the keys all four rows reach without a test) */
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rb = R - r0 < 4 ? R - r0 : 4;
+        int most = 0, least = EXACT_BLOCK;
+        for (int i = 0; i < rb; i++) {
+            most = w->nr[r0 + i] > most ? w->nr[r0 + i] : most;
+            least = w->nr[r0 + i] < least ? w->nr[r0 + i] : least;
+        }
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int T = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+            if (rb == 4 && T == 4)
+                exact_values(w, rpad, r0, 4, least, most, d0, 4, D, bf16, esz);
+            else if (rb == 4)
+                exact_values(w, rpad, r0, 4, least, most, d0, T, D, bf16, esz);
+            else if (rb == 3 && T == 4)
+                exact_values(w, rpad, r0, 3, least, most, d0, 4, D, bf16, esz);
+            else if (rb == 2 && T == 4)
+                exact_values(w, rpad, r0, 2, least, most, d0, 4, D, bf16, esz);
+            else if (rb == 1 && T == 4)
+                exact_values(w, rpad, r0, 1, least, most, d0, 4, D, bf16, esz);
+            else
+                exact_values(w, rpad, r0, rb, least, most, d0, T, D, bf16, esz);
+        }
+    }
+}
+
+/* exact_rows_d with the head size and dtype constants for the common sizes (the same operations) */
+static void exact_rows(exact_scratch *w, const char *const *qr, int R, int n, int D, float scale, int bf16) {
+    if (D == 64 && !bf16)
+        exact_rows_d(w, qr, R, n, 64, scale, 0);
+    else if (D == 64)
+        exact_rows_d(w, qr, R, n, 64, scale, 1);
+    else if (D == 128 && !bf16)
+        exact_rows_d(w, qr, R, n, 128, scale, 0);
+    else if (D == 128)
+        exact_rows_d(w, qr, R, n, 128, scale, 1);
+    else
+        exact_rows_d(w, qr, R, n, D, scale, bf16);
 }
 
 /* The running state (m, s, a) of one row merged with a block's (bm, bs, ba): the one place the
@@ -1015,75 +1147,219 @@ static void exact_merge(float *m, float *s, float *a, float bm, float bs, const 
         vf_store(a + d0, vf_add(vf_mul(vf_load(a + d0), v1), vf_mul(vf_load(ba + d0), v2)));
 }
 
-int radix_exact_attention(const radix_exact *c, const void *q, const void *k, const void *v, float *out) {
-    const int code = exact_check(c);
+/* key pointers of token t's keys [a0, a0 + n) of head h's rows kh/vh, through its runs */
+static void exact_keys(const radix_exact *c, int64_t t, int64_t a0, int n, const char *kh, const char *vh, int esz,
+                       const char **kp, const char **vp) {
+    int64_t r = c->tok[3 * t + 1];
+    const int64_t row = c->D * esz;
+    for (int j = 0; j < n; j++) {
+        while (c->runs[3 * r] + c->runs[3 * r + 2] <= a0 + j)
+            r++;
+        const int64_t slot = c->runs[3 * r + 1] + (a0 + j - c->runs[3 * r]);
+        kp[j] = kh + slot * row;
+        vp[j] = vh + slot * row;
+    }
+}
+
+/* the slot of token t's key a0 where its keys [a0, a0 + n) lie in one run of the pool, else -1 */
+static int64_t exact_base(const radix_exact *c, int64_t t, int64_t a0, int n) {
+    for (int64_t r = c->tok[3 * t + 1]; r < c->tok[3 * t + 2]; r++) {
+        const int64_t *run = c->runs + 3 * r;
+        if (run[0] + run[2] > a0)
+            return run[0] + run[2] >= a0 + n ? run[1] + (a0 - run[0]) : -1;
+    }
+    return -1;
+}
+
+/* Block b (keys from a0 = b * EXACT_BLOCK) of the tokens [t0, t1) at KV head h: each token's partial
+ * (per query row i: its maximum at part[i], its sum at part[G + i], its weighted values at
+ * part[2G + i*D]; ``per`` floats a token, from part for token t0) for the tokens that reach a0;
+ * tokens whose keys there lie in the same slots computed together (section comment). */
+static void exact_chunk_block(const radix_exact *c, exact_scratch *w, const void *q, int64_t h, int64_t t0,
+                              int64_t t1, int64_t b, float *part) {
+    const int G = (int)c->G, D = (int)c->D, bf16 = (int)c->bf16, esz = bf16 ? 2 : 4;
+    const int64_t row = c->H * G * D, per = (int64_t)G * (D + 2), a0 = b * EXACT_BLOCK;
+    const char *kh = (const char *)c->k_now + h * c->slots * D * esz, *vh = (const char *)c->v_now + h * c->slots * D * esz;
+    int64_t members[EXACT_MAX_CHUNK];
+    /* the group: its tokens, its key count (the longest member's), and its keys: from slot gbase on
+     * where they lie in one run (the common case: no pointers built), else the pointers gk/gv */
+    int nm = 0, gn = 0;
+    int64_t gbase = -1;
+    const int64_t rowb = (int64_t)D * esz;
+    for (int64_t t = t0; t <= t1; t++) {
+        int n = 0, joins = 0;
+        int64_t base = -1;
+        if (t < t1) {
+            const int64_t p = c->tok[3 * t];
+            if (p < a0)
+                continue;
+            n = (int)(p + 1 - a0 < EXACT_BLOCK ? p + 1 - a0 : EXACT_BLOCK);
+            base = exact_base(c, t, a0, n);
+            if (nm > 0 && base >= 0 && gbase >= 0) {
+                joins = base == gbase;
+            } else if (nm > 0) { /* compare key by key */
+                exact_keys(c, t, a0, n, kh, vh, esz, w->kp, w->vp);
+                if (gbase >= 0)
+                    for (int j = 0; j < gn; j++) {
+                        w->gk[j] = kh + (gbase + j) * rowb;
+                        w->gv[j] = vh + (gbase + j) * rowb;
+                    }
+                const int common = n < gn ? n : gn;
+                joins = 1;
+                for (int j = 0; j < common && joins; j++)
+                    joins = w->kp[j] == w->gk[j] && w->vp[j] == w->gv[j];
+                if (joins)
+                    gbase = -1; /* the group's keys are the pointers from now on */
+            }
+        }
+        if (nm > 0 && !joins) { /* the group so far: its rows over its keys */
+            const char *qr[EXACT_ROWS];
+            for (int m = 0; m < nm; m++) {
+                const int64_t pt = c->tok[3 * members[m]];
+                for (int i = 0; i < G; i++) {
+                    qr[m * G + i] = (const char *)q + (members[m] * row + (h * G + i) * D) * esz;
+                    w->nr[m * G + i] = (int)(pt + 1 - a0 < EXACT_BLOCK ? pt + 1 - a0 : EXACT_BLOCK);
+                }
+            }
+            if (gbase >= 0)
+                for (int j = 0; j < gn; j++) {
+                    w->kp[j] = kh + (gbase + j) * rowb;
+                    w->vp[j] = vh + (gbase + j) * rowb;
+                }
+            else {
+                memcpy(w->kp, w->gk, sizeof(char *) * gn);
+                memcpy(w->vp, w->gv, sizeof(char *) * gn);
+            }
+            exact_rows(w, qr, nm * G, gn, D, (float)c->scale, bf16);
+            for (int m = 0; m < nm; m++) {
+                float *dst = part + (members[m] - t0) * per;
+                for (int i = 0; i < G; i++) {
+                    dst[i] = w->bm[m * G + i];
+                    dst[G + i] = w->bs[m * G + i];
+                    memcpy(dst + 2 * G + (int64_t)i * D, w->ba + (int64_t)(m * G + i) * D, sizeof(float) * D);
+                }
+            }
+            nm = gn = 0;
+            gbase = -1;
+        }
+        if (t == t1)
+            break;
+        if (nm == 0) { /* a new group */
+            gbase = base;
+            if (base < 0)
+                exact_keys(c, t, a0, n, kh, vh, esz, w->gk, w->gv);
+            gn = n;
+        } else if (gbase >= 0) { /* the same run */
+            gn = n > gn ? n : gn;
+        } else if (n > gn) { /* the token's pointers (in kp) past the group's */
+            memcpy(w->gk + gn, w->kp + gn, sizeof(char *) * (n - gn));
+            memcpy(w->gv + gn, w->vp + gn, sizeof(char *) * (n - gn));
+            gn = n;
+        }
+        members[nm++] = t;
+    }
+}
+
+/* token t's rows at head h: the running state st after block b's partial pt (the first block's is
+ * the state), then, after the last, the output */
+static void exact_fold(float *st, const float *pt, int64_t b, int G, int D) {
+    for (int i = 0; i < G; i++) {
+        if (b == 0) {
+            st[i] = pt[i];
+            st[G + i] = pt[G + i];
+            memcpy(st + 2 * G + (int64_t)i * D, pt + 2 * G + (int64_t)i * D, sizeof(float) * D);
+        } else {
+            exact_merge(st + i, st + G + i, st + 2 * G + (int64_t)i * D, pt[i], pt[G + i], pt + 2 * G + (int64_t)i * D, D);
+        }
+    }
+}
+
+static void exact_finish(const float *st, float *dst, int G, int D) {
+    for (int i = 0; i < G; i++) {
+        const vf inv = vf_set1(1.0f / st[G + i]);
+        for (int d0 = 0; d0 < D; d0 += 16)
+            vf_store(dst + (int64_t)i * D + d0, vf_mul(vf_load(st + 2 * G + (int64_t)i * D + d0), inv));
+    }
+}
+
+/* Few work items (one stream's decode row: a chunk per head): blocks are split across threads,
+ * their partials kept, and each token's folded in block order after (the same arithmetic as the
+ * running fold: the same bits). Many: a thread takes a chunk and folds as it goes. */
+int radix_exact_attention(const radix_exact *cc, const void *q, const void *k, const void *v, float *out) {
+    const int code = exact_check(cc);
     if (code)
         return code;
-    const int G = (int)c->G, D = (int)c->D, bf16 = (int)c->bf16, esz = bf16 ? 2 : 4;
-    const int64_t H = c->H, row = H * G * D;
-    const float scale = (float)c->scale;
+    radix_exact ctx = *cc;
+    ctx.k_now = k;
+    ctx.v_now = v;
+    const radix_exact *c = &ctx;
+    const int G = (int)c->G, D = (int)c->D;
+    const int64_t H = c->H, row = H * G * D, per = (int64_t)G * (D + 2);
+    const int threads = (int)c->threads;
+    int64_t nblk = 0;
+    for (int64_t t = 0; t < c->ntok; t++)
+        nblk = c->tok[3 * t] / EXACT_BLOCK + 1 > nblk ? c->tok[3 * t] / EXACT_BLOCK + 1 : nblk;
+    const int split = H * c->nchunks < 4 * threads && nblk > 1;
+    /* the split's partials: this thread's buffer, kept and grown (the one caller, the compute thread) */
+    static __thread float *parts = NULL;
+    static __thread size_t parts_cap = 0;
+    const size_t need = split ? (size_t)(H * c->nchunks * nblk * EXACT_MAX_CHUNK * per) : 0;
+    if (need > parts_cap) {
+        float *grown = realloc(parts, sizeof(float) * need);
+        if (!grown)
+            return 6;
+        parts = grown;
+        parts_cap = need;
+    }
+    float *const kept = parts; /* the pool threads see the caller's buffer, not their own (thread-local) */
     int failed = 0;
-#pragma omp parallel num_threads((int)c->threads)
+#pragma omp parallel num_threads(threads)
     {
-        /* per thread: the chunk's states (m, s, a per token and row), one block's, the scores, key pointers */
-        const int64_t per = (int64_t)G * (D + 2);
-        float *state = malloc(sizeof(float) * (EXACT_MAX_CHUNK * per + per) + sizeof(float) * EXACT_MAX_G * EXACT_BLOCK +
-                              2 * sizeof(char *) * EXACT_BLOCK + 64);
-        if (!state) {
+        /* each pool thread's scratch, allocated on its first call and kept (about 1 MB) */
+        static __thread exact_scratch *w = NULL;
+        if (!w)
+            w = aligned_alloc(64, (sizeof(exact_scratch) + 63) / 64 * 64);
+        if (!w) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
-            float *blk = state + EXACT_MAX_CHUNK * per;
-            float (*sc)[EXACT_BLOCK] = (float (*)[EXACT_BLOCK])(blk + per);
-            const char **kp = (const char **)(sc + EXACT_MAX_G), **vp = kp + EXACT_BLOCK;
+        if (!failed && split) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < H * c->nchunks * nblk; item++) {
+                const int64_t b = item % nblk, hc = item / nblk, h = hc % H, ch = hc / H;
+                exact_chunk_block(c, w, q, h, c->chunks[ch], c->chunks[ch + 1], b,
+                                  kept + item * EXACT_MAX_CHUNK * per);
+            }
+#pragma omp for schedule(static)
+            for (int64_t ht = 0; ht < H * c->ntok; ht++) {
+                const int64_t h = ht % H, t = ht / H;
+                int64_t ch = 0;
+                while (c->chunks[ch + 1] <= t)
+                    ch++;
+                float *st = w->state;
+                for (int64_t b = 0; b * EXACT_BLOCK <= c->tok[3 * t]; b++)
+                    exact_fold(st, kept + ((ch * H + h) * nblk + b) * EXACT_MAX_CHUNK * per +
+                                           (t - c->chunks[ch]) * per, b, G, D);
+                exact_finish(st, out + t * row + h * G * D, G, D);
+            }
+        } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < H * c->nchunks; item++) {
                 const int64_t h = item % H, ch = item / H, t0 = c->chunks[ch], t1 = c->chunks[ch + 1];
-                const char *kh = (const char *)k + h * c->slots * D * esz, *vh = (const char *)v + h * c->slots * D * esz;
                 int64_t last = 0;
                 for (int64_t t = t0; t < t1; t++)
                     last = c->tok[3 * t] > last ? c->tok[3 * t] : last;
                 for (int64_t b = 0; b * EXACT_BLOCK <= last; b++) {
-                    const int64_t a0 = b * EXACT_BLOCK;
-                    for (int64_t t = t0; t < t1; t++) {
-                        const int64_t p = c->tok[3 * t];
-                        if (p < a0)
-                            continue;
-                        const int n = (int)(p + 1 - a0 < EXACT_BLOCK ? p + 1 - a0 : EXACT_BLOCK);
-                        int64_t r = c->tok[3 * t + 1];
-                        for (int j = 0; j < n; j++) { /* key a0 + j: its run, then its slot */
-                            while (c->runs[3 * r] + c->runs[3 * r + 2] <= a0 + j)
-                                r++;
-                            const int64_t slot = c->runs[3 * r + 1] + (a0 + j - c->runs[3 * r]);
-                            kp[j] = kh + slot * D * esz;
-                            vp[j] = vh + slot * D * esz;
-                        }
-                        const char *qt = (const char *)q + (t * row + h * G * D) * esz;
-                        float *st = state + (t - t0) * per, *bm = blk, *bs = blk + G, *ba = blk + 2 * G;
-                        float *sm = st, *ss = st + G, *sa = st + 2 * G;
-                        if (b == 0) {
-                            exact_block(qt, kp, vp, n, G, D, scale, bf16, esz, sc, sm, ss, sa);
-                            continue;
-                        }
-                        exact_block(qt, kp, vp, n, G, D, scale, bf16, esz, sc, bm, bs, ba);
-                        for (int i = 0; i < G; i++)
-                            exact_merge(sm + i, ss + i, sa + (int64_t)i * D, bm[i], bs[i], ba + (int64_t)i * D, D);
-                    }
+                    exact_chunk_block(c, w, q, h, t0, t1, b, w->block);
+                    for (int64_t t = t0; t < t1; t++)
+                        if (c->tok[3 * t] >= b * EXACT_BLOCK)
+                            exact_fold(w->state + (t - t0) * per, w->block + (t - t0) * per, b, G, D);
                 }
-                for (int64_t t = t0; t < t1; t++) {
-                    const float *st = state + (t - t0) * per;
-                    for (int i = 0; i < G; i++) {
-                        const vf inv = vf_set1(1.0f / st[G + i]);
-                        float *dst = out + t * row + (h * G + i) * D;
-                        for (int d0 = 0; d0 < D; d0 += 16)
-                            vf_store(dst + d0, vf_mul(vf_load(st + 2 * G + (int64_t)i * D + d0), inv));
-                    }
-                }
+                for (int64_t t = t0; t < t1; t++)
+                    exact_finish(w->state + (t - t0) * per, out + t * row + h * G * D, G, D);
             }
         }
-        free(state);
     }
     return failed ? 6 : 0;
 }
