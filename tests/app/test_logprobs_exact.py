@@ -9,24 +9,15 @@ their logprobs (the chosen token's and the 5 likeliest), asked three ways:
   chunks packed with decode rows, several rows per forward);
 - **no reuse**: each with a fresh ``cache_salt`` (nothing cached to reuse).
 
-The answers' text, tokens and top-5 tokens must be identical in all three. Their logprobs are
-compared exactly where the engine is bit for bit today (``EXACT``) and within 1e-4 otherwise;
-the exact-equality expectation for the rest stands as strict xfails, so the gap stays visible
-until the kernels are invariant to batch shape and chunking (issue 44, items 1-2). Each run
-prints the largest difference it found. On the tiny random model (fast) and the embedded
-model (slow), both in float32.
+The answers' text, tokens and top-5 tokens must be identical in all three, and where the engine
+runs exact (``ModelRunner.runs_exact``: our C kernels on a CPU, the default) so must their
+logprobs, bit for bit, in float32 and bfloat16; where it does not (PyTorch's kernels), within 1e-4
+in float32. Each run prints the largest difference it found. On the tiny random model (fast) and
+the embedded model (slow).
 
-Measured (5 Dec 2026, 2-core Intel Xeon with AVX-512 and AMX, float32): nothing is bit for bit yet. Tiny model: 9-11 of
-192 tokens' logprobs differ, by one float32 step (9.5e-7), alone vs batched and alone vs no
-reuse alike. SmolLM2-135M: 167-178 of 192 differ; largest 1.7e-5 alone vs batched, 1.2e-5
-alone vs no reuse; text and tokens identical. The differences show at every position, not only
-the first token. The linears are row-invariant up to 128 rows (checked), but a forward of more
-rows goes to MKL's product, whose sums depend on its shape: a prompt prefilled packed beside
-other chunks, or in one chunk instead of a suffix after a reused prefix, gets KV that differs
-in the last bits, and every later token reads it (batched with no prefix shared and no reuse
-either way still differed by 1.9e-6 on the tiny model). bfloat16, not asserted here: tiny model
-7.8e-3 (one bf16 step), text identical; SmolLM2 10 of 12 answers identical batched and 8 of 12
-without reuse, the first token's logprob off by up to 0.08 and 0.11.
+Before the exact forward (5 Dec 2026, 2-core Xeon, float32), nothing was bit for bit: SmolLM2
+differed in 167-178 of 192 logprobs, by up to 1.7e-5; in bfloat16 10 of 12 answers were identical
+batched and 8 of 12 without reuse. With it (6 Dec, AMD EPYC Zen 4): 0.0 both ways, both dtypes.
 """
 
 from __future__ import annotations
@@ -51,13 +42,8 @@ QUESTIONS = ("When do you open on Saturday?", "Where is the reading room?", "How
 LONG_WORDS = ("archive", "catalogue", "periodical", "manuscript", "atlas", "folio", "index", "lending")
 NEW_TOKENS = 16
 TOP = 5
-TOLERANCE = 1e-4  # float32: what the engine guarantees today for logprobs (tokens and text: identical)
-# Comparisons that hold bit for bit today (measured; see the module docstring): none yet. Each
-# of the others has a strict xfail below stating the exact-equality expectation.
-EXACT: frozenset[str] = frozenset()
+TOLERANCE = 1e-4  # float32 on PyTorch's kernels (no exact forward): logprobs; tokens and text identical
 PAIRS = ("alone vs batched", "alone vs no reuse")
-NOT_YET = ("issue 44 items 1-2: the kernels' summation order depends on the forward's shape (past 128 rows the "
-           "linears go to MKL; the prompt's packing and chunking differ), so logprobs move in the last bits")
 
 
 @dataclass(frozen=True)
@@ -143,8 +129,6 @@ def check_runs(name: str, runs: Runs) -> None:
         assert [x.ids for x in a] == [y.ids for y in b], pair
         assert [x.top_tokens for x in a] == [y.top_tokens for y in b], pair
         assert found[pair] <= TOLERANCE, (pair, found[pair])
-        if pair in EXACT:
-            assert found[pair] == 0.0, (pair, found[pair])
 
 
 def check_exact(runs: Runs, pair: str) -> None:
@@ -169,10 +153,37 @@ def test_alone_batched_and_without_reuse_agree(tiny_runs):
     check_runs("tiny float32", tiny_runs)
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_YET)
-@pytest.mark.parametrize("pair", [p for p in PAIRS if p not in EXACT])
-def test_logprobs_are_bit_identical_alone_batched_and_without_reuse(tiny_runs, pair):
+def exact_or_skip(runner) -> None:
+    if not runner.runs_exact:
+        pytest.skip("the exact forward does not run here (no C compiler, or a CPU without AVX2)")
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_logprobs_are_bit_identical_alone_batched_and_without_reuse(tiny_runner, tiny_runs, pair):
+    exact_or_skip(tiny_runner)
     check_exact(tiny_runs, pair)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs_bf16(tiny_runner_bf16) -> Runs:
+    engine = Engine(tiny_runner_bf16, budget_bytes=128 * 2**20, max_new_tokens_cap=NEW_TOKENS)
+    try:
+        with launched_app(engine) as url:
+            runs = three_runs(engine, url, long_words=300)
+        wait_idle(engine)
+        assert_clean(engine)
+    finally:
+        engine.close()
+    return runs
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_bfloat16_logprobs_are_bit_identical_too(tiny_runner_bf16, tiny_runs_bf16, pair):
+    exact_or_skip(tiny_runner_bf16)
+    report("tiny bfloat16", tiny_runs_bf16)
+    a, b = tiny_runs_bf16.pairs()[pair]
+    assert [x.text for x in a] == [y.text for y in b] and [x.ids for x in a] == [y.ids for y in b]
+    check_exact(tiny_runs_bf16, pair)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +205,7 @@ def test_real_model_alone_batched_and_without_reuse_agree(real_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=NOT_YET)
-@pytest.mark.parametrize("pair", [p for p in PAIRS if p not in EXACT])
-def test_real_model_logprobs_are_bit_identical_alone_batched_and_without_reuse(real_runs, pair):
+@pytest.mark.parametrize("pair", PAIRS)
+def test_real_model_logprobs_are_bit_identical_alone_batched_and_without_reuse(real_runner, real_runs, pair):
+    exact_or_skip(real_runner)
     check_exact(real_runs, pair)
