@@ -3,6 +3,7 @@
     python -m tools.peer_bench --url http://127.0.0.1:8000            # a server that is already up
     python -m tools.peer_bench --ours --vllm --dtype bfloat16         # start both, one at a time
     python -m tools.peer_bench --ours --vllm --system-tokens 6000 --streams 16
+    python -m tools.peer_bench --ours --ours-fast --vllm --dtype float32  # the exact forward's cost (issue 44)
 
 The workload is ``tools.serve_bench``'s long-prefix one, sent over HTTP: every request is
 a chat turn with the same policy-manual system prompt of about ``--system-tokens`` tokens
@@ -76,6 +77,7 @@ from tools.serve_bench import SYSTEM, chat_requests, policy_manual
 REPO = Path(__file__).resolve().parent.parent
 VLLM_MODEL_NAME = "SmolLM2-135M-Instruct"
 GRADIO_CHECK = "When localhost is not accessible"  # gradio's launch() gave up on its own page
+FAST_SUFFIX = " fast"  # this app with RADIX_EXACT=0 (--ours-fast): its fast paths, bits by batch (issue 44)
 
 
 # ------------------------------------------------------------------ results
@@ -402,14 +404,32 @@ def format_table(rows: list[Row], title: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [format_row(r) for r in rows]
     servers = list(dict.fromkeys(r.server for r in rows))
-    if len(servers) == 2:
-        a, b = servers
+    pairs = ratio_pairs(servers)
+    if pairs:
         by = {(r.server, r.system_tokens, r.streams): r for r in rows}
-        lines += ["", f"| system tokens | streams | {a} / {b} (tokens/s) |", "|---:|---:|---:|"]
+        lines += ["", "| system tokens | streams | " + " | ".join(f"{a} / {b} (tokens/s)" for a, b in pairs) + " |",
+                  "|---:|---:|" + "---:|" * len(pairs)]
         for t, c in dict.fromkeys((r.system_tokens, r.streams) for r in rows):
-            if (a, t, c) in by and (b, t, c) in by and by[(b, t, c)].tokens_per_s > 0:
-                lines.append(f"| {t:,} | {c} | {by[(a, t, c)].tokens_per_s / by[(b, t, c)].tokens_per_s:.2f}x |")
+            cells = []
+            for a, b in pairs:
+                ok = (a, t, c) in by and (b, t, c) in by and by[(b, t, c)].tokens_per_s > 0
+                cells.append(f"{by[(a, t, c)].tokens_per_s / by[(b, t, c)].tokens_per_s:.2f}x" if ok else "-")
+            lines.append(f"| {t:,} | {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def ratio_pairs(servers: Sequence[str]) -> list[tuple[str, str]]:
+    """The ratios the table ends with: each server against the last one named (vLLM, when it runs), and
+    this app's exact forward against its fast paths (``--ours-fast``) where both ran."""
+    if len(servers) < 2:
+        return []
+    pairs = [(a, servers[-1]) for a in servers[:-1]]
+    fast = [s for s in servers if s.endswith(FAST_SUFFIX)]
+    for f in fast:
+        exact = f.removesuffix(FAST_SUFFIX)
+        if exact in servers and (exact, f) not in pairs:
+            pairs.append((exact, f))
+    return pairs
 
 
 def conversations_for(system_tokens: int, n_requests: int, max_tokens: int) -> list[tuple[dict, ...]]:
@@ -427,6 +447,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", action="append", default=[], help="a running server (repeatable); its name is the URL")
     p.add_argument("--ours", action="store_true", help="start this app (python app.py) and measure it")
+    p.add_argument("--ours-fast", action="store_true",
+                   help="also start this app with RADIX_EXACT=0 (its fast paths, whose bits depend on the batch) "
+                        "and measure it beside the exact default")
     p.add_argument("--vllm", action="store_true", help="start vLLM from $RADIX_VLLM_VENV and measure it")
     p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16, for the servers started here")
     p.add_argument("--streams", default="1,8,16", help="concurrent streams, comma-separated")
@@ -460,8 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.also = also
     if args.requests < 1 or args.max_tokens < 1:
         p.error("--requests and --max-tokens must be at least 1")
-    if not (args.url or args.ours or args.vllm):
-        p.error("name a server: --url URL, --ours and/or --vllm")
+    if not (args.url or args.ours or args.ours_fast or args.vllm):
+        p.error("name a server: --url URL, --ours, --ours-fast and/or --vllm")
     if args.vllm and not (Path(args.vllm_venv) / "bin" / "python").exists():
         p.error(f"no vLLM venv at {args.vllm_venv}: run tools/install_vllm.sh or set RADIX_VLLM_VENV")
     return args
@@ -479,17 +502,19 @@ def main(argv: list[str] | None = None) -> int:
     print(title, flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows: list[Row] = []
-    limits = machine_limits() if args.ours or args.vllm else None
+    limits = machine_limits() if args.ours or args.ours_fast or args.vllm else None
     print(machine_header(limits), flush=True)
     bandwidth = [limits.read_bytes_per_s] if limits else []
     flops = [limits.flops_per_s] if limits else []
     for url in args.url:
         rows += bench_workloads(url, url, workloads, args.max_tokens, log, ignore_eos)
-    if args.ours:
+    variants = ([(f"ours {args.dtype}", {})] if args.ours else []) + (
+        [(f"ours {args.dtype}{FAST_SUFFIX}", {"RADIX_EXACT": "0"})] if args.ours_fast else [])
+    for name, extra in variants:
         port = free_port()
-        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **extra}
         with started("ours", ours_command(port, args.dtype), env, port, "Growth curve", args.start_timeout) as url:
-            rows += bench_workloads(url, f"ours {args.dtype}", workloads, args.max_tokens, log, ignore_eos, True)
+            rows += bench_workloads(url, name, workloads, args.max_tokens, log, ignore_eos, True)
     if args.vllm:
         port = free_port()
         with tempfile.TemporaryDirectory(prefix="peer-bench-vllm-") as cache, \

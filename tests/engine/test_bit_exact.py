@@ -198,3 +198,57 @@ def test_kv_moved_to_other_slots_gives_the_same_bits(runner):
     b = runner.forward_paged(pool, [PagedSegment([42], len(seq), moved)])
     assert torch.equal(a, b)
     assert torch.equal(a[0], alone(runner, seq + [42])[0][-1])
+
+
+def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path):
+    """A document's KV evicted to disk and loaded back (the second tier) answers the next question
+    with the same logprobs, bit for bit, as when it was computed, and as with no cache at all."""
+    from engine.engine import Engine
+    from engine.kvcache.kv_tier import CHUNK_TOKENS as C
+    from engine.types import GenerationRequest, SamplingParams
+
+    gen = torch.Generator().manual_seed(12)
+    vocab = len(runner.text.tokenizer)
+
+    def ask(engine: Engine, ids: list[int]):
+        sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        events = list(engine.generate(GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, logprobs=5)))
+        return events[-1].metrics
+
+    engine = Engine(runner, budget_bytes=300 * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
+                    tier_dir=str(tmp_path))
+    plain = Engine(runner, enable_cache=False)
+    try:
+        doc = torch.randint(10, vocab, (3 * C + 10,), generator=gen).tolist()
+        question = doc + torch.randint(10, vocab, (5,), generator=gen).tolist()
+        first = ask(engine, question)
+        for i in range(3):  # other prompts push the document out of the pool, to the tier
+            ask(engine, torch.randint(10, vocab, (200,), generator=gen).tolist())
+        again = ask(engine, question)
+        assert again.tier_tokens > 0 and again.cached_tokens >= 3 * C
+        nothing = ask(plain, question)
+        assert again.output_ids == first.output_ids == nothing.output_ids
+        assert again.output_logprobs == first.output_logprobs == nothing.output_logprobs
+    finally:
+        engine.close()
+        plain.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    ([700, 300, 40], [None, 0, 0], 7, [256, 1, 33, 120], [5, 3, 7, 1]),
+    ([300, 900], [None, 0], 11, [512, 64, 1], [3, 1, 2]),
+])
+def test_schedules_on_the_embedded_model(real_runner, case):
+    """A few schedules on SmolLM2 (float32): every row and KV slot as the request alone."""
+    if not real_runner.runs_exact:
+        pytest.skip("the exact forward does not run here")
+    ids, tables, got, pool = run_schedule(real_runner, *case)
+    for i, seq in enumerate(ids):
+        ref, ref_k, ref_v = alone(real_runner, seq)
+        for p, row in got[i].items():
+            assert torch.equal(row, ref[p]), f"request {i} position {p}"
+        index = torch.tensor(tables[i])
+        for layer in range(real_runner.num_layers):
+            assert torch.equal(pool.k[layer][:, index], ref_k[layer]) and torch.equal(pool.v[layer][:, index],
+                                                                                        ref_v[layer])

@@ -46,6 +46,11 @@ def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
     assert sum(r.output_tokens for row in rows for r in row.results) == sum(m.output_tokens for m in metrics[1:])
     table = format_table(rows + [dataclasses.replace(r, server="other", wall_s=r.wall_s * 2) for r in rows], "t")
     assert "| 0 | 1 | 2.00x |" in table and "| 0 | 3 | 2.00x |" in table
+    fast = [dataclasses.replace(r, server=r.server + " fast", wall_s=r.wall_s / 2) for r in rows]
+    three = format_table(rows + fast + [dataclasses.replace(r, server="vLLM", wall_s=r.wall_s * 4) for r in rows], "t")
+    # each against the last server named, then the exact forward against its fast paths
+    assert f"| {rows[0].server} / {rows[0].server} fast (tokens/s) |" in three
+    assert "| 0 | 1 | 4.00x | 8.00x | 0.50x |" in three
 
 
 def test_one_stream_rows_are_held_against_the_bandwidth_ceiling(tmp_path):
