@@ -33,9 +33,9 @@ __all__ = ["TOKEN_COLORS", "highlighted_prompt", "metrics_markdown", "status_mar
 
 LAB_TAGS = ("ordering-lab", "scheduling-lab", "reuse-check")  # kept out of the playground's figures
 MODEL_NOTE = ("The model is tiny (135M parameters): its answers are often wrong, even against the policy it was "
-              "given. Reuse does not change its answers: the tests check that every reused float32 answer equals "
-              "the same request run with no cache. The numbers under them agree to about 1e-5, not yet bit for bit: "
-              "each timing card shows the comparison.")
+              "given. Reuse does not change its answers: on a CPU with this app's own kernels the numbers under "
+              "them are the same bits with reuse and without, whatever else runs beside them; on PyTorch's kernels "
+              "(a GPU) they agree to about 1e-5. Each timing card shows the comparison.")
 
 
 def is_lab_run(m: RequestMetrics) -> bool:

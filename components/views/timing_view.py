@@ -75,8 +75,8 @@ def logits_sentence(t: PrefillTiming) -> str:
             "**and the first new token differs** (a near tie between two tokens)")
     return (f"**Not bit for bit:** the prompt's last-token logits with reuse and without differ by at most "
             f"{c.max_abs_diff:.1e} (digests `{c.reuse_digest}` and `{c.full_digest}`); {pick}. The two sides run the "
-            "model over different numbers of tokens per forward, and its kernels then add the same numbers in "
-            "another order.")
+            "model over different numbers of tokens per forward, and PyTorch's kernels then add the same numbers in "
+            "another order (this app's own, the default on a CPU, do not).")
 
 
 def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = False) -> str:
