@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one replica of a fleet behind a router (python -m tools.fleet): serve the API, /health, "
                         "/metrics and KV events with none of the page's start-up work (no warm start of the "
                         "shipped prompts, no growth curve), so several start fast and their caches start empty")
+    p.add_argument("--explain-kernels", action="store_true",
+                   help="load the model, print what runs its forward (the exact forward or the fast paths, the "
+                        "linears, the attention, the switches behind them) and exit")
     args = p.parse_args(argv)
     args.fleet = [u.strip() for u in args.fleet.split(",") if u.strip()]
     if args.fleet and not args.backend:
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if zerogpu_mode() == SPACES:
         import spaces  # noqa: F401  (ZeroGPU: before anything touches CUDA)
     args = parse_args(argv)
+    if args.explain_kernels:  # no page, no port
+        return _explain_kernels(args)
     # Before anything is loaded: a port that cannot be served ends here, in one line.
     problem = port_problem(args.host, args.port)
     if problem:
@@ -307,6 +312,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # stopped (Ctrl+C, SIGTERM) while loading or warming: nothing to write yet
         print("Stopped.", flush=True)
         return 0
+
+
+def _explain_kernels(args: argparse.Namespace) -> int:
+    """``--explain-kernels``: what runs this model's forward here, then exit (engine.model.explain)."""
+    from engine.model.explain import explain
+    from engine.model.hub import ModelLoadError
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
+
+    try:
+        runner = ModelRunner(load_model(args.model, device=args.device, dtype=args.dtype))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print("\n".join(explain(runner)), flush=True)
+    finally:
+        runner.close()
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

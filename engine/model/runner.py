@@ -238,6 +238,7 @@ class ModelRunner:
         stack = self.stack
         return bool(self.exact and stack is not None and stack.fused is not None and self.can_batch)
 
+    @torch.inference_mode()
     def _check_exact(self) -> bool:
         """Whether every forward runs exact (``DecoderStack.forward_exact``): where it can, it is not
         switched off (``RADIX_EXACT=0``), and its logits are those of the unfused stack up to
@@ -432,6 +433,8 @@ class ModelRunner:
     @functools.cached_property
     def linear_kernels(self) -> str:
         """How the linear layers multiply, in words (for the engine info)."""
+        if getattr(self, "exact", False) and self.runs_exact:
+            return "ours at any number of rows, in the fused layers and the head (the exact forward)"
         if any(isinstance(m, PackedLinear) for m in self.model.modules()):
             fused = getattr(getattr(self, "stack", None), "fused", None)
             ours = (f"ours in the fused decode steps (up to {fused.max_rows} rows), " if fused is not None else "")
