@@ -316,6 +316,12 @@ class ReplicaView:
     requests_landed: int  # this dashboard's requests attributed to it (``FleetRequest.landed``)
     hit_rate: float | None  # prefix-cache hits / queries from its /metrics (all its clients); None: unknown
     running: float | None  # requests running there now, from its /metrics; None: unknown
+    # What its tree here is worth (server.remote.fleet.replica_state): "live"; "down" (its /health does not
+    # answer: the tree is what it held then); "stale" (it computed prompts since its last event, which
+    # stopped: the tree is out of date, unknown rather than empty); "stopped" (our subscriber ended);
+    # "none" (it publishes no events). ``since``: wall time the state began (down, stale), else None.
+    state: str = "live"
+    since: float | None = None
 
 
 @dataclass(frozen=True)

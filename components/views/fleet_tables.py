@@ -7,6 +7,7 @@ duplication line, and the honest note on how a request's replica is inferred.
 
 from __future__ import annotations
 
+import time
 from urllib.parse import urlsplit
 
 from components.views.format import fmt_bytes, fmt_pct
@@ -36,22 +37,48 @@ def replica_name(i: int, url: str) -> str:
     return f"replica {i} (:{urlsplit(url).port})"
 
 
+STATE_WORDS = {
+    "live": "live",
+    "down": "down",
+    "stale": "events stopped",
+    "stopped": "not followed",
+    "none": "no events",
+}
+
+
+def _since(r: ReplicaView) -> str:
+    return f" since {time.strftime('%H:%M:%S', time.localtime(r.since))}" if r.since else ""
+
+
 def replica_title(i: int, r: ReplicaView) -> str:
-    """One line over a replica's small tree."""
-    if not r.events_alive:
-        return f"**{replica_name(i, r.url)}**: no KV events found at its /kv_event_sources"
+    """One line over a replica's small tree: what it holds, or why its tree here is not to be trusted."""
+    name = f"**{replica_name(i, r.url)}**"
+    if r.state == "none" or (r.state == "live" and not r.events_alive):
+        return f"{name}: no KV events found at its /kv_event_sources"
+    if r.state == "down":
+        return (f"{name}: **down**{_since(r)} (its /health does not answer; the router's health checks drop it). "
+                f"The tree below is what it held then ({r.tokens_held:,} tokens), not what it holds now.")
+    if r.state == "stale":
+        return (f"{name}: **its KV events stopped**{_since(r)}: it computed prompts since its last event, so the "
+                f"tree below ({r.tokens_held:,} tokens) is out of date: what it holds now is unknown, not empty.")
+    if r.state == "stopped":
+        return f"{name}: **not followed** (the event subscriber ended): what it holds is unknown."
     hit = fmt_pct(r.hit_rate) if r.hit_rate is not None else "–"
-    return (f"**{replica_name(i, r.url)}**: {r.tokens_held:,} tokens in {r.blocks_held} blocks · "
+    return (f"{name}: {r.tokens_held:,} tokens in {r.blocks_held} blocks · "
             f"hit rate {hit} · {r.requests_landed} of yours landed here")
 
 
 def replicas_table(view: FleetView) -> str:
-    rows = ["| replica | blocks held | tokens held | hit rate (its /metrics) | running now | requests landed (yours) |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| replica | state | blocks held | tokens held | hit rate (its /metrics) | running now | "
+            "requests landed (yours) |", "|---|---|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(view.replicas):
         hit = fmt_pct(r.hit_rate) if r.hit_rate is not None else "unknown"
         running = f"{r.running:.0f}" if r.running is not None else "unknown"
-        rows.append(f"| {replica_name(i, r.url)} | {r.blocks_held:,} | {r.tokens_held:,} | {hit} | {running} | "
+        state = STATE_WORDS.get(r.state, r.state) + _since(r)
+        known = r.state == "live" and r.events_alive
+        blocks, tokens = (f"{r.blocks_held:,}", f"{r.tokens_held:,}") if known else (
+            f"({r.blocks_held:,})", f"({r.tokens_held:,}, last known)")
+        rows.append(f"| {replica_name(i, r.url)} | {state} | {blocks} | {tokens} | {hit} | {running} | "
                     f"{r.requests_landed} |")
     return "\n".join(rows)
 

@@ -57,6 +57,9 @@ METRICS_MAX_AGE_S = 3.0
 HISTORY = 50  # attributed requests kept
 
 GAINED, COUNTED, REPORTED, AMBIGUOUS, NO_EVENTS = "gained", "counted", "reported", "ambiguous", "no events"
+LIVE, DOWN, STALE, STOPPED, NONE = "live", "down", "stale", "stopped", "none"  # ReplicaView.state
+STALE_S = 5.0  # no event for this long ...
+STALE_TOKENS = 64  # ... while the replica computed this many prompt tokens (two blocks: events were due)
 QUERIES = ("radix_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 HITS = ("radix_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 Counts = tuple[float, float] | None  # a replica's (prompt tokens, cached tokens) counters; None: unknown
@@ -163,6 +166,24 @@ def duplication(trees: Sequence[BlockTree]) -> Duplication:
     return Duplication(held, distinct, several)
 
 
+def replica_state(found: bool, subscriber_alive: bool, up: bool, computed_since_event: float | None,
+                  quiet_s: float) -> str:
+    """What a replica's tree here is worth (``ReplicaView.state``): it publishes no events (``found``
+    False); its ``/health`` does not answer (``up`` False); our subscriber ended; it computed at least
+    ``STALE_TOKENS`` prompt tokens (from its ``/metrics``: queries less hits) since the last event we got,
+    ``quiet_s`` ago, at least ``STALE_S`` (computed blocks are stored, and stored blocks are published: its
+    events stopped); else live."""
+    if not found:
+        return NONE
+    if not up:
+        return DOWN
+    if not subscriber_alive:
+        return STOPPED
+    if computed_since_event is not None and computed_since_event >= STALE_TOKENS and quiet_s >= STALE_S:
+        return STALE
+    return LIVE
+
+
 # ---------------------------------------------------------------- the followed fleet
 @dataclass
 class Replica:
@@ -171,6 +192,9 @@ class Replica:
     blocks: BlockTree = field(default_factory=BlockTree)
     events: KVEventSubscriber | None = None
     landed: int = 0
+    state: str = LIVE
+    since: float | None = None  # wall time the state began
+    _event_mark: tuple[float, float, float] | None = None  # (last event's time, computed prompt tokens, when seen)
 
     def followed(self) -> bool:
         return self.events is not None and self.events.synced
@@ -185,6 +209,29 @@ class Replica:
         found = self.client.metrics(max_age_s=METRICS_MAX_AGE_S)
         values = [found[n] for n in names if n in found]
         return values[0] if values else None
+
+    def update_state(self, now: float | None = None) -> str:
+        """Its state now (``replica_state``), kept with the time it began."""
+        now = time.time() if now is None else now
+        up = self.client.healthy(max_age_s=2.0)
+        computed_since, quiet = None, 0.0
+        if self.events is not None and up:
+            q = self.metric(*QUERIES)
+            h = self.metric(*HITS)
+            computed = q - h if q is not None and h is not None else None
+            last = self.events.stats.last_event_at
+            if computed is not None:
+                if self._event_mark is None or self._event_mark[0] != last:
+                    self._event_mark = (last, computed, now)  # a new event seen: count from here
+                computed_since = computed - self._event_mark[1]
+            quiet = now - (last or (self._event_mark[2] if self._event_mark else now))
+        state = replica_state(self.events is not None, self.events is not None and self.events.alive, up,
+                              computed_since, quiet)
+        if state != self.state:
+            self.state, self.since = state, (now if state in (DOWN, STALE, STOPPED) else None)
+            log.warning("Fleet: %s is %s", self.url, state) if state != LIVE else log.info("Fleet: %s is live again",
+                                                                                          self.url)
+        return state
 
 
 @dataclass
@@ -277,6 +324,7 @@ class Fleet:
         replicas = []
         per_token: float | None = None
         for r in self.replicas:
+            r.update_state()
             hits = r.metric("radix_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
             queries = r.metric("radix_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
             tree_bytes, tree_tokens = r.metric("radix_kv_tree_bytes"), r.metric("radix_cache_tokens")
@@ -289,7 +337,8 @@ class Fleet:
                 url=r.url, snapshot=snapshot_of(r.blocks), block_size=r.blocks.block_size, blocks_held=held,
                 tokens_held=tokens, events_alive=r.events is not None and r.events.alive, requests_landed=r.landed,
                 hit_rate=hits / queries if hits is not None and queries else None,
-                running=r.metric("radix_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs")))
+                running=r.metric("radix_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs"),
+                state=r.state, since=r.since))
         with self.lock:
             requests = tuple(q for q in self.requests if shown(q))
         return FleetView(tuple(replicas), requests, dup.tokens_held, dup.tokens_distinct, dup.tokens_on_several,

@@ -287,3 +287,93 @@ def test_the_dashboard_with_fleet_sees_each_replicas_real_tree_and_where_request
         for sub in mine:
             sub.close()
         engine.close()
+
+
+def _until(predicate, timeout_s: float, every_s: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return bool(predicate())
+
+
+def test_faults_a_replica_dies_restarts_and_its_events_stop_and_the_router_restarts(fleet, tiny_model):
+    """Issue 45, item 6, on the real fleet: a replica killed mid-run is shown down (its tree the last
+    known) and the router's health checks drop it, so every later request is answered by the others;
+    restarted, it is live again with its tree rebuilt from its new events (a subscriber of its own holds
+    the same); a replica whose events stop while it computes prompts is shown stale, not empty; and while
+    the router restarts the dashboard's requests fail with one clear message, then work again."""
+    import app
+    from engine.types import EngineError, GenerationRequest, SamplingParams
+    from server.remote.block_tree import BlockTree
+    from server.remote.kv_events import EventSource, KVEventSubscriber, discover
+
+    if fleet.policy != "round_robin" or fleet.router is None:
+        fleet.stop_router()
+        fleet.start_router("round_robin")
+    engine = app.build_remote_engine(app.parse_args(["--backend", fleet.url, "--model", tiny_model,
+                                                     "--fleet", ",".join(r.url for r in fleet.members)]))
+    system = "You answer questions about the lighthouse of Northwind. " * 6 + "[faults] "
+
+    def ask(i: int):
+        return engine.run(GenerationRequest(
+            messages=({"role": "system", "content": system}, {"role": "user", "content": f"Fault question {i}?"}),
+            sampling=SamplingParams(max_new_tokens=3), tag="chat"))
+
+    try:
+        for i in range(3):
+            ask(i)
+        assert [r.state for r in engine.fleet_view().replicas] == ["live"] * REPLICAS
+        # 1. A replica dies: shown down, its tree the last known; the router drops it; all later answered.
+        held = engine.fleet_view().replicas[2].tokens_held
+        fleet.kill_replica(2)
+        assert _until(lambda: engine.fleet_view().replicas[2].state == "down", 15)
+        down = engine.fleet_view().replicas[2]
+        assert down.since is not None and down.tokens_held == held
+        from components.views.fleet_tables import replica_title, replicas_table
+        assert "**down** since" in replica_title(2, down) and "last known" in replicas_table(engine.fleet_view())
+        time.sleep(3 * 2 + 1)  # the router's health checks: two misses, two seconds apart (tools.fleet)
+        answered = [ask(10 + i) for i in range(6)]
+        assert all(m.output_tokens > 0 for m in answered)
+        # 2. It restarts: live again, its tree rebuilt from its new process's events.
+        fleet.restart_replica(2)
+        assert _until(lambda: engine.fleet_view().replicas[2].state == "live", 30)
+        follower = engine.fleet.replicas[2]
+        client = httpx.Client(base_url=fleet.members[2].url, timeout=10)
+        own = KVEventSubscriber(discover(lambda p: client.get(p).json(), fleet.members[2].url), BlockTree()).start()
+        try:
+            for i in range(6):  # round robin reaches it again once the router's checks pass twice
+                ask(20 + i)
+            assert _until(lambda: _content_chains(own.tree) == _content_chains(follower.blocks)
+                          and len(own.tree.blocks) > 0, 20)
+        finally:
+            own.close()
+            client.close()
+        # 3. Its events stop (our follower now listens where nothing is published) while it computes:
+        #    shown stale, what it holds unknown, not empty.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        port = silent.getsockname()[1]
+        silent.close()
+        follower.events.close()
+        follower.events = KVEventSubscriber(EventSource(f"tcp://127.0.0.1:{port}", None, "kv-events"),
+                                            follower.blocks).start(wait_s=0.5)
+        assert engine.fleet_view().replicas[2].state == "live"  # counted from here: nothing computed yet
+        with httpx.Client(timeout=60) as http:
+            for i in range(3):  # straight to the replica, prompts of its own: blocks computed, none published
+                http.post(fleet.members[2].url + "/v1/completions",
+                          json={"model": fleet.model_name, "prompt": f"silent {i} " + "lighthouse keeper " * 40,
+                                "max_tokens": 1})
+        assert _until(lambda: engine.fleet_view().replicas[2].state == "stale", 20)
+        assert "unknown, not empty" in replica_title(2, engine.fleet_view().replicas[2])
+        # 4. The router restarts: one clear message meanwhile, then answers again.
+        fleet.stop_router()
+        with pytest.raises(EngineError, match="(?i)cannot reach the backend"):
+            ask(30)
+        fleet.start_router("round_robin")
+        assert ask(31).output_tokens > 0
+    finally:
+        engine.close()
+        if not fleet.members[2].child.alive():
+            fleet.restart_replica(2)

@@ -39,6 +39,7 @@ POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two", 
             "sticky_least_loaded")
 EVENT_BLOCK_SIZE = 32  # our publisher's default, and the only size vLLM's CPU build takes
 HOST = "127.0.0.1"
+HEALTH_CHECK_S = 2  # the router checks each replica's /health this often (seconds), drops it after two misses
 
 
 def router_venv() -> Path:
@@ -224,6 +225,26 @@ class Fleet:
         models = httpx.get(self.members[0].url + "/v1/models", timeout=10).json()
         self.model_name = str(models["data"][0]["id"])
 
+    def kill_replica(self, index: int) -> None:
+        """SIGKILL replica ``index``'s process group (a crash: no goodbye to the router or subscribers)."""
+        child = self.members[index].child
+        if child is not None and child.proc is not None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.proc.wait(timeout=30)
+
+    def restart_replica(self, index: int, timeout_s: float = 300.0) -> float:
+        """Start replica ``index`` again, on its ports (a new process: empty cache, events from seq 0);
+        seconds until it answers ``/health``."""
+        r = self.members[index]
+        if r.child is not None and r.child.alive():
+            r.child.stop()
+        r.child = self.replica_child(r)
+        r.child.start()
+        return wait_ready(r.child, r.url + "/health", timeout_s)
+
     # ------------------------------------------------------------------ the router
     def router_command(self, policy: str) -> list[str]:
         binary = router_binary()
@@ -232,6 +253,9 @@ class Fleet:
         cmd = [str(binary), "--worker-urls", *[r.url for r in self.members], "--policy", policy,
                "--host", HOST, "--port", str(self.router_port), "--prometheus-host", HOST,
                "--prometheus-port", str(self.prometheus_port), "--worker-startup-check-interval", "1",
+               # a replica that dies is dropped within seconds (defaults: a check a minute, three failures)
+               "--health-check-interval-secs", str(HEALTH_CHECK_S), "--health-failure-threshold", "2",
+               "--health-check-timeout-secs", "2",
                "--log-level", os.environ.get("RADIX_ROUTER_LOG_LEVEL", "warning")]
         if policy == "kv_aware":
             for r in self.members:
