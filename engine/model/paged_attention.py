@@ -125,6 +125,17 @@ def common_runs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> t
     return tuple(out)
 
 
+def packed(segs: Sequence[PagedSegment], device: torch.device) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+    """Segments packed in this order into one sequence: each one's length, the token ids, their
+    positions, and the pool slot each new token's KV goes to (``write_index``)."""
+    lens = [len(s.ids) for s in segs]
+    ids = [t for s in segs for t in s.ids]
+    positions = [p for s in segs for p in range(s.past, s.past + len(s.ids))]
+    write_index = torch.tensor([slot for s in segs for slot in s.slots[s.past:s.past + len(s.ids)]],
+                               dtype=torch.long, device=device)
+    return lens, ids, positions, write_index
+
+
 class _Rest:
     """One prefill chunk's rest segment: a view ``(first_slot, length)`` or a gather index."""
 
@@ -207,11 +218,7 @@ class PagedPlan:
         order += [i for i in range(len(segments)) if i not in grouped]
         self.order = order
         segs = [segments[i] for i in order]
-        self.lens = [len(s.ids) for s in segs]
-        self.ids = [t for s in segs for t in s.ids]
-        self.positions = [p for s in segs for p in range(s.past, s.past + len(s.ids))]
-        self.write_index = torch.tensor([slot for s in segs for slot in s.slots[s.past:s.past + len(s.ids)]],
-                                        dtype=torch.long, device=device)
+        self.lens, self.ids, self.positions, self.write_index = packed(segs, device)
         self.total = len(self.ids)
         # Rest segments: decode rows batched (padded gather, ``decode_calls``), prefill chunks one by one.
         dec_pos, dec_index, dec_len, self.prefill_rests = [], [], [], []

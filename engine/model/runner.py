@@ -38,11 +38,11 @@ from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
 from engine.model import native_build, native_linear
-from engine.model.native_build import switched_off
 from engine.model.attention import AttentionBackend, choose_backend, exact
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
+from engine.model.native_build import switched_off
 from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import PackedLinear, pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
@@ -188,13 +188,7 @@ class ModelRunner:
         stack = DecoderStack.build(self.model)
         if stack is None:
             return None
-        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                      40 * self.kv_bytes_per_token)
-        prefix = pool.alloc(20)
-        alone = prefix + pool.alloc(2)
-        probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
-                  [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))],
-                  [PagedSegment([8], 21, alone)]]
+        pool, probes = self._probes()
         fused, stack.fused = stack.fused, None  # checked on its own, within a bound: _check_fused
         try:
             for segments in probes:
@@ -213,19 +207,37 @@ class ModelRunner:
         """Whether the stack's fused decode layers (``engine.model.fused_decode``) give the logits
         of its unfused forward on the probes, up to rounding (another order of operations:
         ``fused.bound`` of the largest logit; a misread layer is off by far more)."""
+        return self._near_unfused(stack, pool, probes, lambda segments: self._paged(pool, segments, False, stack),
+                                  "fused decode layers")
+
+    def _probes(self) -> tuple[KVPool, list[list[PagedSegment]]]:
+        """The start-up checks' forwards: a prefill, then a decode row and a prefill chunk sharing it,
+        then the row again (a pool of their own)."""
+        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                      40 * self.kv_bytes_per_token)
+        prefix = pool.alloc(20)
+        alone = prefix + pool.alloc(2)
+        return pool, [[PagedSegment(list(range(3, 23)), 0, prefix)],
+                      [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))],
+                      [PagedSegment([8], 21, alone)]]
+
+    def _near_unfused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]], run, what: str) -> bool:
+        """Whether ``run(segments)`` (with the stack's fused layers on) gives the unfused stack's logits
+        on every probe up to rounding (``fused.bound`` of the largest logit; a misread layer is off by far
+        more); a refusal of a kernel counts as no. ``what`` names it in the one log line."""
         fused = stack.fused
         try:
             for segments in probes:
                 stack.fused = None
                 plain = self._paged(pool, segments, False, stack)
                 stack.fused = fused
-                got = self._paged(pool, segments, False, stack)
+                got = run(segments)
                 bound = fused.bound * max(1.0, float(plain.abs().max()))
                 if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
-                    log.warning("fused decode layers off: logits differ from the unfused forward's on a probe")
+                    log.warning("%s off: logits differ from the unfused forward's on a probe", what)
                     return False
-        except Exception as exc:  # noqa: BLE001 - a refusal of the kernel: the unfused forward
-            log.warning("fused decode layers off: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a refusal of the kernel: the path before it
+            log.warning("%s off: %s", what, exc)
             return False
         finally:
             stack.fused = fused
@@ -247,29 +259,9 @@ class ModelRunner:
         if switched_off(EXACT_SWITCH) or not stack.exact_ready or self.device.type != "cpu" or not exact.takes(
                 self.dtype, self.query_groups * self.num_kv_heads, self.num_kv_heads, self.head_dim):
             return False
-        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                      40 * self.kv_bytes_per_token)
-        prefix = pool.alloc(20)
-        alone = prefix + pool.alloc(2)
-        probes = [[PagedSegment(list(range(3, 23)), 0, prefix)],
-                  [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))]]
-        fused = stack.fused
-        try:
-            for segments in probes:
-                stack.fused = None
-                plain = self._paged(pool, segments, False, stack)
-                stack.fused = fused
-                got = self._exact_paged(pool, segments, False)
-                bound = fused.bound * max(1.0, float(plain.abs().max()))
-                if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
-                    log.warning("exact forward off: logits differ from the unfused forward's on a probe")
-                    return False
-        except Exception as exc:  # noqa: BLE001 - a refusal of a kernel: the fast paths
-            log.warning("exact forward off: %s", exc)
-            return False
-        finally:
-            stack.fused = fused
-        return True
+        pool, probes = self._probes()
+        return self._near_unfused(stack, pool, probes, lambda segments: self._exact_paged(pool, segments, False),
+                                  "exact forward")
 
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""

@@ -132,7 +132,11 @@ def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=schedules())
 def test_any_schedule_gives_every_row_its_bits_alone(runner, case):
-    ids, tables, got, pool = run_schedule(runner, *case)
+    assert_every_row_alone(runner, *run_schedule(runner, *case))
+
+
+def assert_every_row_alone(runner, ids, tables, got, pool) -> None:
+    """Every logit row a schedule got and every KV slot it wrote, ``torch.equal`` to the request alone."""
     for i, seq in enumerate(ids):
         ref, ref_k, ref_v = alone(runner, seq)
         for p, row in got[i].items():
@@ -222,7 +226,7 @@ def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path):
         doc = torch.randint(10, vocab, (3 * C + 10,), generator=gen).tolist()
         question = doc + torch.randint(10, vocab, (5,), generator=gen).tolist()
         first = ask(engine, question)
-        for i in range(3):  # other prompts push the document out of the pool, to the tier
+        for _ in range(3):  # other prompts push the document out of the pool, to the tier
             ask(engine, torch.randint(10, vocab, (200,), generator=gen).tolist())
         again = ask(engine, question)
         assert again.tier_tokens > 0 and again.cached_tokens >= 3 * C
@@ -243,12 +247,4 @@ def test_schedules_on_the_embedded_model(real_runner, case):
     """A few schedules on SmolLM2 (float32): every row and KV slot as the request alone."""
     if not real_runner.runs_exact:
         pytest.skip("the exact forward does not run here")
-    ids, tables, got, pool = run_schedule(real_runner, *case)
-    for i, seq in enumerate(ids):
-        ref, ref_k, ref_v = alone(real_runner, seq)
-        for p, row in got[i].items():
-            assert torch.equal(row, ref[p]), f"request {i} position {p}"
-        index = torch.tensor(tables[i])
-        for layer in range(real_runner.num_layers):
-            assert torch.equal(pool.k[layer][:, index], ref_k[layer]) and torch.equal(pool.v[layer][:, index],
-                                                                                        ref_v[layer])
+    assert_every_row_alone(real_runner, *run_schedule(real_runner, *case))

@@ -79,14 +79,11 @@ class ExactPlan:
 
     def __init__(self, segments: Sequence, device: torch.device) -> None:
         from engine.kvcache.kv_pool import contiguous_runs
+        from engine.model.paged_attention import packed
 
         self.device = device
         self.order = list(range(len(segments)))
-        self.lens = [len(s.ids) for s in segments]
-        self.ids = [t for s in segments for t in s.ids]
-        self.positions = [p for s in segments for p in range(s.past, s.past + len(s.ids))]
-        self.write_index = torch.tensor([slot for s in segments for slot in s.slots[s.past:s.past + len(s.ids)]],
-                                        dtype=torch.long, device=device)
+        self.lens, self.ids, self.positions, self.write_index = packed(segments, device)
         self.total = len(self.ids)
         tok, runs = [], []
         for s in segments:
