@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import tests.engine.test_batching_exact as batching_tests
+import tests.engine.test_bit_exact as exact_tests
 import tests.engine.test_fused_decode as fused_tests
 import tests.engine.test_native_attention as attention_tests
 import tests.engine.test_native_linear as linear_tests
@@ -133,6 +134,16 @@ def test_fused_steps_give_the_unfused_logits_and_batched_rows_equal_lone_ones(is
 
 def test_paged_rows_joining_and_leaving_equal_forwards_from_scratch(isa, tokenizer):
     batching_tests.test_paged_rows_join_and_leave_exact(make_tiny_runner(tokenizer))
+
+
+def test_the_exact_forward_gives_every_row_its_bits_alone(isa, isa_runner):
+    """Issue 44 on every build: a decode row alone, among sixteen and beside a prefill chunk, and a few
+    schedules of reuse and chunks, all ``torch.equal`` to the request run alone."""
+    assert isa_runner.runs_exact
+    exact_tests.test_a_decode_row_alone_among_sixteen_and_beside_a_long_chunk(isa_runner)
+    exact_tests.test_scratch_buffer_paths_and_the_no_reuse_baseline_give_the_pools_bits(isa_runner)
+    for case in (([300, 280, 40], [None, 0, 1], 3, [256, 1, 33], [5, 3, 7, 1]), ([520, 9], [None, 0], 4, [7, 300], [3])):
+        exact_tests.assert_every_row_alone(isa_runner, *exact_tests.run_schedule(isa_runner, *case))
 
 
 def test_the_default_name_is_the_one_of_before_and_each_build_has_its_own(monkeypatch):
