@@ -422,7 +422,7 @@ class ModelRunner:
         self.synchronize()
         return logits, (time.perf_counter() - t0) * 1000
 
-    @functools.cached_property
+    @property
     def linear_kernels(self) -> str:
         """How the linear layers multiply, in words (for the engine info)."""
         if getattr(self, "exact", False) and self.runs_exact:

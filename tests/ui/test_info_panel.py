@@ -32,6 +32,19 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     without native bf16 through ours at any number of rows; both run the decoder stack (a Llama), fused where
     our kernel builds; the info tab says which."""
     packed = "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
+    for runner in (r for r in (tiny_runner, tiny_runner_bf16) if r.runs_exact):  # where our kernels build
+        text = info_markdown(Engine(runner))
+        assert "| forward | exact: every row, whatever its batch" in text and "bit for bit" in text
+        assert "| linear layers | ours at any number of rows, in the fused layers and the head" in text
+    saved = tiny_runner.exact, tiny_runner_bf16.exact
+    tiny_runner.exact = tiny_runner_bf16.exact = False  # the fast paths (RADIX_EXACT=0)
+    try:
+        fast_paths_are_named(tiny_runner, tiny_runner_bf16, packed)
+    finally:
+        tiny_runner.exact, tiny_runner_bf16.exact = saved
+
+
+def fast_paths_are_named(tiny_runner, tiny_runner_bf16, packed: str) -> None:
     fp32 = info_markdown(Engine(tiny_runner))
     assert tiny_runner.packed_linears == 0
     assert "| linear layers | " + ("ours up to 128 rows (decode steps, short prefill chunks)" if tiny_runner.native_linears
