@@ -976,6 +976,80 @@ typedef struct {
     float block[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)]; /* one block's partials, before the fold */
 } exact_scratch;
 
+#if defined(__AVX512F__)
+#define EXACT_FEW_ROWS 8 /* up to this many rows, scores with keys in the lanes */
+
+/* r[i] holds row i (16 floats); afterwards r[j] holds column j (r[j][i] = the old r[i][j]) */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* The scores of up to EXACT_FEW_ROWS rows (queries in w->qt, [D][rpad]) against the n keys at w->kp, to
+ * w->sc ([key][rpad]), sixteen keys a pass with the keys in the lanes: each score is the same chain of
+ * FMAs down d in order, from zero, then scaled, as the rows-in-lanes loop makes it (fma(k, q, acc) and
+ * fma(q, k, acc) are one rounding of one exact value), so the bits do not depend on which loop ran.
+ * A block of 16 keys by 16 dims is loaded as rows and transposed in registers: with one stream's three
+ * query rows the rows-in-lanes loop used 3 of 16 lanes. */
+static inline __attribute__((always_inline)) void exact_few_scores(exact_scratch *w, const char *const *qr, int R,
+                                                                   int rpad, int n, int D, float scale, int bf16,
+                                                                   int esz) {
+    (void)qr;
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int kn = n - j0 < 16 ? n - j0 : 16;
+        for (int jj = 16; jj < 32 && j0 + jj < n; jj++) /* the next pass's keys, to L1 */
+            prefetch_rows(w->kp[j0 + jj], (int64_t)D * esz, 0);
+        for (int jj = 64; jj < 80 && j0 + jj < n; jj++) { /* keys and values four passes on, to L2 */
+            prefetch_rows(w->kp[j0 + jj], (int64_t)D * esz, 1);
+            prefetch_rows(w->vp[j0 + jj], (int64_t)D * esz, 1);
+        }
+
+        __m512 acc[EXACT_FEW_ROWS];
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_setzero_ps();
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 t[16];
+            for (int jj = 0; jj < 16; jj++) /* past the n keys: the first key again (never read after) */
+                t[jj] = load16(w->kp[j0 + (jj < kn ? jj : 0)] + (int64_t)d0 * esz, bf16);
+            transpose16(t);
+            for (int dd = 0; dd < 16; dd++)
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->qt[(d0 + dd) * rpad + r]), t[dd], acc[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            float s16[16];
+            _mm512_storeu_ps(s16, _mm512_mul_ps(acc[r], vs));
+            for (int jj = 0; jj < kn; jj++)
+                w->sc[(int64_t)(j0 + jj) * rpad + r] = s16[jj];
+        }
+    }
+}
+#endif
+
 /* Rows r0 .. r0+RB-1 of the weights (sc, [key][rpad]) times T blocks of 16 dims of the value rows from
  * d0, to ba: keys below ``least`` (every row's count) with no test, then up to ``most`` each row to
  * its own count; each sum in key order. RB and T constants at the calls that matter. */
@@ -1026,13 +1100,28 @@ static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w,
         for (int r = 0; r < rpad; r++)
             w->qt[d * rpad + r] = r < R ? load1(qr[r], d, bf16) : 0.0f;
     const vf vs = vf_set1(scale);
+    /* memory: the block's first keys and values now (the loops below fetch theirs 64 keys ahead into L2,
+     * a few ahead into L1): a decode step's keys come from DRAM, a layer's worth since they were read */
+    for (int jj = 0; jj < 64 && jj < n; jj++) {
+        prefetch_rows(w->kp[jj], (int64_t)D * esz, jj < 16 ? 0 : 1);
+        prefetch_rows(w->vp[jj], (int64_t)D * esz, 1);
+    }
+    int j = 0;
+#if defined(__AVX512F__)
+    if (R <= EXACT_FEW_ROWS) { /* few rows: keys in the lanes, the same chains (see exact_few_scores) */
+        exact_few_scores(w, qr, R, rpad, n, D, scale, bf16, esz);
+        j = n;
+    }
+#endif
     /* scores: lanes are rows, each a chain of FMAs over d in order; four keys a pass (each query
      * vector loaded once for them), then one at a time: the same chain either way */
-    int j = 0;
     for (; j + 4 <= n; j += 4) {
-        if (j + 12 <= n)
-            for (int kk = 8; kk < 12; kk++)
-                prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 0);
+        for (int kk = 8; kk < 12 && j + kk < n; kk++) /* keys two passes on, to L1 */
+            prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 0);
+        for (int kk = 64; kk < 68 && j + kk < n; kk++) { /* keys and values sixteen passes on, to L2 */
+            prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 1);
+            prefetch_rows(w->vp[j + kk], (int64_t)D * esz, 1);
+        }
         const char *k0 = w->kp[j], *k1 = w->kp[j + 1], *k2 = w->kp[j + 2], *k3 = w->kp[j + 3];
         vf acc[4][EXACT_ROWS / 16];
         for (int kk = 0; kk < 4; kk++)
