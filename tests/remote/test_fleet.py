@@ -343,10 +343,12 @@ def test_faults_a_replica_dies_restarts_and_its_events_stop_and_the_router_resta
         client = httpx.Client(base_url=fleet.members[2].url, timeout=10)
         own = KVEventSubscriber(discover(lambda p: client.get(p).json(), fleet.members[2].url), BlockTree()).start()
         try:
-            for i in range(6):  # round robin reaches it again once the router's checks pass twice
+            time.sleep(2 * 2 + 1)  # the router takes it back after two passed checks, two seconds apart
+            for i in range(6):
                 ask(20 + i)
             assert _until(lambda: _content_chains(own.tree) == _content_chains(follower.blocks)
-                          and len(own.tree.blocks) > 0, 20)
+                          and len(own.tree.blocks) > 0, 20), (len(own.tree.blocks), len(follower.blocks.blocks),
+                                                               follower.events.stats)
         finally:
             own.close()
             client.close()
