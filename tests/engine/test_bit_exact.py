@@ -4,7 +4,8 @@ native kernels (``engine.model.attention.exact``).
 
 The model-based test runs random schedules on the tiny model: requests of random lengths (some past
 the attention's 256-key blocks), some reusing another's cached prefix in place, prefill chunks of
-random sizes, decode rows joining and leaving, slots scattered over the pool; then checks every
+random sizes, decode rows joining and leaving, slots scattered over the pool, a request's KV moved
+to other slots mid-way (what a second-tier load does to the pool); then checks every
 logit row it got and every KV slot it wrote against the same request run alone, from nothing, in
 one forward over contiguous slots."""
 
@@ -59,11 +60,25 @@ def schedules(draw):
     seed = draw(st.integers(0, 2**16))
     chunk_sizes = draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
     picks = draw(st.lists(st.integers(0, 2**10), min_size=1, max_size=40))
-    return lengths, reuse, seed, chunk_sizes, picks
+    moves = draw(st.frozensets(st.integers(1, 40), max_size=4))
+    return lengths, reuse, seed, chunk_sizes, picks, moves
 
 
-def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks):
-    """Run the schedule; returns per request its ids, its slot table, and the logits it got by position."""
+def move_kv(pool: KVPool, table: list[int], done: int, gen: torch.Generator) -> list[int]:
+    """A second-tier load, as the pool sees it: the first ``done`` positions' KV, byte for byte, in other
+    slots (the old ones stay as they were: another request may read them in place); the new table."""
+    fresh = scattered(pool, len(table), gen)
+    src, dst = torch.tensor(table[:done]), torch.tensor(fresh[:done])
+    for k, v in zip(pool.k, pool.v, strict=True):
+        k[:, dst] = k[:, src]
+        v[:, dst] = v[:, src]
+    return fresh
+
+
+def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks, moves=frozenset()):
+    """Run the schedule; returns per request its ids, its slot table, and the logits it got by position.
+    At the steps in ``moves``, the first request under way has its KV so far moved to other slots (a
+    second-tier load) and goes on from there."""
     gen = torch.Generator().manual_seed(seed)
     vocab = len(runner.text.tokenizer)
     ids = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
@@ -109,6 +124,10 @@ def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks):
                 if d < 0:
                     done[i] = 0
             continue
+        if step in moves:
+            going = [i for i in ready if done[i] > 0]
+            if going:
+                tables[going[0]] = move_kv(pool, tables[going[0]], done[going[0]], gen)
         pick = picks[step % len(picks)]
         members = [i for k, i in enumerate(ready) if (pick >> k) & 1] or ready[:1]
         segments, spans = [], []
