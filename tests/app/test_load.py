@@ -22,9 +22,9 @@ def test_short_load_run(real_runner):
 
 
 def test_half_precision_reports_batched_differences_without_failing():
-    """In float32 a batched answer that differs from the lone run fails the load test; in bf16
-    the packed products round differently with more rows (with or without our attention kernel),
-    so the difference is reported, not failed."""
+    """In float32, or on the exact forward (issue 44) in any dtype, a batched answer that differs from
+    the lone run fails the load test; in bf16 on PyTorch's kernels the packed products round
+    differently with more rows, so the difference is reported, not failed."""
     from tools.load_test import LoadReport, Turn
 
     for exact in (True, False):
