@@ -46,15 +46,11 @@ class ExactCall:
     like the one it was made for: ``fn``/``ctx`` for C (``radix_layers``' attend), ``attend`` for
     Python. Holds every buffer its struct points at."""
 
-    def __init__(self, lib: ctypes.CDLL, struct: _ExactStruct, keep: tuple) -> None:
-        self._lib, self.struct, self._keep = lib, struct, keep
-        self.fn = ctypes.cast(lib.radix_exact_attention, ctypes.c_void_p).value
+    def __init__(self, kernel: native.DecodeKernel, struct: _ExactStruct, keep: tuple) -> None:
+        self._lib, self.struct, self._keep = kernel.lib, struct, keep
+        self.fn = kernel.exact_fn
         self.ctx = ctypes.addressof(struct)
-        self._run = lib.radix_exact_attention
-        self._run.argtypes = [ctypes.c_void_p] * 5
-        self._run.restype = ctypes.c_int
-        lib.radix_exact_why.argtypes = [ctypes.c_int]
-        lib.radix_exact_why.restype = ctypes.c_char_p
+        self._run = kernel.lib.radix_exact_attention  # its signature set where the library is loaded
 
     def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
         """``q [T, Hq * D]`` (contiguous, the pool's dtype; query head ``h * G + i`` reads KV head
@@ -107,7 +103,7 @@ class ExactPlan:
                          runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=chunks.data_ptr(),
                          nchunks=chunks.shape[0] - 1, scale=scale, bf16=int(k_layer.dtype == torch.bfloat16),
                          threads=torch.get_num_threads())
-        return ExactCall(kernel.lib, s, (self.tok, self.runs, chunks))
+        return ExactCall(kernel, s, (self.tok, self.runs, chunks))
 
 
 def takes(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -78,7 +78,12 @@ class DecodeKernel:
         lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
-        self.lib = lib  # the exact attention too (engine.model.attention.exact)
+        self.lib = lib  # the exact attention too (engine.model.attention.exact), its signatures set here once
+        lib.radix_exact_attention.argtypes = [ptr] * 5
+        lib.radix_exact_attention.restype = ctypes.c_int
+        lib.radix_exact_why.argtypes = [ctypes.c_int]
+        lib.radix_exact_why.restype = ctypes.c_char_p
+        self.exact_fn = ctypes.cast(lib.radix_exact_attention, ctypes.c_void_p).value
 
     def many_rows_for(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether calls of this dtype and head size can take a many-rows path (bf16: AMX or

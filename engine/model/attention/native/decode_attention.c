@@ -1014,10 +1014,8 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
  * fma(q, k, acc) are one rounding of one exact value), so the bits do not depend on which loop ran.
  * A block of 16 keys by 16 dims is loaded as rows and transposed in registers: with one stream's three
  * query rows the rows-in-lanes loop used 3 of 16 lanes. */
-static inline __attribute__((always_inline)) void exact_few_scores(exact_scratch *w, const char *const *qr, int R,
-                                                                   int rpad, int n, int D, float scale, int bf16,
-                                                                   int esz) {
-    (void)qr;
+static inline __attribute__((always_inline)) void exact_few_scores(exact_scratch *w, int R, int rpad, int n, int D,
+                                                                   float scale, int bf16, int esz) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int kn = n - j0 < 16 ? n - j0 : 16;
@@ -1109,7 +1107,7 @@ static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w,
     int j = 0;
 #if defined(__AVX512F__)
     if (R <= EXACT_FEW_ROWS) { /* few rows: keys in the lanes, the same chains (see exact_few_scores) */
-        exact_few_scores(w, qr, R, rpad, n, D, scale, bf16, esz);
+        exact_few_scores(w, R, rpad, n, D, scale, bf16, esz);
         j = n;
     }
 #endif
