@@ -96,6 +96,7 @@ def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks, moves=frozens
     for i, n in enumerate(lengths):  # resolve slot tables: a reusing request reads the other's slots
         if tables[i] is None:
             tables[i] = scattered(pool, n, gen)
+    lenders = set()  # requests whose slots another reads in place: their KV stays where it is (the tree's)
     for i, n in enumerate(lengths):
         if isinstance(tables[i], tuple):
             _, j, shared = tables[i]
@@ -105,6 +106,7 @@ def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks, moves=frozens
                 continue
             tables[i] = base[:shared] + scattered(pool, n - shared, gen)
             done[i] = -shared  # may start only once request j has computed those tokens
+            lenders.add(j)
     step = 0
     while any(d < len(ids[i]) for i, d in enumerate(done)):
         step += 1
@@ -125,7 +127,7 @@ def run_schedule(runner, lengths, reuse, seed, chunk_sizes, picks, moves=frozens
                     done[i] = 0
             continue
         if step in moves:
-            going = [i for i in ready if done[i] > 0]
+            going = [i for i in ready if done[i] > 0 and i not in lenders]
             if going:
                 tables[going[0]] = move_kv(pool, tables[going[0]], done[going[0]], gen)
         pick = picks[step % len(picks)]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import tests.engine.test_batching_exact as batching_tests
 import tests.engine.test_bit_exact as exact_tests
@@ -144,6 +145,14 @@ def test_the_exact_forward_gives_every_row_its_bits_alone(isa, isa_runner):
     exact_tests.test_scratch_buffer_paths_and_the_no_reuse_baseline_give_the_pools_bits(isa_runner)
     for case in (([300, 280, 40], [None, 0, 1], 3, [256, 1, 33], [5, 3, 7, 1]), ([520, 9], [None, 0], 4, [7, 300], [3])):
         exact_tests.assert_every_row_alone(isa_runner, *exact_tests.run_schedule(isa_runner, *case))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=exact_tests.schedules())
+def test_random_schedules_give_every_row_its_bits_alone_on_every_build(isa, isa_runner, case):
+    """The bit-exact schedules of ``test_bit_exact`` (reuse, chunks, rows joining and leaving, KV moved)
+    on each build: the AVX2 build's attention has loops of its own (eight-lane tiles)."""
+    exact_tests.assert_every_row_alone(isa_runner, *exact_tests.run_schedule(isa_runner, *case))
 
 
 def test_the_default_name_is_the_one_of_before_and_each_build_has_its_own(monkeypatch):

@@ -132,6 +132,7 @@ static inline float load1(const void *p, int64_t i, int bf16) {
 /* exp(x) for 16 lanes: 2^(x log2 e) split as 2^n * 2^f, f in [-0.5, 0.5], a degree-6
  * polynomial for 2^f (relative error about 2e-7); x below -87 counts as -87 (-inf too), and
  * callers zero what must be zero. */
+#if defined(__AVX512F__)
 static inline vf exp16(vf x) {
     x = vf_max(x, vf_set1(-87.0f));
     vf t = vf_mul(x, vf_set1(1.44269504088896341f));
@@ -146,6 +147,24 @@ static inline vf exp16(vf x) {
     p = vf_fmadd(p, f, vf_set1(1.0f));
     return vf_scale2(p, n);
 }
+#else
+/* the same operations on eight lanes (AVX2), so 8- and 16-lane loops give the same bits */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5353362e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    return scale2x8(p, n);
+}
+static inline vf exp16(vf x) { return vf_make(exp8(x.lo), exp8(x.hi)); }
+#endif
 
 /* Per (piece, head): M*D partial sums, then M maxima, then M sums of weights; then room for
  * the query rows in bf16, padded to 16, per (token, head) (the AMX path's copy). */
@@ -910,6 +929,7 @@ int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *
 #define EXACT_MAX_G 16
 #define EXACT_MAX_CHUNK 16
 #define EXACT_ROWS 64 /* query rows computed together over a block (four groups of 16 lanes) */
+#define EXACT_TILE_KEYS 12 /* AVX2: keys a pass of the scores, with eight rows */
 
 typedef struct {
     int64_t H, G, D, slots, ntok;
@@ -972,6 +992,7 @@ typedef struct {
     float ba[EXACT_ROWS * MAX_D];        /* the block's weighted values per row */
     int nr[EXACT_ROWS];                  /* each row's key count in the block */
     const char *kp[EXACT_BLOCK], *vp[EXACT_BLOCK], *gk[EXACT_BLOCK], *gv[EXACT_BLOCK];
+    float kw[EXACT_TILE_KEYS * MAX_D];   /* AVX2: a tile's keys, float32 and side by side */
     float state[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)];
     float block[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)]; /* one block's partials, before the fold */
 } exact_scratch;
@@ -1208,18 +1229,190 @@ static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w,
     }
 }
 
+#if !defined(__AVX512F__)
+/* AVX2 (sixteen registers of eight lanes): exact_rows_d's work in tiles that stay in registers.
+ * exact_rows_d's 16-lane loops kept 16 to 32 accumulators of two registers each, which spilled on
+ * every key (the attention of a decode step at 16 rows took three times the AVX-512 build's);
+ * here rows go eight to a register (a stream's three rows fill 3 of 8 lanes, not 3 of 16), a
+ * score tile is 6 keys by 16 rows or 12 keys by 8, a value tile 6 rows by 16 dims. Every score
+ * and every weighted sum is the same chain as in exact_rows_d, in the same order: the same bits. */
+
+/* keys j .. j+K-1 (K <= EXACT_TILE_KEYS) as float32 rows D apart: in place where they are
+ * float32 rows side by side in the pool (one run), else widened or copied to w->kw */
+static inline __attribute__((always_inline)) const float *exact_tile_keys(exact_scratch *w, int j, const int K,
+                                                                           int D, int bf16) {
+    const char *first = w->kp[j];
+    if (!bf16 && w->kp[j + K - 1] == first + (int64_t)(K - 1) * D * 4) {
+        int apart = 1;
+        for (int kk = 1; kk < K - 1 && apart; kk++)
+            apart = w->kp[j + kk] == first + (int64_t)kk * D * 4;
+        if (apart)
+            return (const float *)first;
+    }
+    for (int kk = 0; kk < K; kk++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(w->kw + kk * D + d, bf16 ? bf16x8((const uint16_t *)w->kp[j + kk] + d)
+                                                      : _mm256_loadu_ps((const float *)w->kp[j + kk] + d));
+    return w->kw;
+}
+
+/* scores of keys j .. j+K-1 against the U (1 or 2) eight-row groups of queries from row u0 */
+static inline __attribute__((always_inline)) void exact_tile8(exact_scratch *w, int rpad, int u0, int j, const int K,
+                                                              const int U, int n, int D, float scale, int bf16,
+                                                              int esz) {
+    for (int kk = 2 * K; kk < 3 * K && j + kk < n; kk++) /* keys two passes on, to L1 */
+        prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 0);
+    for (int kk = 64; kk < 64 + K && j + kk < n; kk++) { /* keys and values further on, to L2 */
+        prefetch_rows(w->kp[j + kk], (int64_t)D * esz, 1);
+        prefetch_rows(w->vp[j + kk], (int64_t)D * esz, 1);
+    }
+    const float *k = exact_tile_keys(w, j, K, D, bf16);
+    __m256 acc[EXACT_TILE_KEYS][2];
+    for (int kk = 0; kk < K; kk++)
+        acc[kk][0] = acc[kk][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const float *qd = w->qt + d * rpad + u0;
+        const __m256 q0 = _mm256_loadu_ps(qd), q1 = U == 2 ? _mm256_loadu_ps(qd + 8) : q0;
+        for (int kk = 0; kk < K; kk++) {
+            const __m256 kb = _mm256_broadcast_ss(k + kk * D + d);
+            acc[kk][0] = _mm256_fmadd_ps(kb, q0, acc[kk][0]);
+            if (U == 2)
+                acc[kk][1] = _mm256_fmadd_ps(kb, q1, acc[kk][1]);
+        }
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int kk = 0; kk < K; kk++)
+        for (int u = 0; u < U; u++)
+            _mm256_storeu_ps(w->sc + (int64_t)(j + kk) * rpad + u0 + 8 * u, _mm256_mul_ps(acc[kk][u], vs));
+}
+
+/* rows r0 .. r0+RB-1 (RB <= 6) of the weights times the value rows' dims d0 .. d0+15, each sum in
+ * key order up to the row's own count (exact_values' contract) */
+static inline __attribute__((always_inline)) void exact_values8(exact_scratch *w, int rpad, int r0, const int RB,
+                                                                int least, int most, int d0, int D, int bf16) {
+    __m256 acc[6][2];
+    for (int i = 0; i < RB; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j < least; j++) {
+        const __m256 v0 = bf16 ? bf16x8((const uint16_t *)w->vp[j] + d0) : _mm256_loadu_ps((const float *)w->vp[j] + d0);
+        const __m256 v1 = bf16 ? bf16x8((const uint16_t *)w->vp[j] + d0 + 8)
+                               : _mm256_loadu_ps((const float *)w->vp[j] + d0 + 8);
+        const float *p = w->sc + (int64_t)j * rpad + r0;
+        for (int i = 0; i < RB; i++) {
+            const __m256 pw = _mm256_broadcast_ss(p + i);
+            acc[i][0] = _mm256_fmadd_ps(pw, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(pw, v1, acc[i][1]);
+        }
+    }
+    for (; j < most; j++) {
+        const __m256 v0 = bf16 ? bf16x8((const uint16_t *)w->vp[j] + d0) : _mm256_loadu_ps((const float *)w->vp[j] + d0);
+        const __m256 v1 = bf16 ? bf16x8((const uint16_t *)w->vp[j] + d0 + 8)
+                               : _mm256_loadu_ps((const float *)w->vp[j] + d0 + 8);
+        const float *p = w->sc + (int64_t)j * rpad + r0;
+        for (int i = 0; i < RB; i++) {
+            if (j >= w->nr[r0 + i])
+                continue;
+            const __m256 pw = _mm256_broadcast_ss(p + i);
+            acc[i][0] = _mm256_fmadd_ps(pw, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(pw, v1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < RB; i++) {
+        _mm256_storeu_ps(w->ba + (int64_t)(r0 + i) * D + d0, acc[i][0]);
+        _mm256_storeu_ps(w->ba + (int64_t)(r0 + i) * D + d0 + 8, acc[i][1]);
+    }
+}
+
+/* exact_rows_d on AVX2: the same results, rows eight to a register (rpad a multiple of 8) */
+static inline __attribute__((always_inline)) void exact_rows8(exact_scratch *w, const char *const *qr, int R, int n,
+                                                              int D, float scale, int bf16) {
+    const int esz = bf16 ? 2 : 4, rpad = (R + 7) / 8 * 8;
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < rpad; r++)
+            w->qt[d * rpad + r] = r < R ? load1(qr[r], d, bf16) : 0.0f;
+    for (int jj = 0; jj < 64 && jj < n; jj++) { /* the block's first keys and values (exact_rows_d) */
+        prefetch_rows(w->kp[jj], (int64_t)D * esz, jj < 16 ? 0 : 1);
+        prefetch_rows(w->vp[jj], (int64_t)D * esz, 1);
+    }
+    for (int u0 = 0; u0 < rpad; u0 += 16) {
+        int j = 0;
+        if (rpad - u0 >= 16) {
+            for (; j + 6 <= n; j += 6)
+                exact_tile8(w, rpad, u0, j, 6, 2, n, D, scale, bf16, esz);
+            for (; j < n; j++)
+                exact_tile8(w, rpad, u0, j, 1, 2, n, D, scale, bf16, esz);
+        } else {
+            for (; j + EXACT_TILE_KEYS <= n; j += EXACT_TILE_KEYS)
+                exact_tile8(w, rpad, u0, j, EXACT_TILE_KEYS, 1, n, D, scale, bf16, esz);
+            for (; j < n; j++)
+                exact_tile8(w, rpad, u0, j, 1, 1, n, D, scale, bf16, esz);
+        }
+    }
+    for (int r = 0; r < R; r++) /* a row's keys past its own count: out of its maximum */
+        for (int j = w->nr[r]; j < n; j++)
+            w->sc[(int64_t)j * rpad + r] = -INFINITY;
+    for (int b = 0; b < rpad; b += 8) {
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j++)
+            best = _mm256_max_ps(_mm256_loadu_ps(w->sc + (int64_t)j * rpad + b), best);
+        for (int j = 0; j < n; j++) {
+            float *at = w->sc + (int64_t)j * rpad + b;
+            _mm256_storeu_ps(at, exp8(_mm256_sub_ps(_mm256_loadu_ps(at), best)));
+        }
+        float top[8];
+        _mm256_storeu_ps(top, best);
+        for (int i = 0; i < 8 && b + i < R; i++)
+            w->bm[b + i] = top[i];
+    }
+    for (int r = 0; r < R; r++) /* weights past a row's count: 0 */
+        for (int j = w->nr[r]; j < n; j++)
+            w->sc[(int64_t)j * rpad + r] = 0.0f;
+    for (int b = 0; b < rpad; b += 8) { /* each row's sum of weights, in key order */
+        __m256 total = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++)
+            total = _mm256_add_ps(total, _mm256_loadu_ps(w->sc + (int64_t)j * rpad + b));
+        float sum[8];
+        _mm256_storeu_ps(sum, total);
+        for (int i = 0; i < 8 && b + i < R; i++)
+            w->bs[b + i] = sum[i];
+    }
+    for (int r0 = 0; r0 < R; r0 += 6) {
+        const int rb = R - r0 < 6 ? R - r0 : 6;
+        int most = 0, least = EXACT_BLOCK;
+        for (int i = 0; i < rb; i++) {
+            most = w->nr[r0 + i] > most ? w->nr[r0 + i] : most;
+            least = w->nr[r0 + i] < least ? w->nr[r0 + i] : least;
+        }
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            switch (rb) {
+            case 6: exact_values8(w, rpad, r0, 6, least, most, d0, D, bf16); break;
+            case 5: exact_values8(w, rpad, r0, 5, least, most, d0, D, bf16); break;
+            case 4: exact_values8(w, rpad, r0, 4, least, most, d0, D, bf16); break;
+            case 3: exact_values8(w, rpad, r0, 3, least, most, d0, D, bf16); break;
+            case 2: exact_values8(w, rpad, r0, 2, least, most, d0, D, bf16); break;
+            default: exact_values8(w, rpad, r0, 1, least, most, d0, D, bf16); break;
+            }
+        }
+    }
+}
+#define EXACT_ROWS_FN exact_rows8 /* the same results in eight-lane tiles */
+#else
+#define EXACT_ROWS_FN exact_rows_d
+#endif
+
 /* exact_rows_d with the head size and dtype constants for the common sizes (the same operations) */
 static void exact_rows(exact_scratch *w, const char *const *qr, int R, int n, int D, float scale, int bf16) {
     if (D == 64 && !bf16)
-        exact_rows_d(w, qr, R, n, 64, scale, 0);
+        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 0);
     else if (D == 64)
-        exact_rows_d(w, qr, R, n, 64, scale, 1);
+        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 1);
     else if (D == 128 && !bf16)
-        exact_rows_d(w, qr, R, n, 128, scale, 0);
+        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 0);
     else if (D == 128)
-        exact_rows_d(w, qr, R, n, 128, scale, 1);
+        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 1);
     else
-        exact_rows_d(w, qr, R, n, D, scale, bf16);
+        EXACT_ROWS_FN(w, qr, R, n, D, scale, bf16);
 }
 
 /* The running state (m, s, a) of one row merged with a block's (bm, bs, ba): the one place the
