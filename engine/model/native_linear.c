@@ -27,9 +27,15 @@
 #endif
 
 #define ROWS 4  /* rows of x per pass over a weight row */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define WROWS 8 /* weight rows side by side in a tile, where there are more than ROWS rows of x */
 #define TROWS 2 /* rows of x per pass over a tile */
 #define BLOCK 8 /* outputs handed to a thread at a time (a multiple of WROWS) */
+#else /* sixteen registers: 6 x 2 accumulators, two of x and a weight (8 x 2 spilled: issue 48) */
+#define WROWS 6
+#define TROWS 2
+#define BLOCK 12
+#endif
 #define PASS_MAX 4 /* the most rows of x a pass over a tile takes (TROWS, or four: tile4()) */
 
 static inline float sum8(__m256 a) {
