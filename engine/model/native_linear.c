@@ -36,6 +36,7 @@
 #define TROWS 2
 #define BLOCK 12
 #endif
+#define ROW_GROUP 64 /* rows of x whose passes go over the weights together (x stays in L2) */
 #define PASS_MAX 4 /* the most rows of x a pass over a tile takes (TROWS, or four: tile4()) */
 
 static inline float sum8(__m256 a) {
@@ -108,7 +109,9 @@ static inline __attribute__((always_inline)) void tile(const float *const *xr, i
         for (int64_t l = i >> 3; l < pf_lines; l += in >> 3) /* spread over the steps (see block()) */
             _mm_prefetch(pf + l * 64, _MM_HINT_T1);
         for (int j = 0; j < WROWS; j++) {
-            const __m256 v = load_w(w + j * in * esz, i, bf16);
+            __m256 v = load_w(w + j * in * esz, i, bf16);
+            if (R > 1) /* one load for the R products, not one folded into each FMA (issue 48) */
+                __asm__("" : "+x"(v));
             for (int r = 0; r < R; r++)
                 a[j][r] = _mm256_fmadd_ps(v, xv[r], a[j][r]);
         }
@@ -278,10 +281,14 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
 static void linear_part(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
                         const float *bias, float *y, int64_t y_rs, int bf16) {
     const int64_t blocks = (out + BLOCK - 1) / BLOCK;
+    for (int64_t g0 = 0; g0 < rows; g0 += ROW_GROUP) {
+        const int64_t gr = rows - g0 < ROW_GROUP ? rows - g0 : ROW_GROUP;
 #pragma omp for schedule(guided) nowait
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t o = b * BLOCK;
-        block(x, x_rs, rows, (const char *)w, o, out - o < BLOCK ? out - o : BLOCK, in, bias, y, y_rs, bf16);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t o = b * BLOCK;
+            block(x + g0 * x_rs, x_rs, gr, (const char *)w, o, out - o < BLOCK ? out - o : BLOCK, in, bias,
+                  y + g0 * y_rs, y_rs, bf16);
+        }
     }
 }
 
@@ -391,6 +398,53 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t d, int 
             x[i + half] = b * cos[i + half] + a * sin[i + half];
         }
     }
+}
+
+/* e^x for eight lanes, x <= 88: 2^(x log2 e) as 2^n 2^f, f in [-0.5, 0.5], a degree-6 polynomial
+ * for 2^f (relative error about 2e-7); x below -87 counts as -87 */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5353362e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* bf() on eight lanes */
+static inline __m256 bf8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd),
+                                       _mm256_set1_epi32((int)0xffff0000u));
+    const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+
+/* g = silu(g) * u for n <= 8 values, in place: x / (1 + e^-x) * u (in bf16 each step rounded, as
+ * the unfused forward stores it); eight lanes at a time, each value on its own, so a row's bits do
+ * not depend on its neighbours */
+static inline void silu_mul8(float *g, const float *u, int n, int bf16) {
+    float gb[8] = {0}, ub[8] = {0};
+    for (int i = 0; i < n; i++) {
+        gb[i] = g[i];
+        ub[i] = u[i];
+    }
+    __m256 x = _mm256_loadu_ps(gb), uu = _mm256_loadu_ps(ub);
+    if (bf16)
+        x = bf8(x);
+    __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    __m256 y = bf16 ? bf8(_mm256_mul_ps(bf8(s), bf8(uu))) : _mm256_mul_ps(s, uu);
+    _mm256_storeu_ps(gb, y);
+    for (int i = 0; i < n; i++)
+        g[i] = gb[i];
 }
 
 /* h[r] += t[r] for each of the rows (the residual add); in bf16 t rounded, then the sum */
@@ -508,17 +562,9 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
         linear_part(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, bf16);
         linear_part(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, bf16);
 #pragma omp barrier
-        if (bf16) {
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < n_gu; j++) {
-                const float x = bf(g[j]);
-                g[j] = bf(bf(x / (1.0f + expf(-x))) * bf(u[j]));
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < n_gu; j++)
-                g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
+        for (int64_t j = 0; j < n_gu; j += 8)
+            silu_mul8(g + j, u + j, n_gu - j < 8 ? (int)(n_gu - j) : 8, bf16);
         linear_part(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, bf16);
 #pragma omp barrier
 #pragma omp single

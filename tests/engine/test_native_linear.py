@@ -53,16 +53,17 @@ def test_it_matches_float64_math_and_pytorch(kernel, rows, out_features, bias):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [300, 302])
 def test_a_row_alone_equals_the_same_row_in_any_batch_bit_for_bit(kernel, dtype, bias, out_features):
-    # up to four rows: one weight row at a time; more: eight weight rows side by side, and a block's
-    # last outputs that make no eight (300, 302) one at a time again; a batch's last rows fewer than four
+    # up to four rows: one weight row at a time; more: six or eight weight rows side by side, and a
+    # block's last outputs that make no tile (300, 302) one at a time again; a batch's last rows fewer
+    # than four; past 64 rows, groups of 64 rows (the last one here of two: one weight row at a time)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(out_features, 1536, generator=gen).to(dtype)
     b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(19, 1536, generator=gen)
+    x = torch.randn(130, 1536, generator=gen)
     batch = kernel.run(x, w, b)
-    for i in range(19):
+    for i in range(130):
         assert torch.equal(kernel.run(x[i:i + 1], w, b)[0], batch[i])
-    for lo, hi in ((5, 12), (0, 2), (3, 6), (16, 19)):
+    for lo, hi in ((5, 12), (0, 2), (3, 6), (16, 19), (60, 130)):
         assert torch.equal(kernel.run(x[lo:hi], w, b), batch[lo:hi])
 
 
