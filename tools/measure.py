@@ -113,18 +113,21 @@ class ModelCost:
     flops_per_token: int  # 2 x the parameters a token multiplies by (not the input embedding's lookup)
     attention_flops_per_context_token: int  # q.k and p.v of every layer and query head: 4 x layers x Hq x D
 
-    def step_seconds(self, rows: int, context_tokens: int, limits: MachineLimits) -> float:
+    def step_seconds(self, rows: int, context_tokens: int, limits: MachineLimits, shared_tokens: int = 0) -> float:
         """The least time of one decode step of ``rows`` streams, each over ``context_tokens``: the
-        weights once and every row's KV read at the read bandwidth, or its FLOPs at the FMA rate,
+        weights once and the rows' KV (the first ``shared_tokens`` of every row's context, a prefix
+        they share in the cache, once) read at the read bandwidth, or its FLOPs at the FMA rate,
         whichever is longer."""
-        read = self.weight_bytes + rows * context_tokens * self.kv_bytes_per_token
+        shared = max(0, min(shared_tokens, context_tokens)) if rows > 1 else 0
+        read = self.weight_bytes + (shared + rows * (context_tokens - shared)) * self.kv_bytes_per_token
         flops = rows * (self.flops_per_token + context_tokens * self.attention_flops_per_context_token)
         return max(read / limits.read_bytes_per_s, flops / limits.flops_per_s)
 
 
-def decode_limit(cost: ModelCost, rows: int, context_tokens: int, limits: MachineLimits) -> float:
+def decode_limit(cost: ModelCost, rows: int, context_tokens: int, limits: MachineLimits,
+                 shared_tokens: int = 0) -> float:
     """The tokens/s ``rows`` streams decoding together cannot beat (``ModelCost.step_seconds``)."""
-    return rows / cost.step_seconds(rows, context_tokens, limits)
+    return rows / cost.step_seconds(rows, context_tokens, limits, shared_tokens)
 
 
 def model_cost(model, kv_bytes_per_token: int, num_layers: int, q_heads: int, head_dim: int) -> ModelCost:

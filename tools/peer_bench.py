@@ -354,7 +354,7 @@ def limit_lines(rows: list[Row], dtype: str, bandwidth: float, flops_per_s: floa
         if not r.results or dtype not in r.server:
             continue
         context = int(r.prompt_per_request + (max_tokens - 1) / 2)
-        limit = decode_limit(cost, r.streams, context, limits)
+        limit = decode_limit(cost, r.streams, context, limits, r.system_tokens)  # the system prompt's KV once
         lines.append(f"- {r.server}, {r.streams} stream(s), {r.system_tokens:,} system tokens: {r.tokens_per_s:.1f} "
                      f"tokens/s = {r.tokens_per_s / limit:.0%} of the limit {limit:.1f} at {context:,} tokens of "
                      "context")

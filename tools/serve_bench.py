@@ -29,8 +29,8 @@ request to its first token, queueing included), the peak growth of the process's
 resident memory during the run (``VmRSS``, sampled every 20 ms; the KV budget is the
 bound it should respect) and how many answers are token-identical to the same request
 run alone on an engine with no cache, and the row's limit: the tokens/s its decode steps cannot
-beat on this machine (``tools.measure.decode_limit``: each step reads the model's weights once and
-every row's KV at the read bandwidth, or does its FLOPs at the float32 FMA rate, both measured at the
+beat on this machine (``tools.measure.decode_limit``: each step reads the model's weights and the
+shared system prompt's KV once and each row's own KV at the read bandwidth, or does its FLOPs at the float32 FMA rate, both measured at the
 start of the run; rows per step: 1 one at a time, the streams up to 16 batched, the streams for hf;
 the context: the mean prompt plus half the answer) and the row's share of it. First come the CPU,
 its ISA flags, ``RADIX_ISA`` and the limits measured. Finally, at 8 streams (or the largest run):
@@ -45,6 +45,7 @@ import dataclasses
 import inspect
 import json
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -318,6 +319,7 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
     ids = [runner.text.encode_chat(r.messages) for r in requests]
     cost = runner_cost(runner)
     context = int(sum(map(len, ids)) / max(1, len(ids)) + (max_new_tokens - 1) / 2)
+    shared = len(os.path.commonprefix([list(x) for x in ids])) if len(ids) > 1 else 0  # the system prompt: read once
     rows = []
     try:
         for c in streams:
@@ -330,7 +332,7 @@ def run_bench(runner: ModelRunner, streams: list[int], n_requests: int, max_new_
                         runner, requests, c, 1 if kind == "one" else max_batch, reference, budget, warm_up)
                 same = sum(o == ref for o, ref in zip(outs, reference, strict=False))
                 budget_mb = (budget or 0) / 2**20 if kind != "hf" else None
-                limit = decode_limit(cost, rows_per_step(kind, c), context, limits) if limits else 0.0
+                limit = decode_limit(cost, rows_per_step(kind, c), context, limits, shared) if limits else 0.0
                 row = Row(kind, c, len(requests), sum(len(o) for o in outs), wall, ttfts, same,
                           None if growth is None else growth / 2**20, budget_mb,
                           None if device_peak is None else device_peak / 2**20, limit)

@@ -80,3 +80,11 @@ def test_the_header_names_the_cpu_its_isa_flags_and_radix_isa(monkeypatch):
     text = machine_header(MachineLimits(20e9, 150e9))
     assert text.startswith("CPU: ") and "avx512f " in text and "amx_tile " in text
     assert "RADIX_ISA=avx2" in text and "20.0 GB/s" in text and "150 GFLOP/s" in text
+
+
+def test_a_shared_prefix_is_read_once_per_step():
+    limits = MachineLimits(read_bytes_per_s=1e9, flops_per_s=1e15)
+    # 8 rows over 100 tokens, the first 90 shared: 1 MB + (90 + 8 x 10) kB = 1.17 ms (not 1.8 ms)
+    assert COST.step_seconds(8, 100, limits, shared_tokens=90) == pytest.approx(1.17e-3)
+    assert decode_limit(COST, 8, 100, limits, 90) > decode_limit(COST, 8, 100, limits)
+    assert COST.step_seconds(1, 100, limits, shared_tokens=90) == COST.step_seconds(1, 100, limits)
