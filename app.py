@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="remote mode, --backend a router (python -m tools.fleet): the replicas behind it; the page "
                         "follows each one's KV events (its GET /kv_event_sources) and shows them side by side in a "
                         "Fleet tab, with the replica each request landed on; requests still go through the router")
+    p.add_argument("--routing-lab", default=env("RADIX_ROUTING_LAB", ""), metavar="FILE",
+                   help="with --fleet: the routing lab's report (python -m tools.routing_lab --json FILE), shown in "
+                        "the Fleet tab beside the live trees: every policy on the same trace, and the simulator's "
+                        "prediction")
     p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
                    help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
                         "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
@@ -130,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fleet = [u.strip() for u in args.fleet.split(",") if u.strip()]
     if args.fleet and not args.backend:
         p.error("--fleet needs --backend (the router in front of those replicas)")
+    if args.routing_lab and not args.fleet:
+        p.error("--routing-lab needs --fleet (its table goes in the Fleet tab)")
     if args.max_new_tokens is None:
         args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
     if args.max_per_client < 0:
@@ -169,14 +175,31 @@ def build_engine(args: argparse.Namespace, runner=None):
                   eviction_policy=args.eviction_policy)
 
 
-def build_app(engine, max_queue: int = 32):
+def load_routing_lab(path: str) -> dict:
+    """``--routing-lab FILE``: the report, checked (``components.views.routing_lab_report``);
+    ``ValueError`` with one line saying what is wrong."""
+    from components.views.routing_lab_report import MAX_BYTES, parse_report
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read the routing-lab report {path!r}: {exc.strerror or exc}") from None
+    try:
+        return parse_report(text)
+    except ValueError as exc:
+        raise ValueError(f"{path!r} is not a routing-lab report: {exc}") from None
+
+
+def build_app(engine, max_queue: int = 32, routing_lab: dict | None = None):
     """The Blocks with the queue a public page needs: at most 16 events run at once and
     ``4 * max_queue`` wait; beyond that Gradio answers "queue full", and the engine's own
-    queue (``max_queue``) answers a friendly "busy" warning."""
+    queue (``max_queue``) answers a friendly "busy" warning. ``routing_lab``: a report for the
+    Fleet tab (``load_routing_lab``)."""
     from components.demo import build_demo
     from components.panels.hardening import harden
 
-    demo = harden(build_demo(engine))
+    demo = harden(build_demo(engine, routing_lab=routing_lab))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)
     calm_queue(demo)
     return demo
@@ -340,6 +363,13 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.model.hub import ModelLoadError
     from engine.types import EngineError
 
+    lab = None
+    if args.routing_lab:  # checked before anything is loaded: a bad file ends here, in one line
+        try:
+            lab = load_routing_lab(args.routing_lab)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     if args.backend:
         print(f"Remote mode: tokenizer of {args.model!r}, backend {args.backend} ...", flush=True)
         try:
@@ -367,7 +397,7 @@ def _serve(args: argparse.Namespace) -> int:
     page_work = not args.backend and not args.no_cache and not args.replica
     if page_work:
         warm_start(engine)  # shipped prompts cached before the page is served: the first question is a hit
-    demo = build_app(engine, args.max_queue)
+    demo = build_app(engine, args.max_queue, routing_lab=lab)
     if page_work:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
     try:

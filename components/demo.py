@@ -90,7 +90,9 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
                 state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware(), **(app_kwargs or {})})
 
 
-def build_demo(engine: EngineAPI) -> gr.Blocks:
+def build_demo(engine: EngineAPI, routing_lab: dict | None = None) -> gr.Blocks:
+    """The page over ``engine``; ``routing_lab``, a routing-lab report for the Fleet tab
+    (``components.views.routing_lab_report``), where the engine has a fleet."""
     share_page_blocks(engine)  # the presets everyone may share, handed to the engine that keys by them
     live: dict[str, list[LiveView]] = {}  # tab label -> the live views inside it
     with gr.Blocks(title=TITLE) as demo:
@@ -120,7 +122,7 @@ def build_demo(engine: EngineAPI) -> gr.Blocks:
                 live["Radix tree"] = [build_tree_panel(engine, last_metrics)]
             if engine.fleet_view() is not None:  # remote mode in front of a router with --fleet
                 with gr.Tab("Fleet"):
-                    live["Fleet"] = [build_fleet_panel(engine, last_metrics)]
+                    live["Fleet"] = [build_fleet_panel(engine, last_metrics, lab=routing_lab)]
             with gr.Tab("Cache memory"):
                 live["Cache memory"] = [build_memory_panel(engine)]
             with gr.Tab("Scheduler"):

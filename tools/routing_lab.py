@@ -2,13 +2,15 @@
 
 Usage: python -m tools.routing_lab [--replicas 3] [--policies round_robin,random,cache_aware,kv_aware]
        [--model PATH] [--users 8] [--turns 3] [--concurrency 4] [--max-tokens 16] [--budget-mb 64]
+       [--json FILE]     # the report for the Fleet tab: app.py --backend ROUTER --fleet ... --routing-lab FILE
 
 For each policy a fresh fleet (``tools.fleet``): the replicas start again, so every policy meets
 empty caches, and the router starts with that policy. The trace (``tools.fleet.trace``) is replayed
 through the router, users of a round ``--concurrency`` at a time. Per policy: requests answered,
 the fleet-wide cached-token share (``usage.prompt_tokens_details.cached_tokens`` over prompt
 tokens), time to first token p50/p95 as the client saw it, output tokens per second over the
-replay, and how many requests each replica got (its ``/metrics``). The measured columns are our
+replay, how many requests each replica got (its ``/metrics``) and the tokens held on more than one
+replica at the end (from each replica's KV events). The measured columns are our
 replicas and the real router, on loopback; beside them (``--no-predict`` leaves them out) what the
 fleet simulator predicts for the same trace, fleet size, budget and policy (``tools.fleet_sim``:
 no model, no router, token-level caches; see docs/FLEET.md, "The simulator").
@@ -19,45 +21,69 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+import httpx
 
 from analysis.replay.fleet_policies import POLICIES as SIMULATED
+from components.views.routing_lab_report import lab_caption, lab_table, to_json
 from tools.fleet import POLICIES, Fleet, metrics_of
 from tools.fleet.trace import built_in_trace, replay, summarize
 from tools.fleet_sim import predict_builtin
 
 
+def _subscribers(fleet: Fleet) -> list:
+    """An independent subscriber of each replica's KV events (for the duplication); [] without events."""
+    from server.remote.block_tree import BlockTree
+    from server.remote.kv_events import KVEventSubscriber, discover
+
+    subs = []
+    for r in fleet.members:
+        client = httpx.Client(base_url=r.url, timeout=10)
+        source = discover(lambda p, c=client: c.get(p).json(), r.url)
+        if source is None:
+            return []
+        subs.append(KVEventSubscriber(source, BlockTree()).start())
+    return subs
+
+
 def run_policy(policy: str, args: argparse.Namespace) -> dict:
     fleet = Fleet(args.replicas, policy, model=args.model, budget_mb=args.budget_mb, threads=args.threads)
     with fleet:
-        before = [metrics_of(r.url) for r in fleet.members]
-        t0 = time.monotonic()
-        results = replay(fleet.url, fleet.model_name, built_in_trace(args.users, args.turns, seed=args.seed),
-                         max_tokens=args.max_tokens, concurrency=args.concurrency, deadline_s=args.deadline_s)
-        row = summarize(results, time.monotonic() - t0)
-        after = [metrics_of(r.url) for r in fleet.members]
+        subs = _subscribers(fleet)
+        try:
+            before = [metrics_of(r.url) for r in fleet.members]
+            t0 = time.monotonic()
+            results = replay(fleet.url, fleet.model_name, built_in_trace(args.users, args.turns, seed=args.seed),
+                             max_tokens=args.max_tokens, concurrency=args.concurrency, deadline_s=args.deadline_s)
+            row = summarize(results, time.monotonic() - t0)
+            after = [metrics_of(r.url) for r in fleet.members]
+            if subs:  # what the replicas hold at the end, from their events: tokens held more than once
+                from server.remote.fleet import duplication
+
+                time.sleep(1.0)  # the last batches
+                d = duplication([s.tree for s in subs])
+                row["held_tokens"], row["duplicate_tokens"] = d.held, d.held - d.distinct
+        finally:
+            for s in subs:
+                s.close()
     row["per_replica"] = [int(a.get("radix_requests_total", 0) - b.get("radix_requests_total", 0))
                           for a, b in zip(after, before, strict=True)]
     row["policy"] = policy
     return row
 
 
-def table(rows: list[dict], predicted: dict | None = None) -> str:
-    """The measured rows; with ``predicted`` (policy -> the simulator's run) two more columns."""
-    head = "| policy | answered | cached share | TTFT p50 | TTFT p95 | output tok/s | requests per replica |"
-    rule = "|---|---:|---:|---:|---:|---:|---|"
-    if predicted is not None:
-        head, rule = head + " simulated share | simulated per replica |", rule + "---:|---|"
-    lines = [head, rule]
-    for r in rows:
-        line = (f"| {r['policy']} | {r['answered']}/{r['requests']} | {r['hit_rate']:.1%} | "
-                f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | "
-                f"{r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} |")
-        if predicted is not None:
-            run = predicted.get(r["policy"])
-            line += (f" {run.hit_rate:.1%} | {' / '.join(map(str, run.per_replica))} |" if run is not None
-                     else " - | - |")
-        lines.append(line)
-    return "\n".join(lines)
+def report_of(rows: list[dict], predicted: dict | None, args: argparse.Namespace) -> dict:
+    """The lab's report (``components.views.routing_lab_report``: the Fleet tab reads it)."""
+    from tools.measure import machine_header
+
+    return {"replicas": args.replicas, "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+            "users": args.users, "turns": args.turns, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+            "machine": machine_header().splitlines()[0].removeprefix("CPU: "), "date": time.strftime("%Y-%m-%d"),
+            "rows": rows,
+            "predicted": None if predicted is None else {
+                name: {"hit_rate": run.hit_rate, "per_replica": list(run.per_replica)}
+                for name, run in predicted.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores / replicas)")
     p.add_argument("--deadline-s", type=float, default=900.0, help="each replay's limit (turns past it are not sent)")
     p.add_argument("--no-predict", action="store_true", help="leave out the simulator's prediction")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report here, for the Fleet tab (app.py --routing-lab FILE)")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES]
@@ -101,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             if "kv_aware" in runs:
                 print(f"simulated kv_aware with every lookup missing (as vllm-router 0.1.17 behaved): "
                       f"{runs['kv_aware (blind)'].hit_rate:.1%}")
-    print(table(rows, predicted))
+    report = report_of(rows, predicted, args)
+    print(lab_caption(report))
+    print(lab_table(report))
+    if args.json:
+        Path(args.json).write_text(to_json(report))
+        print(f"report written to {args.json} (python app.py --backend ROUTER --fleet ... --routing-lab {args.json})")
     return 0
 
 

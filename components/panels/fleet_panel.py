@@ -3,7 +3,8 @@
 Owns the tab's layout and live refresh: one small tree per replica (the figure the tree tab
 draws, over that replica's blocks from its KV events), a line over each (tokens, hit rate,
 requests landed), the replicas' table, the last requests (the replica each landed on, what it
-had cached, the most any replica had) and the fleet's duplication. The engine gives the data
+had cached, the most any replica had), the fleet's duplication, and the routing lab's report
+(``--routing-lab``) or how to make one. The engine gives the data
 (``EngineAPI.fleet_view``); the words are ``components.views.fleet_tables``. Built only when the
 engine has a fleet.
 """
@@ -21,6 +22,7 @@ from components.views.fleet_tables import (
     replicas_table,
     requests_table,
 )
+from components.views.routing_lab_report import lab_caption, lab_table
 from components.views.tree_figures import tree_figure
 from components.views.tree_marks import request_path
 from engine.api import EngineAPI
@@ -32,6 +34,17 @@ INTRO = (
     "each small tree below is one replica's **real** cache, drawn from them (colour: how recently used). Your last "
     "request is lit up on the replica it landed on (green: served from that replica's cache, orange: computed). "
     "With `round_robin` a conversation's turns scatter, so each replica computes the shared prefix again."
+)
+
+LAB_INTRO = (
+    "Measured with `python -m tools.routing_lab`: for each policy, fresh replicas and vLLM's router in front, the "
+    "built-in trace (several system prompts, many users, multi-turn chats) replayed through it. **Cached share**: "
+    "prompt tokens the replicas served from cache; **duplicate tokens**: held on more than one replica at the end; "
+    "beside them what the fleet simulator predicted for the same trace and fleet."
+)
+LAB_HOWTO = (
+    "No report loaded. Run `python -m tools.routing_lab --json lab.json` (each policy on fresh replicas behind the "
+    "router) and start this page with `--routing-lab lab.json` to see every policy side by side here."
 )
 
 
@@ -53,7 +66,8 @@ def replica_figures(view: FleetView, metrics: RequestMetrics | None, viewer: str
     return figs
 
 
-def build_fleet_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = False) -> LiveView:
+def build_fleet_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = False,
+                      lab: dict | None = None) -> LiveView:
     first = engine.fleet_view()
     count = len(first.replicas) if first is not None else 0
     gr.Markdown(f"**Router** {engine.info().backend} · **{count} replicas** behind it.  \n" + INTRO,
@@ -73,6 +87,12 @@ def build_fleet_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = 
                 + (" (yours only)" if engine.isolation else ""))
     requests = gr.Markdown("")
     gr.Markdown(ATTRIBUTION_NOTE, elem_classes=["legend"])
+    gr.Markdown("#### The routing lab: the same trace under each policy")
+    if lab is not None:
+        gr.Markdown(LAB_INTRO + "  \n" + lab_caption(lab), elem_classes=["legend"])
+        gr.Markdown(lab_table(lab))
+    else:
+        gr.Markdown(LAB_HOWTO, elem_classes=["legend"])
     seen = gr.State(None)
 
     def refresh(metrics, seen_before, request: gr.Request):

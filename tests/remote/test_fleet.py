@@ -277,8 +277,15 @@ def test_the_dashboard_with_fleet_sees_each_replicas_real_tree_and_where_request
                                                                        * view.kv_bytes_per_token)
 
         # The page: a Fleet tab, and its words over the real view.
-        demo = build_demo(engine)
+        from components.views.routing_lab_report import parse_report, to_json
+        from tests.ui.test_routing_lab_report import REPORT
+
+        demo = build_demo(engine, routing_lab=parse_report(to_json(REPORT)))
         assert "Fleet" in [b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"]
+        texts = [str(b.value) for b in demo.blocks.values() if type(b).__name__ == "Markdown"]
+        assert any("| cache_aware | 24/24 | 87.0%" in t for t in texts)  # the routing lab's table (--routing-lab)
+        assert "No report loaded" in " ".join(str(b.value) for b in build_demo(engine).blocks.values()
+                                              if type(b).__name__ == "Markdown")
         from components.panels.tree_panel import REMOTE_FLEET_NOTE, remote_note
         assert remote_note(engine) == REMOTE_FLEET_NOTE  # the tree tab points to the Fleet tab
         assert "replica 2" in replicas_table(view) and "landed" in requests_table(view)

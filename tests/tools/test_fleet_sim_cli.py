@@ -14,8 +14,11 @@ def test_the_table_has_a_row_per_size_and_policy(capsys):
 
 
 def test_the_routing_labs_trace_is_predicted_and_set_beside_the_measured_rows():
+    import argparse
+
+    from components.views.routing_lab_report import lab_table, parse_report, to_json
     from tools.fleet_sim import BLIND, predict_builtin
-    from tools.routing_lab import table
+    from tools.routing_lab import report_of
 
     runs, what = predict_builtin(["round_robin", "cache_aware", "kv_aware"])
     assert "24 requests" in what and set(runs) == {"round_robin", "cache_aware", "kv_aware", BLIND}
@@ -23,12 +26,16 @@ def test_the_routing_labs_trace_is_predicted_and_set_beside_the_measured_rows():
     assert runs["cache_aware"].hit_rate > runs["round_robin"].hit_rate
     assert runs[BLIND].hit_rate < runs["kv_aware"].hit_rate
     measured = {"policy": "round_robin", "answered": 24, "requests": 24, "hit_rate": 0.619, "ttft_p50_s": 0.457,
-                "ttft_p95_s": 1.66, "output_tokens_per_s": 23.2, "per_replica": [8, 8, 8]}
-    rows = table([measured, {**measured, "policy": "sticky_least_loaded"}], runs).splitlines()
+                "ttft_p95_s": 1.66, "output_tokens_per_s": 23.2, "per_replica": [8, 8, 8], "held_tokens": 4000,
+                "duplicate_tokens": 1000}
+    args = argparse.Namespace(replicas=3, model=None, users=8, turns=3, concurrency=4, max_tokens=16)
+    report = report_of([measured, {**measured, "policy": "sticky_least_loaded"}], runs, args)
+    assert parse_report(to_json(report)) == parse_report(to_json(report))  # what the Fleet tab reads back
+    rows = lab_table(parse_report(to_json(report))).splitlines()
     assert rows[0].endswith("simulated share | simulated per replica |")
-    assert rows[2].endswith(f"| {runs['round_robin'].hit_rate:.1%} | 8 / 8 / 8 |")
+    assert rows[2].endswith(f"| 1,000 (25%) | {runs['round_robin'].hit_rate:.1%} | 8 / 8 / 8 |")
     assert rows[3].endswith("| - | - |")  # a policy the simulator does not have
-    assert "simulated" not in table([measured])
+    assert "simulated" not in lab_table(report_of([measured], None, args))
 
 
 def test_each_size_gets_a_pooled_reference_row(capsys):
