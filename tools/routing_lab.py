@@ -63,7 +63,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict:
 
                 time.sleep(1.0)  # the last batches
                 d = duplication([s.tree for s in subs])
-                row["held_tokens"], row["duplicate_tokens"] = d.held, d.held - d.distinct
+                row["held_tokens"], row["duplicate_tokens"] = d.tokens_held, d.duplicate_copy_tokens
         finally:
             for s in subs:
                 s.close()

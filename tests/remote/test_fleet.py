@@ -386,3 +386,21 @@ def test_faults_a_replica_dies_restarts_and_its_events_stop_and_the_router_resta
         engine.close()
         if not fleet.members[2].child.alive():
             fleet.restart_replica(2)
+
+
+def test_the_routing_lab_writes_the_report_the_fleet_tab_reads(tiny_model, tmp_path, capsys):
+    """``python -m tools.routing_lab --json FILE`` on two fresh tiny replicas: the table it prints and the
+    report it writes, which ``app.py --routing-lab`` reads back (duplication from the replicas' events)."""
+    from components.views.routing_lab_report import parse_report
+    from tools.routing_lab import main
+
+    need_router()
+    out = tmp_path / "lab.json"
+    assert main(["--replicas", "2", "--policies", "round_robin", "--model", tiny_model, "--budget-mb", "32",
+                 "--users", "4", "--turns", "2", "--max-tokens", "4", "--threads", "1", "--json", str(out)]) == 0
+    report = parse_report(out.read_bytes())
+    row = report["rows"][0]
+    assert row["policy"] == "round_robin" and row["answered"] == row["requests"] == 8
+    assert row["per_replica"] == [4, 4] and row["held_tokens"] > 0 and row["duplicate_tokens"] >= 0
+    assert report["predicted"] is not None and "round_robin" in report["predicted"]
+    assert "| round_robin | 8/8 |" in capsys.readouterr().out
