@@ -61,7 +61,7 @@ def shoot(engine, lab: dict | None, chromium: str, out: str) -> None:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"http://127.0.0.1:{port}/")
             page.get_by_role("tab", name="Fleet").click()
-            page.wait_for_selector(".mini-tree .js-plotly-plot", timeout=60_000)
+            page.wait_for_selector(".mini-tree .js-plotly-plot", state="attached", timeout=60_000)
             page.wait_for_timeout(4000)  # a refresh or two: every tree drawn
             panel = page.locator("[role=tabpanel]:visible").first
             panel.screenshot(path=out)
