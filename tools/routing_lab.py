@@ -23,50 +23,34 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from analysis.replay.fleet_policies import POLICIES as SIMULATED
 from components.views.routing_lab_report import lab_caption, lab_table, to_json
+from server.remote.fleet import Fleet as Followed
+from server.remote.fleet import duplication
 from tools.fleet import POLICIES, Fleet, metrics_of
 from tools.fleet.trace import built_in_trace, replay, summarize
 from tools.fleet_sim import predict_builtin
 
 
-def _subscribers(fleet: Fleet) -> list:
-    """An independent subscriber of each replica's KV events (for the duplication); [] without events."""
-    from server.remote.block_tree import BlockTree
-    from server.remote.kv_events import KVEventSubscriber, discover
-
-    subs = []
-    for r in fleet.members:
-        client = httpx.Client(base_url=r.url, timeout=10)
-        source = discover(lambda p, c=client: c.get(p).json(), r.url)
-        if source is None:
-            return []
-        subs.append(KVEventSubscriber(source, BlockTree()).start())
-    return subs
-
-
 def run_policy(policy: str, args: argparse.Namespace) -> dict:
     fleet = Fleet(args.replicas, policy, model=args.model, budget_mb=args.budget_mb, threads=args.threads)
     with fleet:
-        subs = _subscribers(fleet)
+        # the dashboard's own follower of each replica's KV events (for the duplication at the end)
+        followed = Followed([r.url for r in fleet.members])
         try:
+            found = followed.follow()
             before = [metrics_of(r.url) for r in fleet.members]
             t0 = time.monotonic()
             results = replay(fleet.url, fleet.model_name, built_in_trace(args.users, args.turns, seed=args.seed),
                              max_tokens=args.max_tokens, concurrency=args.concurrency, deadline_s=args.deadline_s)
             row = summarize(results, time.monotonic() - t0)
             after = [metrics_of(r.url) for r in fleet.members]
-            if subs:  # what the replicas hold at the end, from their events: tokens held more than once
-                from server.remote.fleet import duplication
-
+            if all(source is not None for source in found):  # tokens held more than once, from the events
                 time.sleep(1.0)  # the last batches
-                d = duplication([s.tree for s in subs])
+                d = duplication([r.blocks for r in followed.replicas])
                 row["held_tokens"], row["duplicate_tokens"] = d.tokens_held, d.duplicate_copy_tokens
         finally:
-            for s in subs:
-                s.close()
+            followed.close()
     row["per_replica"] = [int(a.get("radix_requests_total", 0) - b.get("radix_requests_total", 0))
                           for a, b in zip(after, before, strict=True)]
     row["policy"] = policy
