@@ -38,6 +38,10 @@ ROUTER_VERSION = "0.1.17"  # tools/install_router.sh
 POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
             "sticky_least_loaded")
 EVENT_BLOCK_SIZE = 32  # our publisher's default, and the only size vLLM's CPU build takes
+# The replicas publish under the empty topic: vllm-router's static event sources subscribe to ""
+# and drop every message whose topic frame is not exactly that (a "kv-events" topic left
+# kv_aware with no index at all: every lookup missed, and it routed on load alone).
+EVENT_TOPIC = ""
 HOST = "127.0.0.1"
 HEALTH_CHECK_S = 2  # the router checks each replica's /health this often (seconds), drops it after two misses
 
@@ -187,7 +191,7 @@ class Fleet:
                    TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
         if self.engine == "ours":
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": r.events,
-                      "replay_endpoint": r.replay, "topic": "kv-events", "block_size": EVENT_BLOCK_SIZE,
+                      "replay_endpoint": r.replay, "topic": EVENT_TOPIC, "block_size": EVENT_BLOCK_SIZE,
                       "publisher_binds": True}
             cmd = [sys.executable, "app.py", "--replica", "--host", HOST, "--port", str(r.port), "--no-isolate",
                    "--cache-budget-mb", f"{self.budget_mb:g}", "--disk-cache-mb", "0",
@@ -201,7 +205,7 @@ class Fleet:
         from tools.vllm_server import model_dir, venv_path
 
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{r.events_port}",
-                  "replay_endpoint": f"tcp://*:{r.replay_port}", "topic": "kv-events"}
+                  "replay_endpoint": f"tcp://*:{r.replay_port}", "topic": EVENT_TOPIC}
         return [str(venv_path() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model or str(model_dir()), "--served-model-name", "SmolLM2-135M-Instruct",
                 "--host", HOST, "--port", str(r.port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
