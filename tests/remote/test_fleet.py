@@ -3,11 +3,10 @@ as a model folder) behind the real ``vllm-router`` (``tools.fleet``), on loopbac
 
 Every request through the router is answered; each replica's ``/metrics`` counted exactly the
 requests (and cached tokens) it was sent; and on the built-in trace (three system prompts, eight
-users, three turns each) ``cache_aware`` routing reaches a higher fleet-wide cached-token share
-than ``round_robin``. ``cache_aware`` and not ``kv_aware``: vllm-router 0.1.17 receives our KV
-events and renders each prompt through our ``/v1/chat/completions/render``, but its block lookups
-all miss (``vllm_router_kv_placement_lookups_total{result="miss"}``), so ``kv_aware`` falls back to
-its load rule (docs/FLEET.md). Both policies run on one set of replicas: the router is restarted
+users, three turns each) ``cache_aware`` and ``kv_aware`` routing each reach a higher fleet-wide
+cached-token share than ``round_robin``; ``kv_aware`` by looking its blocks up in an index the
+router builds from our KV events (the replicas publish under the empty topic, the one vllm-router's
+static event sources take: ``tools/fleet/processes.py``). The policies run on one set of replicas: the router is restarted
 between them, and each replay opens its system prompts with a tag of its own, so the second shares
 no block with the first.
 
@@ -109,18 +108,23 @@ def router_counters(f: Fleet) -> dict[str, float]:
     return out
 
 
-def test_kv_aware_follows_our_events_and_renders_every_prompt_through_our_route(fleet):
-    """What kv_aware gets from our replicas: it starts against their loopback event endpoints, and
-    before each decision it renders the prompt through our ``/v1/chat/completions/render`` (vLLM's
-    route), never ``render_unavailable``. Its block lookups then miss (docs/FLEET.md), so this
-    checks the inputs it takes from us and that every request is answered, not a cache gain."""
+def test_kv_aware_routes_on_our_events_and_caches_more_than_round_robin(fleet):
+    """What kv_aware gets from our replicas: it follows their loopback event endpoints, renders
+    each prompt through our ``/v1/chat/completions/render`` (vLLM's route, never
+    ``render_unavailable``), looks the prompt's blocks up in the index our events built (hits, in
+    the router's own counters), and so caches more of the fleet's prompts than round robin."""
+    robin, _, _ = run(fleet, "round_robin", "[robin, for kv] ")
     summary, deltas, results = run(fleet, "kv_aware", "[kv aware] ")
     assert summary["answered"] == 24, [r.error for r in results if r.error]
     assert sum(d["radix_requests_total"] for d in deltas) == 24
+    assert sum(d["radix_prefix_cache_hits_total"] for d in deltas) == summary["cached_tokens"]
     c = router_counters(fleet)
     rendered = c.get('vllm_router_kv_routing_inputs_total{transport="http",result="render"}', 0)
     assert rendered >= 24, c
     assert not [k for k in c if "kv_routing_inputs_total" in k and "render\"" not in k], c  # nothing else
+    assert c.get('vllm_router_kv_placement_lookups_total{result="hit"}', 0) >= 8, c  # every later turn at least
+    print(f"cached-token share: round_robin {robin['hit_rate']:.1%}, kv_aware {summary['hit_rate']:.1%}")
+    assert summary["hit_rate"] > robin["hit_rate"] + 0.1
 
 
 def _listening(port: int) -> bool:

@@ -108,3 +108,30 @@ def test_the_dashboard_follows_each_vllm_replicas_real_tree_and_where_requests_l
         for sub in mine:
             sub.close()
         engine.close()
+
+
+def test_kv_aware_routes_on_vllms_own_events(vllm_fleet):
+    """vllm-router's ``kv_aware`` in front of vLLM: its index fills from each vLLM's KV events and its
+    lookups hit, so every turn after the first of one system prompt goes where that prompt is
+    cached (round robin above split them two and two)."""
+    from tests.remote.test_fleet import router_counters
+
+    fleet = vllm_fleet
+    fleet.stop_router()
+    fleet.start_router("kv_aware")
+    try:
+        system = "You answer questions about the lighthouse keepers of Westpoint, in one sentence. " * 8
+        cached = []
+        for i in range(4):
+            r = httpx.post(fleet.url + "/v1/chat/completions", timeout=120, json={
+                "model": fleet.model_name, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Keeper {i}?"}]})
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(0.5)  # the events of this turn reach the router before the next is routed
+        c = router_counters(fleet)
+        assert c.get('vllm_router_kv_placement_lookups_total{result="hit"}', 0) >= 3, c
+        assert cached[0] == 0 and all(n >= 32 * 4 for n in cached[1:]), cached  # the system prompt, on its replica
+    finally:
+        fleet.stop_router()
+        fleet.start_router("round_robin")
