@@ -124,6 +124,16 @@ class ModelCost:
         return max(read / limits.read_bytes_per_s, flops / limits.flops_per_s)
 
 
+    def serial_seconds(self, rows: int, context_tokens: int, limits: MachineLimits, shared_tokens: int = 0) -> float:
+        """Issue 48's estimate of a step, the sum of its parts with no overlap: the weights and the
+        KV (a shared prefix once) at the read bandwidth, then every row's linear FLOPs (not
+        attention's) at half the FMA rate. Longer than ``step_seconds``, the bound: a step between
+        the two overlaps little of its reading with its arithmetic."""
+        shared = max(0, min(shared_tokens, context_tokens)) if rows > 1 else 0
+        read = self.weight_bytes + (shared + rows * (context_tokens - shared)) * self.kv_bytes_per_token
+        return read / limits.read_bytes_per_s + rows * self.flops_per_token / (limits.flops_per_s / 2)
+
+
 def decode_limit(cost: ModelCost, rows: int, context_tokens: int, limits: MachineLimits,
                  shared_tokens: int = 0) -> float:
     """The tokens/s ``rows`` streams decoding together cannot beat (``ModelCost.step_seconds``)."""

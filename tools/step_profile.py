@@ -16,7 +16,8 @@ the same step taken apart, each part called on its own over the same tensors (me
 - ``Python, embedding, rest``: the step less the parts.
 
 Beside the step: its limit (``tools.measure``: the weights and the shared prefix's KV once and each
-row's own KV at the read bandwidth, or its FLOPs at the FMA rate, both measured in this run) and the step's multiple of it.
+row's own KV at the read bandwidth, or its FLOPs at the FMA rate, both measured in this run) and the step's multiple of it;
+under it issue 48's estimate, the same reading and then the linears' FLOPs at half the FMA rate, one after the other.
 With ``--prefill N``: a cold prefill of N tokens in the scheduler's 256-token chunks, its FLOPs
 and its share of the FMA rate. The exact forward only (the default on a CPU with our kernels).
 """
@@ -140,8 +141,10 @@ ORDER = ("linears", "norms, rotary, SiLU, KV writes", "attention", "final norm, 
          "Python, embedding, rest")
 
 
-def format_table(steps: dict[int, dict[str, float]], limit: dict[int, float]) -> str:
-    """The parts of each row count's step (``Profile.step``) beside its limit in ms, as markdown."""
+def format_table(steps: dict[int, dict[str, float]], limit: dict[int, float],
+                 serial: dict[int, float] | None = None) -> str:
+    """The parts of each row count's step (``Profile.step``) beside its limit in ms, as markdown, and
+    (given) issue 48's serial estimate (``ModelCost.serial_seconds``)."""
     rows = sorted(steps)
     lines = ["| ms per step | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in rows) + " |",
              "|---|" + "---:|" * len(rows)]
@@ -149,6 +152,9 @@ def format_table(steps: dict[int, dict[str, float]], limit: dict[int, float]) ->
     lines.append("| **step** | " + " | ".join(f"**{steps[n]['step']:.1f}**" for n in rows) + " |")
     lines.append("| limit (its multiple) | " + " | ".join(f"{limit[n]:.1f} ({steps[n]['step'] / limit[n]:.2f}x)"
                                                          for n in rows) + " |")
+    if serial:
+        lines.append("| read, then linears at half the FMA rate (its multiple) | " + " | ".join(
+            f"{serial[n]:.1f} ({steps[n]['step'] / serial[n]:.2f}x)" for n in rows) + " |")
     lines.append("| tokens/s | " + " | ".join(f"{n / steps[n]['step'] * 1e3:.1f}" for n in rows) + " |")
     return "\n".join(lines)
 
@@ -175,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = {n: prof.step(n) for n in rows}
     limit = {n: cost.step_seconds(n, args.prefix + QUESTION + 1, limits, args.prefix) * 1e3 for n in rows}
     print(f"\n{r.forward_kind}; {args.dtype}; each row behind {args.prefix:,} shared tokens and {QUESTION} of its own\n")
-    print(format_table(steps, limit))
+    serial = {n: cost.serial_seconds(n, args.prefix + QUESTION + 1, limits, args.prefix) * 1e3 for n in rows}
+    print(format_table(steps, limit, serial))
     if args.prefill:
         seconds = prof.cold_prefill(args.prefill)
         n = args.prefill

@@ -88,3 +88,10 @@ def test_a_shared_prefix_is_read_once_per_step():
     assert COST.step_seconds(8, 100, limits, shared_tokens=90) == pytest.approx(1.17e-3)
     assert decode_limit(COST, 8, 100, limits, 90) > decode_limit(COST, 8, 100, limits)
     assert COST.step_seconds(1, 100, limits, shared_tokens=90) == COST.step_seconds(1, 100, limits)
+
+
+def test_issue_48s_serial_estimate_adds_the_reading_and_the_linears_at_half_the_fma_rate():
+    limits = MachineLimits(read_bytes_per_s=1e9, flops_per_s=1e10)
+    # 8 rows over 100 tokens, 90 shared: reads 1.17 MB = 1.17 ms, then 8 x 2 M FLOPs at 5 GFLOP/s = 3.2 ms
+    assert COST.serial_seconds(8, 100, limits, shared_tokens=90) == pytest.approx(1.17e-3 + 3.2e-3)
+    assert COST.serial_seconds(8, 100, limits, 90) >= COST.step_seconds(8, 100, limits, 90)
