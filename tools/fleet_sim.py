@@ -26,22 +26,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis.replay.fleet_policies import POLICIES, KvAware
+from analysis.replay.fleet_policies import POLICIES
 from analysis.replay.fleet_sim import FleetRun, LoadModel, SimRequest, simulate_fleet
 from analysis.replay.fleet_trace import ChatWorkload, chat_workload, requests_from_ids, requests_from_log
 
-# The real routing lab's figures: docs/FLEET.md, "What was measured", the embedded SmolLM2-135M-Instruct
-# table (python -m tools.routing_lab, 3 replicas, --budget-mb 64, 8 users x 3 turns, 4 at a time, 16 new
-# tokens, vllm-router 0.1.17; 2-core Intel Xeon, 5 Dec 2026). Cached share of prompt tokens, requests per replica.
+# The real routing lab's figures: docs/FLEET.md, "What was measured" (python -m tools.routing_lab, the
+# embedded model, 3 replicas, --budget-mb 64, 8 users x 3 turns, 4 at a time, 16 new tokens, vllm-router
+# 0.1.17). Cached share of prompt tokens, requests per replica.
 REAL_LAB = {
-    "round_robin": (0.619, (8, 8, 8)),
-    "random": (0.613, (7, 9, 8)),
-    "cache_aware": (0.870, (6, 9, 9)),
-    "kv_aware": (0.620, (12, 6, 6)),
+    "round_robin": (0.617, (8, 8, 8)),
+    "consistent_hash": (0.871, (0, 0, 24)),
+    "power_of_two": (0.626, (9, 8, 7)),
+    "cache_aware": (0.870, (9, 9, 6)),
+    "kv_aware": (0.791, (10, 3, 11)),
 }
 STAND_IN_ANSWER = "The desk will be glad to help you with that; please ask there when you arrive."
 ANSWER_TOKENS = 16  # the lab's --max-tokens
-BLIND = "kv_aware (blind)"
 POOLED = "(one pooled cache)"
 
 
@@ -87,17 +87,16 @@ def builtin_requests(users: int = 8, turns: int = 3, seed: int = 0, concurrency:
 def predict_builtin(policies: list[str], replicas: int = 3, budget_mb: float = 64.0, users: int = 8, turns: int = 3,
                     seed: int = 0, concurrency: int = 4, model: str | None = None,
                     max_tokens: int = ANSWER_TOKENS) -> tuple[dict[str, FleetRun], str]:
-    """What the simulator predicts for the routing lab's trace and fleet: one run per policy
-    (``kv_aware (blind)`` too when kv_aware is asked), and a line saying what was simulated."""
+    """What the simulator predicts for the routing lab's trace and fleet: one run per policy, and a
+    line saying what was simulated."""
     from analysis.replay.simulate import model_geometry
 
     geometry = model_geometry(model or "embedded")
     budget_tokens = int(budget_mb * 2**20) // geometry.kv_bytes_per_token
     requests = builtin_requests(users, turns, seed, concurrency, model, max_tokens)
     load = LoadModel(prefill_tokens_per_s=2_000.0, decode_tokens_per_s=20.0)  # a small model on shared CPUs
-    names = [*policies, BLIND] if "kv_aware" in policies else list(policies)
-    runs = {name: simulate_fleet(requests, replicas, KvAware(blind=True) if name == BLIND else name, budget_tokens,
-                                 block_tokens=1, load=load, seed=seed) for name in names}
+    runs = {name: simulate_fleet(requests, replicas, name, budget_tokens, block_tokens=1, load=load, seed=seed)
+            for name in policies}
     what = (f"simulated: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens; "
             f"{replicas} replicas of {budget_tokens:,} tokens ({budget_mb:g} MiB at {geometry.kv_bytes_per_token:,} "
             f"bytes per token, {geometry.name}); token-level blocks")
@@ -116,9 +115,6 @@ def run_builtin(args: argparse.Namespace) -> int:
         rows.append(f"| {name} | {run.hit_rate:.1%} | {run.ceiling_rate:.1%} | "
                     f"{' / '.join(map(str, run.per_replica or []))} | {real_cells} |")
     print("\n".join(rows))
-    if BLIND in runs:
-        print(f"{BLIND}: the simulator's kv_aware with every lookup missing, as vllm-router 0.1.17's did in the "
-              "real runs (docs/FLEET.md): it routes on load alone.")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The routing lab: the built-in trace through vLLM's router under each policy in turn, one table.
 
-Usage: python -m tools.routing_lab [--replicas 3] [--policies round_robin,random,cache_aware,kv_aware]
+Usage: python -m tools.routing_lab [--replicas 3] [--policies round_robin,consistent_hash,power_of_two,cache_aware,kv_aware]
        [--model PATH] [--users 8] [--turns 3] [--concurrency 4] [--max-tokens 16] [--budget-mb 64]
        [--json FILE]     # the report for the Fleet tab: app.py --backend ROUTER --fleet ... --routing-lab FILE
 
@@ -73,7 +73,7 @@ def report_of(rows: list[dict], predicted: dict | None, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.routing_lab", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--policies", default="round_robin,random,cache_aware,kv_aware",
+    p.add_argument("--policies", default="round_robin,consistent_hash,power_of_two,cache_aware,kv_aware",
                    help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--model", default=None, help="the replicas' --model (default: the embedded SmolLM2-135M)")
     p.add_argument("--users", type=int, default=8)
@@ -110,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             predicted = {name: run for name, run in runs.items() if name in policies}
             print(what)
-            if "kv_aware" in runs:
-                print(f"simulated kv_aware with every lookup missing (as vllm-router 0.1.17 behaved): "
-                      f"{runs['kv_aware (blind)'].hit_rate:.1%}")
     report = report_of(rows, predicted, args)
     print(lab_caption(report))
     print(lab_table(report))

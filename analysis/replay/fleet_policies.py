@@ -16,10 +16,11 @@ replica's requests in flight and its block cache):
   above ``balance_rel`` times fewest) the replica with fewest in flight; otherwise the replica whose
   tree matches the longest prefix, if that match is more than ``cache_threshold`` of the prompt,
   else the replica with the smallest tree. Defaults: vllm-router 0.1.17's (0.3, 64, 1.5).
-- ``kv_aware``: the replicas' real caches (as their KV events tell): the replica holding the
-  longest prefix of the request's blocks; a tie, or no hit at all, to the one with fewest in flight.
-  ``blind=True`` is the same router when every lookup misses, as 0.1.17's did in our real runs
-  (docs/FLEET.md): the least loaded replica.
+- ``kv_aware``: the replicas' real caches (as their KV events tell), weighed against their load as
+  vllm-router 0.1.17 weighs them: each replica's cost is the prompt tokens it would still have to
+  compute (the prompt less the leading blocks it holds, at least the last token) times one more
+  than its requests in flight; the cheapest wins, a tie to the lowest index. A long match on a
+  busy replica can so lose to a shorter one on an idle replica.
 - ``oracle``: the replica holding the most of the request, load ignored; a tie to the replica with
   the fewest blocks held (the most room). A greedy upper reference, not a proof of optimality;
   every run also records the per-request ceiling (the most any replica held).
@@ -172,15 +173,19 @@ class CacheAware:
 class KvAware:
     name = "kv_aware"
 
-    def __init__(self, blind: bool = False) -> None:
-        self.blind = blind
+    def __init__(self, block_tokens: int = 1) -> None:
+        self.block_tokens = block_tokens
 
     def choose(self, blocks: Sequence[int], prompt_blocks: int, prompt_tokens: int, key: str,
                state: FleetState) -> int:
-        if self.blind:
-            return state.least_loaded()
-        depth, mask = state.caches.longest(blocks, prompt_blocks)
-        return state.least_loaded(mask if depth else None)
+        prompt = blocks[:prompt_blocks]
+        most = max(0, prompt_tokens - 1)  # the last token is computed for its logits whatever is held
+
+        def cost(r: int) -> tuple[int, int]:
+            to_compute = prompt_tokens - min(state.caches.depth(r, prompt) * self.block_tokens, most)
+            return to_compute * (state.loads[r] + 1), r
+
+        return min(range(state.replicas), key=cost)
 
 
 class Oracle:
@@ -195,7 +200,8 @@ class Oracle:
 def make_policy(name: str, block_tokens: int) -> Policy:
     """A fresh router (routers keep state: a turn, a ring, trees)."""
     makers = {"round_robin": RoundRobin, "random": RandomPolicy, "consistent_hash": ConsistentHash,
-              "power_of_two": PowerOfTwo, "cache_aware": lambda: CacheAware(block_tokens), "kv_aware": KvAware,
+              "power_of_two": PowerOfTwo, "cache_aware": lambda: CacheAware(block_tokens),
+              "kv_aware": lambda: KvAware(block_tokens),
               "oracle": Oracle}
     if name not in makers:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")

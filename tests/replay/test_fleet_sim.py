@@ -94,17 +94,26 @@ def test_cache_aware_follows_the_longest_match_above_the_threshold_and_the_small
     assert _routed(policy, busy, asked, 100) == 2
 
 
-def test_kv_aware_and_oracle_pick_the_replica_holding_the_longest_prefix():
-    state = _state(3, [0, 5, 0])
+def test_kv_aware_weighs_what_each_replica_holds_against_its_load_and_oracle_ignores_load():
+    state = _state(3, [0, 1, 0])
     prompt = chain_hashes(_seq(12), 1)
     state.caches.store(0, prompt[:4], 0)
     state.caches.store(1, prompt[:9], 0)
-    state.caches.store(2, prompt[:9][:2], 0)
-    assert KvAware().choose(prompt, 12, 12, "", state) == 1  # the longest, though busier
+    state.caches.store(2, prompt[:2], 0)
+    # costs: (12 - 4) x 1 = 8, (12 - 9) x 2 = 6, (12 - 2) x 1 = 10: the longest, though busier
+    assert KvAware().choose(prompt, 12, 12, "", state) == 1
     assert Oracle().choose(prompt, 12, 12, "", state) == 1
-    state.caches.store(2, prompt[:9], 2)  # now replica 2 holds as much, and is idle
+    state.loads[1] = 5  # (12 - 9) x 6 = 18 > 8: a shorter match on an idle replica wins
+    assert KvAware().choose(prompt, 12, 12, "", state) == 0
+    assert Oracle().choose(prompt, 12, 12, "", state) == 1
+    state.caches.store(2, prompt[:9], 2)  # now replica 2 holds as much as 1, and is idle: 3 x 1
     assert KvAware().choose(prompt, 12, 12, "", state) == 2
-    assert KvAware(blind=True).choose(prompt, 12, 12, "", state) == 0  # no lookups: least loaded, lowest index
+    # the whole prompt held: still the last token to compute, so load decides between full holders
+    state.caches.store(0, prompt, 4)
+    state.caches.store(2, prompt, 9)
+    state.loads[:] = [2, 0, 1]
+    assert KvAware().choose(prompt, 12, 12, "", state) == 2  # 1 x 2 < 1 x 3; replica 1 pays 3 x 1
+    assert KvAware(block_tokens=4).choose(chain_hashes(_seq(12), 4), 3, 12, "", _state(3, [0, 0, 0])) == 0
 
 
 # ------------------------------------------------------------------ runs
