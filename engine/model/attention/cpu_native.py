@@ -24,9 +24,9 @@ from engine.model.attention import native
 from engine.model.attention.base import Causal
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 
-# The most rows ours takes without AMX, per vector layer, as measured on pool-sized KV: on an
-# AVX-512 Xeon the flash kernel is faster from 6 rows; on an AVX2 EPYC ours is still 1.3x
-# faster at 8 in float32 and 1.05x in bf16 (its limit, native.MAX_ROWS).
+# The most rows ours takes without AMX, per vector layer, measured on pool-sized KV: on AVX-512
+# the flash kernel is faster from a few rows; on AVX2 ours stays faster up to its limit
+# (native.MAX_ROWS).
 NATIVE_MAX_ROWS = {"AVX-512": 4, "AVX2": native.MAX_ROWS}
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

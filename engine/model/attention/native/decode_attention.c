@@ -230,8 +230,7 @@ static inline __attribute__((always_inline)) void chunk_rows_d(const void *q, in
             prefetch_rows(kj + 32 * k_sl * esz, (int64_t)D * esz, 0);
         /* the value row of the same key, to L2, for the pass over values after the scores: two
          * streams from memory while the scores are computed instead of one, where the core's
-         * arithmetic otherwise ran without memory in flight (attention over 2,300 keys in 30
-         * layers, K and V out of cache: 5.2-6.7 -> 4.9-5.6 ms here, same bits) */
+         * arithmetic otherwise runs without memory in flight (same bits) */
         prefetch_rows(v + (int64_t)j * v_sl * esz, (int64_t)D * esz, 1);
         vf kv[MAX_D / 16];
         for (int c = 0; c < d16; c++)
@@ -312,8 +311,7 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
  * Many bf16 rows without AMX: chunk_dp, on AVX512-BF16's dot products (vdpbf16ps: sixteen float32
  * sums, each of two bf16 products, a register). Where the CPU has AVX512-BF16 but no AMX (AMD's
  * Zen 4), a decode step of many streams over their shared prefix went to PyTorch's flash kernel,
- * whose bf16 products on this CPU run at float32 speed (2.6 ms a layer for 48 rows over 6,000
- * keys, 2.9 in float32). The shape of the work is the AMX path's: scores S = Q K^T with K^T
+ * whose bf16 products on such a CPU run at float32 speed. The shape of the work is the AMX path's: scores S = Q K^T with K^T
  * gathered in pairs of dims, softmax along each row in float32, then O = P V with P rounded to
  * bf16 (as the flash kernel rounds it) and V regrouped in pairs of keys; the tiles' products
  * are here register blocks of dot products. */
@@ -473,9 +471,8 @@ static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t
 
 /* ---------------------------------------------------------------------------------------------
  * Many float32 rows: chunk_fp, on AVX-512's float32 FMAs. Where many streams' decode rows read
- * their shared prefix (48 rows over 2,300 keys at 16 streams of the embedded model), float32 went
- * to PyTorch's flash kernel: 0.87 ms a layer with the keys in cache, 1.1-1.4 in a decode step, a
- * third of a 16-stream step. Every product stays float32 (nothing is rounded to bf16) and the
+ * their shared prefix (48 rows at 16 streams of the embedded model), float32 went to PyTorch's
+ * flash kernel, a third of a 16-stream step. Every product stays float32 (nothing is rounded to bf16) and the
  * softmax is the one chunk_rows computes. Scores are computed as S^T = K Q^T: the query rows are
  * the sixteen lanes of a register (Q^T, built once a piece), each key's value for one dim is
  * broadcast straight from its row in the pool (no gathers, no transposes), eight keys by two
