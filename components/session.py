@@ -20,7 +20,7 @@ import threading
 
 from components.chat_presets import FEW_SHOT_PRESETS, SYSTEM_PRESETS, few_shot_static_part
 from components.panels.engine_state import engine_state
-from engine.api import EngineAPI
+from engine.api import EngineAPI, ServingAPI, TextAPI
 from engine.cache_keys import KeyedPrompt, Visitor
 from engine.types import GenerationRequest
 from server.request_guard import connection_origin
@@ -41,20 +41,20 @@ def origin_of(request) -> str:
     return connection_origin(headers, getattr(client, "host", None))
 
 
-def visitor_namespace(request, engine: EngineAPI) -> str:
+def visitor_namespace(request, engine: ServingAPI) -> str:
     """A private namespace for this visitor's session, inside its owner (its address);
     ``PUBLIC`` (everything shared) when the engine does not isolate visitors."""
     return engine.namespace_for(page_visitor(request))
 
 
-def sub_namespace(request, engine: EngineAPI, name: str) -> str:
+def sub_namespace(request, engine: ServingAPI, name: str) -> str:
     """A namespace of its own for one part of a visitor's work (an ordering variant),
     inside the visitor's namespace, so it stays private and the visitor's tree view
     still shows it (``EngineAPI.snapshot`` treats ``<viewer>/...`` as the viewer's own)."""
     return engine.namespace_for(page_visitor(request), name)
 
 
-def own_namespace(request, engine: EngineAPI) -> str | None:
+def own_namespace(request, engine: ServingAPI) -> str | None:
     """What a visitor's history and controls cover: their namespace in isolation
     mode, ``None`` (everything) when the whole cache is shared."""
     return visitor_namespace(request, engine) if engine.isolation else None
@@ -72,7 +72,7 @@ def share_page_blocks(engine: EngineAPI) -> int:
     return engine_state(engine, "session.shared_blocks", lambda: engine.share_blocks(shipped_block_texts(engine)))
 
 
-def shipped_block_texts(engine: EngineAPI) -> list[str]:
+def shipped_block_texts(engine: TextAPI) -> list[str]:
     """Every shipped block as the chat template renders it at the start of a prompt: each
     system preset, and each few-shot set's instruction and examples (up to the query)."""
     out = [engine.render_chat([{"role": "system", "content": text}], add_generation_prompt=False)

@@ -1,7 +1,10 @@
 """The engine interface: what the dashboard, the HTTP server and the lab may call, and its contract.
 
 Owns: ``EngineAPI``, the one written interface over an engine, and ``Capabilities``, what an
-engine can do beyond it. Two engines implement all of it: ``engine.engine.Engine`` (the model
+engine can do beyond it. ``EngineAPI`` composes four narrow parts, so a caller (or a test double)
+names only what it uses: ``ServingAPI`` (requests, keys, ``info``, ``healthy``), ``TextAPI``
+(tokenizer and chat template), ``FiguresAPI`` (stats, snapshots, logs) and ``ControlAPI``
+(clear, budget, spawn, close). Two engines implement all of it: ``engine.engine.Engine`` (the model
 and the radix cache in this process) and ``server.remote.engine.RemoteEngine`` (another server
 over HTTP, with a shadow tree of what this dashboard sent). Callers never test which one they
 hold: they ask ``engine.capabilities``. Knows nothing about either implementation, the UI or HTTP.
@@ -98,8 +101,9 @@ REMOTE = Capabilities(local_cache=False, settable_budget=False, prefill_timing=F
 
 
 @runtime_checkable
-class EngineAPI(Protocol):
-    """The interface every engine implements (see the module's docstring for the contract)."""
+class ServingAPI(Protocol):
+    """Serving: take requests, key them, answer them; what the HTTP API and the chat path need.
+    A test double or a thin client may implement only this."""
 
     isolation: bool  # visitors are kept apart (namespaces; fair share; others' nodes coarse)
     max_prompt_tokens: int
@@ -121,7 +125,14 @@ class EngineAPI(Protocol):
     def namespace_for(self, visitor: Visitor, sub: str | None = None) -> str: ...
     def share_blocks(self, texts: Sequence[str]) -> int: ...
 
-    # text (the model's tokenizer and chat template)
+    def info(self) -> EngineInfo: ...
+    def healthy(self) -> bool: ...
+
+
+@runtime_checkable
+class TextAPI(Protocol):
+    """Text: the model's tokenizer and chat template, as the engine uses them."""
+
     def encode(self, text: str) -> list[int]: ...
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -132,13 +143,17 @@ class EngineAPI(Protocol):
     @property
     def special_token_ids(self) -> frozenset[int]: ...
 
-    # state, as plain data
+
+@runtime_checkable
+class FiguresAPI(Protocol):
+    """State, as plain data, for the panels and ``/metrics``. Reads only: nothing here changes the cache."""
+
     def recent(self, n: int | None = None, namespace: str | None = None) -> list[RequestMetrics]: ...
     def stats(self, viewer: str | None = None) -> EngineStats: ...
     def snapshot(self, viewer: str | None = None) -> TreeSnapshot: ...
     def version(self) -> int: ...
     def step_log(self, n: int | None = None) -> list[StepRecord]: ...
-    def info(self) -> EngineInfo: ...
+    def backend_metrics(self) -> dict[str, float]: ...
 
     def kv_event_figures(self) -> dict:
         """A remote engine's followed KV events (blocks per medium, the subscriber's counters,
@@ -151,7 +166,11 @@ class EngineAPI(Protocol):
         (``server.remote.fleet``); None for an engine without a fleet (the local one)."""
         ...
 
-    # controls
+
+@runtime_checkable
+class ControlAPI(Protocol):
+    """Controls: what a person, the lab or a test changes about the engine as a whole."""
+
     def clear_cache(self, namespace: str | None = None) -> int: ...
     def set_budget(self, budget_bytes: int) -> int: ...
     def check_invariants(self) -> None: ...
@@ -160,6 +179,10 @@ class EngineAPI(Protocol):
         """Stop once the requests already submitted are done; its memory and files are let go."""
         ...
     def configure_scheduler(self, **changes: Any) -> None: ...
-    def healthy(self) -> bool: ...
     def persist_cache(self) -> int | None: ...
-    def backend_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class EngineAPI(ServingAPI, TextAPI, FiguresAPI, ControlAPI, Protocol):
+    """The interface every full engine implements (see the module's docstring for the contract):
+    serving, text, figures and controls. Callers that need only a part name that part."""

@@ -33,7 +33,7 @@ from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.eviction import make_policy
 from engine.kvcache.kv_pool import KVPool
-from engine.kvcache.prefix_cache import NoPrefixCache, PrefixCache, RadixCache
+from engine.kvcache.prefix_cache import FullPrefixCache, NoPrefixCache, RadixCache
 from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner
@@ -110,8 +110,8 @@ class Engine(FacadeBase):
             prefill_timing=runner.in_process_forwards,  # ZeroGPU: forwards run in GPU calls, timed in-step only
             gpu_calls=not runner.in_process_forwards)
         second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
-        self.cache: PrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
-                                   if enable_cache else NoPrefixCache(pool))
+        self.cache: FullPrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
+                                       if enable_cache else NoPrefixCache(pool))
         self.kv_events = None
         if kv_events_config and enable_cache:
             from engine.kvcache.kv_events import KVEventPublisher

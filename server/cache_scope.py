@@ -14,7 +14,7 @@ scheduler's one-running-request-per-visitor rule. Knows nothing about HTTP or th
 
 from __future__ import annotations
 
-from engine.api import EngineAPI
+from engine.api import ServingAPI
 from engine.cache_keys import CLIENT_PREFIX, Visitor
 from engine.types import GenerationRequest
 
@@ -28,7 +28,7 @@ def api_visitor(client: str, cache_salt: str | None) -> Visitor:
     return Visitor.api(client, cache_salt)
 
 
-def keyed_request(engine: EngineAPI, gen: GenerationRequest, client: str, cache_salt: str | None) -> GenerationRequest:
+def keyed_request(engine: ServingAPI, gen: GenerationRequest, client: str, cache_salt: str | None) -> GenerationRequest:
     """``gen`` as the engine runs it for this client: tokenized once (same errors as ``submit``)
     and keyed (namespace, ``store``; an API request shares no shipped block)."""
     return engine.key_for(gen, api_visitor(client, cache_salt)).request(gen)

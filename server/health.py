@@ -18,10 +18,10 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Route
 
-from engine.api import EngineAPI
+from engine.api import ServingAPI
 
 
-def health_routes(get_engine: Callable[[], EngineAPI | None]) -> list[BaseRoute]:
+def health_routes(get_engine: Callable[[], ServingAPI | None]) -> list[BaseRoute]:
     """The route to mount beside the API's (``app.server_routes``)."""
 
     async def health(request: Request) -> Response:

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Route
 
-from engine.api import EngineAPI
+from engine.api import FiguresAPI
 from server.exposure import NOT_HERE, ServerReadRule
 
 PREFIX = "radix"
@@ -58,7 +58,7 @@ def _first(obj: object, names: tuple[str, ...]) -> float | None:
 class _StatsCollector(Collector):
     """Counters and gauges read from ``engine.stats()`` when scraped."""
 
-    def __init__(self, get_engine: Callable[[], EngineAPI | None]) -> None:
+    def __init__(self, get_engine: Callable[[], FiguresAPI | None]) -> None:
         self.get_engine = get_engine
 
     def collect(self) -> Iterator[Metric]:
@@ -104,7 +104,7 @@ class _StatsCollector(Collector):
                                       value=stats.kv_events_dropped_batches)
 
 
-def _backend_kv(engine: EngineAPI) -> Iterator[Metric]:
+def _backend_kv(engine: FiguresAPI) -> Iterator[Metric]:
     """Remote mode, while the backend's KV events are followed (``RemoteEngine.kv_event_figures``):
     the blocks it holds per medium, and the events and blocks counted since this app started."""
     figures = engine.kv_event_figures()
@@ -133,7 +133,7 @@ def _backend_kv(engine: EngineAPI) -> Iterator[Metric]:
 class EngineMetrics:
     """The registry for one app and the histograms fed from finished requests."""
 
-    def __init__(self, get_engine: Callable[[], EngineAPI | None]) -> None:
+    def __init__(self, get_engine: Callable[[], FiguresAPI | None]) -> None:
         self.get_engine = get_engine
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(get_engine))

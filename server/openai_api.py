@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 
-from engine.api import EngineAPI
+from engine.api import EngineAPI, TextAPI
 from engine.handle import RequestHandle
 from engine.types import (
     EngineBusy,
@@ -361,7 +361,7 @@ class OpenAIApi:
         return JSONResponse(body)
 
     async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str, chat: bool,
-                      engine: EngineAPI) -> AsyncIterator[bytes]:
+                      engine: TextAPI) -> AsyncIterator[bytes]:
         rid = proto.new_id("chatcmpl" if chat else "cmpl")
         usage_field = parsed.include_usage  # OpenAI sends "usage": null on every chunk but the last then
         out = Outcome()
@@ -413,7 +413,7 @@ class OpenAIApi:
         yield sse("[DONE]")
 
     @staticmethod
-    def _echo_chunk(rid: str, model: str, parsed: ParsedRequest, engine: EngineAPI, handle: RequestHandle,
+    def _echo_chunk(rid: str, model: str, parsed: ParsedRequest, engine: TextAPI, handle: RequestHandle,
                     out: Outcome, trail: lps.LogprobTrail | None, usage_field: bool) -> dict:
         """The stream's first completion chunk under ``echo``: the prompt's text (and its logprobs);
         the answer's text offsets then go on after it."""
@@ -425,14 +425,14 @@ class OpenAIApi:
         return body
 
 
-def echo_text(engine: EngineAPI, parsed: ParsedRequest) -> str:
+def echo_text(engine: TextAPI, parsed: ParsedRequest) -> str:
     """The prompt as echoed (completions' ``echo``): the text given, or the ids given decoded; "" without echo."""
     if not parsed.echo:
         return ""
     return parsed.prompt if parsed.prompt is not None else engine.decode(list(parsed.prompt_ids or ()))
 
 
-def prompt_logprobs(engine: EngineAPI, handle: RequestHandle, out: Outcome) -> dict:
+def prompt_logprobs(engine: TextAPI, handle: RequestHandle, out: Outcome) -> dict:
     """The echoed prompt's completion ``logprobs`` (its ids as the engine ran them), from the
     entries its prefill sent."""
     if out.prompt_logprobs is None or handle.ids is None:

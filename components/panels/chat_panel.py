@@ -37,7 +37,7 @@ from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_keyed
 from components.views.format import clamp_int, plural
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, system_tokens, warm_note
-from engine.api import BASELINE_MAX_TOKENS, EngineAPI
+from engine.api import BASELINE_MAX_TOKENS, EngineAPI, ServingAPI
 from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
 
 __all__ = ["build_chat_panel", "build_request", "chat_messages", "clamp_int", "respond", "stop_running"]
@@ -76,7 +76,7 @@ CUSTOM_HINT = ("**Your own system prompt:** type it, then ask two questions one 
                "your system prompt and the first exchange from the cache.")
 
 
-def sampling_for(engine: EngineAPI, max_new_tokens, loop_guard) -> SamplingParams:
+def sampling_for(engine: ServingAPI, max_new_tokens, loop_guard) -> SamplingParams:
     max_new = clamp_int(max_new_tokens, default=32, low=1, high=engine.max_new_tokens_cap)
     on = loop_guard is None or bool(loop_guard)  # API clients that leave it out get the default (on)
     return SamplingParams(max_new_tokens=max_new, no_repeat_ngram_size=LOOP_GUARD_NGRAM if on else 0,
@@ -135,7 +135,7 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
         yield text, "**Stopped** before the request ran: nothing was computed.", None
 
 
-def gpu_call_note(engine: EngineAPI) -> str:
+def gpu_call_note(engine: ServingAPI) -> str:
     """On ZeroGPU: why an answer may pause, and what it costs the visitor ("" elsewhere)."""
     if not engine.capabilities.gpu_calls:
         return ""

@@ -8,7 +8,7 @@ import gradio as gr
 
 from components.panels.live import LiveView
 from components.views.format import fmt_bytes
-from engine.api import EngineAPI
+from engine.api import EngineAPI, FiguresAPI, ServingAPI
 
 
 def dtype_note(dtype: str) -> str:
@@ -21,7 +21,7 @@ def dtype_note(dtype: str) -> str:
     return ""
 
 
-def engine_line(engine: EngineAPI) -> str:
+def engine_line(engine: ServingAPI) -> str:
     """One short line: which model runs where, in which dtype, and what a token of KV costs."""
     i = engine.info()
     return (f"Running **{i.model_name}** on {i.device} in **{i.dtype}** · KV {fmt_bytes(i.kv_bytes_per_token)} "
@@ -64,7 +64,7 @@ def info_markdown(engine: EngineAPI) -> str:
     ])
 
 
-def _reported(engine: EngineAPI) -> str:
+def _reported(engine: ServingAPI) -> str:
     reported = engine.info().cache_reported
     if reported is None:
         return "not yet known (no request sent)"
@@ -72,11 +72,11 @@ def _reported(engine: EngineAPI) -> str:
                                    "`--enable-cache-report`")
 
 
-def _backend_metrics(engine: EngineAPI) -> dict[str, float]:
+def _backend_metrics(engine: FiguresAPI) -> dict[str, float]:
     return engine.backend_metrics()
 
 
-def eviction_sentence(engine: EngineAPI) -> str:
+def eviction_sentence(engine: ServingAPI) -> str:
     """How the cache picks what to evict, as the engine's policy states it ("" when unknown)."""
     eviction = engine.info().eviction
     if not eviction:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from components.panels.engine_state import engine_state
-from engine.api import EngineAPI
+from engine.api import EngineAPI, FiguresAPI
 from engine.snapshot_view import for_viewer, namespaces_of, owns_any
 from engine.types import TreeSnapshot
 
@@ -141,7 +141,7 @@ def _quiet(fn: Callable, num_outputs: int, with_status: bool = False) -> Callabl
     return wrapper
 
 
-def engine_signature(engine: EngineAPI) -> tuple:
+def engine_signature(engine: FiguresAPI) -> tuple:
     """Changes whenever anything a panel shows could have changed (bar the clock): the engine's
     change counter, no stats built."""
     return (engine.version(),)

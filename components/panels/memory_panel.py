@@ -17,7 +17,7 @@ from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from components.views.charts import hit_rate_figure, memory_gauge
 from components.views.format import fmt_bytes, fmt_ms, plural
-from engine.api import EngineAPI
+from engine.api import EngineAPI, ServingAPI
 from engine.snapshot_view import coarse_bytes, coarse_tokens
 from engine.types import EngineError, RequestMetrics
 
@@ -163,7 +163,7 @@ def clear_cache(engine: EngineAPI, request: gr.Request | None = None):
             f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
 
 
-def budget_note(engine: EngineAPI) -> str | None:
+def budget_note(engine: ServingAPI) -> str | None:
     """The budget box's note: what a shrink evicts, in the order the engine's policy says."""
     if engine.isolation:
         return "fixed on a shared public deployment"

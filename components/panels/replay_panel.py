@@ -29,7 +29,7 @@ from components.views.replay_report import (
     skipped_html,
     templates_html,
 )
-from engine.api import EngineAPI
+from engine.api import EngineAPI, FiguresAPI
 from engine.types import EngineError
 
 MAX_CHARS = 200_000
@@ -62,7 +62,7 @@ def check_pasted(text: object) -> str:
     return text
 
 
-def _default_budget_mib(engine: EngineAPI) -> float:
+def _default_budget_mib(engine: FiguresAPI) -> float:
     """The app's own cache budget (a remote server's is unknown: 1 GiB then)."""
     return (engine.stats().budget_bytes or 2**30) / 2**20
 

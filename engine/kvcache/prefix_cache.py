@@ -1,12 +1,23 @@
 """What the engine asks of a prefix cache, and the two caches that answer it.
 
-Owns: the ``PrefixCache`` contract, nothing else. Every pool slot has one owner: it is free,
-or held by the tree (cached KV, any request may reuse it), or held by one running request
-(the KV it computes). Running requests read the tree's slots for their cached prefix in
-place, never a copy; at the end their own slots pass to the tree, no copy either. So the
-pool's byte count is all the KV the process holds, and the budget is a physical bound.
+Owns: the cache contracts, nothing else. They are narrow and composed, so each caller names
+only what it uses:
 
-Two implementations share the interface, so comparing with and without reuse is one
+- ``PrefixCache``: what the scheduler calls (admit, adopt, release, match; 8 members);
+- ``CacheFigures``: what the engine's stats and the UI read (counts, bytes, ``snapshot``);
+- ``CacheControls`` (clear, budget, invariants) and ``ScratchCopies`` (KV copied to and from
+  scratch buffers, for the timed prefill and tools);
+- ``TieredCache``: the second tier (load, offload, persist, its counters);
+- ``EventSource``: ``publish_to``, KV events for a listener;
+- ``FullPrefixCache``: all of them, what both caches implement and the engine holds.
+
+Every pool slot has one owner: it is free, or held by the tree (cached KV, any request may
+reuse it), or held by one running request (the KV it computes). Running requests read the
+tree's slots for their cached prefix in place, never a copy; at the end their own slots pass
+to the tree, no copy either. So the pool's byte count is all the KV the process holds, and
+the budget is a physical bound.
+
+Two implementations share all of it, so comparing with and without reuse is one
 constructor argument:
 
 - ``RadixCache`` (``engine.kvcache.radix_cache``): any prefix of anything cached before is
@@ -24,7 +35,7 @@ across steps.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.no_prefix_cache import NoPrefixCache
@@ -33,12 +44,14 @@ from engine.kvcache.request_kv import RequestKV
 from engine.kvcache.request_slots import RequestSlots
 from engine.types import CacheKey, TreeSnapshot
 
-__all__ = ["NoPrefixCache", "PrefixCache", "RadixCache", "RequestSlots"]
+__all__ = ["CacheControls", "CacheFigures", "EventSource", "FullPrefixCache", "NoPrefixCache", "PrefixCache",
+           "RadixCache", "RequestSlots", "ScratchCopies", "TieredCache"]
 
 
+@runtime_checkable
 class PrefixCache(Protocol):
-    """What the engine asks of a prefix cache. ``RadixCache`` and ``NoPrefixCache``
-    implement it; the engine and the UI (through the engine) see nothing else.
+    """What the scheduler asks of a prefix cache (``engine.scheduler``), and nothing else.
+    ``RadixCache`` and ``NoPrefixCache`` implement it (and the rest, ``FullPrefixCache``).
 
     Every method is thread-safe. Token counts are in tokens of ``key.ids``.
     """
@@ -63,18 +76,34 @@ class PrefixCache(Protocol):
     def release(self, rs: RequestSlots) -> None:
         """Free ``rs``'s own slots and unlock its cached part. Exactly once per ``acquire``."""
 
+    def match_len(self, key: CacheKey) -> int:
+        """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+
+@runtime_checkable
+class ScratchCopies(Protocol):
+    """KV copied between the tree and scratch buffers (``RequestKV``), outside any request's slots."""
+
     def insert(self, key: CacheKey, kv: RequestKV) -> int:
         """Store the first ``min(len(key.ids), kv.length)`` tokens of a scratch buffer under
         ``key`` (copied into free slots), evicting unlocked least-recently-used entries for
         room; stores the longest prefix that fits. Returns tokens newly stored."""
 
-    def match_len(self, key: CacheKey) -> int:
-        """Cached length of ``key.ids`` now. Does not modify the tree or access times."""
-
     def copy_prefix(self, key: CacheKey, max_len: int, kv: RequestKV, touch: bool = False) -> int:
         """Copy the KV of the longest cached prefix of ``key.ids[:max_len]`` into the empty
         scratch buffer ``kv`` (for timings and tools). With ``touch`` the match counts as a
         hit (access time, hits); nothing is locked. Returns the copied length."""
+
+
+@runtime_checkable
+class CacheControls(Protocol):
+    """What a person (through the engine) or a test may do to the whole cache."""
 
     def clear(self, namespace: str | None = None) -> int:
         """Evict every unlocked entry (only ``namespace``'s, if given); returns tokens freed."""
@@ -83,11 +112,15 @@ class PrefixCache(Protocol):
         """Resize to ``budget_bytes``, evicting as needed; returns tokens evicted. Raises
         ``EngineError`` when running requests and locked entries alone exceed it."""
 
-    @property
-    def budget_bytes(self) -> int: ...
+    def check_invariants(self) -> None:
+        """Assert the cache is consistent (tests call it after every operation)."""
 
-    @property
-    def bytes_per_token(self) -> int: ...
+
+@runtime_checkable
+class CacheFigures(Protocol):
+    """What the engine's stats and the UI read. Reads only: nothing here changes the cache."""
+
+    version: int  # changes whenever anything ``snapshot`` or the counters show could have
 
     @property
     def bytes_in_use(self) -> int:
@@ -117,16 +150,16 @@ class PrefixCache(Protocol):
     def locked_tokens(self) -> int:
         """Cached tokens pinned by running requests right now."""
 
-    version: int  # changes whenever anything ``snapshot`` or the counters show could have
-
-    def check_invariants(self) -> None:
-        """Assert the cache is consistent (tests call it after every operation)."""
-
     def snapshot(self, decode: Callable[[Sequence[int]], str] | None = None, viewer: str | None = None,
                  max_text_tokens: int = 256) -> TreeSnapshot:
         """A read-only copy as plain data; with ``viewer`` set, other namespaces' nodes
         are hidden (shape and size only). Nodes whose KV is in the second tier, not in the
         pool, are there too, marked ``spilled`` (never counted in the pool's tokens)."""
+
+
+@runtime_checkable
+class TieredCache(Protocol):
+    """The second tier's operations and counters (each a no-op or 0 without a tier)."""
 
     def load_prefix(self, key: CacheKey, max_len: int) -> int:
         """Bring what the second tier holds of ``key.ids[:max_len]`` (after the part in memory)
@@ -150,5 +183,16 @@ class PrefixCache(Protocol):
     def tier_stats(self) -> dict:
         """The second tier's figures for ``EngineStats`` (empty without one)."""
 
+
+@runtime_checkable
+class EventSource(Protocol):
+    """KV events (``engine.kvcache.kv_events``): what the tree caches and evicts, for a listener."""
+
     def publish_to(self, listener) -> None:
-        """Report what the tree caches and evicts to ``listener`` (KV events); a no-op without reuse."""
+        """Report what the tree caches and evicts to ``listener``; a no-op without reuse."""
+
+
+@runtime_checkable
+class FullPrefixCache(PrefixCache, ScratchCopies, CacheControls, CacheFigures, TieredCache, EventSource, Protocol):
+    """Everything a cache implements: ``RadixCache`` and ``NoPrefixCache`` both do, and the
+    engine holds one as this; each caller takes only the part it uses."""

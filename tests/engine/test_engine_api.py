@@ -15,7 +15,9 @@ from engine.types import EngineError, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMBERS = [n for n in dir(EngineAPI) if not n.startswith("_")] + list(EngineAPI.__annotations__)
+# its parts' members too (``ServingAPI`` ... ``ControlAPI``): methods, properties and annotated attributes
+MEMBERS = [n for n in dir(EngineAPI) if not n.startswith("_")] + [
+    n for part in EngineAPI.__mro__ if getattr(part, "_is_protocol", False) for n in vars(part).get("__annotations__", {})]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from components.views.chart_style import TOKEN_COLORS
 from components.views.format import clamp_int
 from components.views.lab import figures as figs
 from components.views.lab import markdown as views
-from engine.api import EngineAPI
+from engine.api import EngineAPI, TextAPI
 from engine.types import EngineError
 
 DEFAULT_REQUESTS = 6
@@ -100,7 +100,7 @@ def _bind(fn: Callable, engine: EngineAPI) -> Callable:
     return bound
 
 
-def lint(engine: EngineAPI, a, b, values_text) -> str:
+def lint(engine: TextAPI, a, b, values_text) -> str:
     """The linter's verdict on template A (and B), as Markdown."""
     count_tokens = views.count_tokens_with(engine.encode)
     try:
@@ -115,7 +115,7 @@ def lint(engine: EngineAPI, a, b, values_text) -> str:
         return f"⚠️ {exc}"
 
 
-def fill_suggestion(engine: EngineAPI, a, values_text):
+def fill_suggestion(engine: TextAPI, a, values_text):
     try:
         report = lint_template(a or "", parse_values(values_text or ""), views.count_tokens_with(engine.encode))
     except EngineError as exc:
@@ -127,7 +127,7 @@ def fill_suggestion(engine: EngineAPI, a, values_text):
     return report.suggested_template
 
 
-def explain(engine: EngineAPI, results, choice):
+def explain(engine: TextAPI, results, choice):
     if not results or not choice:
         return [], "Run a preset, then pick a request to see where it left the cached path."
     try:
