@@ -1,12 +1,17 @@
-"""Eviction: which cached leaves go when room is needed. The one seam for the policy.
+"""Eviction: which cached leaves go when room is needed, and the one transaction that takes them.
 
-Owns: ``EvictionPolicy`` (the order unlocked leaves go in, and the fair-share rule every
-policy shares), ``LeafHeap`` (the one heap of evictable leaves, which the tree keeps between
-calls) and the registry that picks a policy by name (``make_policy``; the app's
-``--eviction-policy``). Every tree takes a policy (``RadixTree(policy=...)``): the engine's
-cache, the replay's ``SimCache`` and the remote engine's shadow tree evict through it, so they
-cannot disagree. Knows nothing about tensors, pools or tiers: a node's values are opaque here,
-as in the tree.
+Owns: every eviction of a tree. ``evict`` takes leaves by a ``Rule`` (the policy's order, or the
+fair-share rule); ``make_room`` is the one trial-and-restore transaction (the cache's admission,
+tier loads and inserts: evict with the listener detached, restore if too little was freed, else
+let the listener hear it); ``clear`` empties a tree, one ``cleared`` for a whole one. Also
+``EvictionPolicy`` (the order unlocked leaves go in), ``LeafHeap`` (the one heap of evictable
+leaves, which the tree keeps between calls) and the registry that picks a policy by name
+(``make_policy``; the app's ``--eviction-policy``). The tree (``engine.kvcache.radix_tree``)
+keeps only the structural steps: ``leaves``, ``evict_leaf``, ``restore``. Every tree takes a
+policy (``RadixTree(policy=...)``): the engine's cache, the replay's ``SimCache`` and the remote
+engine's shadow tree evict through it, so they cannot disagree. Knows nothing about tensors,
+pools, tiers or locks: a node's values are opaque here, as in the tree; the caller holds its
+lock and spills what comes back.
 
 A policy is one method, ``priority(node)``: the leaf with the lowest priority goes first, ties
 by node id (older nodes first). A node's priority may never decrease while it is in the tree:
@@ -16,15 +21,15 @@ when it reaches the top), so the first valid entry popped is the true minimum.
 priority. **Adding a policy**: a subclass here with ``name``, ``priority`` and ``describe``, and
 one line in ``POLICIES``.
 
-Fair share (``evict_fair``; isolation mode): each *owner* (a namespace's part before any
+Fair share (``Rule(fair=True)``; isolation mode): each *owner* (a namespace's part before any
 ``/``, so a visitor's sub-namespaces count as theirs) may hold ``(C - PUBLIC tokens) / owners``
 tokens of a capacity of ``C``. Room for an inserting owner ``N`` is taken first from ``N``
 itself if ``N`` would end over its share, then from the owner most over its share, and only
 then in the policy's order; an owner within its share is never evicted for an owner that would
 end over its own. The ``PUBLIC`` namespace (content shipped with the app) is counted but never
 evicted for a visitor. With no inserting owner (the operator's budget shrink or offload) the
-owners over their share go first, then the policy's order, and ``PUBLIC`` last of all. Plain
-``evict`` (the operator's clear, and every cache without isolation) is the policy's order alone.
+owners over their share go first, then the policy's order, and ``PUBLIC`` last of all. A plain
+``Rule()`` (the operator's clear, and every cache without isolation) is the policy's order alone.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from engine.namespaces import owner_of
 from engine.types import PUBLIC
@@ -120,7 +126,7 @@ def fair_share(usage: Counter[str], owner: str | None, capacity_tokens: int) -> 
 
 
 class EvictionPolicy(ABC):
-    """The order leaves go in (``priority``), and the two ways a tree evicts by it."""
+    """The order leaves go in (``priority``); ``evict`` below takes leaves by it."""
 
     name: ClassVar[str]
 
@@ -131,72 +137,6 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def describe(self) -> str:
         """The order in words, for the UI: "least recently used first"."""
-
-    def evict(self, tree: RadixTree, num_tokens: int, namespace: str | None, removed: list[Node]) -> list[Any]:
-        """Take leaves from ``tree.leaves`` in order until ``num_tokens`` tokens are freed or no
-        unlocked leaf is left (only ``namespace``'s, if given). Returns the freed values and
-        appends the removed nodes to ``removed``."""
-        heap, freed, aside = tree.leaves, [], []
-        while len(freed) < num_tokens:
-            node = heap.pop()
-            if node is None:
-                break
-            if namespace is not None and node.namespace != namespace:
-                aside.append(node)  # not this clear's: back in the heap afterwards
-                continue
-            freed.extend(tree.evict_leaf(node))
-            removed.append(node)
-        for node in aside:
-            heap.push(node)
-        return freed
-
-    def evict_fair(self, tree: RadixTree, num_tokens: int, owner: str | None, capacity_tokens: int,
-                   incoming: int, removed: list[Node]) -> list[Any]:
-        """The fair-share rule of the module docstring, each owner's leaves in this policy's
-        order. ``owner``: who inserts ``incoming`` tokens (None: the operator's eviction, which
-        may take ``PUBLIC`` content last)."""
-        usage = tree.owner_tokens()
-        share = fair_share(usage, owner, capacity_tokens)
-        heaps: dict[str, LeafHeap] = {}  # owner -> its evictable leaves (PUBLIC: its own heap)
-        public = LeafHeap(self.priority)
-
-        def push(n: Node) -> None:
-            if n is tree.root or n.children or n.lock_ref:
-                return
-            if n.namespace == PUBLIC:
-                if owner is None:
-                    public.push(n)
-                return
-            key = owner_of(n.namespace)
-            if key not in heaps:
-                heaps[key] = LeafHeap(self.priority)
-            heaps[key].push(n)
-
-        for n in tree.nodes():
-            push(n)
-        freed: list[Any] = []
-        while len(freed) < num_tokens:
-            ends_over = owner is not None and usage[owner] + incoming > share
-            ready = [o for o, h in heaps.items() if h.top_key() is not None]
-            over = [o for o in ready if o != owner and usage[o] > share]
-            if ends_over and owner in ready:
-                victim, heap = owner, heaps[owner]
-            elif over:
-                victim = max(over, key=lambda o: usage[o] - share)
-                heap = heaps[victim]
-            elif not ends_over and ready:
-                victim = min(ready, key=lambda o: heaps[o].top_key())
-                heap = heaps[victim]
-            elif owner is None and public.top_key() is not None:
-                victim, heap = PUBLIC, public
-            else:
-                break  # the rest would come from owners within their share: store less instead
-            node = heap.pop()
-            freed.extend(tree.evict_leaf(node))
-            usage[victim] -= len(node.key)
-            removed.append(node)
-            push(node.parent)
-        return freed
 
 
 class LRU(EvictionPolicy):
@@ -236,3 +176,139 @@ def make_policy(policy: str | EvictionPolicy | None = None) -> EvictionPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     return POLICIES[name]()
+
+
+# ------------------------------------------------------------------ eviction
+@dataclass(frozen=True)
+class Rule:
+    """Which leaves may go, and in what order (the module docstring). ``fair``: the fair-share
+    rule of ``capacity_tokens``, ``owner`` inserting ``incoming_tokens`` (None: the operator's
+    eviction). Else the policy's order alone, only ``namespace``'s leaves if given (a clear)."""
+
+    fair: bool = False
+    owner: str | None = None
+    capacity_tokens: int = 0
+    incoming_tokens: int = 0
+    namespace: str | None = None
+
+
+def rule_for(namespace: str | None, fair_share: bool, capacity_tokens: int, incoming_tokens: int) -> Rule:
+    """The cache's rule for room for ``namespace``'s ``incoming_tokens`` (None: the operator's
+    budget shrink or offload). Isolation mode (``fair_share``) is fair to visitors; ``PUBLIC``
+    content is stored by the policy's order alone, as everything is without isolation."""
+    if not fair_share or namespace == PUBLIC:
+        return Rule()
+    if namespace is None:
+        return Rule(fair=True, capacity_tokens=capacity_tokens)
+    return Rule(fair=True, owner=owner_of(namespace), capacity_tokens=capacity_tokens, incoming_tokens=incoming_tokens)
+
+
+class Evicted(NamedTuple):
+    """What one eviction took: the removed nodes in the order they went (each keeps its parent
+    link: the listener and the tier read its path), and their values (pool slots, not yet free)."""
+
+    removed: list[Node]
+    freed: list[Any]
+
+
+def evict(tree: RadixTree, num_tokens: int, rule: Rule) -> Evicted:
+    """Take unlocked leaves by ``rule`` until ``num_tokens`` tokens are freed or none may go.
+    The tree's listener hears each removal as it happens (``RadixTree.evict_leaf``)."""
+    if rule.fair:
+        return _evict_fair(tree, num_tokens, rule)
+    heap, removed, freed, aside = tree.leaves, [], [], []
+    while len(freed) < num_tokens:
+        node = heap.pop()
+        if node is None:
+            break
+        if rule.namespace is not None and node.namespace != rule.namespace:
+            aside.append(node)  # not this clear's: back in the heap afterwards
+            continue
+        freed.extend(tree.evict_leaf(node))
+        removed.append(node)
+    for node in aside:
+        heap.push(node)
+    return Evicted(removed, freed)
+
+
+def _evict_fair(tree: RadixTree, num_tokens: int, rule: Rule) -> Evicted:
+    """The fair-share rule of the module docstring, each owner's leaves in the policy's order."""
+    owner, priority = rule.owner, tree.policy.priority
+    usage = tree.owner_tokens()
+    share = fair_share(usage, owner, rule.capacity_tokens)
+    heaps: dict[str, LeafHeap] = {}  # owner -> its evictable leaves (PUBLIC: its own heap)
+    public = LeafHeap(priority)
+
+    def push(n: Node) -> None:
+        if n is tree.root or n.children or n.lock_ref:
+            return
+        if n.namespace == PUBLIC:
+            if owner is None:
+                public.push(n)
+            return
+        key = owner_of(n.namespace)
+        if key not in heaps:
+            heaps[key] = LeafHeap(priority)
+        heaps[key].push(n)
+
+    for n in tree.nodes():
+        push(n)
+    removed: list[Node] = []
+    freed: list[Any] = []
+    while len(freed) < num_tokens:
+        ends_over = owner is not None and usage[owner] + rule.incoming_tokens > share
+        ready = [o for o, h in heaps.items() if h.top_key() is not None]
+        over = [o for o in ready if o != owner and usage[o] > share]
+        if ends_over and owner in ready:
+            victim, heap = owner, heaps[owner]
+        elif over:
+            victim = max(over, key=lambda o: usage[o] - share)
+            heap = heaps[victim]
+        elif not ends_over and ready:
+            victim = min(ready, key=lambda o: heaps[o].top_key())
+            heap = heaps[victim]
+        elif owner is None and public.top_key() is not None:
+            victim, heap = PUBLIC, public
+        else:
+            break  # the rest would come from owners within their share: store less instead
+        node = heap.pop()
+        freed.extend(tree.evict_leaf(node))
+        usage[victim] -= len(node.key)
+        removed.append(node)
+        push(node.parent)
+    return Evicted(removed, freed)
+
+
+def make_room(tree: RadixTree, num_tokens: int, rule: Rule, all_or_nothing: bool = True) -> Evicted | None:
+    """The one trial-and-restore transaction: evict up to ``num_tokens`` tokens by ``rule`` with the
+    tree's listener detached. All or nothing: when that frees fewer, the tree is restored as it was
+    and None comes back, the listener told nothing. Else the eviction stands: the listener hears
+    each removed node, in order, and the caller owns the freed values (spill, then free them)."""
+    listener, tree.listener = tree.listener, None
+    try:
+        evicted = evict(tree, num_tokens, rule)
+        if all_or_nothing and len(evicted.freed) < num_tokens:
+            tree.restore(evicted.removed)
+            return None
+    finally:
+        tree.listener = listener
+    if listener is not None:
+        for node in evicted.removed:
+            listener.removed(node)
+    return evicted
+
+
+def clear(tree: RadixTree, namespace: str | None = None) -> list[Any]:
+    """Evict every unlocked leaf (only ``namespace``'s, if given); returns the freed values. A clear
+    that empties the whole tree is one ``cleared`` for the listener, as vLLM's reset is one
+    ``AllBlocksCleared``; any other clear is heard node by node."""
+    everything, listener = Rule(namespace=namespace), tree.listener
+    if namespace is not None or tree.locked_tokens or listener is None:
+        return evict(tree, tree.num_tokens, everything).freed
+    tree.listener = None
+    try:
+        freed = evict(tree, tree.num_tokens, everything).freed
+    finally:
+        tree.listener = listener
+    listener.cleared()
+    return freed

@@ -2,10 +2,11 @@
 
 Owns: which pool slots the tree holds, and the rules that move KV between the tree, running
 requests and the second tier: admission (match, make room, load from the tier), adoption of
-a finished request's KV, eviction by the tree's policy (``engine.kvcache.eviction``), and
-budget changes. Running requests read the tree's slots for their cached prefix in place, never
-a copy; at the end their own slots pass to the tree, no copy either. The pool side (live requests, renumbering, slot
-checks) is ``engine.kvcache.request_slots.SlotLedger``; the tier's keys, rules and files are
+a finished request's KV, when to evict (``engine.kvcache.eviction`` decides what, and owns the
+trial-and-restore; the cache spills and frees what it took), and budget changes. Running requests
+read the tree's slots for their cached prefix in place, never a copy; at the end their own slots
+pass to the tree, no copy either. The pool side (live requests, renumbering, slot checks) is
+``engine.kvcache.request_slots.SlotLedger``; the tier's keys, rules and files are
 ``engine.kvcache.second_tier.SecondTier`` and the store under it.
 
 The one rule that keeps reuse exact: **a match is held (split at its end and locked) while
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
+from engine.kvcache import eviction
 from engine.kvcache.eviction import EvictionPolicy
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.radix_tree import MatchResult, Node, RadixTree
@@ -37,7 +39,7 @@ from engine.kvcache.request_kv import RequestKV
 from engine.kvcache.request_slots import RequestSlots, SlotLedger
 from engine.kvcache.second_tier import SecondTier, path_of
 from engine.snapshot_view import for_viewer, node_infos, with_text
-from engine.types import PUBLIC, CacheKey, TreeSnapshot
+from engine.types import CacheKey, TreeSnapshot
 
 
 class RadixCache(SlotLedger):
@@ -103,56 +105,35 @@ class RadixCache(SlotLedger):
             self.tier.write_queued()
 
     # ------------------------------------------------------------- room
-    def _evict_for(self, short: int, namespace: str | None, incoming: int, removed: list[Node],
-                   capacity: int | None = None) -> list:
-        """Evict up to ``short`` tokens for ``namespace``'s ``incoming`` ones (None: the operator's
-        shrink or offload), by the policy; in isolation mode by its fair share of ``capacity``
-        (``engine.kvcache.eviction``). Returns the freed slots (not yet given back)."""
+    def _rule(self, namespace: str | None, incoming: int, capacity: int | None = None) -> eviction.Rule:
+        """How room is made for ``namespace``'s ``incoming`` tokens (None: the operator's shrink
+        or offload), of ``capacity`` (default the pool's): ``engine.kvcache.eviction.rule_for``."""
         capacity = self.pool.capacity if capacity is None else capacity
-        if self.fair_share and namespace is None:
-            return self.tree.evict_over_share(short, capacity, removed=removed)
-        if self.fair_share and namespace != PUBLIC:
-            return self.tree.evict(short, fair_for=namespace, capacity_tokens=capacity,
-                                   incoming_tokens=incoming, removed=removed)
-        return self.tree.evict(short, removed=removed)
+        return eviction.rule_for(namespace, self.fair_share, capacity, incoming)
 
     def _make_room(self, num_slots: int, namespace: str | None, all_or_nothing: bool = True) -> bool:
-        """Evict until ``num_slots`` slots are free. All or nothing: False, with the tree as it
-        was, when eviction cannot make that much room (else as much as it can). Call with the
-        lock held, and with every match that will be extended held (``_holding``)."""
+        """Evict until ``num_slots`` slots are free (``engine.kvcache.eviction.make_room``). All or
+        nothing: False, with the tree as it was, when eviction cannot make that much room (else as
+        much as it can). Call with the lock held, and with every match that will be extended held
+        (``_holding``)."""
         short = num_slots - self.pool.num_free
         if short <= 0:
             return True
-        removed: list[Node] = []
-        with self._unheard() as listener:  # a trial: the listener hears only an eviction that stands
-            freed = self._evict_for(short, namespace, num_slots, removed)
-            if all_or_nothing and len(freed) < short:
-                self.tree.restore(removed)
-                return False
-        if listener is not None:
-            for node in removed:
-                listener.removed(node)
-        self._evicted(removed, freed)
-        return len(freed) >= short
+        evicted = eviction.make_room(self.tree, short, self._rule(namespace, num_slots), all_or_nothing)
+        if evicted is None:
+            return False
+        self._evicted(evicted)
+        return len(evicted.freed) >= short
 
-    @contextmanager
-    def _unheard(self) -> Iterator:
-        """The tree's listener (KV events) detached for the body; yields it."""
-        listener, self.tree.listener = self.tree.listener, None
-        try:
-            yield listener
-        finally:
-            self.tree.listener = listener
-
-    def _evicted(self, removed: Sequence[Node], freed: list) -> None:
+    def _evicted(self, evicted: eviction.Evicted) -> None:
         """Eviction is final: the removed nodes' KV goes to the second tier, then their slots
         are free. Call with the lock held, before anything reuses the slots."""
         if self.tier is not None:
-            for node in removed:
+            for node in evicted.removed:
                 path, slots = path_of(node, self.tree.root)
                 self.tier.spill(path, slots, len(path.ids) - len(node.key), self.pool)
             self.tier.settle()
-        self.pool.free(freed)
+        self.pool.free(evicted.freed)
 
     @contextmanager
     def _holding(self, key: CacheKey, m: MatchResult) -> Iterator[Node | None]:
@@ -236,11 +217,10 @@ class RadixCache(SlotLedger):
             self.tier.store.flush()
             self._write_tree()
         with self._locked():
-            removed: list[Node] = []
-            freed = self._evict_for(self.tree.num_tokens, None, 0, removed)
-            self._evicted(removed, freed)
+            evicted = eviction.evict(self.tree, self.tree.num_tokens, self._rule(None, 0))
+            self._evicted(evicted)
             self.version += 1
-            return len(freed)
+            return len(evicted.freed)
 
     def persist(self) -> int:
         """Write every cached chunk to the second tier and the spilled paths beside them (for a
@@ -384,12 +364,7 @@ class RadixCache(SlotLedger):
         nodes, if given); returns tokens freed. A clear that empties the whole tree is one
         ``cleared`` for the listener, as vLLM's reset is one ``AllBlocksCleared``."""
         with self._lock:
-            if namespace is None and not self.tree.locked_tokens and self.tree.listener is not None:
-                with self._unheard() as listener:
-                    freed = self.tree.clear()
-                listener.cleared()
-            else:
-                freed = self.tree.clear(namespace)
+            freed = eviction.clear(self.tree, namespace)
             self.pool.free(freed)
             self.version += 1
             return len(freed)
@@ -403,10 +378,9 @@ class RadixCache(SlotLedger):
             evicted = 0
             over = self.tree.num_tokens + self._running_tokens - new_capacity
             if over > 0:
-                removed: list[Node] = []
-                freed = self._evict_for(over, None, 0, removed, capacity=new_capacity)
-                self._evicted(removed, freed)
-                evicted = len(freed)
+                taken = eviction.evict(self.tree, over, self._rule(None, 0, capacity=new_capacity))
+                self._evicted(taken)
+                evicted = len(taken.freed)
             mapping = self._resize(budget_bytes, self.tree.all_values())
             self.tree.remap_values(lambda vals: [mapping[v] for v in vals])
             return evicted

@@ -15,9 +15,11 @@ Children are keyed by ``(namespace, first token)``, so two visitors with the
 same private text never share a node, while content shipped with the app
 (``public_len`` tokens, decided by the server) is shared by everyone.
 
-Eviction takes unlocked leaves in the order of the tree's ``EvictionPolicy``
-(``engine.kvcache.eviction``: least recently used by default, and the fair-share rule of
-isolation mode), from the one heap of evictable leaves the tree keeps (``leaves``).
+Eviction is ``engine.kvcache.eviction``'s: it picks unlocked leaves by the tree's
+``EvictionPolicy`` (least recently used by default, and the fair-share rule of isolation mode)
+from the one heap of evictable leaves the tree keeps (``leaves``), and the tree takes each out
+(``evict_leaf``) or puts them back after a trial (``restore``). ``evict`` and ``clear`` here
+are shorthands for its ``evict`` (simulations, the remote shadow tree, tests).
 
 Invariants (``check_invariants``):
 - every non-root node has a non-empty edge, ``len(value) == len(key)``, and is
@@ -39,8 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.kvcache import eviction
 from engine.kvcache.eviction import EvictionPolicy, LeafHeap, evictable, make_policy
-from engine.kvcache.eviction import fair_share as share_of
 from engine.namespaces import owner_of
 from engine.types import PUBLIC, CacheKey
 
@@ -225,22 +227,21 @@ class RadixTree:
     def evict(self, num_tokens: int, namespace: str | None = None, fair_for: str | None = None,
               capacity_tokens: int = 0, incoming_tokens: int | None = None,
               removed: list[Node] | None = None) -> list[Any]:
-        """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed or
-        nothing unlocked is left (only ``namespace``'s nodes, if given). With ``fair_for`` (the
-        namespace about to insert ``incoming_tokens``, by default ``num_tokens``), the policy's
-        fair-share rule picks the leaves instead. Returns the freed values; the removed nodes
-        are appended to ``removed`` if given (``restore`` undoes them)."""
-        removed = [] if removed is None else removed
+        """``engine.kvcache.eviction.evict``: unlocked leaves in the policy's order until
+        ``num_tokens`` tokens are freed or none is left (only ``namespace``'s, if given). With
+        ``fair_for`` (the namespace about to insert ``incoming_tokens``, by default ``num_tokens``),
+        the fair-share rule of ``capacity_tokens`` instead. Returns the freed values; the removed
+        nodes are appended to ``removed`` if given (``restore`` undoes them)."""
         if fair_for is not None:
             incoming = num_tokens if incoming_tokens is None else incoming_tokens
-            return self.policy.evict_fair(self, num_tokens, owner_of(fair_for), capacity_tokens, incoming, removed)
-        return self.policy.evict(self, num_tokens, namespace, removed)
-
-    def evict_over_share(self, num_tokens: int, capacity_tokens: int, removed: list[Node] | None = None) -> list[Any]:
-        """The operator's eviction under fair share (a budget shrink to ``capacity_tokens``, an
-        offload): owners over their share first, then the policy's order, ``PUBLIC`` last."""
-        removed = [] if removed is None else removed
-        return self.policy.evict_fair(self, num_tokens, None, capacity_tokens, 0, removed)
+            rule = eviction.Rule(fair=True, owner=owner_of(fair_for), capacity_tokens=capacity_tokens,
+                                 incoming_tokens=incoming)
+        else:
+            rule = eviction.Rule(namespace=namespace)
+        evicted = eviction.evict(self, num_tokens, rule)
+        if removed is not None:
+            removed.extend(evicted.removed)
+        return evicted.freed
 
     def owner_tokens(self) -> Counter[str]:
         """Cached tokens per owner (``PUBLIC`` included)."""
@@ -251,11 +252,11 @@ class RadixTree:
 
     def fair_share(self, owner: str, capacity_tokens: int, usage: Counter[str] | None = None) -> float:
         """Tokens each owner may hold when ``owner`` inserts (``engine.kvcache.eviction.fair_share``)."""
-        return share_of(self.owner_tokens() if usage is None else usage, owner, capacity_tokens)
+        return eviction.fair_share(self.owner_tokens() if usage is None else usage, owner, capacity_tokens)
 
     def evict_leaf(self, node: Node) -> Sequence[Any]:
-        """Take the unlocked leaf ``node`` out (for the policy); returns its values. Its parent,
-        if that is now an unlocked leaf, joins ``leaves``."""
+        """Take the unlocked leaf ``node`` out (for ``engine.kvcache.eviction``); returns its
+        values. Its parent, if that is now an unlocked leaf, joins ``leaves``."""
         parent = node.parent
         del parent.children[(node.namespace, node.key[0])]
         self.num_tokens -= len(node.key)
@@ -309,7 +310,8 @@ class RadixTree:
         return freed
 
     def clear(self, namespace: str | None = None) -> list[Any]:
-        """Evict everything that is not locked; return the freed values."""
+        """Evict everything that is not locked, the listener hearing each node (the cache's clear
+        is ``engine.kvcache.eviction.clear``); return the freed values."""
         return self.evict(self.num_tokens, namespace)
 
     # ------------------------------------------------------------------ views
