@@ -128,8 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "/metrics and KV events with none of the page's start-up work (no warm start of the "
                         "shipped prompts, no growth curve), so several start fast and their caches start empty")
     p.add_argument("--explain-kernels", action="store_true",
-                   help="load the model, print what runs its forward (the exact forward or the fast paths, the "
-                        "linears, the attention, the switches behind them) and exit")
+                   help="load the model, print its execution plan (the layer driver, the linears and the "
+                        "attention chosen, why each option before them was set aside, the RADIX_KERNELS setting "
+                        "and its aliases) and exit")
     args = p.parse_args(argv)
     args.fleet = [u.strip() for u in args.fleet.split(",") if u.strip()]
     if args.fleet and not args.backend:

@@ -272,7 +272,7 @@ class Engine(FacadeBase):
                           num_layers=r.num_layers, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                           kv_bytes_per_token=r.kv_bytes_per_token, max_context=r.max_context,
                           cache_enabled=self.cache.enabled, isolation=self.isolation,
-                          linear_kernels=r.linear_kernels, forward=r.forward_kind,
+                          linear_kernels=r.linear_kernels, forward=r.forward_kind, plan=r.plan.summary(),
                           attention=r.attention.describe(), isa=r.kernel_isa,
                           eviction=self.eviction_policy.describe() if self.cache.enabled else "")
 

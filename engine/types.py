@@ -250,6 +250,7 @@ class EngineInfo:
     isolation: bool
     linear_kernels: str = ""  # how the model's linear layers multiply ("" when unknown, e.g. remote)
     forward: str = ""  # what runs the scheduler's forward, in words ("" when unknown, e.g. remote)
+    plan: str = ""  # the execution plan's summary line, "layers=... linear=... attention=..." ("" when unknown)
     attention: str = ""  # the attention kernel serving reads the pool with, in words ("" when unknown)
     isa: str = ""  # the instruction set our C kernels are built for, in words (RADIX_ISA; "" when none run)
     backend: str = ""  # remote mode: the server's URL (memory, budget and KV geometry unknown here)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +32,13 @@ def make_tiny_runner(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float3
     model = LlamaForCausalLM(cfg).eval().to(dtype)  # the same weights in any dtype, rounded
     return ModelRunner(LoadedModel(model=model, tokenizer=tokenizer, name="tiny-random-llama",
                                    device=torch.device("cpu"), dtype=dtype))
+
+
+def fast_paths(runner: ModelRunner, monkeypatch) -> None:
+    """The fast paths for this test (as ``RADIX_KERNELS=exact=off`` would have chosen): a runner whose
+    plan chose the exact forward gets the fused driver below it; the stack and its layers are there."""
+    if runner.plan.layers == "exact":
+        monkeypatch.setattr(runner, "plan", dataclasses.replace(runner.plan, layers="fused"))
 
 
 @pytest.fixture(scope="session")

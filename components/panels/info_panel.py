@@ -50,6 +50,7 @@ def info_markdown(engine: EngineAPI) -> str:
         f"| dtype | **{i.dtype}** ({dtype_note(i.dtype)}) |" if dtype_note(i.dtype) else f"| dtype | {i.dtype} |",
         f"| layers · KV heads · head dim | {i.num_layers} · {i.num_kv_heads} · {i.head_dim} |",
         *([f"| linear layers | {i.linear_kernels} |"] if i.linear_kernels else []),
+        *([f"| execution plan | `{i.plan}` (`python app.py --explain-kernels` says why) |"] if i.plan else []),
         *([f"| forward | {i.forward} |"] if i.forward else []),
         *([f"| attention | {i.attention} |"] if i.attention else []),
         *([f"| kernels' instruction set | {i.isa} |"] if i.isa else []),

@@ -27,12 +27,12 @@ Which models: a causal LM whose ``model.layers`` are decoder layers with ``self_
 ``post_attention_layernorm``, a ``rotary_emb`` on the model, and ``apply_rotary_pos_emb``
 in its modeling module: Llama, Mistral (without a sliding window), Qwen2 and their kin.
 ``DecoderStack.build`` returns None for anything else, and the runner keeps transformers'
-forward. ``RADIX_DECODER_STACK=0`` turns it off.
+forward. Whether to try it at all is the execution plan's (``engine.model.plan``: ``stack=off``,
+alias ``RADIX_DECODER_STACK=0``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
@@ -42,8 +42,6 @@ from torch import nn
 
 from engine.held_signals import release_signals
 from engine.model.fused_decode import FusedLayers, plain_rms_norm
-
-ENV_SWITCH = "RADIX_DECODER_STACK"  # "0": always run transformers' own forward
 
 
 def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -79,7 +77,7 @@ class _Layer:
 class DecoderStack:
     """A direct forward of a Llama-family decoder (module docstring)."""
 
-    def __init__(self, model: nn.Module, rotate: Callable) -> None:
+    def __init__(self, model: nn.Module, rotate: Callable, fused: bool = True) -> None:
         inner = model.model
         self.embed = inner.embed_tokens.forward
         self.rotary = inner.rotary_emb
@@ -88,16 +86,15 @@ class DecoderStack:
         self.rotate = rotate
         modules = list(inner.layers[: model.config.get_text_config().num_hidden_layers])
         self.layers = [_Layer(layer) for layer in modules]
-        # A step of a few rows in two C calls per layer (engine.model.fused_decode); the runner
-        # drops it unless it checks out on a probe (ModelRunner._check_fused).
-        self.fused: FusedLayers | None = FusedLayers.build(model, modules)
+        # A step of a few rows in two C calls per layer (engine.model.fused_decode), where the plan
+        # may use them; the runner drops them unless they check out on a probe (ModelRunner._check_fused).
+        self.fused: FusedLayers | None = FusedLayers.build(model, modules) if fused else None
         self.one_scale = len({(layer.scaling, layer.head_dim) for layer in self.layers}) == 1  # one C call takes one
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecoderStack | None:
-        """The stack for ``model``, or None when it is not a decoder this forward knows."""
-        if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-            return None
+    def build(cls, model: nn.Module, fused: bool = True) -> DecoderStack | None:
+        """The stack for ``model``, or None when it is not a decoder this forward knows; with its
+        fused layers where ``fused`` (the plan may use them) and they take the model."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if inner is None or not layers or getattr(model, "lm_head", None) is None:
@@ -111,7 +108,7 @@ class DecoderStack:
         cfg = model.config.get_text_config()
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "embedding_multiplier", None):
             return None
-        return cls(model, rotate)
+        return cls(model, rotate, fused)
 
     @staticmethod
     def _knows(layer: nn.Module) -> bool:

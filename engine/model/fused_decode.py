@@ -24,7 +24,8 @@ batched decode rows still equal lone ones bit for bit. Against the unfused forwa
 differ in their last bits (another order of float32 operations), like our linears against
 PyTorch's: the runner checks them within a bound on a probe at start
 (``ModelRunner._check_fused``) and runs unfused on any other result, and the second tier's
-fingerprint names the fused forward. ``RADIX_FUSED_DECODE=0`` turns it off.
+fingerprint names the fused forward. The execution plan decides (``engine.model.plan``:
+``RADIX_KERNELS=fused=off``, alias ``RADIX_FUSED_DECODE=0``, turns it off).
 
 In bfloat16 the C code rounds to bf16 wherever the unfused bf16 forward stores a bf16 tensor
 (``native_linear.c``), so the two differ only in the order of the sums inside the linears and the
@@ -49,10 +50,8 @@ import torch
 from torch import nn
 
 from engine.model import native_linear
-from engine.model.native_build import switched_off
 from engine.model.packed_linear import PackedLinear
 
-ENV_SWITCH = "RADIX_FUSED_DECODE"
 MAX_ROWS = 32  # float32: a step of more rows (a prefill chunk) runs unfused
 BF16_MAX_ROWS = 8  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
 # The probe's bound on the logits against the unfused forward, a fraction of the largest logit: in
@@ -124,9 +123,7 @@ class FusedLayers:
     @classmethod
     def build(cls, model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
         """The fused layers of ``model`` (the decoder layers ``layers``), or None when they are not
-        ones it takes (module docstring), the kernel does not build, or ``RADIX_FUSED_DECODE=0``."""
-        if switched_off(ENV_SWITCH):
-            return None
+        ones it takes (module docstring) or the kernel does not build."""
         try:
             p = next(model.parameters())
         except StopIteration:

@@ -67,11 +67,6 @@ ISAS = ("native", *ISA_MARCH)
 T = TypeVar("T")
 
 
-def switched_off(env: str) -> bool:
-    """Whether the kernel's switch (``RADIX_NATIVE_ATTENTION``, ``RADIX_NATIVE_LINEAR``) says no."""
-    return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there is none)."""
     try:
@@ -257,11 +252,12 @@ def cpu_signature() -> str:
 
 class OnFirstUse(Generic[T]):
     """A kernel built and loaded on the first ``get()`` (once per process, thread-safe); None
-    where it cannot be (no compiler, a CPU it does not build for, its switch set to 0), with
-    the reason in ``why``, and the caller stays on PyTorch's kernels."""
+    where it cannot be (no compiler, a CPU it does not build for), with the reason in ``why``,
+    and the caller stays on PyTorch's kernels. Whether it is wanted at all is the execution
+    plan's to say (``engine.model.plan``), which then never asks."""
 
-    def __init__(self, source: Path, switch: str, load: Callable[[Path], T]) -> None:
-        self.source, self.switch, self.load = source, switch, load
+    def __init__(self, source: Path, load: Callable[[Path], T]) -> None:
+        self.source, self.load = source, load
         self._lock = threading.Lock()
         self._value: T | None = None
         self._tried = False
@@ -273,8 +269,6 @@ class OnFirstUse(Generic[T]):
             if not self._tried:
                 self._tried = True
                 try:
-                    if switched_off(self.switch):
-                        raise RuntimeError(f"{self.switch}=0")
                     self.isa = isa()
                     self._value = build_and_load(self.source, self.load)
                 except Exception as exc:  # no compiler, no AVX2, an unwritable folder: PyTorch's kernels

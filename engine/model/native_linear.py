@@ -21,8 +21,8 @@ lone ones bit for bit; against PyTorch's product they differ in the last bits, a
 tier's fingerprint says which kernels computed its KV.
 
 Where: float32 or bfloat16 weights (not oneDNN-packed) on a CPU where the kernel builds (AVX2
-and FMA, or AVX-512, and a C compiler; ``engine.model.native_build``).
-``RADIX_NATIVE_LINEAR=0`` turns it off.
+and FMA, or AVX-512, and a C compiler; ``engine.model.native_build``). The execution plan decides
+(``engine.model.plan``: ``RADIX_KERNELS=native=off``, alias ``RADIX_NATIVE_LINEAR=0``, turns it off).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from torch import nn
 from engine.model.native_build import OnFirstUse, bf16_dot_products
 
 SOURCE = Path(__file__).with_name("native_linear.c")
-ENV_SWITCH = "RADIX_NATIVE_LINEAR"
 MAX_ROWS = 128  # float32: more rows (a long prefill chunk) go to MKL's product, as fast there
 # (all 210 layer matrices, Zen 4, AVX-512 tiles: ours 59-63 / 111-114 / 218-230 / 487-517 ms at
 # 32 / 64 / 128 / 256 rows, MKL's 107-109 / 178-185 / 292-305 / 456-468)
@@ -71,7 +70,7 @@ class LinearKernel:
         return out
 
 
-_library = OnFirstUse(SOURCE, ENV_SWITCH, LinearKernel)
+_library = OnFirstUse(SOURCE, LinearKernel)
 
 
 def kernel() -> LinearKernel | None:
@@ -113,19 +112,29 @@ class NativeLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], -1)
 
 
-def use_native_linears(model: nn.Module) -> int:
-    """Turn every plain ``nn.Linear`` of a float32 CPU model, or a bfloat16 one on a CPU without
-    native bf16 (``engine.model.packed_linear`` packs it where there is), whose input size the kernel takes
-    (a multiple of 8) into a ``NativeLinear``, in place; returns how many. Does nothing
-    (returns 0) where the kernel does not build or the model is neither on a CPU."""
+def refusal(model: nn.Module) -> str:
+    """Why ``use_native_linears`` leaves ``model`` alone ("" where it converts it): float32, or
+    bfloat16 on a CPU without native bf16 (``engine.model.packed_linear`` packs it where there is),
+    on a CPU where the kernel builds."""
     try:
         p = next(model.parameters())
     except StopIteration:
-        return 0
-    if p.device.type != "cpu" or p.dtype not in DTYPES or kernel() is None:
-        return 0
+        return "no weights"
+    if p.device.type != "cpu" or p.dtype not in DTYPES:
+        return f"takes float32 or bfloat16 on the CPU, not {str(p.dtype).removeprefix('torch.')} on {p.device.type}"
+    if kernel() is None:
+        return f"the kernel does not build here: {why()}"
     if p.dtype == torch.bfloat16 and bf16_dot_products():
-        return 0  # a CPU with native bf16 dot products: oneDNN's product (packed or not) is the one measured there
+        return "this CPU has native bf16 dot products: oneDNN's product (packed or not) is the one measured there"
+    return ""
+
+
+def use_native_linears(model: nn.Module) -> int:
+    """Turn every plain ``nn.Linear`` of ``model`` whose input size the kernel takes (a multiple of
+    8) into a ``NativeLinear``, in place; returns how many. Does nothing (returns 0) where
+    ``refusal`` says why not."""
+    if refusal(model):
+        return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.in_features % 8 == 0]
     for m in linears:
         m.__class__ = NativeLinear

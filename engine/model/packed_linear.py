@@ -13,7 +13,8 @@ packed product is faster at every batch size (22.7 vs 29.4 ms at 1 row, 115 vs 1
 512); in float32 MKL's plain product is as fast or faster (25.6 vs 41.7 ms at 1 row, 61.5 vs
 63.7 ms at 16, 463 vs 455 ms at 512), and one decode step of one request over a 2,300-token
 prompt took 69 ms plain against 91 ms packed, so float32 stays plain (and does not hold the
-weights twice). ``RADIX_PACKED_LINEAR=1`` packs float32 too, ``0`` packs nothing.
+weights twice). The execution plan decides (``engine.model.plan``: ``RADIX_KERNELS=linear=packed``
+packs float32 too, ``packed=off`` nothing; ``RADIX_PACKED_LINEAR=1``/``0`` are their aliases).
 
 The packed copy is extra memory (the model's linear weights once more; a tied LM head is
 packed as a copy). Outputs differ from the plain product's in the last bits; every path of
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import platform
 
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.model.native_build import bf16_dot_products
 
-ENV_SWITCH = "RADIX_PACKED_LINEAR"  # "0": pack nothing; "1": float32 too; unset: bfloat16 only
+DEFAULT_DTYPES = (torch.bfloat16,)  # what is packed unless the plan names packed (then float32 too)
 
 
 class PackedLinear(nn.Module):
@@ -69,29 +69,31 @@ class PackedLinear(nn.Module):
         return lin
 
 
-def packed_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes that get packed: bfloat16 by default, float32 too with ``RADIX_PACKED_LINEAR=1``,
-    none with ``0`` (module docstring)."""
-    switch = os.environ.get(ENV_SWITCH, "").strip()
-    if switch == "0":
-        return ()
-    return (torch.float32, torch.bfloat16) if switch == "1" else (torch.bfloat16,)
-
-
-def can_pack(model: nn.Module) -> bool:
-    """Packing applies: weights of a ``packed_dtypes()`` dtype on an x86 CPU (where it was measured),
-    oneDNN built in, and a packed product checks out against the plain one."""
+def refusal(model: nn.Module, dtypes: tuple[torch.dtype, ...] = DEFAULT_DTYPES) -> str:
+    """Why packing does not apply to ``model`` ("" where it does): weights of one of ``dtypes`` on an
+    x86 CPU (where it was measured), oneDNN built in, and a packed product checks out against the
+    plain one (bfloat16 also needs native bf16 dot products)."""
     if not torch.backends.mkldnn.is_available():
-        return False
+        return "PyTorch was built without oneDNN"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return f"measured on x86 only, not {platform.machine()}"
     try:
         p = next(model.parameters())
     except StopIteration:
-        return False
+        return "no weights"
     if p.dtype == torch.bfloat16 and not bf16_dot_products():  # (RADIX_ISA=avx2: as on a CPU without them)
-        return False
-    return p.device.type == "cpu" and p.dtype in packed_dtypes() and _packing_works(p.dtype)
+        return "no native bf16 dot products on this CPU (or RADIX_ISA narrows it)"
+    if p.device.type != "cpu":
+        return f"weights on {p.device.type}, not the CPU"
+    if p.dtype not in dtypes:
+        return (f"{str(p.dtype).removeprefix('torch.')} is not packed unless named (MKL's plain float32 product "
+                "is as fast)" if p.dtype == torch.float32 else f"{str(p.dtype).removeprefix('torch.')} is not packed")
+    return "" if _packing_works(p.dtype) else "a packed product did not check out against the plain one"
+
+
+def can_pack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = DEFAULT_DTYPES) -> bool:
+    """Packing applies (``refusal`` says why not)."""
+    return not refusal(model, dtypes)
 
 
 @functools.cache
@@ -110,10 +112,10 @@ def _packing_works(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...] = DEFAULT_DTYPES) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``, in place; returns how many.
     Does nothing (returns 0) where ``can_pack`` says no."""
-    if not can_pack(model):
+    if not can_pack(model, dtypes):
         return 0
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]

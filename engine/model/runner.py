@@ -19,6 +19,10 @@ it through ``engine.model.decoder_stack`` (its own layers called directly), any 
 batchable model through transformers' forward with that attention registered in its place
 (``_paged_attention``). The other paths are single-request: ``forward``/``forward_last`` on a
 scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (no reuse).
+
+Which of these runs, with which linears and attention, is chosen once as the runner is built:
+its ``plan`` (``engine.model.plan.ExecutionPlan``), built from the plan's registry with the
+start-up probes below as the checks. The forwards act on the plan; nothing here reads a setting.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,22 +41,21 @@ import torch
 from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
-from engine.model import native_build, native_linear
-from engine.model.attention import AttentionBackend, choose_backend, exact
+from engine.model import native_build, native_linear, plan
+from engine.model.attention import AttentionBackend, exact
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
 from engine.model.loader import LoadedModel
-from engine.model.native_build import switched_off
 from engine.model.native_linear import use_native_linears
-from engine.model.packed_linear import PackedLinear, pack_linears
+from engine.model.packed_linear import pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
+from engine.model.plan import ExecutionPlan, KernelSettings
 from engine.text.codec import TextCodec
 from engine.types import EngineError, EngineFault, SamplingParams
 
 log = logging.getLogger(__name__)
 
 PAGED_ATTENTION = "radix_paged"
-EXACT_SWITCH = "RADIX_EXACT"  # "0": the fast paths, whose bits depend on the batch (issue 44)
 _batch = threading.local()  # the plan and pool of the paged forward running on this thread, if any
 
 
@@ -131,8 +134,13 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        self.packed_linears = self.compute.call(pack_linears, self.model)  # CPU bf16: oneDNN-packed weights
-        self.native_linears = self.compute.call(use_native_linears, self.model)  # CPU fp32: our kernel, few rows
+        settings = plan.read_settings()  # the one reading of RADIX_KERNELS and its aliases
+        # The linears (CPU bf16 with native bf16: oneDNN-packed weights; CPU fp32: our kernel, few rows),
+        # checked on the compute thread: the packing check runs a product (one OpenMP pool).
+        linear, rejected = self.compute.call(plan.choose, "linear", settings, plan.linear_check(self.model, settings))
+        self.packed_linears = (self.compute.call(pack_linears, self.model, plan.packed_dtypes(settings))
+                               if linear == "packed" else 0)
+        self.native_linears = self.compute.call(use_native_linears, self.model) if linear == "native" else 0
         # Read the KV geometry off a one-token forward: works for any architecture.
         layers = self.compute.call(self._probe_layers)
         self.num_layers = len(layers)
@@ -143,16 +151,71 @@ class ModelRunner:
         self.text = TextCodec(loaded.tokenizer, vocab_size=int(self.model.get_input_embeddings().num_embeddings),
                               model_eos=getattr(self.model.generation_config, "eos_token_id", None))
         self.lock = TurnLock()  # one forward at a time, whichever engine asks
-        # forward_paged's attention kernel, chosen once (by device; RADIX_ATTENTION_BACKEND overrides).
-        self.attention: AttentionBackend = choose_backend(self.device)
+        # forward_paged's attention kernel: the first backend that runs on the device, or the one named
+        self.attention: AttentionBackend
+        self.attention, set_aside = plan.choose_attention(self.device, settings)
         self.query_groups = int(cfg.num_attention_heads) // self.num_kv_heads  # query heads per KV head
-        self.can_batch = self._enable_batching()
-        # forward_paged's own layer-by-layer forward where the model is a Llama-family decoder and it
-        # checks out bit for bit against transformers' forward (engine.model.decoder_stack).
-        self.stack: DecoderStack | None = self.compute.call(self._check_stack) if self.can_batch else None
-        # Every forward exact (issue 44): a row's bits its own, whatever its batch, chunk or cache.
-        self.exact = bool(self.stack is not None and self.compute.call(self._check_exact))
+        # The layer driver: forward_paged's own layer-by-layer forward (engine.model.decoder_stack) where
+        # the model is a Llama-family decoder and it checks out bit for bit against transformers' forward,
+        # its fused layers and the exact forward (issue 44) where they check out too.
+        self.stack: DecoderStack | None = None
+        driver, dropped = self.compute.call(self._choose_layers, settings)
+        fused = self.stack.fused if self.stack is not None else None
+        self.plan = ExecutionPlan(layers=driver, linear=linear, attention=self.attention.name,
+                                  rejected=tuple(rejected + set_aside + dropped),
+                                  fused_max_rows=fused.max_rows if fused is not None else 0,
+                                  linear_max_rows=native_linear.MAX_ROWS if self.native_linears
+                                  and self.dtype == torch.float32 else 0, switches=settings.switches)
         self.compute.call(self._warm_up)
+
+    @torch.inference_mode()
+    def _choose_layers(self, settings: KernelSettings) -> tuple[str, list[tuple[str, str, str]]]:
+        """The layer driver (``engine.model.plan``): each driver's check builds on the one below it
+        (exact on fused, fused on stack, stack on transformers), each probe runs once, in that order
+        from the bottom; ``self.stack`` is left as the chosen driver needs it (None below stack)."""
+        memo: dict[str, str] = {}
+
+        def runs(name: str) -> str:
+            if name not in memo:
+                memo[name] = settings.refusal("layers", name) or checks[name]()
+            return memo[name]
+
+        def below(name: str, what: str) -> str:
+            why = runs(name)
+            return f"needs {what}, which is not used: {why}" if why else ""
+
+        def stack() -> str:
+            why = below("transformers", "the pool-reading attention")
+            if why:
+                return why
+            built = DecoderStack.build(self.model, fused=not settings.refusal("layers", "fused"))
+            if built is None:
+                return "not a Llama-family decoder this forward knows (engine.model.decoder_stack)"
+            self.stack = self._check_stack(built)
+            return "" if self.stack is not None else "its logits differ from transformers' forward on a probe"
+
+        def fused() -> str:
+            why = below("stack", "the decoder stack")
+            if why:
+                return why
+            if self.stack.fused is None:
+                return "the fused layers do not take this model, or our linear kernel does not build here"
+            if not self._check_fused(self.stack, *self._probes()):
+                self.stack.fused = None
+                return "its logits are off the unfused forward's on a probe (or the kernel refused it)"
+            return ""
+
+        checks: dict[str, Callable[[], str]] = {
+            "exact": lambda: below("fused", "the fused layers") or self._check_exact(),
+            "fused": fused, "stack": stack, "transformers": self._enable_batching, "gathered": lambda: ""}
+        for name in ("transformers", "stack", "fused", "exact"):  # the probes' order: each needs the one before
+            runs(name)
+        driver, rejected = plan.choose("layers", settings, runs)
+        if driver not in ("exact", "fused") and self.stack is not None:
+            self.stack.fused = None  # checked but not used: the stack's steps stay unfused
+        if driver not in ("exact", "fused", "stack"):
+            self.stack = None
+        return driver, rejected
 
     @torch.inference_mode()
     def _probe_layers(self) -> list:
@@ -163,33 +226,33 @@ class ModelRunner:
         self._model(cache, input_ids=torch.tensor([[0]], device=self.device))
         return cache.layers
 
-    def _enable_batching(self) -> bool:
+    def _enable_batching(self) -> str:
         """Switch the model to the pool-reading attention, where that is exact: SDPA models
-        with full attention in every layer (no sliding window, no logit soft-capping).
-        Others decode one request per forward (still scheduled together)."""
+        with full attention in every layer (no sliding window, no logit soft-capping); "" then,
+        else why not. Others decode one request per forward (still scheduled together)."""
         cfg = self.model.config.get_text_config(decoder=True)
         if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
-            return False
+            return "a sliding window or logit soft-capping: attention over the pool would not be exact"
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
-            return False
+            return "a layer without full attention"
         if self.model.config._attn_implementation not in ("sdpa", PAGED_ATTENTION):
-            return False
+            return f"the model's attention is {self.model.config._attn_implementation}, not SDPA"
         try:
             _register_paged_attention()
             self.model.set_attn_implementation(PAGED_ATTENTION)
-        except Exception:  # an architecture that does not take registered attention
-            return False
-        return self.model.config._attn_implementation == PAGED_ATTENTION
+        except Exception as exc:  # noqa: BLE001 - an architecture that does not take registered attention
+            return f"the model does not take registered attention ({exc})"
+        if self.model.config._attn_implementation != PAGED_ATTENTION:
+            return "the model does not take registered attention"
+        return ""
 
     @torch.inference_mode()
-    def _check_stack(self) -> DecoderStack | None:
-        """The decoder stack, if this model has one and it computes exactly what transformers'
-        forward computes on a probe: a prefill, then a decode row and a prefill chunk sharing it."""
-        stack = DecoderStack.build(self.model)
-        if stack is None:
-            return None
+    def _check_stack(self, stack: DecoderStack) -> DecoderStack | None:
+        """``stack`` if it computes exactly what transformers' forward computes on a probe: a
+        prefill, then a decode row and a prefill chunk sharing it (its fused layers set aside:
+        ``_check_fused`` checks them on their own, within a bound); else None."""
         pool, probes = self._probes()
-        fused, stack.fused = stack.fused, None  # checked on its own, within a bound: _check_fused
+        fused, stack.fused = stack.fused, None
         try:
             for segments in probes:
                 plain = self._paged(pool, segments, False, None)
@@ -199,8 +262,6 @@ class ModelRunner:
         except Exception:  # a layer that only looked like one this forward knows
             return None
         stack.fused = fused
-        if fused is not None and not self._check_fused(stack, pool, probes):
-            stack.fused = None
         return stack
 
     def _check_fused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]]) -> bool:
@@ -244,24 +305,39 @@ class ModelRunner:
         return True
 
     @property
+    def can_batch(self) -> bool:
+        """Whether ``forward_paged`` packs many requests into one forward (the plan's layer driver
+        is not ``gathered``)."""
+        return self.plan.layers != "gathered"
+
+    @property
+    def exact(self) -> bool:
+        """Whether the plan chose the exact forward (issue 44)."""
+        return self.plan.layers == "exact"
+
+    @property
     def runs_exact(self) -> bool:
-        """Whether forwards run exact now: chosen at start (``exact``), and the stack and its fused
+        """Whether forwards run exact now: the plan's driver (``exact``), and the stack and its fused
         layers still there (a test or a caller that drops them gets the paths they name)."""
         stack = self.stack
-        return bool(self.exact and stack is not None and stack.fused is not None and self.can_batch)
+        return bool(self.exact and stack is not None and stack.fused is not None)
 
     @torch.inference_mode()
-    def _check_exact(self) -> bool:
-        """Whether every forward runs exact (``DecoderStack.forward_exact``): where it can, it is not
-        switched off (``RADIX_EXACT=0``), and its logits are those of the unfused stack up to
-        rounding on the probes (``_check_fused``'s bound; a misread layer is off by far more)."""
+    def _check_exact(self) -> str:
+        """Why not every forward runs exact (``DecoderStack.forward_exact``), "" where it does: where
+        it can, its logits are those of the unfused stack up to rounding on the probes
+        (``_check_fused``'s bound; a misread layer is off by far more)."""
         stack = self.stack
-        if switched_off(EXACT_SWITCH) or not stack.exact_ready or self.device.type != "cpu" or not exact.takes(
+        if not stack.exact_ready:
+            return "the fused layers lack a tail in C, one attention scale or whole-head rotary"
+        if self.device.type != "cpu" or not exact.takes(
                 self.dtype, self.query_groups * self.num_kv_heads, self.num_kv_heads, self.head_dim):
-            return False
+            return "the exact attention kernel does not take this model here (dtype, heads or head size)"
         pool, probes = self._probes()
-        return self._near_unfused(stack, pool, probes, lambda segments: self._exact_paged(pool, segments, False),
-                                  "exact forward")
+        if not self._near_unfused(stack, pool, probes, lambda segments: self._exact_paged(pool, segments, False),
+                                  "exact forward"):
+            return "its logits are off the unfused forward's on a probe (or a kernel refused it)"
+        return ""
 
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""
@@ -328,7 +404,7 @@ class ModelRunner:
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:
             raise EngineError("every_position takes one segment")
-        if not self.can_batch:
+        if self.plan.layers == "gathered":
             if every_position:
                 return self._forward_gathered(pool, segments[0], every_position=True)
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
@@ -425,41 +501,42 @@ class ModelRunner:
     @property
     def linear_kernels(self) -> str:
         """How the linear layers multiply, in words (for the engine info)."""
-        if getattr(self, "exact", False) and self.runs_exact:
+        if self.runs_exact:
             return "ours at any number of rows, in the fused layers and the head (the exact forward)"
-        if any(isinstance(m, PackedLinear) for m in self.model.modules()):
-            fused = getattr(getattr(self, "stack", None), "fused", None)
+        if self.packed_linears:
+            fused = getattr(self.stack, "fused", None)
             ours = (f"ours in the fused decode steps (up to {fused.max_rows} rows), " if fused is not None else "")
-            return f"{ours}oneDNN, weights packed once (RADIX_PACKED_LINEAR=0 for PyTorch's default)"
-        if getattr(self, "native_linears", 0) and self.dtype == torch.float32:
-            return (f"ours up to {native_linear.MAX_ROWS} rows (decode steps, short prefill chunks), MKL's for "
-                    "longer chunks (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)")
-        if getattr(self, "native_linears", 0):
-            return "ours at any number of rows (RADIX_NATIVE_LINEAR=0 for PyTorch's alone)"
+            return f"{ours}oneDNN, weights packed once (RADIX_KERNELS=packed=off for PyTorch's default)"
+        if self.native_linears and self.plan.linear_max_rows:
+            return (f"ours up to {self.plan.linear_max_rows} rows (decode steps, short prefill chunks), MKL's for "
+                    "longer chunks (RADIX_KERNELS=native=off for PyTorch's alone)")
+        if self.native_linears:
+            return "ours at any number of rows (RADIX_KERNELS=native=off for PyTorch's alone)"
         return "PyTorch's default"
 
     @property
     def kernel_isa(self) -> str:
         """The instruction set our C kernels are built for, in words (``RADIX_ISA``, for the engine
         info); "" where none of them runs."""
-        ours = (getattr(self, "native_linears", 0) or getattr(getattr(self, "stack", None), "fused", None) is not None
-                or getattr(getattr(self, "attention", None), "name", "") == "cpu_native")
+        ours = (self.native_linears or getattr(self.stack, "fused", None) is not None
+                or self.attention.name == "cpu_native")
         return native_build.describe_isa() if ours else ""
 
     @property
     def forward_kind(self) -> str:
         """What runs the scheduler's forward, in words (for the engine info)."""
-        if getattr(self, "exact", False) and self.runs_exact:
+        if self.runs_exact:
             return ("exact: every row, whatever its batch, through the decoder's layers in fused C calls, our "
                     "attention in blocks fixed by position and our final norm and head, so a row's logits do not "
-                    "depend on its batch, its chunk or the cache, bit for bit (RADIX_EXACT=0 for the faster paths)")
+                    "depend on its batch, its chunk or the cache, bit for bit (RADIX_KERNELS=exact=off for the "
+                    "faster paths)")
         if self.stack is not None and self.stack.fused is not None:
             return ("decoder stack: the model's layers called directly, decode steps of up to "
                     f"{self.stack.fused.max_rows} rows in two fused C calls a layer, all layers in one C call when "
-                    "no two rows share a prefix (RADIX_FUSED_DECODE=0 for "
-                    "PyTorch's ops, RADIX_DECODER_STACK=0 for transformers' forward)")
+                    "no two rows share a prefix (RADIX_KERNELS=fused=off for "
+                    "PyTorch's ops, stack=off for transformers' forward)")
         if self.stack is not None:
-            return "decoder stack: the model's layers called directly (RADIX_DECODER_STACK=0 for transformers' forward)"
+            return "decoder stack: the model's layers called directly (RADIX_KERNELS=stack=off for transformers' forward)"
         return "transformers' forward" + ("" if self.can_batch else ", one request per forward")
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -479,8 +556,8 @@ class ModelRunner:
     def loaded_for_device(self, device: torch.device) -> LoadedModel:
         """This runner's model moved to ``device``, for a runner there (a ZeroGPU worker)."""
         if self.packed_linears or self.native_linears:
-            raise EngineFault("this model's linears were repacked for the CPU: load it with RADIX_PACKED_LINEAR=0 "
-                              "and RADIX_NATIVE_LINEAR=0 to move it to another device")
+            raise EngineFault("this model's linears were repacked for the CPU: load it with "
+                              "RADIX_KERNELS=linear=torch to move it to another device")
         return dataclasses.replace(self.loaded, model=self.model.to(device), device=device)
 
     def synchronize(self) -> None:

@@ -15,11 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.kvcache.kv_pool import KVPool
-from engine.model.attention import BACKEND_ENV, AttentionBackend, Causal, choose_backend
+from engine.model.attention import AttentionBackend, Causal, choose_backend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend, block_bytes
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from engine.types import EngineError, EngineFault
+from tests.conftest import fast_paths
 
 CPU = torch.device("cpu")
 
@@ -56,13 +57,14 @@ def random_case(seed: int, hkv: int, g: int, n: int, keys: int, d: int = 8):
 # ------------------------------------------------------------------ the choice
 
 def test_the_choice_is_by_device_and_a_name_overrides_it(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    from engine.model.plan import choose_attention, read_settings
+
     assert isinstance(choose_backend(CPU), CpuSdpaBackend)
     assert isinstance(choose_backend(torch.device("cuda")), MathChunkedBackend)  # a name, no device needed
     assert isinstance(choose_backend(torch.device("mps")), MathChunkedBackend)
     assert isinstance(choose_backend(CPU, "math_chunked"), MathChunkedBackend)
-    monkeypatch.setenv(BACKEND_ENV, "math_chunked")
-    assert isinstance(choose_backend(CPU), MathChunkedBackend)
+    assert isinstance(choose_attention(CPU, read_settings({"RADIX_ATTENTION_BACKEND": "math_chunked"}))[0],
+                      MathChunkedBackend)  # the plan's choice: the old switch names it
     with pytest.raises(EngineError, match="unknown attention backend"):
         choose_backend(CPU, "flash9")
     with pytest.raises(EngineError, match="does not run on cuda"):
@@ -72,7 +74,7 @@ def test_the_choice_is_by_device_and_a_name_overrides_it(monkeypatch):
 def test_the_runner_takes_its_backend_once_at_start(tokenizer, monkeypatch):
     from tests.conftest import make_tiny_runner
 
-    monkeypatch.setenv(BACKEND_ENV, "math_chunked")
+    monkeypatch.setenv("RADIX_KERNELS", "attention=math_chunked")
     monkeypatch.setenv("RADIX_EXACT", "0")  # the backends serve the fast paths (issue 44: exact mode has its own)
     runner = make_tiny_runner(tokenizer)
     try:
@@ -147,7 +149,7 @@ def test_the_whole_forward_with_a_tiny_workspace_equals_the_cpu_kernel(tiny_runn
     """``forward_paged`` on the math backend with blocks of a few rows and keys: logits equal
     the default backend's to 1e-5 (fp32), over a shared prefix, chunks and decodes."""
     runner = tiny_runner
-    monkeypatch.setattr(runner, "exact", False)  # the backends serve the fast paths
+    fast_paths(runner, monkeypatch)  # the backends serve the fast paths
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(10, 1000, (48,), generator=gen).tolist()
     seqs = [shared + torch.randint(10, 1000, (5 + 9 * i,), generator=gen).tolist() for i in range(3)]
@@ -271,7 +273,7 @@ class OutOfMemoryOnce(CpuSdpaBackend):
 def test_out_of_memory_in_attention_fails_the_forward_clearly_and_leaves_the_cache_as_it_was(tiny_runner,
                                                                                                 monkeypatch):
     runner = tiny_runner
-    monkeypatch.setattr(runner, "exact", False)  # the backends serve the fast paths
+    fast_paths(runner, monkeypatch)  # the backends serve the fast paths
     pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
                   200 * runner.kv_bytes_per_token)
     gen = torch.Generator().manual_seed(4)

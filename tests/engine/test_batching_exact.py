@@ -10,6 +10,7 @@ import torch
 
 from engine.engine import Engine
 from engine.types import CacheKey, GenerationRequest, SamplingParams
+from tests.conftest import fast_paths
 from tests.helpers_app import assert_clean, wait_idle
 
 
@@ -253,7 +254,7 @@ def test_out_of_memory_fails_only_the_request_that_needs_it(tiny_runner, lone, m
     engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     fault = OutOfMemoryOverLongContexts(limit=60)
     monkeypatch.setattr(tiny_runner, "attention", fault)
-    monkeypatch.setattr(tiny_runner, "exact", False)  # the backends serve the fast paths
+    fast_paths(tiny_runner, monkeypatch)  # the backends serve the fast paths
     with engine.runner.lock:
         handles = [engine.submit(r) for r in [*short, long]]
     events = [list(h) for h in handles[:3]]

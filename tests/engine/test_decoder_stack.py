@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from engine.kvcache.kv_pool import KVPool
-from engine.model.decoder_stack import ENV_SWITCH, DecoderStack
+from engine.model.decoder_stack import DecoderStack
 from engine.model.paged_attention import PagedSegment
 from tests.conftest import make_tiny_runner
+
+ENV_SWITCH = "RADIX_DECODER_STACK"  # an alias of RADIX_KERNELS=stack=off (engine.model.plan)
 
 
 def _pools(runner, tokens: int) -> tuple[KVPool, KVPool]:

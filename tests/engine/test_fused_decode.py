@@ -14,12 +14,14 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.tier_identity import fingerprint
 from engine.model import fused_decode
 from engine.model.decoder_stack import DecoderStack
-from engine.model.fused_decode import ENV_SWITCH, FusedLayers
+from engine.model.fused_decode import FusedLayers
 from engine.model.native_linear import kernel
 from engine.model.paged_attention import PagedSegment
 from tests.conftest import make_tiny_runner
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="our C kernels do not build here")
+
+ENV_SWITCH = "RADIX_FUSED_DECODE"  # an alias of RADIX_KERNELS=fused=off (engine.model.plan)
 
 
 def _pool(runner, tokens: int) -> KVPool:

@@ -371,8 +371,6 @@ def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runn
     """The second run with ``RADIX_ATTENTION_BACKEND`` set to another kernel: KV the first run's
     attention computed differs in its last bits from what this one computes, so none of it is read;
     a third run on the first backend starts empty and consistent (the second removed the folder)."""
-    from engine.model.attention import BACKEND_ENV
-
     doc = rand_ids(12, 2 * C + 1, len(tokenizer))
     kw = dict(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
     first = Engine(tiny_runner, **kw)
@@ -380,7 +378,7 @@ def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runn
     first.close()
     assert first.tier.num_chunks >= 2
     other_backend = "cpu_sdpa" if tiny_runner.attention.name != "cpu_sdpa" else "math_chunked"
-    monkeypatch.setenv(BACKEND_ENV, other_backend)
+    monkeypatch.setenv("RADIX_ATTENTION_BACKEND", other_backend)  # an alias of RADIX_KERNELS=attention=...
     other = make_tiny_runner(tokenizer)
     try:
         assert other.attention.name == other_backend

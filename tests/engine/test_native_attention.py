@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.model import native_build
-from engine.model.attention import BACKEND_ENV, choose_backend, native
+from engine.model.attention import choose_backend, native
 from engine.model.attention.cpu_native import CpuNativeBackend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.paged_attention import merge
@@ -183,15 +183,15 @@ def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
 
 
 def test_switched_off_it_is_not_built_and_the_flash_kernel_serves(tmp_path, monkeypatch):
+    from engine.model.plan import choose_attention, read_settings
+
     monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
     native.reset()
     try:
-        assert native.kernel() is None and "RADIX_NATIVE_ATTENTION=0" in native.why()
-        backend = choose_backend(CPU)
+        backend, rejected = choose_attention(CPU, read_settings({"RADIX_NATIVE_ATTENTION": "0"}))
         assert type(backend) is CpuSdpaBackend
-        assert not (tmp_path / "native").exists()
+        assert rejected == [("attention", "cpu_native", "RADIX_NATIVE_ATTENTION=0")]
+        assert not (tmp_path / "native").exists()  # never built: the plan did not ask
     finally:
         native.reset()
 

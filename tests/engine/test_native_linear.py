@@ -132,13 +132,18 @@ def test_bfloat16_at_any_rows_and_in_blocks(kernel):
 
 
 def test_the_switch_leaves_pytorch(tmp_path, monkeypatch):
+    from engine.model import plan
+
     gen = torch.Generator().manual_seed(7)
     monkeypatch.setenv(native_build.ENV_DIR, str(tmp_path))
-    monkeypatch.setenv(native_linear.ENV_SWITCH, "0")
     native_linear.reset()
     try:
-        assert use_native_linears(model(gen, (64, 64))) == 0
-        assert native_linear.kernel() is None and "RADIX_NATIVE_LINEAR=0" in native_linear.why()
+        settings = plan.read_settings({"RADIX_NATIVE_LINEAR": "0"})
+        m = model(gen, (64, 64))
+        linear, rejected = plan.choose("linear", settings, plan.linear_check(m, settings))
+        assert linear == "torch" and ("linear", "native", "RADIX_NATIVE_LINEAR=0") in rejected
+        assert settings.refusal("layers", "fused") == settings.refusal("layers", "exact") == "RADIX_NATIVE_LINEAR=0"
+        assert not list(tmp_path.iterdir())  # never built: the plan did not ask
     finally:
         native_linear.reset()
 
@@ -151,7 +156,7 @@ def test_the_runner_uses_it_in_float32_and_its_answers_equal_pytorchs(tokenizer,
     from tests.conftest import make_tiny_runner
 
     ours = make_tiny_runner(tokenizer)
-    monkeypatch.setenv(native_linear.ENV_SWITCH, "0")
+    monkeypatch.setenv("RADIX_NATIVE_LINEAR", "0")  # an alias of RADIX_KERNELS=native=off,fused=off,exact=off
     native_linear.reset()
     try:
         theirs = make_tiny_runner(tokenizer)

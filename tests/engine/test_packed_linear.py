@@ -8,15 +8,21 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.packed_linear import ENV_SWITCH, PackedLinear, can_pack, pack_linears, unpack_linears
+from engine.model import packed_linear, plan
+from engine.model.packed_linear import PackedLinear, unpack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
+# These tests pack float32 layers, as ``RADIX_KERNELS=linear=packed`` does (the default packs bf16 only).
+BOTH = plan.packed_dtypes(plan.read_settings({"RADIX_KERNELS": "linear=packed"}))
 
-@pytest.fixture(autouse=True)
-def _float32_packs_too(monkeypatch):
-    """These tests pack float32 layers: switched on as ``RADIX_PACKED_LINEAR=1`` does (the default packs bf16 only)."""
-    monkeypatch.setenv(ENV_SWITCH, "1")
+
+def can_pack(model, dtypes=BOTH):
+    return packed_linear.can_pack(model, dtypes)
+
+
+def pack_linears(model, dtypes=BOTH):
+    return packed_linear.pack_linears(model, dtypes)
 
 
 def _mlp(dtype=torch.float32) -> nn.Module:
@@ -58,10 +64,11 @@ def test_deepcopy_repacks_and_keeps_ties():
         assert torch.allclose(twin["head"](x), model["head"](x))
 
 
-def test_not_packed_in_fp16_or_when_switched_off(monkeypatch):
+def test_not_packed_in_fp16_or_when_switched_off():
     assert not can_pack(_mlp(torch.float16)) and pack_linears(_mlp(torch.float16)) == 0
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    assert pack_linears(_mlp()) == 0
+    settings = plan.read_settings({"RADIX_PACKED_LINEAR": "0"})
+    assert plan.choose("linear", settings, plan.linear_check(_mlp(), settings))[1][0] == \
+        ("linear", "packed", "RADIX_PACKED_LINEAR=0")
 
 
 def test_gradients_fall_back_to_plain_linear():
@@ -75,15 +82,16 @@ def test_gradients_fall_back_to_plain_linear():
 def test_float32_is_not_packed_by_default_bf16_is(monkeypatch, tiny_runner):
     """Measured: MKL's plain float32 product is as fast as the packed one at any batch size and
     faster for one row, so by default only bfloat16 layers are packed (where the CPU has bf16)."""
-    from engine.model.packed_linear import _packing_works, packed_dtypes
+    from engine.model.packed_linear import _packing_works
 
-    monkeypatch.delenv(ENV_SWITCH)
-    assert packed_dtypes() == (torch.bfloat16,)
-    assert not can_pack(_mlp()) and pack_linears(_mlp()) == 0
+    default = plan.packed_dtypes(plan.read_settings({}))
+    assert default == (torch.bfloat16,) and plan.packed_dtypes(plan.read_settings({"RADIX_PACKED_LINEAR": "1"})) == BOTH
+    assert not can_pack(_mlp(), default) and pack_linears(_mlp(), default) == 0
+    assert packed_linear.refusal(_mlp(), default)  # a reason ("not packed unless named" on x86)
     assert tiny_runner.packed_linears == 0 and not isinstance(tiny_runner.model.lm_head, PackedLinear)
-    assert can_pack(_mlp(torch.bfloat16)) == _packing_works(torch.bfloat16)
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    assert packed_dtypes() == () and not can_pack(_mlp(torch.bfloat16))
+    assert tiny_runner.plan.linear != "packed"
+    assert can_pack(_mlp(torch.bfloat16), default) == _packing_works(torch.bfloat16)
+    assert plan.read_settings({"RADIX_PACKED_LINEAR": "0"}).refusal("linear", "packed") == "RADIX_PACKED_LINEAR=0"
 
 
 def test_not_packed_where_a_packed_product_fails(monkeypatch):

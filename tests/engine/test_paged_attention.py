@@ -11,6 +11,7 @@ from engine.kvcache.kv_pool import KVPool, contiguous_runs
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend
 from engine.model.paged_attention import PagedPlan, PagedSegment
+from tests.conftest import fast_paths
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
@@ -88,7 +89,7 @@ def test_a_shared_prefix_is_read_once_per_layer_for_all_its_requests(tiny_runner
     """Eight requests decoding behind one cached 64-token prefix: per layer, one attention call
     reads the prefix (with all eight requests' queries) and one call reads their own tokens."""
     runner = tiny_runner
-    monkeypatch.setattr(runner, "exact", False)  # the fast paths' plan (exact mode reads by position)
+    fast_paths(runner, monkeypatch)  # the fast paths' plan (exact mode reads by position)
     pool = new_pool(runner)
     shared = rand_ids(5, 64)
     prefix = pool.alloc(64)
@@ -124,7 +125,7 @@ def test_a_shared_prefix_in_several_runs_is_read_once_per_layer_per_run(runner, 
     """A cached prefix the tree built in two pieces (a longer system prompt extending a shorter
     cached one) lies in two runs of slots: every request still reads it in place, one call per
     run per layer with all requests' queries, instead of gathering its whole context per row."""
-    monkeypatch.setattr(runner, "exact", False)  # the fast paths' plan (exact mode reads by position)
+    fast_paths(runner, monkeypatch)  # the fast paths' plan (exact mode reads by position)
     pool = new_pool(runner)
     shared = rand_ids(6, 70)
     first, _, second = pool.alloc(40), pool.alloc(5), pool.alloc(30)
@@ -201,5 +202,5 @@ def test_flash_kernel_and_math_path_agree(dtype):
 def test_the_math_path_used_off_cpu_runs_the_whole_forward_exactly(runner, monkeypatch):
     """CUDA and MPS take the math backend; here it stands in for the CPU kernel end to end."""
     monkeypatch.setattr(runner, "attention", MathChunkedBackend())
-    monkeypatch.setattr(runner, "exact", False)
+    fast_paths(runner, monkeypatch)
     test_shared_prefix_chunks_and_decodes_mixed(runner)

@@ -3,6 +3,7 @@ them on the tiny random model, checked against the runner's own teacher-forced f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -170,7 +171,7 @@ def test_prompt_logprobs_where_attention_cannot_read_the_pool(tokenizer, tiny_ru
     from tests.conftest import make_tiny_runner
 
     gathered = make_tiny_runner(tokenizer)  # the same weights (seed 0) as ``tiny_runner``
-    gathered.can_batch, gathered.stack = False, None
+    gathered.plan, gathered.stack = dataclasses.replace(gathered.plan, layers="gathered"), None
     e = Engine(gathered, budget_bytes=16 * 2**20, chunk_tokens=7)
     try:
         events, done = run(e, logprobs=2, prompt_logprobs=2)

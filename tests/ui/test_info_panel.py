@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gradio as gr
 
 from components.panels.info_panel import engine_line, info_markdown
@@ -31,17 +33,19 @@ def test_the_linear_kernels_and_the_forward_are_named(tiny_runner, tiny_runner_b
     decode steps), fp32 through our kernel for decode steps where it builds (PyTorch's otherwise), bf16
     without native bf16 through ours at any number of rows; both run the decoder stack (a Llama), fused where
     our kernel builds; the info tab says which."""
-    packed = "oneDNN, weights packed once (RADIX_PACKED_LINEAR=0"
+    packed = "oneDNN, weights packed once (RADIX_KERNELS=packed=off"
     for runner in (r for r in (tiny_runner, tiny_runner_bf16) if r.runs_exact):  # where our kernels build
         text = info_markdown(Engine(runner))
         assert "| forward | exact: every row, whatever its batch" in text and "bit for bit" in text
         assert "| linear layers | ours at any number of rows, in the fused layers and the head" in text
-    saved = tiny_runner.exact, tiny_runner_bf16.exact
-    tiny_runner.exact = tiny_runner_bf16.exact = False  # the fast paths (RADIX_EXACT=0)
+    saved = tiny_runner.plan, tiny_runner_bf16.plan
+    for runner in (tiny_runner, tiny_runner_bf16):  # the fast paths (RADIX_KERNELS=exact=off)
+        if runner.plan.layers == "exact":
+            runner.plan = dataclasses.replace(runner.plan, layers="fused")
     try:
         fast_paths_are_named(tiny_runner, tiny_runner_bf16, packed)
     finally:
-        tiny_runner.exact, tiny_runner_bf16.exact = saved
+        tiny_runner.plan, tiny_runner_bf16.plan = saved
 
 
 def fast_paths_are_named(tiny_runner, tiny_runner_bf16, packed: str) -> None:
@@ -67,6 +71,10 @@ def test_the_kernels_instruction_set_is_named(tiny_runner):
     text = info_markdown(Engine(tiny_runner))
     ours = tiny_runner.native_linears or tiny_runner.attention.name == "cpu_native"
     assert ("| kernels' instruction set | native (-march=native" in text) == bool(ours)
+
+
+def test_the_execution_plan_is_named(tiny_runner):
+    assert f"| execution plan | `{tiny_runner.plan.summary()}`" in info_markdown(Engine(tiny_runner))
 
 
 def test_the_attention_kernel_is_named(tiny_runner):

@@ -1,8 +1,9 @@
 """Attention backends: the kernels that attend query rows over one segment of pool KV.
 
-Owns: the registry of backends and the choice of one, made once when the runner is built
-(``choose_backend``): ``RADIX_ATTENTION_BACKEND`` names one (for tests, or to try a kernel),
-else the first backend in ``BACKENDS`` that runs on the device. Knows nothing about the
+Owns: the registry of backends, in order of preference, and ``choose_backend`` (a name, else the
+first that runs on the device). The runner's backend is one decision of its execution plan
+(``engine.model.plan``, which reads ``RADIX_KERNELS=attention=<name>``, alias
+``RADIX_ATTENTION_BACKEND``). Knows nothing about the
 pool or the plan (``engine.model.paged_attention``), which calls the backend per layer per
 segment; the contract is in ``base``.
 
@@ -13,8 +14,6 @@ before ``MathChunkedBackend``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.model.attention.base import AttentionBackend, Causal
@@ -23,26 +22,22 @@ from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend
 from engine.types import EngineError
 
-BACKEND_ENV = "RADIX_ATTENTION_BACKEND"
-
 # In order of preference: a device takes the first one that runs on it.
 BACKENDS: tuple[type[AttentionBackend], ...] = (CpuNativeBackend, CpuSdpaBackend, MathChunkedBackend)
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "AttentionBackend", "Causal", "choose_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "Causal", "choose_backend"]
 
 
 def choose_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """The backend for ``device``: ``name``, else ``$RADIX_ATTENTION_BACKEND``, else the first
-    in ``BACKENDS`` that runs there. Raises ``EngineError`` for an unknown name or one that
-    does not run on ``device``."""
-    name = name or os.environ.get(BACKEND_ENV) or None
+    """The backend for ``device``: ``name``, else the first in ``BACKENDS`` that runs there.
+    Raises ``EngineError`` for an unknown name or one that does not run on ``device``."""
     by_name = {b.name: b for b in BACKENDS}
     if name is None:
         cls = next((b for b in BACKENDS if b.runs_on(device)), None)
         if cls is None:
             raise EngineError(f"no attention backend runs on {device.type}")
     elif name not in by_name:
-        raise EngineError(f"unknown attention backend {name!r} ({BACKEND_ENV}); known: {', '.join(by_name)}")
+        raise EngineError(f"unknown attention backend {name!r}; known: {', '.join(by_name)}")
     else:
         cls = by_name[name]
         if not cls.runs_on(device):

@@ -71,10 +71,10 @@ class Causal:
 
 
 class AttentionBackend(ABC):
-    """One attention kernel. Built once when the runner starts
-    (``engine.model.attention.choose_backend``) and called per layer per segment."""
+    """One attention kernel. Chosen once when the runner starts (its execution plan,
+    ``engine.model.plan``) and called per layer per segment."""
 
-    name: ClassVar[str]  # what RADIX_ATTENTION_BACKEND selects
+    name: ClassVar[str]  # what RADIX_KERNELS=attention=<name> selects (engine.model.plan)
     devices: ClassVar[frozenset[str] | None]  # the device types it runs on (None: any)
 
     @classmethod

@@ -6,7 +6,8 @@ the pool.
 Built for this CPU and cached by ``engine.model.native_build`` (under ``native/`` in the
 app's cache folder, ``RADIX_NATIVE_DIR`` moves it). Anything that fails (no compiler, no AVX2
 or AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
-kernels; ``RADIX_NATIVE_ATTENTION=0`` turns it off.
+kernels; the execution plan may leave it unused (``engine.model.plan``: ``cpu_native=off``, alias
+``RADIX_NATIVE_ATTENTION=0``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from engine.model.native_build import ENV_DIR, OnFirstUse  # noqa: F401  (ENV_DIR: callers and tests set it here)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-ENV_SWITCH = "RADIX_NATIVE_ATTENTION"
 MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
 AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS (and DP_MAX_ROWS, FP_MAX_ROWS): bfloat16 with AMX or AVX512-BF16 (head size a
 # multiple of 32), float32 with AVX-512
@@ -208,4 +208,4 @@ def reset() -> None:
     _library.reset()
 
 
-_library = OnFirstUse(SOURCE, ENV_SWITCH, DecodeKernel)
+_library = OnFirstUse(SOURCE, DecodeKernel)
