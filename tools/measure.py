@@ -113,25 +113,27 @@ class ModelCost:
     flops_per_token: int  # 2 x the parameters a token multiplies by (not the input embedding's lookup)
     attention_flops_per_context_token: int  # q.k and p.v of every layer and query head: 4 x layers x Hq x D
 
-    def step_seconds(self, rows: int, context_tokens: int, limits: MachineLimits, shared_tokens: int = 0) -> float:
-        """The least time of one decode step of ``rows`` streams, each over ``context_tokens``: the
-        weights once and the rows' KV (the first ``shared_tokens`` of every row's context, a prefix
-        they share in the cache, once) read at the read bandwidth, or its FLOPs at the FMA rate,
-        whichever is longer."""
+    def read_bytes(self, rows: int, context_tokens: int, shared_tokens: int = 0) -> int:
+        """What one decode step of ``rows`` streams, each over ``context_tokens``, reads: the
+        weights once and the rows' KV, the first ``shared_tokens`` of every row's context (a prefix
+        they share in the cache) once."""
         shared = max(0, min(shared_tokens, context_tokens)) if rows > 1 else 0
-        read = self.weight_bytes + (shared + rows * (context_tokens - shared)) * self.kv_bytes_per_token
-        flops = rows * (self.flops_per_token + context_tokens * self.attention_flops_per_context_token)
-        return max(read / limits.read_bytes_per_s, flops / limits.flops_per_s)
+        return self.weight_bytes + (shared + rows * (context_tokens - shared)) * self.kv_bytes_per_token
 
+    def step_seconds(self, rows: int, context_tokens: int, limits: MachineLimits, shared_tokens: int = 0) -> float:
+        """The least time of one decode step: its reading (``read_bytes``) at the read bandwidth, or
+        its FLOPs at the FMA rate, whichever is longer."""
+        flops = rows * (self.flops_per_token + context_tokens * self.attention_flops_per_context_token)
+        return max(self.read_bytes(rows, context_tokens, shared_tokens) / limits.read_bytes_per_s,
+                   flops / limits.flops_per_s)
 
     def serial_seconds(self, rows: int, context_tokens: int, limits: MachineLimits, shared_tokens: int = 0) -> float:
-        """Issue 48's estimate of a step, the sum of its parts with no overlap: the weights and the
-        KV (a shared prefix once) at the read bandwidth, then every row's linear FLOPs (not
-        attention's) at half the FMA rate. Longer than ``step_seconds``, the bound: a step between
-        the two overlaps little of its reading with its arithmetic."""
-        shared = max(0, min(shared_tokens, context_tokens)) if rows > 1 else 0
-        read = self.weight_bytes + (shared + rows * (context_tokens - shared)) * self.kv_bytes_per_token
-        return read / limits.read_bytes_per_s + rows * self.flops_per_token / (limits.flops_per_s / 2)
+        """Issue 48's estimate of a step, the sum of its parts with no overlap: its reading
+        (``read_bytes``) at the read bandwidth, then every row's linear FLOPs (not attention's) at
+        half the FMA rate. An estimate, not a bound like ``step_seconds``: a step between the two
+        overlaps little of its reading with its arithmetic."""
+        return (self.read_bytes(rows, context_tokens, shared_tokens) / limits.read_bytes_per_s
+                + rows * self.flops_per_token / (limits.flops_per_s / 2))
 
 
 def decode_limit(cost: ModelCost, rows: int, context_tokens: int, limits: MachineLimits,
