@@ -1,8 +1,11 @@
-"""Radix Cache Playground: flags and env vars -> Engine -> build_demo(engine) -> launch."""
+"""Radix Cache Playground: flags and env vars -> Engine -> build_demo(engine) -> launch.
+
+Every flag and env var is a row of ``engine.settings.SETTINGS`` (``--help`` lists them all,
+docs/CONFIG.md too); ``parse_args`` gives a checked ``AppConfig`` whose ``engine`` field is the
+local engine's ``EngineConfig``."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -10,144 +13,18 @@ import socket
 import sys
 import time
 
-
-def _positive_int(text: str) -> int:
-    """A whole number >= 1 (argparse also applies this to string defaults read from env vars)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from engine import settings
+from engine.settings import AppConfig
 
 
-def _limit(text: str) -> int | None:
-    """A positive cap, or 0 for the default (None)."""
-    return None if text.strip() in ("", "0") else _positive_int(text)
+def parse_args(argv: list[str] | None = None) -> AppConfig:
+    """Flags, then env vars, then defaults: every setting is a row of ``engine.settings.SETTINGS``."""
+    return settings.parse_args(argv)
 
 
-def _positive_or_unset(text: str) -> int | None:
-    """A whole number >= 1, or empty for the default (which depends on ``--isolate``)."""
-    return None if not text.strip() else _positive_int(text)
-
-
-# A public deployment (--isolate) gets lower defaults, so that one visitor's request stays
-# short next to everyone else's; explicit flags or env vars always win.
-PUBLIC_MAX_NEW_TOKENS, PRIVATE_MAX_NEW_TOKENS = 256, 512
-PUBLIC_MAX_PROMPT_TOKENS = 4096
-
-
-def _budget_mb(text: str) -> float | None:
-    """Megabytes > 0, or 0 for the device default (None)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value or None
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(
-        description="See prefix caching work: a radix-tree KV cache in front of a real LLM, in your browser.")
-    p.add_argument("--model", default=env("RADIX_MODEL", "embedded"),
-                   help="Hugging Face causal LM id or local path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=env("RADIX_DEVICE", "auto"), help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
-    p.add_argument("--dtype", default=env("RADIX_DTYPE", "auto"),
-                   help="auto (bf16 on CUDA, fp16 on MPS, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--cache-budget-mb", type=_budget_mb, default=env("RADIX_CACHE_BUDGET_MB", "0"),
-                   help="KV cache budget in MiB (default: 1024 on CPU/MPS, a quarter of free GPU memory on CUDA)")
-    p.add_argument("--disk-cache-mb", type=_budget_mb, default=env("RADIX_DISK_CACHE_MB", "2048"),
-                   help="second tier: evicted KV kept in chunk files under the cache folder (host memory on a GPU) "
-                        "and found again after a restart; 0 turns it off (default 2048; with --isolate only shipped "
-                        "content is written)")
-    p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"), help="address to listen on")
-    p.add_argument("--port", type=int, default=env("GRADIO_SERVER_PORT", "7860"), help="port to listen on")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction,
-                   default=(env("RADIX_ISOLATE") or ("1" if env("SYSTEM") == "spaces" else "0")).strip().lower()
-                   in ("1", "true", "yes", "on"),
-                   help="give each visitor a private cache namespace (on by default on Hugging Face Spaces)")
-    p.add_argument("--max-prompt-tokens", type=_limit, default=env("RADIX_MAX_PROMPT_TOKENS", "0"),
-                   help=f"cap on prompt tokens per request (default: the model's context; "
-                        f"{PUBLIC_MAX_PROMPT_TOKENS} with --isolate)")
-    p.add_argument("--max-new-tokens", type=_positive_or_unset, default=env("RADIX_MAX_NEW_TOKENS", ""),
-                   help=f"cap on new tokens per request (default {PRIVATE_MAX_NEW_TOKENS}; "
-                        f"{PUBLIC_MAX_NEW_TOKENS} with --isolate)")
-    p.add_argument("--max-queue", type=_positive_int, default=env("RADIX_MAX_QUEUE", "32"),
-                   help="requests that may wait for the model before visitors get a 'busy' message")
-    p.add_argument("--max-per-client", type=int, default=env("RADIX_MAX_PER_CLIENT", "-1"),
-                   help="API requests one client (API key, else address) may have queued or running; 0: no cap "
-                        "(default: a quarter of --max-queue, at most 4, with --isolate; no cap without)")
-    p.add_argument("--max-batch", type=_positive_int, default=env("RADIX_MAX_BATCH", "16"),
-                   help="requests decoded together in one forward (continuous batching); 1 runs one at a time")
-    p.add_argument("--chunk-tokens", type=_limit, default=env("RADIX_CHUNK_TOKENS", "0"),
-                   help="prompt tokens prefilled per scheduler step, so a long prompt cannot freeze other "
-                        "visitors' streams (default: 256 on CPU, 2048 on GPU)")
-    p.add_argument("--no-cache", action="store_true", help="run with no prefix cache at all (for comparison)")
-    p.add_argument("--api-key", default=env("RADIX_API_KEY", ""),
-                   help="require this key (Authorization: Bearer) on the OpenAI-compatible API under /v1 "
-                        "(default: env RADIX_API_KEY; none: open)")
-    p.add_argument("--operator-key", default=env("RADIX_OPERATOR_KEY", ""),
-                   help="with --isolate, /metrics and /kv_event_sources answer only requests that carry "
-                        "'Authorization: Bearer <this key>' (default: env RADIX_OPERATOR_KEY; none: they are off)")
-    p.add_argument("--public-metrics", action=argparse.BooleanOptionalAction,
-                   default=env("RADIX_PUBLIC_METRICS", "0").strip().lower() in ("1", "true", "yes", "on"),
-                   help="with --isolate, serve /metrics and /kv_event_sources to everyone anyway (their "
-                        "counters show each visitor's prompt length when it ends)")
-    p.add_argument("--backend", default=env("RADIX_BACKEND", ""), metavar="URL",
-                   help="remote mode: send requests to this OpenAI-compatible server (vLLM, SGLang, another "
-                        "instance of this app) instead of running a model here; --model then names the "
-                        "tokenizer to use (the same model's), and the API key comes from RADIX_BACKEND_API_KEY")
-    p.add_argument("--backend-model", default=env("RADIX_BACKEND_MODEL", ""),
-                   help="the model name the backend serves (default: the first one its /v1/models lists)")
-    p.add_argument("--backend-kv-events", default=env("RADIX_BACKEND_KV_EVENTS", ""), metavar="ENDPOINT",
-                   help="remote mode: follow the backend's KV events from this ZMQ endpoint "
-                        "(tcp://host:port[,tcp://host:replay_port][,topic=NAME]) to draw its real cache; 'off' draws "
-                        "the shadow tree of what was sent (default: ask the backend's GET /kv_event_sources)")
-    p.add_argument("--fleet", default=env("RADIX_FLEET", ""), metavar="URL,URL,...",
-                   help="remote mode, --backend a router (python -m tools.fleet): the replicas behind it; the page "
-                        "follows each one's KV events (its GET /kv_event_sources) and shows them side by side in a "
-                        "Fleet tab, with the replica each request landed on; requests still go through the router")
-    p.add_argument("--routing-lab", default=env("RADIX_ROUTING_LAB", ""), metavar="FILE",
-                   help="with --fleet: the routing lab's report (python -m tools.routing_lab --json FILE), shown in "
-                        "the Fleet tab beside the live trees: every policy on the same trace, and the simulator's "
-                        "prediction")
-    p.add_argument("--kv-events-config", default=env("RADIX_KV_EVENTS_CONFIG", ""), metavar="JSON",
-                   help="publish this engine's cache as KV events, vLLM's format and flag (e.g. '{\"publisher\": "
-                        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
-                        "\"topic\": \"kv-events\"}'; ours: \"block_size\", default 32)")
-    p.add_argument("--eviction-policy", default=env("RADIX_EVICTION_POLICY", "lru"), metavar="NAME",
-                   help="which cached leaves go first when the pool is full: lru (least recently used, the default) "
-                        "or lfu (fewest hits); see engine/kvcache/eviction.py. With --isolate, fair share first")
-    p.add_argument("--replica", action=argparse.BooleanOptionalAction,
-                   default=env("RADIX_REPLICA", "0").strip().lower() in ("1", "true", "yes", "on"),
-                   help="one replica of a fleet behind a router (python -m tools.fleet): serve the API, /health, "
-                        "/metrics and KV events with none of the page's start-up work (no warm start of the "
-                        "shipped prompts, no growth curve), so several start fast and their caches start empty")
-    p.add_argument("--explain-kernels", action="store_true",
-                   help="load the model, print its execution plan (the layer driver, the linears and the "
-                        "attention chosen, why each option before them was set aside, the RADIX_KERNELS setting "
-                        "and its aliases) and exit")
-    args = p.parse_args(argv)
-    args.fleet = [u.strip() for u in args.fleet.split(",") if u.strip()]
-    if args.fleet and not args.backend:
-        p.error("--fleet needs --backend (the router in front of those replicas)")
-    if args.routing_lab and not args.fleet:
-        p.error("--routing-lab needs --fleet (its table goes in the Fleet tab)")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = PUBLIC_MAX_NEW_TOKENS if args.isolate else PRIVATE_MAX_NEW_TOKENS
-    if args.max_per_client < 0:
-        args.max_per_client = None  # the deployment's default (server.client_limits)
-    if args.max_prompt_tokens is None and args.isolate:
-        args.max_prompt_tokens = PUBLIC_MAX_PROMPT_TOKENS
-    return args
-
-
-def build_engine(args: argparse.Namespace, runner=None):
-    """The engine the flags describe; ``runner`` (tests) skips loading ``args.model``."""
+def build_engine(args: AppConfig, runner=None):
+    """The engine the flags describe (``args.engine``, its ``EngineConfig``, with the second tier's
+    folder for this runner); ``runner`` (tests) skips loading ``args.model``."""
     from engine.engine import Engine
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
@@ -166,14 +43,8 @@ def build_engine(args: argparse.Namespace, runner=None):
         runner = ZeroGPURunner(runner, mode)
     from engine.model.loader import cache_root
 
-    budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
-    tier_bytes = int((args.disk_cache_mb or 0) * 2**20)
-    tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None
-    return Engine(runner, budget_bytes=budget, enable_cache=not args.no_cache, isolation=args.isolate,
-                  max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens_cap=args.max_new_tokens, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                  tier_bytes=tier_bytes, tier_dir=tier_dir, kv_events_config=args.kv_events_config,
-                  eviction_policy=args.eviction_policy)
+    tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None  # a GPU's: host memory
+    return Engine(runner, args.engine.replace(tier_dir=tier_dir))
 
 
 def load_routing_lab(path: str) -> dict:
@@ -223,7 +94,7 @@ def calm_queue(demo) -> None:
                                                     PROGRESS_POLL_S)
 
 
-def build_remote_engine(args: argparse.Namespace, tokenizer=None):
+def build_remote_engine(args: AppConfig, tokenizer=None):
     """Remote mode: the Engine facade over the server at ``args.backend``; checks the URL, key
     and model name once (``EngineError`` with one clear message when any is wrong)."""
     from engine.model.hub import load_tokenizer
@@ -232,15 +103,15 @@ def build_remote_engine(args: argparse.Namespace, tokenizer=None):
     if tokenizer is None:
         tokenizer = load_tokenizer(args.model)
     engine = RemoteEngine(args.backend, args.backend_model, tokenizer,
-                          api_key=os.environ.get("RADIX_BACKEND_API_KEY") or None, isolation=args.isolate,
+                          api_key=args.backend_api_key or None, isolation=args.isolate,
                           max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens_cap=args.max_new_tokens)
     engine.check_backend()
-    fleet = getattr(args, "fleet", [])
+    fleet = args.fleet
     if fleet:  # the router's own /kv_event_sources would be one replica's: follow each replica instead
-        engine.follow_fleet(fleet, os.environ.get("RADIX_BACKEND_API_KEY") or None)
+        engine.follow_fleet(fleet, args.backend_api_key or None)
     else:
-        engine.follow_kv_events(getattr(args, "backend_kv_events", ""))
+        engine.follow_kv_events(args.backend_kv_events)
     return engine
 
 
@@ -338,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _explain_kernels(args: argparse.Namespace) -> int:
+def _explain_kernels(args: AppConfig) -> int:
     """``--explain-kernels``: what runs this model's forward here, then exit (engine.model.explain)."""
     from engine.model.explain import explain
     from engine.model.hub import ModelLoadError
@@ -357,7 +228,7 @@ def _explain_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: AppConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -395,7 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
     from components.demo import launch_kwargs
     from components.warm_start import start_growth_curve, warm_start
 
-    page_work = not args.backend and not args.no_cache and not args.replica
+    page_work = not args.backend and args.cache and not args.replica
     if page_work:
         warm_start(engine)  # shipped prompts cached before the page is served: the first question is a hit
     demo = build_app(engine, args.max_queue, routing_lab=lab)
