@@ -49,6 +49,7 @@ import ctypes
 import torch
 from torch import nn
 
+from engine.model import native_abi as abi
 from engine.model import native_linear
 from engine.model.packed_linear import PackedLinear
 
@@ -61,14 +62,7 @@ BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 DTYPES = tuple(BOUND)
 
 
-class _LayerStruct(ctypes.Structure):
-    """``radix_layer`` in ``native_linear.c``: one layer's weights by address, and its sizes."""
-
-    _fields_ = ([("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double),
-                 ("eps2", ctypes.c_double)]
-                + [(n, ctypes.c_void_p) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")]
-                + [(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "bg", "bu", "bd")]
-                + [(n, ctypes.c_int64) for n in ("hidden", "q_heads", "kv_heads", "head_dim", "inter", "bf16")])
+_LayerStruct = abi.struct("radix_layer")  # one layer's weights by address, and its sizes (native_abi.h)
 
 
 def plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -103,15 +97,8 @@ class FusedLayers:
         self.max_rows = BF16_MAX_ROWS if dtype == torch.bfloat16 else MAX_ROWS
         self.bound = BOUND[dtype]
         self._name = str(dtype).removeprefix("torch.")
-        self._pre, self._post = lib.radix_layer_pre, lib.radix_layer_post
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._pre.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-        self._post.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
-        self._pre.restype = self._post.restype = ctypes.c_int
-        self._all = lib.radix_layers
-        self._all.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                              ctypes.c_int]
-        self._all.restype = ctypes.c_int
+        # signatures set where the library was loaded (engine.model.native_abi)
+        self._pre, self._post, self._all = lib.radix_layer_pre, lib.radix_layer_post, lib.radix_layers
         self._structs = structs
         self._refs = [ctypes.addressof(s) for s in structs]
         self._table = (ctypes.c_void_p * len(structs))(*self._refs)  # every layer, for radix_layers
@@ -199,11 +186,12 @@ class FusedLayers:
         n = len(self._refs)
         ks = (ctypes.c_void_p * n)(*[t.data_ptr() for t in k_layers])
         vs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_layers])
-        rc = self._all(self._table, n, h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(), ks, vs,
-                       shape[1], write_index.data_ptr(), q.data_ptr(), None if q16 is None else q16.data_ptr(),
-                       a.data_ptr(), attend.fn, attend.ctx, torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the fused decode kernel refused layer {rc - 1} at {rows} rows")
+        failed = ctypes.c_int64(-1)
+        code = self._all(self._table, n, h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(), ks, vs,
+                         shape[1], write_index.data_ptr(), q.data_ptr(), None if q16 is None else q16.data_ptr(),
+                         a.data_ptr(), attend.fn, attend.ctx, torch.get_num_threads(), ctypes.addressof(failed))
+        if code:
+            raise abi.NativeRefusal(code, "the fused decode kernel", f"layer {failed.value} at {rows} rows")
 
     @staticmethod
     def _check_rows(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor) -> None:
@@ -225,11 +213,11 @@ class FusedLayers:
         if not all(t.dtype == self.dtype and t.is_contiguous() for t in (k_layer, v_layer)):
             raise ValueError(f"the fused decode kernel takes contiguous {self._name} pool layers")
         q = torch.empty((rows, self.q_width), dtype=torch.float32)
-        rc = self._pre(self._refs[index], h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
-                       q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), k_layer.shape[1],
-                       write_index.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the fused decode kernel refused layer {index} at {rows} rows")
+        code = self._pre(self._refs[index], h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
+                         q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), k_layer.shape[1],
+                         write_index.data_ptr(), torch.get_num_threads())
+        if code:
+            raise abi.NativeRefusal(code, "the fused decode kernel", f"layer {index} at {rows} rows")
         return q
 
     def post(self, index: int, h: torch.Tensor, a: torch.Tensor) -> None:
@@ -238,10 +226,10 @@ class FusedLayers:
         if not (h.dtype == a.dtype == torch.float32 and h.is_contiguous() and a.is_contiguous()
                 and a.numel() == h.shape[0] * self.q_width):
             raise ValueError("the fused decode kernel takes contiguous float32 rows")
-        rc = self._post(self._refs[index], h.data_ptr(), h.stride(0), h.shape[0], a.data_ptr(),
-                        torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the fused decode kernel refused layer {index} at {h.shape[0]} rows")
+        code = self._post(self._refs[index], h.data_ptr(), h.stride(0), h.shape[0], a.data_ptr(),
+                          torch.get_num_threads())
+        if code:
+            raise abi.NativeRefusal(code, "the fused decode kernel", f"layer {index} at {h.shape[0]} rows")
 
 
 class _Tail:
@@ -251,10 +239,7 @@ class _Tail:
 
     def __init__(self, lib: ctypes.CDLL, norm: tuple[torch.Tensor, float], head: nn.Module,
                  kernel: native_linear.LinearKernel, dtype: torch.dtype) -> None:
-        self._norm_fn = lib.radix_rms_norm
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._norm_fn.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_double, ptr, ctypes.c_int]
-        self._norm_fn.restype = ctypes.c_int
+        self._norm_fn = lib.radix_rms_norm  # its signature set where the library was loaded
         self.norm_weight, self.eps = norm
         self.weight = head.weight.detach()
         self.bias = None if head.bias is None else head.bias.detach().float().contiguous()
@@ -276,8 +261,8 @@ class _Tail:
         """``h [rows, hidden]`` float32 (bf16 values in bf16), contiguous: the final norm, then the
         head; ``[rows, vocab]`` in the model's dtype, as the model's own head returns them."""
         x = torch.empty_like(h)
-        rc = self._norm_fn(h.data_ptr(), h.stride(0), h.shape[0], h.shape[1], self.norm_weight.data_ptr(), self.eps,
-                           x.data_ptr(), int(self.dtype == torch.bfloat16))
-        if rc != 0:
-            raise ValueError(f"the fused decode kernel refused the final norm of {tuple(h.shape)}")
+        code = self._norm_fn(h.data_ptr(), h.stride(0), h.shape[0], h.shape[1], self.norm_weight.data_ptr(),
+                             self.eps, x.data_ptr(), int(self.dtype == torch.bfloat16))
+        if code:
+            raise abi.NativeRefusal(code, "the fused decode kernel", f"the final norm of {tuple(h.shape)}")
         return self.kernel.run(x, self.weight, self.bias).to(self.dtype)

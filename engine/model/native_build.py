@@ -6,9 +6,10 @@ folder, and handing its path to the caller's loader. Knows nothing of what the k
 the decode step's linears).
 
 A library is built for this CPU (``-march=native``, OpenMP: it shares PyTorch's thread pool,
-the same ``libgomp``) and named by a hash of the source, the flags, the compiler and the
-CPU's model and feature flags, so an edited file, another compiler or another CPU builds
-anew; a build writes a temporary file and renames it, so two processes never load half a
+the same ``libgomp``) and named by a hash of the source (with the headers it includes in quotes,
+found beside it as the compiler finds them: ``native_abi.h``, ``engine.model.native_abi``), the
+flags, the compiler and the CPU's model and feature flags, so an edited file or header, another
+compiler or another CPU builds anew; a build writes a temporary file and renames it, so two processes never load half a
 library, and a damaged file where the library should be is built again. The folder is
 ``RADIX_NATIVE_DIR``, default ``native/`` in the app's cache folder
 (``engine.model.hub.cache_root()``); ``CC`` picks the compiler.
@@ -43,6 +44,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -172,10 +174,28 @@ def build_and_load(source: Path, load: Callable[[Path], T]) -> T:
             os.unlink(tmp)
 
 
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path, _seen: set[Path] | None = None) -> bytes:
+    """``source`` followed by each file it includes in quotes (found beside the file that includes it,
+    as the compiler looks first), depth first, each once: what a build of it reads of ours."""
+    seen = set() if _seen is None else _seen
+    seen.add(source.resolve())
+    text = source.read_bytes()
+    out = [text]
+    for name in _INCLUDE.findall(text):
+        path = source.parent / name.decode()
+        if path.resolve() not in seen and path.is_file():
+            out.append(source_bytes(path, seen))
+    return b"".join(out)
+
+
 def library_name(source: Path, compiler: str, name: str = "native") -> str:
     """The library's file name: the source's stem, the instruction set ``name`` unless native, and
-    a hash of the source, the compiler, the flags and this CPU (``cpu_signature``)."""
-    text = source.read_bytes()
+    a hash of the source and its headers (``source_bytes``), the compiler, the flags and this CPU
+    (``cpu_signature``)."""
+    text = source_bytes(source)
     tag = hashlib.sha256(text + " ".join((compiler, *flags(name), cpu_signature())).encode()).hexdigest()[:16]
     return f"{source.stem}-{tag}.so" if name == "native" else f"{source.stem}-{name}-{tag}.so"
 

@@ -16,11 +16,15 @@
  *   w     [out][in]   float32 or bf16 (``bf16``), contiguous (nn.Linear's weight)
  *   bias  [out]       float32 or NULL
  *   y     [rows][out] float32, row stride y_rs
- * in must be a multiple of 8. Returns 0, or 1 when it refuses (nothing written).
+ * in must be a multiple of 8. Returns RADIX_OK, or the code of what it refused (nothing written):
+ * every function here returns the codes of native_abi.h, the boundary generated from
+ * engine/model/native_abi.py (its structs and prototypes too).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "native_abi.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "native_linear.c needs AVX2 and FMA (the build falls back to PyTorch's linears)"
@@ -295,12 +299,12 @@ static void linear(const float *x, int64_t x_rs, int64_t rows, const void *w, in
     linear_part(x, x_rs, rows, w, out, in, bias, y, y_rs, bf16);
 }
 
-int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
-                 const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
+radix_status radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in,
+                          const float *bias, float *y, int64_t y_rs, int bf16, int threads) {
     if (rows < 1 || out < 1 || in < 8 || in % 8 || threads < 1)
-        return 1;
+        return RADIX_E_LINEAR_SHAPE;
     linear(x, x_rs, rows, w, out, in, bias, y, y_rs, bf16, threads);
-    return 0;
+    return RADIX_OK;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -321,14 +325,7 @@ int radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int6
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    const void *norm1, *norm2;                   /* [hidden] RMSNorm weights (float32 or bf16) */
-    double eps1, eps2;
-    const void *wq, *wk, *wv, *wo, *wg, *wu, *wd; /* nn.Linear weights [out][in], contiguous (float32 or bf16) */
-    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd; /* their biases (float32), or NULL */
-    int64_t hidden, q_heads, kv_heads, head_dim, inter;
-    int64_t bf16; /* weights and pool in bfloat16 (above) */
-} radix_layer;
+/* a layer's weights by address and its sizes: radix_layer, in native_abi.h */
 
 /* f rounded to the nearest bfloat16 (ties to even), as a float32; NaN stays NaN */
 static inline float bf(float f) {
@@ -452,14 +449,14 @@ static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64
 }
 
 /* The rows' RMSNorm alone (the decoder's final norm in an exact forward, issue 44): the same code
- * as every layer's, so a row's bits do not depend on the rows beside it. Returns 0, or 1 for a
- * shape it does not take. */
-int radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
-                   int bf16) {
+ * as every layer's, so a row's bits do not depend on the rows beside it. Returns RADIX_OK, or
+ * RADIX_E_NORM_SHAPE for a shape it does not take. */
+radix_status radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
+                            int bf16) {
     if (rows < 1 || n < 1 || x_rs < n || (bf16 != 0 && bf16 != 1))
-        return 1;
+        return RADIX_E_NORM_SHAPE;
     rms_norm(x, x_rs, rows, n, w, eps, y, bf16);
-    return 0;
+    return RADIX_OK;
 }
 
 static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
@@ -471,19 +468,19 @@ static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
  * the pool layer k_pool/v_pool [kv_heads][slots][head_dim] (float32, or bf16 for a bf16 layer) at
  * slot write[r]. h [rows][hidden] (row stride h_rs) is only read; cos/sin [rows][head_dim] are the
  * model's rotary embedding. */
-int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos,
-                    const float *sin, float *q, void *k_pool, void *v_pool, int64_t pool_slots,
-                    const int64_t *write, int threads) {
+radix_status radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos,
+                             const float *sin, float *q, void *k_pool, void *v_pool, int64_t pool_slots,
+                             const int64_t *write, int threads) {
     if (!layer_ok(L, rows, threads))
-        return 1;
+        return RADIX_E_LAYER_SHAPE;
     const int64_t hd = L->hidden, d = L->head_dim, nq = L->q_heads * d, nkv = L->kv_heads * d;
     const int bf16 = (int)L->bf16;
     for (int64_t r = 0; r < rows; r++)
         if (write[r] < 0 || write[r] >= pool_slots)
-            return 1;
+            return RADIX_E_LAYER_SLOT;
     float *x = malloc(sizeof(float) * rows * (hd + 2 * nkv));
     if (!x)
-        return 1;
+        return RADIX_E_NO_MEMORY;
     float *k = x + rows * hd, *v = k + rows * nkv;
     /* one parallel region for the layer's work: the three linears share it without waiting on
      * each other; the norm before them and the rotation after them are one thread's */
@@ -525,20 +522,20 @@ int radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t 
         }
     }
     free(x);
-    return 0;
+    return RADIX_OK;
 }
 
 /* After attention: h += o(a); h += down(silu(gate(x)) * up(x)) with x = norm2(h), in place.
  * a [rows][q_heads * head_dim] is attention's output, heads side by side (in bf16: rounded to
  * bf16 first, as the unfused forward stores it). */
-int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows, const float *a, int threads) {
+radix_status radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows, const float *a, int threads) {
     if (!layer_ok(L, rows, threads))
-        return 1;
+        return RADIX_E_LAYER_SHAPE;
     const int64_t hd = L->hidden, ni = L->inter, nq = L->q_heads * L->head_dim;
     const int bf16 = (int)L->bf16;
     float *t = malloc(sizeof(float) * rows * (hd + 2 * ni + (bf16 ? nq : 0)));
     if (!t)
-        return 1;
+        return RADIX_E_NO_MEMORY;
     float *g = t + rows * hd, *u = g + rows * ni;
     const int64_t n_gu = rows * ni;
     if (bf16) {
@@ -568,7 +565,7 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
         add_rows(h, h_rs, t, rows, hd, bf16);
     }
     free(t);
-    return 0;
+    return RADIX_OK;
 }
 
 /* Every layer of a decode step of a few rows, with attention in between through ``attend``
@@ -576,29 +573,36 @@ int radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows,
  * calls a layer as engine.model.decoder_stack makes from Python, without the Python between them.
  * q [rows][q_heads*head_dim] and a (attention's output, the same shape) are the caller's float32
  * scratch, and q16 (the same shape, bf16; NULL in float32) the queries as attention reads them in
- * bf16; k_pools/v_pools the layers' pool tensors [kv_heads][pool_slots][head_dim]. Returns 0, or
- * 1 + the index of the layer that refused (the layers before it are done). */
-typedef int (*radix_attend_fn)(const void *ctx, const void *q, const void *k, const void *v, float *out);
-
-int radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows,
-                 const float *cos, const float *sin, void *const *k_pools, void *const *v_pools, int64_t pool_slots,
-                 const int64_t *write, float *q, uint16_t *q16, float *a, radix_attend_fn attend, const void *ctx,
-                 int threads) {
+ * bf16; k_pools/v_pools the layers' pool tensors [kv_heads][pool_slots][head_dim]. Returns RADIX_OK,
+ * or the code of the call that refused (a layer half's, attention's, or RADIX_E_LAYER_Q16), with
+ * that layer's index in *failed_layer (the layers before it are done). */
+radix_status radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows,
+                          const float *cos, const float *sin, void *const *k_pools, void *const *v_pools,
+                          int64_t pool_slots, const int64_t *write, float *q, uint16_t *q16, float *a,
+                          radix_attend_fn attend, const void *ctx, int threads, int64_t *failed_layer) {
     for (int64_t i = 0; i < n_layers; i++) {
         const radix_layer *L = layers[i];
-        if (radix_layer_pre(L, h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write, threads))
-            return (int)(1 + i);
+        radix_status code = radix_layer_pre(L, h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write,
+                                            threads);
         const void *qa = q;
-        if (L->bf16) {
-            if (!q16)
-                return (int)(1 + i);
-            const int64_t n = rows * L->q_heads * L->head_dim;
-            for (int64_t j = 0; j < n; j++)
-                q16[j] = bf16_bits(q[j]);
-            qa = q16;
+        if (!code && L->bf16) {
+            if (q16) {
+                const int64_t n = rows * L->q_heads * L->head_dim;
+                for (int64_t j = 0; j < n; j++)
+                    q16[j] = bf16_bits(q[j]);
+                qa = q16;
+            } else
+                code = RADIX_E_LAYER_Q16;
         }
-        if (attend(ctx, qa, k_pools[i], v_pools[i], a) || radix_layer_post(L, h, h_rs, rows, a, threads))
-            return (int)(1 + i);
+        if (!code)
+            code = attend(ctx, qa, k_pools[i], v_pools[i], a);
+        if (!code)
+            code = radix_layer_post(L, h, h_rs, rows, a, threads);
+        if (code) {
+            if (failed_layer)
+                *failed_layer = i;
+            return code;
+        }
     }
-    return 0;
+    return RADIX_OK;
 }

@@ -27,12 +27,12 @@ and FMA, or AVX-512, and a C compiler; ``engine.model.native_build``). The execu
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.model import native_abi as abi
 from engine.model.native_build import OnFirstUse, bf16_dot_products
 
 SOURCE = Path(__file__).with_name("native_linear.c")
@@ -45,14 +45,12 @@ DTYPES = (torch.float32, torch.bfloat16)  # the weights it reads
 
 
 class LinearKernel:
-    """The loaded library: ``run`` multiplies rows of x by a weight on torch tensors."""
+    """The loaded library: ``run`` multiplies rows of x by a weight on torch tensors. Its functions'
+    signatures and the codes of its refusals come from ``engine.model.native_abi``."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib = abi.load(path, SOURCE.stem)  # every signature set from the table
         self._run = lib.radix_linear
-        self._run.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
-        self._run.restype = ctypes.c_int
         self.lib = lib  # the layer functions too (engine.model.fused_decode)
         self.path = path
 
@@ -62,11 +60,11 @@ class LinearKernel:
         if x.dtype != torch.float32 or weight.dtype not in DTYPES or bias is not None and bias.dtype != torch.float32:
             raise ValueError(f"the native linear kernel takes float32 x and bias, got {x.dtype} x {weight.dtype}")
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        rc = self._run(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), weight.shape[0], weight.shape[1],
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       int(weight.dtype == torch.bfloat16), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the native linear kernel refused {tuple(x.shape)} x {tuple(weight.shape)}")
+        code = self._run(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), weight.shape[0], weight.shape[1],
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                         int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+        if code:
+            raise abi.NativeRefusal(code, "the native linear kernel", f"{tuple(x.shape)} x {tuple(weight.shape)}")
         return out
 
 

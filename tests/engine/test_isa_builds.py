@@ -159,7 +159,8 @@ def test_the_default_name_is_the_one_of_before_and_each_build_has_its_own(monkey
     monkeypatch.delenv(native_build.ENV_ISA, raising=False)
     compiler = shutil.which("cc") or "cc"
     src = native_linear.SOURCE
-    before = hashlib.sha256(src.read_bytes() + " ".join(
+    text = src.read_bytes() + src.with_name("native_abi.h").read_bytes()  # the source and the header it includes
+    before = hashlib.sha256(text + " ".join(
         (compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", native_build.cpu_signature())).encode())
     assert native_build.isa() == "native" and native_build.flags() == native_build.FLAGS
     assert native_build.library_name(src, compiler) == f"native_linear-{before.hexdigest()[:16]}.so"

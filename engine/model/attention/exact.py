@@ -24,21 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.model import native_abi as abi
 from engine.model.attention import native
 
-BLOCK = 256  # decode_attention.c's EXACT_BLOCK: keys per block, by absolute position
-MAX_GROUP = 16  # its EXACT_MAX_G: query heads per KV head
-MAX_CHUNK_TOKENS, MAX_ROWS = 16, 64  # its EXACT_MAX_CHUNK (tokens per work item) and EXACT_ROWS (their query rows)
-
-
-class _ExactStruct(ctypes.Structure):
-    """``radix_exact`` in ``decode_attention.c``."""
-
-    _fields_ = ([(n, ctypes.c_int64) for n in ("H", "G", "D", "slots", "ntok")]
-                + [("tok", ctypes.c_void_p), ("runs", ctypes.c_void_p), ("nruns", ctypes.c_int64),
-                   ("chunks", ctypes.c_void_p), ("nchunks", ctypes.c_int64), ("scale", ctypes.c_double),
-                   ("bf16", ctypes.c_int64), ("threads", ctypes.c_int64), ("k_now", ctypes.c_void_p),
-                   ("v_now", ctypes.c_void_p)])
+BLOCK = abi.VALUE["RADIX_EXACT_BLOCK"]  # keys per block, by absolute position
+MAX_GROUP = abi.VALUE["RADIX_EXACT_MAX_G"]  # query heads per KV head
+MAX_CHUNK_TOKENS = abi.VALUE["RADIX_EXACT_MAX_CHUNK"]  # tokens per work item
+MAX_ROWS = abi.VALUE["RADIX_EXACT_ROWS"]  # their query rows
+_ExactStruct = abi.struct("radix_exact")  # one forward's exact attention (native_abi.h)
 
 
 class ExactCall:
@@ -47,7 +40,7 @@ class ExactCall:
     Python. Holds every buffer its struct points at."""
 
     def __init__(self, kernel: native.DecodeKernel, struct: _ExactStruct, keep: tuple) -> None:
-        self._lib, self.struct, self._keep = kernel.lib, struct, keep
+        self.struct, self._keep = struct, keep
         self.fn = kernel.exact_fn
         self.ctx = ctypes.addressof(struct)
         self._run = kernel.lib.radix_exact_attention  # its signature set where the library is loaded
@@ -62,9 +55,8 @@ class ExactCall:
             raise ValueError(f"the exact attention kernel takes [{s.ntok}, {s.H * s.G * s.D}] queries over "
                              f"[{s.H}, {s.slots}, {s.D}] pool layers of one dtype")
         out = torch.empty((s.ntok, s.H * s.G * s.D), dtype=torch.float32)
-        rc = self._run(self.ctx, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr())
-        if rc != 0:
-            raise ValueError(f"the exact attention kernel refused: {self._lib.radix_exact_why(rc).decode()}")
+        abi.check(self._run(self.ctx, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr()),
+                  "the exact attention kernel")
         return out
 
 

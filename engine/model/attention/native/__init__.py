@@ -7,7 +7,8 @@ Built for this CPU and cached by ``engine.model.native_build`` (under ``native/`
 app's cache folder, ``RADIX_NATIVE_DIR`` moves it). Anything that fails (no compiler, no AVX2
 or AVX-512, a read-only cache folder) leaves ``kernel()`` None and the caller on PyTorch's
 kernels; the execution plan may leave it unused (``engine.model.plan``: ``cpu_native=off``, alias
-``RADIX_NATIVE_ATTENTION=0``).
+``RADIX_NATIVE_ATTENTION=0``). Its functions' signatures, its struct, the constants below and the
+codes of its refusals come from one table (``engine.model.native_abi``), which writes the C header too.
 """
 
 from __future__ import annotations
@@ -19,25 +20,16 @@ from pathlib import Path
 
 import torch
 
+from engine.model import native_abi as abi
 from engine.model.native_build import ENV_DIR, OnFirstUse  # noqa: F401  (ENV_DIR: callers and tests set it here)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-MAX_ROWS = 8  # decode_attention.c's MAX_ROWS: any dtype, AVX2 or AVX-512
-AMX_MAX_ROWS = 64  # its AMX_MAX_ROWS (and DP_MAX_ROWS, FP_MAX_ROWS): bfloat16 with AMX or AVX512-BF16 (head size a
-# multiple of 32), float32 with AVX-512
-MAX_HEAD_DIM = 256
-CHUNK = 256  # keys per work item
-
-class _AttnLayer(ctypes.Structure):
-    """``radix_attn_layer`` in ``decode_attention.c``: one layer's attention call but its keys,
-    values, queries and output."""
-
-    _fields_ = ([(n, ctypes.c_int64) for n in ("q_hs", "q_rs", "q_ts", "k_sh", "k_sl", "v_sh", "v_sl", "keys")]
-                + [("rows", ctypes.c_void_p), ("nrows", ctypes.c_int64), ("pieces", ctypes.c_void_p)]
-                + [(n, ctypes.c_int64) for n in ("npieces", "H", "M", "D")] + [("scale", ctypes.c_double)]
-                + [(n, ctypes.c_int64) for n in ("o_hs", "o_rs", "o_ts")] + [("lse", ctypes.c_void_p)]
-                + [(n, ctypes.c_int64) for n in ("l_hs", "l_rs", "l_ts")]
-                + [("work", ctypes.c_void_p), ("threads", ctypes.c_int64), ("bf16", ctypes.c_int64)])
+MAX_ROWS = abi.VALUE["RADIX_MAX_ROWS"]  # query rows per KV head: any dtype, AVX2 or AVX-512
+AMX_MAX_ROWS = abi.VALUE["RADIX_MANY_ROWS"]  # bfloat16 with AMX or AVX512-BF16 (head size a multiple of 32),
+# float32 with AVX-512
+MAX_HEAD_DIM = abi.VALUE["RADIX_MAX_HEAD_DIM"]
+CHUNK = abi.VALUE["RADIX_CHUNK"]  # keys per work item
+_AttnLayer = abi.struct("radix_attn_layer")  # one layer's attention call but its keys, values, queries and output
 
 
 class LayerCall:
@@ -57,32 +49,17 @@ class DecodeKernel:
     (many decode rows, each over its own runs of the pool) run it on torch tensors."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib = abi.load(path, SOURCE.stem)  # every signature set from the table
         self._run = lib.radix_attention
-        self._run.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
-                              ctypes.c_float, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ctypes.c_int,
-                              ctypes.c_int]
-        self._run.restype = ctypes.c_int
         self._work = lib.radix_attn_work_floats
-        self._work.argtypes = [i64] * 5
-        self._work.restype = i64
-        lib.radix_amx_ready.restype = ctypes.c_int
         self.amx = bool(lib.radix_amx_ready())  # the AMX path (more rows) compiled and allowed
-        lib.radix_bf16_rows_path.restype = ctypes.c_int
         # many bf16 rows (up to AMX_MAX_ROWS): on AMX, or on AVX512-BF16's dot products without it
         self.many_rows = lib.radix_bf16_rows_path() > 0
-        lib.radix_fp32_rows_path.restype = ctypes.c_int
         self.many_rows_fp32 = lib.radix_fp32_rows_path() > 0  # many float32 rows: AVX-512's FMAs (chunk_fp)
         self._layer_fn = ctypes.cast(lib.radix_attention_layer, ctypes.c_void_p).value
-        lib.radix_simd.restype = ctypes.c_char_p
         self.simd = lib.radix_simd().decode()  # the vector layer it was built with: "AVX2" or "AVX-512"
         self.path = path
-        self.lib = lib  # the exact attention too (engine.model.attention.exact), its signatures set here once
-        lib.radix_exact_attention.argtypes = [ptr] * 5
-        lib.radix_exact_attention.restype = ctypes.c_int
-        lib.radix_exact_why.argtypes = [ctypes.c_int]
-        lib.radix_exact_why.restype = ctypes.c_char_p
+        self.lib = lib  # the exact attention too (engine.model.attention.exact)
         self.exact_fn = ctypes.cast(lib.radix_exact_attention, ctypes.c_void_p).value
 
     def many_rows_for(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -156,14 +133,14 @@ class DecodeKernel:
         h, d = k.shape[0], k.shape[2]
         rows, cuts = cut
         work = torch.empty(self._work(h, m, d, cuts.shape[0], rows.shape[0]), dtype=torch.float32)
-        rc = self._run(q.data_ptr(), *q_strides, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                       v.stride(1), min(k.shape[1], v.shape[1]), rows.data_ptr(), rows.shape[0], cuts.data_ptr(),
-                       cuts.shape[0], h, m, d, scale,
-                       int(q.dtype == torch.bfloat16), out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
-                       work.data_ptr(), torch.get_num_threads(), merge_in)
-        if rc != 0:  # a shape it does not take, or pieces outside the keys: nothing was written
-            raise ValueError(f"the native attention kernel refused {m} rows of {tuple(q.shape)} over {tuple(k.shape)}")
-
+        code = self._run(q.data_ptr(), *q_strides, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                         v.stride(1), min(k.shape[1], v.shape[1]), rows.data_ptr(), rows.shape[0], cuts.data_ptr(),
+                         cuts.shape[0], h, m, d, scale,
+                         int(q.dtype == torch.bfloat16), out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
+                         work.data_ptr(), torch.get_num_threads(), merge_in)
+        if code:  # a shape it does not take, or pieces outside the keys: nothing was written
+            raise abi.NativeRefusal(code, "the native attention kernel",
+                                    f"{m} rows of {tuple(q.shape)} over {tuple(k.shape)}")
 
 RowsCut = tuple[torch.Tensor, torch.Tensor]  # rows [R, 3] (position, first piece, end piece), pieces [P, 3]
 

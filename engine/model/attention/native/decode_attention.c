@@ -23,6 +23,7 @@
  *   out     fp32 at out + h*o_hs + i*o_rs + pos*o_ts (D values); lse likewise (one value):
  *           natural log of sum_j exp(scale * q.k_j)
  *   work    fp32 scratch of radix_attn_work_floats(H, M, D, npieces, nrows) floats
+ * Returns RADIX_OK, or the code of what it refused (RADIX_E_ATTN_...; nothing written).
  * Products and sums are float32, like the flash kernel's (the AMX path rounds the weights to
  * bf16 before the second product, as the flash kernel does); the result does not depend on
  * the number of threads (the pieces are merged in order). Scratch beyond ``work``: the AMX
@@ -34,8 +35,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 8
-#define MAX_D 256
+#include "../../native_abi.h" /* the boundary: constants, refusal codes, structs, prototypes (generated) */
+
+#define MAX_ROWS RADIX_MAX_ROWS
+#define MAX_D RADIX_MAX_HEAD_DIM
 #define MAX_CHUNK 512
 
 /* Sixteen float32 lanes, the unit every loop below works in: one AVX-512 register, or two
@@ -317,8 +320,8 @@ static void chunk_rows(const void *q, int64_t q_sm, const char *k, int64_t k_sl,
  * are here register blocks of dot products. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DP 1
-#define DP_CHUNK 256    /* keys per piece (a multiple of 32; native.CHUNK) */
-#define DP_MAX_ROWS 64  /* native.AMX_MAX_ROWS */
+#define DP_CHUNK RADIX_CHUNK        /* keys per piece (a multiple of 32) */
+#define DP_MAX_ROWS RADIX_MANY_ROWS
 #define DP_ROW_BLOCK 8  /* rows per block of the scores */
 
 /* Keys j0 .. j0+15 of the n keys (bf16, rows k_sl apart) as K^T in pairs of dims for the dot
@@ -481,8 +484,8 @@ static void chunk_dp(const uint16_t *q, int64_t q_sm, const uint16_t *k, int64_t
  * each weight broadcast from P^T. */
 #if defined(__AVX512F__)
 #define HAVE_FP 1
-#define FP_CHUNK 256   /* keys per piece (native.CHUNK) */
-#define FP_MAX_ROWS 64 /* native.AMX_MAX_ROWS: the many-rows limit in either dtype */
+#define FP_CHUNK RADIX_CHUNK       /* keys per piece */
+#define FP_MAX_ROWS RADIX_MANY_ROWS /* the many-rows limit in either dtype */
 #define FP_AHEAD 32    /* keys ahead whose rows are prefetched */
 
 /* Raw scores of the B (<= 4) blocks of 16 rows from ``r0`` (Q^T ``qt``: [D][mpad]) against the KN
@@ -623,9 +626,9 @@ static void chunk_fp(const float *q, int64_t q_sm, const float *k, int64_t k_sl,
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
-#define AMX_MAX_ROWS 64 /* four tiles of 16 query rows */
+#define AMX_MAX_ROWS RADIX_MANY_ROWS /* four tiles of 16 query rows */
 #define AMX_MIN_ROWS 5  /* fewer rows: chunk_rows, which streams the keys faster */
-#define AMX_CHUNK 256   /* keys per piece on this path (a multiple of 32) */
+#define AMX_CHUNK RADIX_CHUNK /* keys per piece on this path (a multiple of 32) */
 #define AMX_CHUNK_ROWS AMX_CHUNK
 
 /* The tile shapes: every tile 16 rows of 64 bytes (16 fp32, or 32 bf16). */
@@ -761,13 +764,13 @@ int radix_fp32_rows_path(void) { return HAVE_FP_ROWS; }
  * ``merge_in``: out and lse already hold these rows' attention over other keys (a normalised
  * output and its log-sum-exp, or lse -inf where there were none); it is merged in as one more
  * piece (weight e^(lse - max), sum 1), so a shared prefix's call needs no merge after it. */
-int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, const void *k, int64_t k_sh,
-                    int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, int64_t keys, const int64_t *rows, int64_t nrows,
-                    const int64_t *pieces, int64_t npieces, int64_t H, int64_t M, int64_t D, float scale, int bf16,
-                    float *out, int64_t o_hs, int64_t o_rs, int64_t o_ts, float *lse, int64_t l_hs, int64_t l_rs,
-                    int64_t l_ts, float *work, int threads, int merge_in) {
+radix_status radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, const void *k, int64_t k_sh,
+                             int64_t k_sl, const void *v, int64_t v_sh, int64_t v_sl, int64_t keys, const int64_t *rows, int64_t nrows,
+                             const int64_t *pieces, int64_t npieces, int64_t H, int64_t M, int64_t D, float scale,
+                             int bf16, float *out, int64_t o_hs, int64_t o_rs, int64_t o_ts, float *lse, int64_t l_hs,
+                             int64_t l_rs, int64_t l_ts, float *work, int threads, int merge_in) {
     if (D % 16 || D > MAX_D || M < 1 || nrows < 1 || npieces < 1 || H < 1 || threads < 1)
-        return 1;
+        return RADIX_E_ATTN_SHAPE;
     /* AMX from AMX_MIN_ROWS bf16 rows where it runs; else AVX512-BF16's dot products from
      * DP_MIN_ROWS bf16 rows where the CPU has them; else up to MAX_ROWS rows */
 #ifdef HAVE_AMX
@@ -778,16 +781,16 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
     const int dp = !amx && HAVE_DP_ROWS && M >= DP_MIN_ROWS && bf16 && D % 32 == 0;
     const int fp = HAVE_FP_ROWS && M >= FP_MIN_ROWS && !bf16;
     if (M > (amx ? AMX_MAX_ROWS : dp ? DP_MAX_ROWS : fp ? FP_MAX_ROWS : MAX_ROWS))
-        return 1;
+        return RADIX_E_ATTN_ROWS;
     const int64_t chunk = amx ? AMX_CHUNK_ROWS : dp ? DP_CHUNK_ROWS : fp ? FP_CHUNK_ROWS : MAX_CHUNK;
     for (int64_t i = 0; i < npieces; i++) {
         const int64_t *pc = pieces + 3 * i;
         if (pc[0] < 0 || pc[1] < 1 || pc[1] > chunk || pc[0] + pc[1] > keys || pc[2] < 0 || pc[2] >= nrows)
-            return 1;
+            return RADIX_E_ATTN_PIECE;
     }
     for (int64_t r = 0; r < nrows; r++)
         if (rows[3 * r + 1] < 0 || rows[3 * r + 2] > npieces || rows[3 * r + 1] >= rows[3 * r + 2])
-            return 1;
+            return RADIX_E_ATTN_TOKEN;
     const int esz = bf16 ? 2 : 4;
     const int64_t per = M * D + 2 * M;
 #ifdef HAVE_AMX
@@ -868,28 +871,13 @@ int radix_attention(const void *q, int64_t q_hs, int64_t q_rs, int64_t q_ts, con
             dst[d] = acc[d] / total;
         *lp = best + logf(total);
     }
-    return 0;
+    return RADIX_OK;
 }
 
 /* One layer's call of radix_attention with everything but the layer's keys, values and the query
- * and output buffers fixed: the fused decode step (engine.model.fused_decode) calls it for each
- * layer from C, through ``radix_attention_layer``'s address. */
-typedef struct {
-    int64_t q_hs, q_rs, q_ts, k_sh, k_sl, v_sh, v_sl, keys;
-    const int64_t *rows;
-    int64_t nrows;
-    const int64_t *pieces;
-    int64_t npieces, H, M, D;
-    double scale;
-    int64_t o_hs, o_rs, o_ts;
-    float *lse;
-    int64_t l_hs, l_rs, l_ts;
-    float *work;
-    int64_t threads;
-    int64_t bf16; /* queries, keys and values in bfloat16 */
-} radix_attn_layer;
-
-int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *k, const void *v, float *out) {
+ * and output buffers fixed (radix_attn_layer, native_abi.h): the fused decode step
+ * (engine.model.fused_decode) calls it for each layer from C, through ``radix_attention_layer``'s address. */
+radix_status radix_attention_layer(const radix_attn_layer *c, const void *q, const void *k, const void *v, float *out) {
     return radix_attention(q, c->q_hs, c->q_rs, c->q_ts, k, c->k_sh, c->k_sl, v, c->v_sh, c->v_sl, c->keys, c->rows,
                            c->nrows, c->pieces, c->npieces, c->H, c->M, c->D, (float)c->scale, (int)c->bf16, out, c->o_hs,
                            c->o_rs, c->o_ts, c->lse, c->l_hs, c->l_rs, c->l_ts, c->work, (int)c->threads, 0);
@@ -921,64 +909,41 @@ int radix_attention_layer(const radix_attn_layer *c, const void *q, const void *
  * as transformers lays them out), q in the pool's dtype, out float32; k and v one pool layer
  * [H][slots][D]. tok[t] = (position p, first run, end run): token t's runs, in position order,
  * are runs[first..end) = (first position, first slot, length), covering positions 0..p at least.
- * chunks[0..nchunks] are token boundaries. Returns 0, or a code (radix_exact_why). */
-#define EXACT_BLOCK 256
-#define EXACT_MAX_G 16
-#define EXACT_MAX_CHUNK 16
-#define EXACT_ROWS 64 /* query rows computed together over a block (four groups of 16 lanes) */
+ * chunks[0..nchunks] are token boundaries (radix_exact, native_abi.h). Returns RADIX_OK, or the code
+ * of what it refused (RADIX_E_EXACT_..., RADIX_E_NO_MEMORY). */
+#define EXACT_BLOCK RADIX_EXACT_BLOCK
+#define EXACT_MAX_G RADIX_EXACT_MAX_G
+#define EXACT_MAX_CHUNK RADIX_EXACT_MAX_CHUNK
+#define EXACT_ROWS RADIX_EXACT_ROWS /* query rows computed together over a block (four groups of 16 lanes) */
 #define EXACT_TILE_KEYS 12 /* AVX2: keys a pass of the scores, with eight rows */
 
-typedef struct {
-    int64_t H, G, D, slots, ntok;
-    const int64_t *tok;
-    const int64_t *runs;
-    int64_t nruns;
-    const int64_t *chunks;
-    int64_t nchunks;
-    double scale;
-    int64_t bf16, threads;
-    const void *k_now, *v_now; /* the layer's keys and values, set per call (not read from the caller) */
-} radix_exact;
-
-const char *radix_exact_why(int code) {
-    switch (code) {
-    case 0: return "";
-    case 2: return "a head size that is not a multiple of 16 up to 256, or no heads";
-    case 3: return "more than 16 query heads per KV head";
-    case 4: return "a token whose runs do not cover its positions from 0, or a slot outside the pool";
-    case 5: return "a chunk of tokens empty, out of order or longer than 16, or of more than 64 query rows";
-    case 6: return "out of memory for the per-thread state";
-    default: return "an unknown refusal";
-    }
-}
-
-static int exact_check(const radix_exact *c) {
+static radix_status exact_check(const radix_exact *c) {
     if (c->D % 16 || c->D > MAX_D || c->D < 16 || c->H < 1 || c->ntok < 1 || c->threads < 1)
-        return 2;
+        return RADIX_E_EXACT_SHAPE;
     if (c->G < 1 || c->G > EXACT_MAX_G)
-        return 3;
+        return RADIX_E_EXACT_GROUP;
     for (int64_t t = 0; t < c->ntok; t++) {
         const int64_t p = c->tok[3 * t], r0 = c->tok[3 * t + 1], r1 = c->tok[3 * t + 2];
         if (p < 0 || r0 < 0 || r1 > c->nruns || r0 >= r1)
-            return 4;
+            return RADIX_E_EXACT_RUNS;
         int64_t at = 0;
         for (int64_t r = r0; r < r1 && at <= p; r++) {
             const int64_t *run = c->runs + 3 * r;
             if (run[0] != at || run[2] < 1 || run[1] < 0 || run[1] + run[2] > c->slots)
-                return 4;
+                return RADIX_E_EXACT_RUNS;
             at += run[2];
         }
         if (at <= p)
-            return 4;
+            return RADIX_E_EXACT_RUNS;
     }
     if (c->nchunks < 1 || c->chunks[0] != 0 || c->chunks[c->nchunks] != c->ntok)
-        return 5;
+        return RADIX_E_EXACT_CHUNKS;
     for (int64_t i = 0; i < c->nchunks; i++) {
         const int64_t n = c->chunks[i + 1] - c->chunks[i];
         if (n < 1 || n > EXACT_MAX_CHUNK || n * c->G > EXACT_ROWS)
-            return 5;
+            return RADIX_E_EXACT_CHUNKS;
     }
-    return 0;
+    return RADIX_OK;
 }
 
 /* One thread's scratch for the exact kernel. */
@@ -1562,8 +1527,8 @@ static void exact_finish(const float *st, float *dst, int G, int D) {
 /* Few work items (one stream's decode row: a chunk per head): blocks are split across threads,
  * their partials kept, and each token's folded in block order after (the same arithmetic as the
  * running fold: the same bits). Many: a thread takes a chunk and folds as it goes. */
-int radix_exact_attention(const radix_exact *cc, const void *q, const void *k, const void *v, float *out) {
-    const int code = exact_check(cc);
+radix_status radix_exact_attention(const radix_exact *cc, const void *q, const void *k, const void *v, float *out) {
+    const radix_status code = exact_check(cc);
     if (code)
         return code;
     radix_exact ctx = *cc;
@@ -1584,7 +1549,7 @@ int radix_exact_attention(const radix_exact *cc, const void *q, const void *k, c
     if (need > parts_cap) {
         float *grown = realloc(parts, sizeof(float) * need);
         if (!grown)
-            return 6;
+            return RADIX_E_NO_MEMORY;
         parts = grown;
         parts_cap = need;
     }
@@ -1638,5 +1603,5 @@ int radix_exact_attention(const radix_exact *cc, const void *q, const void *k, c
             }
         }
     }
-    return failed ? 6 : 0;
+    return failed ? RADIX_E_NO_MEMORY : RADIX_OK;
 }
