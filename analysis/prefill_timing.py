@@ -5,21 +5,22 @@ memo of no-reuse figures for long shipped prefixes, the warm start of shipped pr
 curve (prefill time against cached length, ``growth_curve``) and ``timer_for``, one timer per engine kept
 here (``analysis.per_engine``), never by the engine. Knows nothing about the UI, presets or visitors.
 
-The one part of the analysis that cannot work through ``EngineAPI`` alone: it drives the local engine's
-``runner`` and ``cache`` as attributes; an engine without ``capabilities.prefill_timing`` (remote) has no
-timer. Its policy and records live in ``prefill_records.py``, re-exported here.
+It reaches the engine through ``EngineAPI`` only: ``PrefillAPI.scratch_prefill`` for both sides,
+``cache_prefill`` for the warm start and the curve's filler, ``matched_len``, ``info`` and ``stats``; an
+engine without ``capabilities.prefill_timing`` (remote, ZeroGPU) has no timer. Its policy and records live
+in ``prefill_records.py``, re-exported here; a finished request's own no-reuse figure is ``no_reuse.py``'s.
 
-A request's live figure is taken inside a batched step, its no-reuse baseline later, on a quieter machine.
-Here both sides run under the same conditions, one right after the other, on the runner's compute thread::
+A request's live figure is taken inside a batched step, its no-reuse figure later. Here both sides run
+under the same conditions, one right after the other, on the engine's scratch pools::
 
-    reuse:     empty buffer <- copy_prefix(key, cached)   forward ids[cached:n]
-    no reuse:  empty buffer                               forward ids[0:n]
+    reuse:     scratch pool <- the cached prefix, copied   forward ids[cached:n]
+    no reuse:  scratch pool                                forward ids[0:n]
 
-Both sides run ``runner.forward_last`` on a request buffer, ``block_tokens`` at a time, each block its own
-compute-thread call, so other visitors' steps run between blocks; only the calls are timed. Pairs alternate
-which side goes first, no-reuse first (whatever still runs lands on the long side). The reuse side's figure
-is the median of ``reuse_runs`` runs in a row, the pair shown the median pair by ratio. Nothing here changes
-the cache: ``copy_prefix`` reads it (no hit, no access time, no lock), and the scratch buffers are dropped.
+Both sides run ``block_tokens`` at a time, each block its own compute-thread call, so other visitors'
+steps run between blocks; only the forwards are timed. Pairs alternate which side goes first, no-reuse
+first (whatever still runs lands on the long side). The reuse side's figure is the median of
+``reuse_runs`` runs in a row, the pair shown the median pair by ratio. Nothing here changes the cache:
+the copy reads it (no hit, no access time, no lock), and the scratch pools are dropped.
 
 The growth curve is background work, so it yields: each call (``BACKGROUND_BLOCK_TOKENS`` at most) waits
 for ``QUIET_S`` with no request (``engine.busy()``) and no visitor's timing under way.
@@ -50,6 +51,7 @@ from analysis.prefill_records import (
     _median_pair,
     default_policy,
 )
+from engine.api import EngineAPI
 from engine.types import CacheKey, EngineError, EngineFault
 
 __all__ = ["GrowthCurve", "GrowthPoint", "LogitsCheck", "PrefillPair", "PrefillTimer", "PrefillTiming", "TimingPolicy",
@@ -66,30 +68,34 @@ LastLogits = Any  # a float32 ``torch.Tensor`` [vocab]: torch is not imported he
 
 
 def compare_logits(reuse, full) -> LogitsCheck:
-    """The two sides' last-token logits, compared bit for bit (``torch.equal``) and by digest. Call it
-    on the runner's compute thread: ops over a vocabulary's row run in parallel, and any other thread
-    that runs one starts an OpenMP pool of its own on the same cores."""
-    import torch
+    """The two sides' last-token logits (float32 CPU tensors, as ``scratch_prefill`` returns them),
+    compared bit for bit and by digest. In NumPy, single-threaded: torch's ops over a vocabulary's row
+    run in parallel, and a thread other than the engine's compute thread that runs one starts an OpenMP
+    pool of its own on the same cores."""
+    import numpy as np
 
-    a, b = reuse.detach().float().cpu().contiguous(), full.detach().float().cpu().contiguous()
+    a = np.ascontiguousarray(reuse.detach().float().cpu().numpy())
+    b = np.ascontiguousarray(full.detach().float().cpu().numpy())
 
     def digest(t) -> str:
-        return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+        return hashlib.sha256(t.tobytes()).hexdigest()[:16]
 
-    return LogitsCheck(identical=bool(torch.equal(a, b)), max_abs_diff=float((a - b).abs().max()),
+    return LogitsCheck(identical=bool(np.array_equal(a, b)), max_abs_diff=float(np.abs(a - b).max()),
                        same_next_token=int(a.argmax()) == int(b.argmax()), reuse_digest=digest(a),
                        full_digest=digest(b))
 
 
 class PrefillTimer:
-    """Fair prefill timings on one engine (``timer_for(engine)``), held weakly. Uses its ``runner``, ``cache``,
-    ``prefill`` and ``clear_cache``. Timings run one at a time (a second waits up to ``policy.wait_s``)."""
+    """Fair prefill timings on one engine (``timer_for(engine)``), held weakly. Uses its ``PrefillAPI``,
+    ``info``, ``stats``, ``busy`` (where it has one) and ``clear_cache``. Timings run one at a time (a
+    second waits up to ``policy.wait_s``)."""
 
-    def __init__(self, engine, policy: TimingPolicy | None = None) -> None:
+    def __init__(self, engine: EngineAPI, policy: TimingPolicy | None = None) -> None:
         self._engine = weakref.ref(engine)  # kept per engine by ``per_engine``: never keeps it alive
-        self.runner, self.cache = engine.runner, engine.cache
+        info = engine.info()
+        self.max_context, self.kv_bytes_per_token = info.max_context, info.kv_bytes_per_token
         self.isolation = bool(getattr(engine, "isolation", False))
-        self.policy = policy or default_policy(self.runner.device.type, self.isolation)
+        self.policy = policy or default_policy(info.device.split(":")[0], self.isolation)
         self._busy = threading.Lock()  # one visitor's timing at a time: their buffers and their fairness
         self._curve_lock = threading.Lock()  # one growth curve at a time
         self._foreground = 0  # visitors' timings under way or waiting: background work waits for them
@@ -111,8 +117,10 @@ class PrefillTimer:
 
     # ------------------------------------------------------- yielding
     def stopping(self) -> bool:
-        """The app is shutting down (the compute thread stopped): background work ends quietly."""
-        return self.runner.compute.stopped
+        """The engine is closed or gone, or the app is shutting down (``healthy()`` False): background
+        work ends quietly."""
+        engine = self._engine()
+        return engine is None or not engine.healthy()
 
     def _visitors_busy(self) -> bool:
         busy = getattr(self.engine, "busy", None)
@@ -148,67 +156,36 @@ class PrefillTimer:
     def scratch_bound_bytes(self) -> int:
         """The most scratch KV there can be at once: one buffer of the longest prompt for a visitor's
         timing (one at a time) and one for the growth curve (the only background work)."""
-        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
-        curve = min(self.runner.max_context, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
-        return (int(cap) + curve) * self.runner.kv_bytes_per_token
+        cap = getattr(self.engine, "max_prompt_tokens", None) or self.max_context
+        curve = min(self.max_context, max(GROWTH_LENGTHS) + GROWTH_SUFFIX_TOKENS)
+        return (int(cap) + curve) * self.kv_bytes_per_token
 
     @contextmanager
-    def _scratch(self, n: int) -> Iterator:
-        """A scratch KV buffer for ``n`` tokens, counted while it lives."""
-        nbytes = int(n) * self.runner.kv_bytes_per_token
+    def _scratch(self, n: int) -> Iterator[None]:
+        """Counts the engine's scratch KV for ``n`` tokens while a call that holds it runs."""
+        nbytes = int(n) * self.kv_bytes_per_token
         with self._foreground_lock:
             self._scratch_bytes += nbytes
             self.peak_scratch_bytes = max(self.peak_scratch_bytes, self._scratch_bytes)
         try:
-            yield self.runner.new_request_kv(n)
+            yield
         finally:
             with self._foreground_lock:
                 self._scratch_bytes -= nbytes
 
     # ---------------------------------------------------------- one prompt
     def _timed_prefill(self, key: CacheKey, cached: int, background: bool = False) -> tuple[float, int, LastLogits]:
-        """Prefill ``key.ids`` into a scratch buffer, reusing up to ``cached`` cached tokens
-        (0: none), ``block_tokens`` per compute-thread call. Returns (ms of the calls, reused, the
-        last token's float32 logits: what the first new token is picked from). ``background``:
-        blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started only when visitors leave the
-        engine idle."""
-        with self._scratch(len(key.ids)) as kv:  # allocated outside the timed part, on both sides alike
-            return self._timed_prefill_into(kv, key, cached, background)
-
-    def _timed_prefill_into(self, kv, key: CacheKey, cached: int, background: bool) -> tuple[float, int, LastLogits]:
-        runner, ids, n = self.runner, key.ids, len(key.ids)
+        """Prefill ``key.ids`` on the engine's scratch pool, reusing up to ``cached`` cached tokens
+        (0: none), ``block_tokens`` per compute-thread call (``EngineAPI.scratch_prefill``). Returns
+        (ms of the forwards, reused, the last token's float32 logits: what the first new token is
+        picked from). ``background``: blocks of at most ``BACKGROUND_BLOCK_TOKENS``, each started
+        only when visitors leave the engine idle."""
         block = max(1, self.policy.block_tokens)
         if background:
             block = min(block, BACKGROUND_BLOCK_TOKENS)
-
-        last: list = [None]  # the latest call's logits (kept, not copied: a row of the vocabulary)
-
-        def first() -> tuple[float, int, int]:
-            runner.synchronize()
-            t0 = time.perf_counter()
-            reused = self.cache.copy_prefix(key, cached, kv) if cached > 0 else 0
-            stop = min(n, reused + block)
-            last[0] = runner.forward_last(ids[reused:stop], kv)
-            runner.synchronize()
-            return (time.perf_counter() - t0) * 1000, reused, stop
-
-        def more(start: int, stop: int) -> float:
-            runner.synchronize()
-            t0 = time.perf_counter()
-            last[0] = runner.forward_last(ids[start:stop], kv)
-            runner.synchronize()
-            return (time.perf_counter() - t0) * 1000
-
-        if background:
-            self._wait_for_quiet()
-        ms, reused, pos = runner.compute.call(first)
-        while pos < n:
-            stop = min(n, pos + block)
-            if background:
-                self._wait_for_quiet()
-            ms += runner.compute.call(more, pos, stop)
-            pos = stop
-        return ms, reused, last[0]
+        with self._scratch(len(key.ids)):
+            done = self.engine.scratch_prefill(key, cached, block, self._wait_for_quiet if background else None)
+        return done.forward_ms, done.reused_tokens, done.last_logits
 
     def _memo_key(self, key: CacheKey) -> tuple | None:
         floor = self.policy.memo_min_tokens
@@ -259,7 +236,7 @@ class PrefillTimer:
         n = len(key.ids)
         if n == 0:
             raise EngineError("nothing to time: the prompt is empty")
-        cached = max(0, min(int(cached_tokens), n - 1, self.cache.match_len(key)))
+        cached = max(0, min(int(cached_tokens), n - 1, self.engine.matched_len(key)))
         base = PrefillTiming(prompt_tokens=n, cached_tokens=cached, block_tokens=self.policy.block_tokens)
         if cached == 0:
             return replace(base, skipped="nothing of this prompt is cached now, so both sides would compute "
@@ -322,22 +299,23 @@ class PrefillTimer:
         self._memo_put(mk, (_median([p.full_ms for p in done]), now, len(done)))
         return replace(base, cached_tokens=copied, pairs=tuple(done), reuse_ms=best.reuse_ms, full_ms=best.full_ms,
                        full_measured_at=now, full_runs=len(done), reuse_runs=reps,
-                       logits=self.runner.compute.call(compare_logits, logits["reuse"], logits["full"]))
+                       logits=compare_logits(logits["reuse"], logits["full"]))
 
     # ---------------------------------------------------------- warm start
     def warm(self, prefixes: Sequence[tuple[str, CacheKey]]) -> tuple[WarmPrefix, ...]:
-        """Put shipped prefixes in the cache before anyone asks (``engine.prefill``, one call per
+        """Put shipped prefixes in the cache before anyone asks (``engine.cache_prefill``, one call per
         prefix: meant for start-up, before visitors arrive). Each ``(label, key)`` should be the
         exact key a request will use (its ids, namespace and ``public_len``). Prefixes already
         cached cost nothing; longer than the engine's prompt cap are skipped."""
-        cap = getattr(self.engine, "max_prompt_tokens", None) or self.runner.max_context
+        engine = self.engine
+        cap = getattr(engine, "max_prompt_tokens", None) or self.max_context
         # On a public deployment shipped content is never evicted for a visitor, so it may hold at
         # most half the pool: a small budget must still leave visitors room to be answered.
-        shipped_cap = self.cache.pool.capacity // 2 if self.isolation else None
+        shipped_cap = engine.stats().budget_bytes // self.kv_bytes_per_token // 2 if self.isolation else None
         out = []
         for label, key in prefixes:
             n = len(key.ids)
-            if shipped_cap is not None and self.cache.num_tokens + n - self.cache.match_len(key) > shipped_cap:
+            if shipped_cap is not None and engine.stats().cached_tokens_now + n - engine.matched_len(key) > shipped_cap:
                 out.append(WarmPrefix(label, n, 0, 0.0, skipped="shipped content may take at most half the cache "
                                       "on a shared deployment"))
                 continue
@@ -347,13 +325,13 @@ class PrefillTimer:
             if n > cap:
                 out.append(WarmPrefix(label, n, 0, 0.0, skipped=f"{n:,} tokens, over the {cap:,}-token prompt cap"))
                 continue
-            if self.cache.match_len(key) >= n:
+            if engine.matched_len(key) >= n:
                 out.append(WarmPrefix(label, n, 0, 0.0))
                 continue
-            with self._scratch(n) as kv:
-                result = self.engine.prefill(key, kv)
+            with self._scratch(n):
+                result = engine.cache_prefill(key)
             out.append(WarmPrefix(label, n, n - result.cached_tokens, result.prefill_ms,
-                                  skipped=None if result.inserted_tokens or self.cache.match_len(key) >= n
+                                  skipped=None if result.inserted_tokens or engine.matched_len(key) >= n
                                   else "the cache had no room for it"))
         self.warmed = tuple(out)
         return self.warmed
@@ -370,7 +348,7 @@ class PrefillTimer:
         tokens computed after it), on ``filler_ids`` cached in a namespace of its own
         (``GROWTH_NAMESPACE``, cleared afterwards). Lengths that do not fit the model's context
         or the filler are left out. The result is kept (``curve``) until measured again."""
-        fits = min(self.runner.max_context, len(filler_ids)) - suffix_tokens
+        fits = min(self.max_context, len(filler_ids)) - suffix_tokens
         lengths = tuple(sorted({int(n) for n in lengths if 0 < int(n) <= fits}))
         info = self.engine.info()
         curve = GrowthCurve(state="running", device=info.device, dtype=info.dtype, started_at=time.time(),
@@ -417,9 +395,9 @@ class PrefillTimer:
         for stop in (*range(block, len(ids), block), len(ids)):
             key = CacheKey(ids[:stop], GROWTH_NAMESPACE, 0)
             self._wait_for_quiet()
-            with self._scratch(stop) as kv:
-                self.engine.prefill(key, kv)
-        if self.cache.match_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
+            with self._scratch(stop):
+                self.engine.cache_prefill(key)
+        if self.engine.matched_len(CacheKey(ids, GROWTH_NAMESPACE, 0)) < len(ids):
             raise EngineError("the cache had no room for the curve's filler")
 
 

@@ -1,10 +1,11 @@
 """The engine interface: what the dashboard, the HTTP server and the lab may call, and its contract.
 
 Owns: ``EngineAPI``, the one written interface over an engine, and ``Capabilities``, what an
-engine can do beyond it. ``EngineAPI`` composes four narrow parts, so a caller (or a test double)
+engine can do beyond it. ``EngineAPI`` composes five narrow parts, so a caller (or a test double)
 names only what it uses: ``ServingAPI`` (requests, keys, ``info``, ``healthy``), ``TextAPI``
-(tokenizer and chat template), ``FiguresAPI`` (stats, snapshots, logs) and ``ControlAPI``
-(clear, budget, spawn, close). Two engines implement all of it: ``engine.engine.Engine`` (the model
+(tokenizer and chat template), ``FiguresAPI`` (stats, snapshots, logs), ``ControlAPI``
+(clear, budget, spawn, close) and ``PrefillAPI`` (prefills outside the scheduler, for the
+analysis's timings and warm start: ``scratch_prefill``, ``cache_prefill``, ``matched_len``). Two engines implement all of it: ``engine.engine.Engine`` (the model
 and the radix cache in this process) and ``server.remote.engine.RemoteEngine`` (another server
 over HTTP, with a shadow tree of what this dashboard sent). Callers never test which one they
 hold: they ask ``engine.capabilities``. Knows nothing about either implementation, the UI or HTTP.
@@ -37,7 +38,10 @@ Contract, for both implementations:
   is False); ``backend_metrics()`` is the remote server's own metrics ({} for a local engine).
 - ``spawn`` raises ``EngineError`` where ``capabilities.private_engines`` is False; ``step_log``
   is empty where ``capabilities.scheduler_steps`` is False. Prefill timing is the analysis's
-  (``analysis.prefill_timing.timer_for``, None where ``capabilities.prefill_timing`` is False).
+  (``analysis.prefill_timing.timer_for``, None where ``capabilities.prefill_timing`` is False;
+  the no-reuse figure of a finished request, ``analysis.no_reuse``), through ``PrefillAPI`` only:
+  ``scratch_prefill`` and ``cache_prefill`` raise ``EngineError`` where
+  ``capabilities.scratch_prefill`` is False (remote: the backend's prefill cannot be run apart).
 - The engine owns cache keys. ``key_for(request, visitor, sub=None)`` tokenizes once (as
   ``prompt_ids``) and keys the prompt for a ``Visitor`` by the engine's own
   ``engine.cache_keys.KeyRules`` (its isolation, its secret, the shipped blocks): a
@@ -59,13 +63,12 @@ Contract, for both implementations:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from engine.cache_keys import KeyedPrompt, Visitor
 from engine.handle import RequestHandle
-from engine.scheduler.config import BASELINE_MAX_TOKENS  # noqa: F401  (the no-reuse timing cutoff the page states)
 from engine.types import (
     CacheKey,
     EngineInfo,
@@ -92,10 +95,11 @@ class Capabilities:
     second_tier: bool = False  # evicted KV goes to disk or host memory; persist_cache() writes it for a restart
     logprobs: bool = False  # requests may ask for log-probabilities (GenerationRequest.logprobs, prompt_logprobs)
     gpu_calls: bool = False  # each forward runs in a ZeroGPU call (engine.zerogpu): a step may wait for a GPU
+    scratch_prefill: bool = False  # PrefillAPI's prefills run here (analysis.no_reuse times a request's other side)
 
 
 LOCAL = Capabilities(local_cache=True, settable_budget=True, prefill_timing=True, private_engines=True,
-                     scheduler_steps=True, logprobs=True)
+                     scheduler_steps=True, logprobs=True, scratch_prefill=True)
 REMOTE = Capabilities(local_cache=False, settable_budget=False, prefill_timing=False, private_engines=False,
                       scheduler_steps=False, remote=True, logprobs=True)  # the chosen tokens' only (logprobs 0)
 
@@ -182,7 +186,55 @@ class ControlAPI(Protocol):
     def persist_cache(self) -> int | None: ...
 
 
+class ScratchPrefill(NamedTuple):
+    """What ``PrefillAPI.scratch_prefill`` measured."""
+
+    forward_ms: float  # its compute calls' forwards, summed (copying the cached prefix in is not counted)
+    reused_tokens: int  # tokens copied from the cache (0: none; fewer than asked if some were evicted)
+    last_logits: Any  # the last token's float32 logits [vocab], on the CPU (a ``torch.Tensor`` locally)
+
+
+class CachedPrefill(NamedTuple):
+    """What ``PrefillAPI.cache_prefill`` did."""
+
+    cached_tokens: int  # reused from the cache
+    prefill_ms: float  # match, copy and forward
+    inserted_tokens: int  # new tokens the prompt added to the cache
+
+
 @runtime_checkable
-class EngineAPI(ServingAPI, TextAPI, FiguresAPI, ControlAPI, Protocol):
+class PrefillAPI(Protocol):
+    """Prefills outside the scheduler, for the analysis (``analysis/``: a request's no-reuse figure,
+    the paired timing, the warm start, the growth curve). Each compute call runs between the
+    scheduler's steps, so other visitors' streams keep flowing. Where ``capabilities.scratch_prefill``
+    is False (remote) the two prefills raise ``EngineError``."""
+
+    def matched_len(self, key: CacheKey) -> int:
+        """Tokens of ``key.ids`` the cache holds now for ``key``'s namespace. Reads only: no hit,
+        no access time, no lock."""
+        ...
+
+    def scratch_prefill(self, key: CacheKey, reuse_tokens: int = 0, block_tokens: int = 512,
+                        before_block: Callable[[], None] | None = None) -> ScratchPrefill:
+        """The one primitive of the no-reuse timing: prefill ``key.ids`` on a scratch pool of its
+        own that neither reads nor writes the cache, ``block_tokens`` per compute-thread call.
+        With ``reuse_tokens`` > 0 it first copies up to that many (at most all but the last) of the
+        cached prefix into the scratch pool, read without counting a hit or touching access
+        times, and computes the rest (the reuse side of a paired timing); with 0 it computes
+        every token (the no-reuse side). ``before_block`` is called before each call, on the
+        caller's thread: what it raises ends the prefill (the scratch pool is let go) and comes
+        out here, so a caller waits or cancels there. Only the forwards are timed."""
+        ...
+
+    def cache_prefill(self, key: CacheKey) -> CachedPrefill:
+        """Prefill ``key.ids`` in one compute call, reusing the longest cached prefix (a hit), and
+        cache the prompt: the warm start's and the growth curve's way to put a prefix in the cache
+        without a request."""
+        ...
+
+
+@runtime_checkable
+class EngineAPI(ServingAPI, TextAPI, FiguresAPI, ControlAPI, PrefillAPI, Protocol):
     """The interface every full engine implements (see the module's docstring for the contract):
-    serving, text, figures and controls. Callers that need only a part name that part."""
+    serving, text, figures, controls and prefills apart. Callers that need only a part name that
+    part."""

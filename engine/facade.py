@@ -55,8 +55,6 @@ class RunningTotals:
     cached_tokens: int = 0
     computed_tokens: int = 0
     prefill_ms: float = 0.0
-    baseline_prefill_ms: float = 0.0  # over the requests that measured the no-reuse prefill
-    reuse_prefill_ms_measured: float = 0.0  # their reuse prefill, so the two compare
 
     def add(self, m: RequestMetrics) -> None:
         self.requests += 1
@@ -64,9 +62,6 @@ class RunningTotals:
         self.cached_tokens += m.cached_tokens
         self.computed_tokens += m.computed_tokens
         self.prefill_ms += m.prefill_ms
-        if m.baseline_prefill_ms is not None:
-            self.baseline_prefill_ms += m.baseline_prefill_ms
-            self.reuse_prefill_ms_measured += m.prefill_ms
 
     @classmethod
     def over(cls, records: Iterable[RequestMetrics]) -> RunningTotals:
@@ -195,6 +190,10 @@ class FacadeBase:
     def _matched_len(self, key: CacheKey) -> int:
         """Tokens of ``key.ids`` this engine's cache holds now for ``key``'s namespace."""
         raise NotImplementedError
+
+    def matched_len(self, key: CacheKey) -> int:
+        """``PrefillAPI.matched_len``: ``_matched_len``, a read that changes nothing."""
+        return self._matched_len(key)
 
     # ------------------------------------------------------------- requests
     def cache_key(self, ids: Sequence[int], request: GenerationRequest) -> CacheKey:

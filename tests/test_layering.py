@@ -6,8 +6,9 @@ the serving core. Parsed, not imported, so a violation fails fast.
       panels/                Gradio: each panel's layout and wiring
       views/                 pure: figures, marks, words; no gradio, not even lazily, and no panel
     server/                HTTP: engine's public modules only, never components/
-    analysis/              the lab, the replay, the prefill timer: over the engine's public modules
-                           (and the torch-free parts of the cache); no UI, no server
+    analysis/              the lab, the replay, the prefill timings: over the engine's public modules
+                           (and the torch-free parts of the cache), an engine only through
+                           ``EngineAPI``; no UI, no server
     engine/ core           kvcache/, scheduler/, model/, text/ and the local engine: no UI, no analysis,
                            not even inside a function (the analysis keeps its per-engine state itself)
 
@@ -187,6 +188,22 @@ def test_analysis_reads_the_engines_public_modules():
     offenders = [f"{m}: {n}" for m in _under("analysis") for n in _imports(_modules()[m])
                  if n.split(".")[0] == "engine" and n != "engine" and not _is(n, ANALYSIS_MAY_READ)
                  and not _is(n, tuple(ANALYSIS_REACHES_INTO.get(m, ())))]
+    assert not offenders, offenders
+
+
+# The local engine's parts and the methods it has beyond ``EngineAPI``: the analysis reaches an
+# engine through ``EngineAPI`` only (the no-reuse timing through ``PrefillAPI.scratch_prefill``).
+LOCAL_ENGINE_ATTRIBUTES = {"runner", "cache", "scheduler", "kv_events", "prefill", "prefill_in_pool",
+                           "busy_elsewhere", "compute"}
+
+
+def test_analysis_reaches_the_engine_only_through_its_interface():
+    """No attribute of the local engine beyond ``EngineAPI`` is read anywhere under analysis/
+    (``engine.runner``, ``engine.cache``, ``engine.prefill``...): every ``x.name`` in its syntax
+    tree is checked, whatever ``x`` is, so a new one fails here however it is spelled."""
+    offenders = [f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}"
+                 for path in _files("analysis") for node in ast.walk(_parsed(path))
+                 if isinstance(node, ast.Attribute) and node.attr in LOCAL_ENGINE_ATTRIBUTES]
     assert not offenders, offenders
 
 

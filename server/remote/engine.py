@@ -44,11 +44,11 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine import validation
-from engine.api import REMOTE, Capabilities, EngineAPI
+from engine.api import REMOTE, CachedPrefill, Capabilities, EngineAPI, ScratchPrefill
 from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.radix_tree import RadixTree
@@ -418,6 +418,14 @@ class RemoteEngine(FacadeBase):
 
     def configure_scheduler(self, **changes) -> None:
         raise EngineError("The backend schedules its own requests: its scheduler cannot be set from here.")
+
+    def scratch_prefill(self, key: CacheKey, reuse_tokens: int = 0, block_tokens: int = 512,
+                        before_block: Callable[[], None] | None = None) -> ScratchPrefill:
+        raise EngineError("Not available in remote mode: the backend's prefill cannot be run apart from its cache "
+                          "(a request's no-reuse figure is measured under a fresh cache salt instead).")
+
+    def cache_prefill(self, key: CacheKey) -> CachedPrefill:
+        raise EngineError("Not available in remote mode: the backend caches what its requests leave.")
 
     def persist_cache(self) -> int | None:
         """The backend keeps its own cache: nothing is written here."""

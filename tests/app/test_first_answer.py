@@ -72,6 +72,14 @@ def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_
         return forward_last(ids, kv)
 
     monkeypatch.setattr(tiny_runner, "forward_last", counted)
+    forward_paged = tiny_runner.forward_paged
+
+    def counted_paged(pool, *args, **kwargs):  # the curve's timed blocks run on scratch pools (scratch_prefill)
+        if pool is not engine.cache.pool:
+            blocks.append(last_step_id(engine))
+        return forward_paged(pool, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_runner, "forward_paged", counted_paged)
     rng = random.Random(5)
     question = {"prompt": [rng.randrange(1000, 20_000) for _ in range(900)], "max_tokens": 8, "temperature": 0,
                 "stream": True}

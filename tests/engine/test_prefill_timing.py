@@ -47,22 +47,24 @@ def run(engine: Engine, ids: list[int], public_len: int = 0) -> tuple[CacheKey, 
 
 
 class Spy:
-    """Records every ``forward_last`` the runner is asked for: (tokens, tokens in the buffer when
-    its first call came, thread), so each call is tied to its side (0: the no-reuse side)."""
+    """Records every ``forward_paged`` the runner is asked for on a scratch pool (the engine's
+    ``scratch_prefill``): (tokens, tokens in the pool when its first call came, thread), so each
+    call is tied to its side (0: the no-reuse side)."""
 
     def __init__(self, runner, monkeypatch) -> None:
         self.calls: list[tuple[int, int, str]] = []
-        # Keyed by id() but holding the buffer too: a freed buffer's id may be reused by the next
+        # Keyed by id() but holding the pool too: a freed pool's id may be reused by the next
         # one, which would then inherit its start (seen once in CI: a no-reuse side read as reuse).
         self._started: dict[int, tuple[object, int]] = {}
-        real = runner.forward_last
+        real = runner.forward_paged
 
-        def forward_last(ids, kv):
-            start = self._started.setdefault(id(kv), (kv, kv.length))[1]
-            self.calls.append((len(ids), start, threading.current_thread().name))
-            return real(ids, kv)
+        def forward_paged(pool, segments, *args, **kwargs):
+            (seg,) = segments
+            start = self._started.setdefault(id(pool), (pool, seg.past))[1]
+            self.calls.append((len(seg.ids), start, threading.current_thread().name))
+            return real(pool, segments, *args, **kwargs)
 
-        monkeypatch.setattr(runner, "forward_last", forward_last)
+        monkeypatch.setattr(runner, "forward_paged", forward_paged)
 
 
 def test_pairs_time_both_sides_on_the_same_prompt_and_leave_the_cache_alone(engine, tiny_runner, monkeypatch):
@@ -368,6 +370,8 @@ def test_a_scratch_buffer_is_freed_with_its_last_reference_not_by_the_garbage_co
     import gc
     import weakref
 
+    import engine.engine as engine_module
+
     gc.disable()
     try:
         kv = tiny_runner.new_request_kv(64)
@@ -381,12 +385,17 @@ def test_a_scratch_buffer_is_freed_with_its_last_reference_not_by_the_garbage_co
         key, cached = run(engine, shared + rand_ids(13, 6, vocab))
         timer = PrefillTimer(engine, TimingPolicy(pairs=1, reuse_runs=1, block_tokens=16))
         made: list = []
-        real = tiny_runner.new_request_kv
+        pools: list = []
+        real, real_pool = tiny_runner.new_request_kv, engine_module.KVPool
         tiny_runner.new_request_kv = lambda n: made.append(weakref.ref(b := real(n))) or b
+        engine_module.KVPool = lambda *a: pools.append(weakref.ref(p := real_pool(*a))) or p
         try:
             assert timer.time_pairs(key, cached).full_ms is not None
         finally:
             del tiny_runner.new_request_kv
-        assert len(made) == 2 and all(ref() is None for ref in made)  # both sides' buffers gone
+            engine_module.KVPool = real_pool
+        # both sides' scratch pools gone, and the buffer the reuse side's prefix was copied through
+        assert len(pools) == 2 and all(ref() is None for ref in pools)
+        assert len(made) == 1 and all(ref() is None for ref in made)
     finally:
         gc.enable()
