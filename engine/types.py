@@ -83,6 +83,9 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # The caller will compare this prefill with a no-reuse one: locally its prompt is prefilled in
+    # forwards of its own (a clean with-reuse figure) and ``analysis/no_reuse.py`` times the other
+    # side after the answer; a remote engine sends the prompt again under a fresh cache salt.
     measure_baseline: bool = False
     namespace: str = PUBLIC
     public_len: int = 0
@@ -105,6 +108,8 @@ class RequestMetrics:
     cached_tokens: int
     computed_tokens: int
     prefill_ms: float
+    # The same prompt prefilled with no reuse: None as the local engine returns it (the analysis
+    # fills it in, ``analysis/no_reuse.py``); the remote engine's own figure where it measured one.
     baseline_prefill_ms: float | None
     ttft_ms: float | None  # from arrival (queue_ms included); None: cancelled before its first token
     queue_ms: float  # arrival to admission
@@ -123,8 +128,8 @@ class RequestMetrics:
     # How the request ran under the batching scheduler: the largest and mean number of
     # requests in the decode forwards it took part in, how many prefill chunks its prompt
     # took, and whether any of its prefill chunks shared a forward with other requests
-    # (then ``prefill_ms`` includes their work and reads high). Requests that measure the
-    # no-reuse baseline prefill in forwards of their own, so the side-by-side stays clean.
+    # (then ``prefill_ms`` includes their work and reads high). Requests with ``measure_baseline``
+    # prefill in forwards of their own, so the side-by-side stays clean.
     batch_size_max: int = 1
     batch_size_mean: float = 1.0
     prefill_chunks: int = 1
@@ -167,7 +172,7 @@ class GenerationEvent:
     metrics: RequestMetrics | None = None
     # Where the request is: "queued" (``queue_ahead`` requests before it), "prefill"
     # (``prefilled_tokens`` of ``prompt_tokens`` done, ``cached_tokens`` of them reused),
-    # "decode", "baseline" (the no-reuse measurement runs) or "done". Progress events
+    # "decode" or "done". Progress events
     # carry no token (``token_id`` None) and the text so far.
     phase: str = "decode"
     queue_ahead: int = 0
@@ -184,12 +189,11 @@ class GenerationEvent:
 @dataclass(frozen=True)
 class StepRecord:
     """One forward the scheduler ran: prefill chunks and decode tokens of several requests
-    packed together, or a no-reuse baseline chunk. Steps group forwards: a step runs the
-    prefills of requests measuring the baseline (alone), one packed forward, then
-    baseline chunks."""
+    packed together. Steps group forwards: a step runs the prefills that must run alone
+    (``measure_baseline``, ``prompt_logprobs``), then one packed forward."""
 
     step_id: int
-    kind: str  # "prefill", "decode", "mixed" (prefill chunks packed with decodes) or "baseline"
+    kind: str  # "prefill", "decode" or "mixed" (prefill chunks packed with decodes)
     request_ids: tuple[int, ...]
     namespaces: tuple[str, ...]
     batch_size: int
@@ -266,8 +270,6 @@ class EngineStats:
     cached_tokens: int
     computed_tokens: int
     prefill_ms: float
-    baseline_prefill_ms: float  # summed over requests that measured it
-    reuse_prefill_ms_measured: float  # reuse prefill over those same requests
     cache_bytes: int
     budget_bytes: int
     cached_tokens_now: int
@@ -275,7 +277,7 @@ class EngineStats:
     evicted_tokens: int
     queue_depth: int  # requests submitted to this process and not started yet (0 remotely: sent at once)
     locked_tokens: int = 0  # cached tokens pinned by running requests right now
-    running: int = 0  # requests admitted by the scheduler (prefill, decode or baseline)
+    running: int = 0  # requests admitted by the scheduler (prefill or decode)
     waiting: int = 0  # requests not admitted yet (same as queue_depth)
     tokens_per_s: float = 0.0  # output tokens per second, all requests, over the last seconds
     max_batch: int = 1
@@ -297,10 +299,6 @@ class EngineStats:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_ms_saved(self) -> float:
-        return max(0.0, self.baseline_prefill_ms - self.reuse_prefill_ms_measured)
 
 
 # ---------------------------------------------------------------- a fleet behind a router (remote mode)

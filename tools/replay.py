@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from analysis.lab.cost_estimate import PricingRules
+from analysis.no_reuse import run_measured
 from analysis.replay.log_formats import LogLineError, LogOrder, LogRecord, SkippedLine, parse_ttl, read_log
 from analysis.replay.replay_stats import ReplayReport, ReplayStats, summary_text
 from engine.types import EngineError, GenerationRequest, SamplingParams
@@ -118,7 +119,7 @@ def replay_on_engine(engine, records: Iterable[LogRecord], stats: ReplayStats, m
     peak, now, index = 0, 0.0, 0
     for record in records:
         try:
-            m = engine.run(to_request(record, max_new_tokens, baseline, sampling))
+            m = run_measured(engine, to_request(record, max_new_tokens, baseline, sampling))
         except EngineError as exc:
             print(f"line {record.line}: skipped: {exc}", file=err, flush=True)
             stats.skip(SkippedLine(record.line, str(exc)))

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from analysis.no_reuse import with_no_reuse
 from engine.api import EngineAPI
 from engine.types import EngineError, GenerationRequest, NodeInfo, RequestMetrics, SamplingParams
 
@@ -188,6 +189,8 @@ def run_lab(engine: EngineAPI, variants: Sequence[Variant], max_new_tokens: int 
                 m = engine.run(GenerationRequest(prompt_ids=tuple(prompt_ids), sampling=sampling,
                                                  measure_baseline=measure_baseline, namespace=ns, public_len=0,
                                                  tag=tag))
+                if measure_baseline:  # after the answer, on a scratch pool: the cache is left as it is
+                    m = with_no_reuse(engine, m, should_stop=stop)
                 outcomes.append(_outcome(ri, prompt.label, m))
                 done += 1
                 partial = _result(variant, ns, outcomes, (), len(variant.prompts), evicted_before, engine)

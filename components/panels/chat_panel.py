@@ -22,6 +22,7 @@ from functools import partial
 
 import gradio as gr
 
+from analysis.no_reuse import NO_REUSE_MAX_TOKENS, no_reuse_for, with_no_reuse
 from analysis.prefill_timing import timer_for
 from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS, chat_messages
 from components.panels.common import (
@@ -37,8 +38,8 @@ from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_keyed
 from components.views.format import clamp_int, plural
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, system_tokens, warm_note
-from engine.api import BASELINE_MAX_TOKENS, EngineAPI, ServingAPI
-from engine.types import EngineError, GenerationRequest, RequestMetrics, SamplingParams
+from engine.api import EngineAPI, ServingAPI
+from engine.types import EngineError, GenerationEvent, GenerationRequest, RequestMetrics, SamplingParams
 
 __all__ = ["build_chat_panel", "build_request", "chat_messages", "clamp_int", "respond", "stop_running"]
 
@@ -87,9 +88,9 @@ def build_request(engine: EngineAPI, messages: list[dict], max_new_tokens, measu
                   request: gr.Request | None, tag: str, loop_guard=True) -> GenerationRequest:
     """Tokenized and keyed once by the engine for this visitor (``EngineAPI.key_for``: the
     namespace and shareable length, as the warm start keys the shipped part).
-    The no-reuse measurement is left off above ``BASELINE_MAX_TOKENS`` (see ``baseline_skipped``)."""
+    The no-reuse measurement is left off above ``NO_REUSE_MAX_TOKENS`` (see ``baseline_skipped``)."""
     keyed = page_keyed(engine, GenerationRequest(messages=tuple(messages)), request)
-    measure = bool(measure_baseline) and len(keyed.ids) <= BASELINE_MAX_TOKENS
+    measure = bool(measure_baseline) and len(keyed.ids) <= NO_REUSE_MAX_TOKENS
     return keyed.request(GenerationRequest(sampling=sampling_for(engine, max_new_tokens, loop_guard),
                                            measure_baseline=measure, tag=tag))
 
@@ -99,7 +100,7 @@ def baseline_skipped(asked, req: GenerationRequest) -> str | None:
     if not bool(asked) or req.measure_baseline:
         return None
     return (f"No-reuse measurement skipped: the prompt is {len(req.prompt_ids):,} tokens (over "
-            f"{BASELINE_MAX_TOKENS:,}), and timing it would prefill the whole prompt a second time.")
+            f"{NO_REUSE_MAX_TOKENS:,}), and timing it would prefill the whole prompt a second time.")
 
 
 def system_text(preset_name, custom_text) -> str:
@@ -117,7 +118,9 @@ def system_text(preset_name, custom_text) -> str:
 def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[tuple[str, str, RequestMetrics | None]]:
     """(text so far, status, final metrics or None) for each event of ``handle``; ends with the
     metrics, or a "stopped" status if it never ran. The caller registers ``handle`` with
-    ``RUNNING`` right after submitting it (so Stop works while it waits); this unregisters it."""
+    ``RUNNING`` right after submitting it (so Stop works while it waits); this unregisters it.
+    A request with ``measure_baseline`` on a local engine gets its no-reuse figure after the
+    answer (``analysis.no_reuse``), before the metrics come out; Stop skips it."""
     started = time.monotonic()
     text, got_metrics = "", False
     try:
@@ -126,7 +129,11 @@ def stream_request(engine: EngineAPI, handle, request, panel: str) -> Iterator[t
             text = last.text
             if last.done and last.metrics is not None:
                 got_metrics = True
-                yield text, "", last.metrics
+                metrics = last.metrics
+                if handle.request.measure_baseline and no_reuse_for(engine) is not None:
+                    yield text, status_markdown(GenerationEvent(text, phase="baseline")), None
+                    metrics = with_no_reuse(engine, metrics, should_stop=handle.cancelled.is_set)
+                yield text, "", metrics
             else:
                 yield text, status_markdown(last, time.monotonic() - started), None
     finally:
@@ -259,7 +266,7 @@ def build_chat_panel(engine: EngineAPI, last_metrics: gr.State, last_timing: gr.
         with gr.Column(min_width=220):
             baseline = gr.Checkbox(value=True, label=(
                 "After each answer, time prefill with and without reuse, back to back (median of pairs)" if timed
-                else f"Measure prefill without reuse too (skipped above {BASELINE_MAX_TOKENS:,} prompt tokens)"))
+                else f"Measure prefill without reuse too (skipped above {NO_REUSE_MAX_TOKENS:,} prompt tokens)"))
         with gr.Column(min_width=220):
             loop_guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
         with gr.Column(min_width=220):

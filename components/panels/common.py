@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import gradio as gr
 
+from analysis.no_reuse import no_reuse_for
 from analysis.prefill_timing import timer_for
 from components.views.chart_style import TOKEN_COLORS
 from components.views.format import (
@@ -48,14 +49,26 @@ def playground_history(engine, namespace: str | None = None, n: int | None = Non
     only ``namespace``'s when given (a visitor's own in isolation mode)."""
     items = [m for m in engine.recent(namespace=namespace) if not is_lab_run(m)]
     items = items[-n:] if n else items
+    no_reuse = no_reuse_for(engine)
+    items = with_no_reuse_figures(items, no_reuse) if no_reuse is not None else items
     timer = timer_for(engine)
     return with_paired_timings(items, timer) if timer is not None else items
 
 
+def with_no_reuse_figures(items: list[RequestMetrics], no_reuse) -> list[RequestMetrics]:
+    """Requests' figures with the no-reuse prefill ``analysis.no_reuse`` measured after their
+    answer (the engine's records leave it out), so the history's panels count them too."""
+    figures = no_reuse.figures_of(m.request_id for m in items if m.baseline_prefill_ms is None)
+    if not figures:
+        return items
+    return [dataclasses.replace(m, baseline_prefill_ms=ms) if (ms := figures.get(m.request_id)) is not None else m
+            for m in items]
+
+
 def with_paired_timings(items: list[RequestMetrics], timer) -> list[RequestMetrics]:
     """Chat requests' figures with the paired timing their card showed (with and without reuse,
-    back to back: the chat measures that instead of the in-batch no-reuse run), so the history's
-    panels count them too; other requests as they are."""
+    back to back: the chat measures that instead of a no-reuse figure after the answer), so the
+    history's panels count them too; other requests as they are."""
     paired = timer.timings_of(m.request_id for m in items if m.baseline_prefill_ms is None)
     if not paired:
         return items

@@ -1,12 +1,12 @@
 """One forward's rows, how a step packs them, and running the forward.
 
-Owns: ``Batch`` (prefill chunks, then one decode token per decoding request, or one
-no-reuse baseline chunk), the packing of a step's model work (chunked prefill: at most
+Owns: ``Batch`` (prefill chunks, then one decode token per decoding request), the packing of a step's model work (chunked prefill: at most
 ``chunk_tokens`` prompt tokens per step, prompts with fewer chunks done first so a
 short newcomer is not stuck behind a long prompt, after a minimum share for the oldest
 prompt so steady arrivals cannot starve it, packed with every request in
-decode; a request measuring the no-reuse baseline prefills in forwards of its own, so
-its with-reuse figure is its own work only, and so does one that asked for its prompt's
+decode; a request whose prefill is to be compared side by side (``measure_baseline``: the
+no-reuse side is timed afterwards, outside the core) prefills in forwards of its own, so its
+with-reuse figure is its own work only, and so does one that asked for its prompt's
 log-probabilities, whose forward keeps every position's logits) and ``forward``: the rows as paged segments
 through the ``ModelRunner``, timed. Knows nothing about what the logits become
 (``postprocess``) or who was admitted (``admission``)::
@@ -40,10 +40,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Batch:
-    """The rows of one forward: ``chunks`` first (prompt chunks, or for ``kind`` "baseline"
-    one chunk of a no-reuse prefill into its own slots), then ``decoding``."""
+    """The rows of one forward: ``chunks`` first (prompt chunks), then ``decoding``."""
 
-    kind: str  # "prefill", "decode", "mixed" or "baseline"
+    kind: str  # "prefill", "decode" or "mixed"
     chunks: tuple[Chunk, ...] = ()
     decoding: tuple[Request, ...] = ()
 
@@ -59,7 +58,7 @@ class Batch:
         return [c.request for c in self.chunks] + list(self.decoding)
 
     def slots_of(self, r: Request) -> RequestSlots:
-        rs = r.kv.baseline_slots if self.kind == "baseline" else r.kv.slots
+        rs = r.kv.slots
         assert rs is not None
         return rs
 
@@ -87,8 +86,8 @@ class Output:
 
 def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0,
          by_owner: bool = False) -> tuple[list[Batch], int]:
-    """This step's prefill and decode forwards (the lone prefills of requests that measure the
-    no-reuse baseline first, then the packed one) and what is left of the token ``budget``.
+    """This step's prefill and decode forwards (the lone prefills of requests timed side by side
+    or scoring their prompt first, then the packed one) and what is left of the token ``budget``.
 
     Prompts with fewer chunks done go first (a short newcomer is not stuck behind a long
     prompt), but the oldest prompt in prefill takes ``oldest_min_tokens`` of the budget before

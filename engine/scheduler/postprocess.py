@@ -5,7 +5,7 @@ next token (first from the prefill's logits) and, for requests that ask, the
 log-probabilities of that token and of their prompt, streaming its text or stopping (eos,
 ``max_new_tokens``), handing a finished prompt's slots to the tree (``adopt``: later
 arrivals hit it; they stay locked while the request runs), caching prompt plus reply at
-the end, releasing slots, the no-reuse baseline's turn, and failing requests with a
+the end, releasing slots, and failing requests with a
 clear error. A finished request goes to the outbox (``SchedulerState.finished``) for
 the engine to record; it never builds metrics. Knows nothing about order or admission.
 """
@@ -21,7 +21,6 @@ from engine.handle import END_OF_STREAM
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.model import logprobs, sampling
 from engine.model.runner import ModelRunner
-from engine.scheduler import baseline
 from engine.scheduler.batch import Batch, Output
 from engine.scheduler.request import Request, State
 from engine.scheduler.state import SchedulerState
@@ -51,13 +50,6 @@ class Postprocess:
                              if i not in out.row_errors)
             assert out.logits is not None
             batch, out = Batch(batch.kind, chunks, decoding), Output(out.logits[keep], out.duration_ms)
-        if batch.kind == "baseline":
-            c = batch.chunks[0]
-            whole = c.request.complete_baseline_chunk(c.start, c.num_tokens, out.duration_ms)
-            self._log(batch, out.duration_ms)
-            if whole:
-                self.complete(c.request)
-            return
         rows = len(batch.rows)
         for c in batch.chunks:
             c.request.complete_chunk(c.start, c.num_tokens, out.duration_ms, rows)
@@ -73,11 +65,9 @@ class Postprocess:
             self._take_token(r, out.logits[i])
 
     def _log(self, batch: Batch, duration_ms: float) -> None:
-        own = batch.kind == "baseline"
         computed = sum(c.num_tokens for c in batch.chunks) + len(batch.decoding)
-        cached = 0 if own else sum(c.request.kv.cached_tokens for c in batch.chunks
-                                   if c.start == c.request.kv.cached_tokens)
-        prefilling = () if own else tuple(c.request.request_id for c in batch.chunks)
+        cached = sum(c.request.kv.cached_tokens for c in batch.chunks if c.start == c.request.kv.cached_tokens)
+        prefilling = tuple(c.request.request_id for c in batch.chunks)
         self.telemetry.log(batch.kind, batch.rows, computed=computed, cached=cached, duration_ms=duration_ms,
                            prefilling=prefilling, running=len(self.state.running), waiting=len(self.state.waiting))
 
@@ -133,16 +123,13 @@ class Postprocess:
     # ------------------------------------------------------------ finishing
     def finish(self, r: Request, reason: str) -> None:
         """The answer is over: cache prompt plus reply (its slots pass to the tree), free the
-        rest of its slots, then the no-reuse baseline or done."""
+        rest of its slots, done."""
         r.finish(reason)
         rs = r.kv.slots
         if rs is not None and r.req.store and r.state is State.DECODE and rs.length > len(r.ids):
             # Prompt plus reply, so the next chat turn reuses the answer too.
             r.adopted(self.cache.adopt(rs, r.reply_key()))
         self._release(r)
-        # The no-reuse prefill holds pool slots of its own too; without room it is skipped.
-        if baseline.wanted(r, self.state.config) and baseline.start(r, self.cache):
-            return
         self.complete(r)
 
     def complete(self, r: Request) -> None:

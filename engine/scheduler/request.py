@@ -2,9 +2,9 @@
 
 Owns: the ``Request`` the scheduler moves through its states, and every change to it::
 
-    WAITING --admit--> PREFILL --start_decode--> DECODE --finish--> [BASELINE] --leave--> DONE
-       |                  |  complete_chunk          |  complete_decode, append_token        ^
-       +------------------+--------------------------+-------------- leave (failed) --------+
+    WAITING --admit--> PREFILL --start_decode--> DECODE --finish--> --leave--> DONE
+       |                  |  complete_chunk          |  complete_decode, append_token ^
+       +------------------+--------------------------+--------- leave (failed) -------+
 
 Its state is split by who reads it, each part a small dataclass changed only through
 methods (here, in this module; ``tests/engine/test_request_state.py`` checks no other
@@ -36,7 +36,6 @@ class State(Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
     DECODE = "decode"
-    BASELINE = "baseline"
     DONE = "done"
 
 
@@ -53,11 +52,10 @@ def _require(ok: bool, message: str) -> None:
 class KVBookkeeping:
     """The pool slots a request holds, and what its prompt found in and gave to the cache.
 
-    ``slots``: the answer's (the cached prefix's, locked, then its own); ``baseline_slots``:
-    the no-reuse prefill's, its own only. The counts outlive the slots, for the metrics."""
+    ``slots``: the cached prefix's (locked), then its own. The counts outlive the slots, for
+    the metrics."""
 
     slots: RequestSlots | None = None
-    baseline_slots: RequestSlots | None = None
     cached_tokens: int = 0
     tier_tokens: int = 0  # of the cached ones, loaded back from the second tier
     tier_load_ms: float = 0.0
@@ -69,22 +67,19 @@ class KVBookkeeping:
         self.cached_tokens, self.path = rs.cached_tokens, rs.path
         self.tier_tokens, self.tier_load_ms = rs.tier_tokens, rs.tier_load_ms
 
-    def hold_baseline(self, rs: RequestSlots) -> None:
-        self.baseline_slots = rs
-
     def adopted(self, num_tokens: int) -> None:
         """``num_tokens`` of its KV passed to the tree as new tokens."""
         self.inserted_tokens += num_tokens
 
     def hand_back(self) -> list[RequestSlots]:
         """Let go of every slot set it holds; the caller releases them to the cache."""
-        held = [rs for rs in (self.slots, self.baseline_slots) if rs is not None]
-        self.slots = self.baseline_slots = None
+        held = [self.slots] if self.slots is not None else []
+        self.slots = None
         return held
 
     @property
     def holds_slots(self) -> bool:
-        return self.slots is not None or self.baseline_slots is not None
+        return self.slots is not None
 
 
 @dataclass
@@ -138,7 +133,6 @@ class Timings:
     prefill_ms: float = 0.0  # admission's match and slot bookkeeping, then its prefill forwards
     prefill_chunks: int = 0
     prefill_shared_step: bool = False  # a prefill forward had other rows
-    baseline_ms: float | None = None  # the no-reuse prefill; None when not measured
     batch_sizes: list[int] = field(default_factory=list)  # rows of each decode forward
 
     def admitted(self, started_at: float, now: float) -> None:
@@ -156,12 +150,6 @@ class Timings:
 
     def token_streamed(self, now: float) -> None:
         self.last_token_at = now
-
-    def baseline_forward(self, duration_ms: float) -> None:
-        self.baseline_ms = (self.baseline_ms or 0.0) + duration_ms
-
-    def drop_baseline(self) -> None:
-        self.baseline_ms = None
 
 
 @dataclass
@@ -326,31 +314,6 @@ class Request:
     def hand_back_slots(self) -> list[RequestSlots]:
         """Every slot set it holds, now held by nobody: the caller releases them to the cache."""
         return self.kv.hand_back()
-
-    def start_baseline(self, rs: RequestSlots) -> None:
-        """The no-reuse prefill, into ``rs`` (slots of its own), after the answer."""
-        _require(self.answer.finish_reason is not None and self.state in (State.PREFILL, State.DECODE),
-                 f"baseline in state {self.state.value} before the answer finished")
-        _require(not self.kv.holds_slots, "the baseline starts once the answer's slots are handed back")
-        _require(rs.cached_tokens == 0, "the no-reuse prefill reuses nothing")
-        self.kv.hold_baseline(rs)
-        self.state = State.BASELINE
-
-    def complete_baseline_chunk(self, start: int, num_tokens: int, duration_ms: float) -> bool:
-        """A no-reuse forward wrote ``[start, start + num_tokens)``; True when the prompt is whole."""
-        rs = self.kv.baseline_slots
-        if self.state is not State.BASELINE or rs is None:
-            raise IllegalTransition(f"baseline chunk in state {self.state.value}")
-        if start != rs.length or start + num_tokens > len(self.ids):
-            raise IllegalTransition(f"baseline chunk [{start}, {start + num_tokens}) with {rs.length} written")
-        rs.length = start + num_tokens
-        self.timings.baseline_forward(duration_ms)
-        return rs.length >= len(self.ids)
-
-    def drop_baseline(self) -> None:
-        """Cancelled while measuring the no-reuse prefill: the figure is not reported."""
-        _require(self.state is State.BASELINE, f"drop the baseline in state {self.state.value}")
-        self.timings.drop_baseline()
 
     def leave(self) -> None:
         """Out of the scheduler (done or failed), its slots already handed back."""

@@ -6,12 +6,11 @@ Owns: ``Scheduler``, its state and the step. One step is three calls::
         postprocess(batch, run(batch)) # run: one forward; postprocess: tokens, events, finishing
 
 ``schedule`` is lazy: each forward is planned after the one before it is post-processed,
-so a request whose answer ends in this step starts its no-reuse baseline in this step.
+so a forward sees what the one before it changed (a finished request's rows are free).
 In order: cancelled requests leave (waiting ones silently; running ones finish as
 ``cancelled``, their reply so far cached, locks and budget freed); waiting requests are
 admitted (``policy``, ``admission``); the prompts' chunks and the decode rows are packed
-(``batch``); then the no-reuse baselines get what is left of the step's budget
-(``baseline``). Finished requests come back from ``step()``: the engine records their
+(``batch``). Finished requests come back from ``step()``: the engine records their
 metrics and closes their streams. Knows the model only through ``ModelRunner`` and the
 cache only through ``PrefixCache``; it never sees threads or the UI: the engine facade
 calls ``step()`` under the runner's lock.
@@ -24,11 +23,11 @@ from collections.abc import Iterator
 from engine.handle import END_OF_STREAM
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.model.runner import ModelRunner
-from engine.scheduler import admission, baseline, policy
+from engine.scheduler import admission, policy
 from engine.scheduler.batch import Batch, Output, forward, pack
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.postprocess import Postprocess, as_engine_error
-from engine.scheduler.request import Request, State
+from engine.scheduler.request import Request
 from engine.scheduler.state import SchedulerState
 from engine.scheduler.telemetry import Telemetry, report_queue
 from engine.types import StepRecord
@@ -56,7 +55,7 @@ class Scheduler:
 
     @property
     def running(self) -> list[Request]:
-        return self.state.running  # prefill, decode and baseline, in admission order
+        return self.state.running  # prefill and decode, in admission order
 
     def has_work(self) -> bool:
         return bool(self.state.waiting or self.state.running)
@@ -82,14 +81,13 @@ class Scheduler:
 
     def schedule(self) -> Iterator[Batch]:
         """This step's forwards: cancelled requests leave, waiting ones are admitted, then the
-        prefill chunks and decode rows, then the no-reuse baselines with what is left."""
+        prefill chunks and decode rows."""
         self._drop_cancelled()
         for r, exc in admission.admit(self.state, self.cache):
             self.post.fail(r, exc)
-        forwards, left = pack(self.state.running, self.config.chunk_tokens, self.config.oldest_prefill_tokens,
-                             by_owner=self.config.isolation)
+        forwards, _left = pack(self.state.running, self.config.chunk_tokens, self.config.oldest_prefill_tokens,
+                               by_owner=self.config.isolation)
         yield from forwards
-        yield from baseline.batches(self.state.running, left, self.config)
 
     def run(self, batch: Batch) -> Output:
         return forward(self.runner, self.cache.pool, batch)
@@ -121,11 +119,7 @@ class Scheduler:
         self.state.waiting = keep
         for r in list(self.state.running):
             if r.cancelled:
-                if r.state is State.BASELINE:
-                    r.drop_baseline()
-                    self.post.complete(r)
-                else:
-                    self.post.finish(r, "cancelled")
+                self.post.finish(r, "cancelled")
 
     def _report_queue(self) -> None:
         """Tell each waiting request how many are ahead of it, when that changes."""

@@ -1,7 +1,7 @@
 """What the scheduler holds between steps, shared by its parts.
 
-Owns: the config in force, the waiting list, the running set (prefill, decode and
-baseline, in admission order), the outbox of finished requests that the engine drains
+Owns: the config in force, the waiting list, the running set (prefill and decode, in
+admission order), the outbox of finished requests that the engine drains
 (``take_finished``) to record their metrics and close their streams, and whether
 admission last ran out of memory. Knows nothing about how any of them is decided.
 """
@@ -23,7 +23,7 @@ class SchedulerState:
     memory_short: bool = False  # admission found no room; retried once slots are given back
 
     def rows_used(self) -> int:
-        """Requests in prefill or decode (a baseline takes no batch row)."""
+        """Requests in prefill or decode."""
         return sum(1 for r in self.running if r.state in (State.PREFILL, State.DECODE))
 
     def take_finished(self) -> list[Request]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import app
+from analysis.no_reuse import run_measured
 from engine.engine import Engine
 from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
@@ -142,7 +143,7 @@ def test_remote_mode_shows_what_local_mode_shows(backend, tiny_runner, tokenizer
     remote = remote_for(url, tokenizer)
     local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
     for req in _requests():
-        r, m = remote.run(req), local.run(req)
+        r, m = run_measured(remote, req), run_measured(local, req)  # the no-reuse figure as the page takes it
         assert (r.prompt_tokens, r.cached_tokens, r.output_text, r.output_ids) == \
             (m.prompt_tokens, m.cached_tokens, m.output_text, m.output_ids)
         assert r.cached_tokens_reported and r.ttft_ms > 0

@@ -86,8 +86,15 @@ def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner):
 
 
 def test_baseline_measured_on_same_request(engine, tiny_runner):
-    m = engine.run(req(rand_ids(5, 30, len(tiny_runner.text.tokenizer)), 2, measure_baseline=True))
+    """The engine returns the answer's metrics without a no-reuse figure; the analysis measures it
+    after the answer, on the same request's prompt (``analysis.no_reuse``)."""
+    from analysis.no_reuse import run_measured, with_no_reuse
+
+    request = req(rand_ids(5, 30, len(tiny_runner.text.tokenizer)), 2, measure_baseline=True)
+    assert engine.run(request).baseline_prefill_ms is None
+    m = run_measured(engine, request)
     assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
+    assert with_no_reuse(engine, m) is m  # measured once
 
 
 @pytest.mark.parametrize("bad", [

@@ -124,6 +124,7 @@ def test_decode_through_buffer_matches_full_forward(runner):
 def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, tiny_runner):
     """End to end in bf16 (pool, request KV, baseline): the engine's answers with a warm cache equal
     a cache-less engine's, the cache holds bf16 KV at half the bytes, and the baseline is measured."""
+    from analysis.no_reuse import run_measured
     from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
@@ -136,7 +137,7 @@ def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, t
     for i in range(3):
         req = GenerationRequest(prompt_ids=tuple(shared + rand_ids(gen, 6 + i, vocab)),
                                 sampling=SamplingParams(max_new_tokens=12), measure_baseline=True)
-        got, want = engine.run(req), plain.run(req)
+        got, want = run_measured(engine, req), plain.run(req)  # the baseline: analysis.no_reuse, after the answer
         assert got.cached_tokens == (0 if i == 0 else 48)
         assert got.output_ids == want.output_ids and got.baseline_prefill_ms is not None
     engine.check_invariants()

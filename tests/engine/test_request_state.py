@@ -108,7 +108,7 @@ def test_the_field_names_cover_the_parts():
 
 def test_the_scan_reads_every_module_that_moves_requests():
     names = {p.relative_to(ROOT).as_posix() for p in scanned_modules()}
-    assert {"engine/engine.py", "engine/scheduler/admission.py", "engine/scheduler/baseline.py",
+    assert {"engine/engine.py", "engine/scheduler/admission.py",
             "engine/scheduler/batch.py", "engine/scheduler/policy.py", "engine/scheduler/postprocess.py",
             "engine/scheduler/scheduler.py", "engine/scheduler/state.py", "engine/scheduler/telemetry.py"} <= names
 
@@ -174,34 +174,6 @@ def test_a_request_runs_through_its_states():
     assert r.state is State.DONE
 
 
-def test_the_baseline_runs_after_the_answer():
-    r = admitted([5] * 6, cached=2)
-    r.complete_chunk(2, 4, 1.0, 1)
-    r.start_decode()
-    r.finish("stop")
-    r.hand_back_slots()
-    own = RequestSlots(slots=list(range(6)), tree_len=0, cached_tokens=0, path=(), node=None)
-    r.start_baseline(own)
-    assert r.state is State.BASELINE
-    assert not r.complete_baseline_chunk(0, 4, 3.0)
-    assert r.complete_baseline_chunk(4, 2, 1.0)
-    assert r.timings.baseline_ms == pytest.approx(4.0)
-    r.hand_back_slots()
-    r.leave()
-    assert r.state is State.DONE
-
-
-def test_a_cancelled_baseline_reports_no_figure():
-    r = admitted([5] * 4)
-    r.complete_chunk(0, 4, 1.0, 1)
-    r.finish("length")
-    r.hand_back_slots()
-    r.start_baseline(RequestSlots(slots=list(range(4)), tree_len=0, cached_tokens=0, path=(), node=None))
-    r.complete_baseline_chunk(0, 2, 3.0)
-    r.drop_baseline()
-    assert r.timings.baseline_ms is None
-
-
 def test_computed_never_exceeds_the_prompt():
     r = admitted(list(range(8)), cached=3)
     with pytest.raises(IllegalTransition):
@@ -261,25 +233,6 @@ def test_a_waiting_request_that_fails_leaves_directly():
     assert r.hand_back_slots() == []
     r.leave()
     assert r.state is State.DONE
-
-
-def test_the_baseline_waits_for_the_answer_and_reuses_nothing():
-    r = admitted([1, 2, 3, 4], cached=1)
-    own = RequestSlots(slots=list(range(4)), tree_len=0, cached_tokens=0, path=(), node=None)
-    with pytest.raises(IllegalTransition):
-        r.start_baseline(own)  # the answer has not finished
-    r.finish("length")
-    with pytest.raises(IllegalTransition):
-        r.start_baseline(own)  # the answer's slots are not handed back yet
-    r.hand_back_slots()
-    with pytest.raises(IllegalTransition):
-        r.start_baseline(slots_for(r, 2))  # a cached prefix is not a from-scratch prefill
-    with pytest.raises(IllegalTransition):
-        r.drop_baseline()  # no baseline to drop
-    r.start_baseline(own)
-    assert r.state is State.BASELINE
-    with pytest.raises(IllegalTransition):
-        r.start_baseline(own)  # once
 
 
 def test_policy_memo_reports_a_queue_place_once():

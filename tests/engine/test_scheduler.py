@@ -164,19 +164,6 @@ def test_progress_events_and_chunked_prefill(tiny_runner):
     assert kinds == {"prefill", "decode"}
 
 
-def test_baseline_is_scheduled_work_and_skipped_when_long_and_isolated(tiny_runner):
-    vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, chunk_tokens=16)
-    m = engine.run(req(rand_ids(90, 40, vocab), 2, measure_baseline=True))
-    assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
-    assert sum(rec.computed_tokens for rec in engine.step_log() if rec.kind == "baseline") == 40
-    isolated = configure(Engine(tiny_runner, isolation=True), baseline_max_tokens_isolated=30)
-    assert isolated.run(req(rand_ids(91, 40, vocab), 2, measure_baseline=True,
-                            namespace="v-x")).baseline_prefill_ms is None
-    assert isolated.run(req(rand_ids(92, 20, vocab), 2, measure_baseline=True,
-                            namespace="v-x")).baseline_prefill_ms is not None
-
-
 def test_stats_and_step_log(tiny_runner):
     vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, max_batch=4)
@@ -218,10 +205,13 @@ def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
 def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     """Issue 14's starvation case, in steps: visitor A sends two long prompts, B a short
     question. B's prefill runs before either of A's prompts has finished its chunks (A's second
-    runs beside A's first, since nobody else waited for its row), and A's no-reuse baseline is
-    skipped (long, public)."""
+    runs beside A's first, since nobody else waited for its row), and A's no-reuse figure is
+    skipped (long, public: ``analysis.no_reuse``)."""
+    from analysis.no_reuse import no_reuse_for, with_no_reuse
+
     vocab = len(tiny_runner.text.tokenizer)
-    engine = configure(Engine(tiny_runner, isolation=True, chunk_tokens=8), baseline_max_tokens_isolated=100)
+    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+    no_reuse_for(engine).max_tokens_isolated = 100
     a = [req(rand_ids(120 + i, 400, vocab), 3, namespace="v-a", measure_baseline=True) for i in range(2)]
     with tiny_runner.lock:
         ha = [engine.submit(r) for r in a]
@@ -230,7 +220,7 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     with tiny_runner.lock:
         hb = engine.submit(req(rand_ids(130, 6, vocab), 3, namespace="v-b"))
     mb = list(hb)[-1].metrics
-    ma = [list(first)[-1].metrics, list(ha[1])[-1].metrics]
+    ma = [with_no_reuse(engine, m) for m in (list(first)[-1].metrics, list(ha[1])[-1].metrics)]
     log = engine.step_log()
     a_chunks = [i for i, rec in enumerate(log) if rec.request_ids == (ma[0].request_id,) and rec.kind == "prefill"]
     b_first = next(i for i, rec in enumerate(log) if mb.request_id in rec.request_ids)

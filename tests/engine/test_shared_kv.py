@@ -187,8 +187,11 @@ def test_unstorable_request_caches_nothing(tiny_runner):
 
 
 def test_baseline_gets_a_share_of_every_step_under_prefill_load(tiny_runner):
-    """A request that asked for its no-reuse timing finishes while others keep prefilling
-    (review defect: the baseline only got what prefills left of the step's budget)."""
+    """A request that asked for its no-reuse timing gets it while others keep prefilling
+    (review defect: the baseline only got what prefills left of the step's budget; now it runs
+    block by block between the steps, ``analysis.no_reuse``)."""
+    from analysis.no_reuse import with_no_reuse
+
     vocab = len(tiny_runner.text.tokenizer)
     engine = Engine(tiny_runner, chunk_tokens=32, max_batch=16)
     timed = engine.submit(req(rand_ids(100, 60, vocab), 1, measure_baseline=True))
@@ -210,9 +213,10 @@ def test_baseline_gets_a_share_of_every_step_under_prefill_load(tiny_runner):
     t.start()
     try:
         last = list(timed)[-1]
+        measured = with_no_reuse(engine, last.metrics)
     finally:
         stop.set()
         t.join()
-    assert last.metrics.baseline_prefill_ms is not None
+    assert measured.baseline_prefill_ms is not None
     wait_idle(engine, timeout_s=120)
     assert_clean(engine)

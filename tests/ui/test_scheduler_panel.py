@@ -108,7 +108,7 @@ def test_reserved_kv_of_everyone_is_coarse_in_isolation():
 
     bpt = 46_080
     stats = EngineStats(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0,
-                        baseline_prefill_ms=0, reuse_prefill_ms_measured=0, cache_bytes=0, budget_bytes=2**30,
+                        cache_bytes=0, budget_bytes=2**30,
                         cached_tokens_now=0, num_nodes=0, evicted_tokens=0, queue_depth=0, running_bytes=37 * bpt)
     engine = SimpleNamespace(stats=lambda: stats, info=lambda: SimpleNamespace(kv_bytes_per_token=bpt))
     assert f"| {37 * bpt / 2**20:.1f} MiB of the" in scheduler_markdown(engine, [], None)
@@ -122,8 +122,8 @@ def test_everyones_output_rate_is_coarse_in_isolation():
 
     from engine.types import EngineStats
 
-    base = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0, baseline_prefill_ms=0,
-                reuse_prefill_ms_measured=0, cache_bytes=0, budget_bytes=2**30, cached_tokens_now=0, num_nodes=0,
+    base = dict(requests=0, prompt_tokens=0, cached_tokens=0, computed_tokens=0, prefill_ms=0,
+                cache_bytes=0, budget_bytes=2**30, cached_tokens_now=0, num_nodes=0,
                 evicted_tokens=0, queue_depth=0)
     shown = {}
     for rate in (0.0, 4.7, 6.6, 9.9):  # idle, then answers of 47, 66 and 99 tokens in the window

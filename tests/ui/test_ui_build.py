@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
+from analysis.no_reuse import run_measured
 from components.chat_presets import FEW_SHOT_PRESETS
 from components.demo import build_demo
 from components.panels.fewshot_panel import parse_examples, shuffled
@@ -59,10 +60,10 @@ def test_shuffle_always_changes_the_order_when_it_can():
 
 
 def test_panel_text_reports_real_numbers(engine):
-    m = engine.run(GenerationRequest(prompt="a shared prefix of some length", measure_baseline=True,
-                                     sampling=SamplingParams(max_new_tokens=2)))
-    m2 = engine.run(GenerationRequest(prompt="a shared prefix of some length, twice", measure_baseline=True,
-                                      sampling=SamplingParams(max_new_tokens=2)))
+    m = run_measured(engine, GenerationRequest(prompt="a shared prefix of some length", measure_baseline=True,
+                                               sampling=SamplingParams(max_new_tokens=2)))
+    m2 = run_measured(engine, GenerationRequest(prompt="a shared prefix of some length, twice",
+                                                measure_baseline=True, sampling=SamplingParams(max_new_tokens=2)))
     assert m2.cached_tokens > 0
     html = key_numbers_html(engine, m2, "")
     assert f"{m2.cached_tokens:,} of {m2.prompt_tokens:,} tokens" in html

@@ -7,6 +7,8 @@ import random
 import plotly.graph_objects as go
 import pytest
 
+from analysis.no_reuse import run_measured
+from components.panels.common import playground_history
 from components.views.charts import hit_rate_figure, latency_bars, memory_gauge, reuse_bars, speedup_scatter
 from components.views.tree_figures import snapshot_summary, tree_figure
 from components.views.tree_marks import COMPUTED, REUSED, request_path, visual_tree
@@ -15,8 +17,8 @@ from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapsh
 
 
 def run(engine: Engine, ids: list[int], n: int = 4, baseline: bool = False, namespace: str = ""):
-    return engine.run(GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n),
-                                        measure_baseline=baseline, namespace=namespace))
+    return run_measured(engine, GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n),
+                                                  measure_baseline=baseline, namespace=namespace))
 
 
 @pytest.fixture
@@ -144,7 +146,7 @@ def test_charts_from_real_history(engine):
     assert hit_rate_figure([]).layout.annotations and latency_bars([]).layout.annotations
     for a in shared_prefix_prompts(3):
         run(engine, a, baseline=True)
-    history = engine.recent()
+    history = playground_history(engine)  # the page's history: the no-reuse figures measured after each answer
     assert len(hit_rate_figure(history).data) == 3
     bars = latency_bars(history)
     assert [t.name for t in bars.data] == ["without reuse", "with reuse"] and len(bars.data[0].x) == 3

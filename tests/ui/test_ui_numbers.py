@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from analysis.no_reuse import run_measured
 from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTERS_BY_PRESET
 from components.panels.chat_panel import IDLE_NUMBERS, on_preset, respond, stop_running
 from components.panels.common import long_prompt_note, metrics_markdown, playground_history, status_markdown
@@ -26,8 +27,8 @@ def engine(tiny_runner) -> Engine:
 
 
 def run(engine: Engine, prompt: str, tag: str = "chat", namespace: str = "", baseline: bool = True):
-    return engine.run(GenerationRequest(prompt=prompt, measure_baseline=baseline, tag=tag, namespace=namespace,
-                                        sampling=SamplingParams(max_new_tokens=2)))
+    return run_measured(engine, GenerationRequest(prompt=prompt, measure_baseline=baseline, tag=tag,
+                                                  namespace=namespace, sampling=SamplingParams(max_new_tokens=2)))
 
 
 def test_formatters_say_it_the_right_way_round():
