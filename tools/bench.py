@@ -133,7 +133,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     for r, suffix in enumerate(suffixes):
         ids = prefix + suffix
         # full prefill, no reuse
-        ref_logits, ms = runner.baseline_prefill(ids)
+        ref_logits, ms = runner.reference_prefill(ids)
         full.append(ms)
         # engine path: what serving does
         res = engine.prefill_in_pool(CacheKey(tuple(ids)))
@@ -147,7 +147,7 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
             assert res.cached_tokens == prefix_len // CHUNK_TOKENS * CHUNK_TOKENS, res.cached_tokens
             tier.append(res.prefill_ms)
             max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits,
-                                                         runner.baseline_prefill(tier_ids)[0]))
+                                                         runner.reference_prefill(tier_ids)[0]))
         ideal.append(runner.compute.call(_ideal_ms, runner, prefix_kv, prefix_len, suffix))
         # pure tree work of one hit: match the prefix, insert the new suffix
         tree = RadixTree()

@@ -1,7 +1,7 @@
 """The model runner: the only code that runs the transformers model.
 
 Owns: forward passes on a request's KV buffer, packed forwards over many requests'
-buffers, the scheduler's forward over the KV pool, the no-reuse baseline prefill, and
+buffers, the scheduler's forward over the KV pool, a reference prefill from scratch, and
 the model's KV geometry. Every forward runs on the runner's one compute thread
 (``engine.model.compute_thread``), whoever calls it; on an x86 CPU in float32 the
 model's linears are oneDNN-packed (``engine.model.packed_linear``). Holds the model's
@@ -18,7 +18,8 @@ projections, MLP, logits) runs once over the pack, which is where the time goes 
 it through ``engine.model.decoder_stack`` (its own layers called directly), any other
 batchable model through transformers' forward with that attention registered in its place
 (``_paged_attention``). The other paths are single-request: ``forward``/``forward_last`` on a
-scratch buffer (tests' references, the prefill timer) and ``baseline_prefill`` (no reuse).
+scratch buffer (tests' references, the warm start) and ``reference_prefill`` (a fresh buffer,
+no cache: tests' and benches' reference logits).
 
 Which of these runs, with which linears and attention, is chosen once as the runner is built:
 its ``plan`` (``engine.model.plan.ExecutionPlan``), built from the plan's registry with the
@@ -345,7 +346,7 @@ class ModelRunner:
         kv = self.new_request_kv(len(ids) + 1)
         self.forward_last(ids[:8], kv)
         self.forward_last(ids[8:], kv)
-        self.baseline_prefill(ids)
+        self.reference_prefill(ids)
 
     # ---------------------------------------------------------------- running
     def _model(self, cache, **inputs):
@@ -481,7 +482,7 @@ class ModelRunner:
 
     @_on_compute_thread
     @torch.inference_mode()
-    def baseline_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:
+    def reference_prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, float]:
         """Prefill every token from scratch with a fresh ``DynamicCache``: no reuse,
         nothing read from or written to the prefix cache. Returns (last logits, ms)."""
         from transformers import DynamicCache

@@ -5,11 +5,11 @@ process by ``spaces.GPU`` on a Space or by ``emulation.gpu``, with a duration wo
 what the call carries (``duration_s``); turning a call's failure (quota, time limit, a dead
 worker) into one sentence for the visitor. Everything else is the wrapped runner's: text,
 geometry, the compute thread, the lock. Every forward the scheduler asks for
-(``forward_paged``: prompts, decode rows, no-reuse baselines) is one call, started from the
+(``forward_paged``: prompts, decode rows, the analysis's scratch prefills) is one call, started from the
 compute thread, so the worker is a fork of the thread that owns the model.
 
 What it does not do: the contiguous-buffer forwards (``forward``, ``forward_last``,
-``baseline_prefill``) run in this process; the engine reports ``prefill_timing`` off in this
+``reference_prefill``) run in this process; the engine reports ``prefill_timing`` off in this
 mode, so the paired timer and the warm start, their users, are not used. Each step is one
 call: on a real Space a call's start (a worker, the weights to the device) is paid per step.
 """

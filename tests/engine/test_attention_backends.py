@@ -295,5 +295,5 @@ def test_out_of_memory_in_attention_fails_the_forward_clearly_and_leaves_the_cac
     assert torch.equal(prefix_kv(), cached)
     logits = runner.forward_paged(pool, segments)  # the same requests again: exact
     for row, seq in zip(logits, seqs, strict=True):
-        ref, _ = runner.baseline_prefill(seq)
+        ref, _ = runner.reference_prefill(seq)
         assert torch.allclose(row, ref, atol=1e-4)

@@ -64,7 +64,7 @@ def test_paged_rows_join_and_leave_exact(tiny_runner):
                                                   for t, r in zip(tokens, rows, strict=True)])
         for i, r in enumerate(rows):
             seqs[r].append(tokens[i])
-            ref, _ = tiny_runner.baseline_prefill(seqs[r])
+            ref, _ = tiny_runner.reference_prefill(seqs[r])
             assert torch.allclose(logits[i], ref, atol=1e-4), (step, r, (logits[i] - ref).abs().max())
 
 
@@ -86,7 +86,7 @@ def test_packed_prefill_chunks_and_decodes_exact(tiny_runner):
     for _ in range(3):
         logits = tiny_runner.forward_paged(pool, segments)
         for i, seq in enumerate(fed):
-            ref, _ = tiny_runner.baseline_prefill(seq)
+            ref, _ = tiny_runner.reference_prefill(seq)
             assert torch.allclose(logits[i], ref, atol=1e-4), (i, (logits[i] - ref).abs().max())
         segments = [PagedSegment([7 + i], len(seq), slots[i]) for i, seq in enumerate(fed)]
         fed = [seq + [7 + i] for i, seq in enumerate(fed)]
@@ -97,7 +97,7 @@ def test_chunked_prefill_logits_exact(tiny_runner):
     kv = tiny_runner.new_request_kv(len(ids))
     for start in range(0, len(ids), 7):
         logits = tiny_runner.forward_last(ids[start:start + 7], kv)
-    ref, _ = tiny_runner.baseline_prefill(ids)
+    ref, _ = tiny_runner.reference_prefill(ids)
     assert torch.allclose(logits, ref, atol=1e-4)
 
 
@@ -172,7 +172,7 @@ def test_public_prefill_api_unchanged(tiny_runner):
     ids = rand_ids(70, 20, len(tiny_runner.text.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
     res = engine.prefill(CacheKey(tuple(ids)), kv)
-    ref, _ = tiny_runner.baseline_prefill(ids)
+    ref, _ = tiny_runner.reference_prefill(ids)
     assert torch.allclose(res.logits, ref, atol=1e-4) and res.cached_tokens == 0
 
 

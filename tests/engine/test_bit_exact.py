@@ -202,7 +202,7 @@ def test_scratch_buffer_paths_and_the_no_reuse_baseline_give_the_pools_bits(runn
     first = runner.forward(seq[:170], kv)
     last = runner.forward_last(seq[170:], kv)
     assert torch.equal(first, ref[:170]) and torch.equal(last, ref[-1])
-    base, _ms = runner.baseline_prefill(seq)
+    base, _ms = runner.reference_prefill(seq)
     assert torch.equal(base, ref[-1])
 
 

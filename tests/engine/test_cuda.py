@@ -44,7 +44,7 @@ def test_pool_forward_matches_no_cache_on_cuda(cuda_runner):
     tables = [prefix + pool.alloc(len(s) - 40) for s in seqs]
     logits = r.forward_paged(pool, [PagedSegment(s[40:], 40, t) for s, t in zip(seqs, tables, strict=True)])
     for row, s in zip(logits, seqs, strict=True):
-        ref, _ = r.baseline_prefill(s)
+        ref, _ = r.reference_prefill(s)
         assert torch.allclose(row, ref, atol=5e-2), (row - ref).abs().max()
 
 

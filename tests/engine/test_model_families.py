@@ -49,6 +49,6 @@ def test_reuse_is_exact_for_family(tokenizer, family):
         # logits too, on the engine's own prefill path
         kv = runner.new_request_kv(len(ids))
         res = engine.prefill(engine.cache_key(ids, req), kv)
-        ref, _ = runner.baseline_prefill(ids)
+        ref, _ = runner.reference_prefill(ids)
         assert torch.allclose(res.logits, ref, atol=1e-4)
     engine.check_invariants()

@@ -310,7 +310,7 @@ def test_a_lone_decode_row_through_the_model_equals_a_forward_with_no_cache(tiny
     runner.forward_paged(pool, [PagedSegment(seq[:300], 0, table)])
     runner.forward_paged(pool, [PagedSegment(seq[300:], 300, table)])
     seq.append(17)
-    ref, _ = runner.baseline_prefill(seq)
+    ref, _ = runner.reference_prefill(seq)
     # the fused step (every layer in one C call, this attention called from C), then the unfused one
     assert runner.stack.fused is not None
     fused = runner.forward_paged(pool, [PagedSegment([17], len(seq) - 1, table)])[0]

@@ -32,7 +32,7 @@ def new_pool(runner, tokens: int = 2000) -> KVPool:
 
 def check(runner, logits, seqs):
     for row, seq in zip(logits, seqs, strict=True):
-        ref, _ = runner.baseline_prefill(seq)
+        ref, _ = runner.reference_prefill(seq)
         assert torch.allclose(row, ref, atol=ATOL[runner.dtype]), (row - ref).abs().max()
 
 

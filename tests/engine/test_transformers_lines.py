@@ -47,6 +47,6 @@ def test_runner_on_an_old_line_forward_matches_the_new(tokenizer):
     old.forward(ids[:30], kv_old)
     new.forward(ids[:30], kv_new)
     assert torch.allclose(old.forward(ids[30:], kv_old), new.forward(ids[30:], kv_new), atol=1e-5)
-    assert torch.allclose(old.baseline_prefill(ids)[0], new.baseline_prefill(ids)[0], atol=1e-5)
+    assert torch.allclose(old.reference_prefill(ids)[0], new.reference_prefill(ids)[0], atol=1e-5)
     old.close()
     new.close()
