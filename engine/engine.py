@@ -23,16 +23,18 @@ import logging
 import queue
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from engine import validation
-from engine.api import LOCAL, Capabilities, EngineAPI
+from engine.api import LOCAL, CachedPrefill, Capabilities, EngineAPI, ScratchPrefill
+from engine.config import EngineConfig
 from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.eviction import make_policy
-from engine.kvcache.kv_pool import KVPool
+from engine.kvcache.kv_pool import KVPool, contiguous_runs
 from engine.kvcache.prefix_cache import FullPrefixCache, NoPrefixCache, RadixCache
 from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
@@ -86,56 +88,53 @@ class Engine(FacadeBase):
     """Requests in, events out. ``max_batch`` requests run together (1 gives the
     one-at-a-time engine); ``chunk_tokens`` bounds the prompt tokens computed per step."""
 
-    def __init__(self, runner: ModelRunner, budget_bytes: int | None = None, enable_cache: bool = True,
-                 isolation: bool = False, max_queue: int = 32, max_prompt_tokens: int | None = None,
-                 max_new_tokens_cap: int = 512, history_size: int = 1000, max_batch: int = 16,
-                 chunk_tokens: int | None = None, tier_bytes: int = 0, tier_dir: str | None = None,
-                 kv_events_config: str = "", eviction_policy: str = "lru") -> None:
-        """``tier_bytes`` > 0 turns on the second tier (``engine.kvcache.kv_tier``): evicted KV goes to
-        chunk files under ``tier_dir`` (found again after a restart), or to host memory when
-        ``tier_dir`` is None and the model runs on a GPU. ``kv_events_config`` (vLLM's
-        ``--kv-events-config`` JSON) publishes what the tree caches as vLLM-format KV events
-        (``engine.kvcache.kv_events``). ``eviction_policy``: a name in
-        ``engine.kvcache.eviction.POLICIES`` (``ValueError`` for an unknown one)."""
+    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, **settings: Any) -> None:
+        """``config`` (``engine.config.EngineConfig``: every setting, each with its rule), or its
+        fields as keywords, the shorthand (``Engine(runner, max_batch=1)``), checked alike; both at
+        once, or a keyword ``EngineConfig`` lacks, is a ``TypeError``."""
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings or not isinstance(config, EngineConfig):
+            raise TypeError("Engine(runner, config) takes an EngineConfig, or its fields as keywords, not both")
+        self.config = c = config
         self.runner = runner
         self.text = runner.text
-        self.eviction_policy = make_policy(eviction_policy)
-        budget = default_budget_bytes(runner.device) if budget_bytes is None else int(budget_bytes)
+        self.eviction_policy = make_policy(c.eviction_policy)
+        budget = default_budget_bytes(runner.device) if c.budget_bytes is None else c.budget_bytes
         # One pool holds all KV, cached and running; without a cache it holds the running only.
         pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, budget)
-        fp = tier_fingerprint(runner, tier_dir) if enable_cache and tier_bytes > 0 else ""
-        self.tier = make_tier(runner, tier_bytes, tier_dir, fp, isolation) if fp else None
+        fp = tier_fingerprint(runner, c.tier_dir) if c.enable_cache and c.tier_bytes > 0 else ""
+        self.tier = make_tier(runner, c.tier_bytes, c.tier_dir, fp, c.isolation) if fp else None
         self._capabilities = dataclasses.replace(  # fixed at start
             LOCAL, second_tier=self.tier is not None,
             prefill_timing=runner.in_process_forwards,  # ZeroGPU: forwards run in GPU calls, timed in-step only
             gpu_calls=not runner.in_process_forwards)
-        second = SecondTier(self.tier, fp, public_only=isolation) if self.tier is not None else None
-        self.cache: FullPrefixCache = (RadixCache(pool, fair_share=isolation, tier=second, policy=self.eviction_policy)
-                                       if enable_cache else NoPrefixCache(pool))
+        second = SecondTier(self.tier, fp, public_only=c.isolation) if self.tier is not None else None
+        self.cache: FullPrefixCache = (RadixCache(pool, fair_share=c.isolation, tier=second, policy=self.eviction_policy)
+                                       if c.enable_cache else NoPrefixCache(pool))
         self.kv_events = None
-        if kv_events_config and enable_cache:
+        if c.kv_events_config and c.enable_cache:
             from engine.kvcache.kv_events import KVEventPublisher
 
-            self.kv_events = KVEventPublisher.from_config(kv_events_config, private_tokens=not isolation)
+            self.kv_events = KVEventPublisher.from_config(c.kv_events_config, private_tokens=not c.isolation)
             self.cache.publish_to(self.kv_events)
-        self.isolation = isolation
-        self.max_prompt_tokens = min(max_prompt_tokens or runner.max_context, runner.max_context)
-        self.max_new_tokens_cap = max_new_tokens_cap
-        self.max_queue = max_queue
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)  # the inbox; the scheduler drains it
+        self.isolation = c.isolation
+        self.max_prompt_tokens = min(c.max_prompt_tokens or runner.max_context, runner.max_context)
+        self.max_new_tokens_cap = c.max_new_tokens_cap
+        self.max_queue = c.max_queue
+        self._queue: queue.Queue = queue.Queue(maxsize=c.max_queue)  # the inbox; the scheduler drains it
         # On a public deployment one address (or API client) may hold at most half the waiting
         # places, so it can never fill the inbox for everyone else, while a classroom behind it
         # (many tabs asking at once) still fits; a running request holds no place.
-        self.max_waiting_per_owner = max(1, max_queue // 2)
+        self.max_waiting_per_owner = max(1, c.max_queue // 2)
         self._submit_lock = threading.Lock()
         self._in_hand: list[RequestHandle] = []  # the worker's handles between the inbox and the scheduler
         self._stats_lock = threading.Lock()
         self._next_id = 1
         self._seq = 0
-        self._start_records(history_size, self._stats_lock)
-        config = SchedulerConfig(max_batch=max(1, int(max_batch)),
-                                 chunk_tokens=max(1, int(chunk_tokens or default_chunk_tokens(runner.device))),
-                                 isolation=isolation)
+        self._start_records(c.history_size, self._stats_lock)
+        config = SchedulerConfig(max_batch=c.max_batch, isolation=c.isolation,
+                                 chunk_tokens=c.chunk_tokens or default_chunk_tokens(runner.device))
         self.scheduler = Scheduler(runner, self.cache, config)
         self._closed = self._stopping = False
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
@@ -226,7 +225,7 @@ class Engine(FacadeBase):
     def healthy(self) -> bool:
         """Takes requests now: not closed and its worker thread alive (a step that fails only fails
         its requests: the worker lives on)."""
-        return not self._closed and self._worker.is_alive()
+        return not self._closed and self._worker.is_alive() and not self.runner.compute.stopped
 
     def busy(self) -> bool:
         """A request waits or runs, or a step is under way: background measurements wait for
@@ -383,6 +382,63 @@ class Engine(FacadeBase):
         inserted = self.cache.insert(key, kv)
         return PrefillResult(logits, cached, prefill_ms, inserted)
 
+    def cache_prefill(self, key: CacheKey) -> CachedPrefill:
+        """``PrefillAPI.cache_prefill``: ``prefill`` into a scratch buffer of its own."""
+        result = self.prefill(key, self.runner.new_request_kv(len(key.ids)))
+        return CachedPrefill(result.cached_tokens, result.prefill_ms, result.inserted_tokens)
+
+    def scratch_prefill(self, key: CacheKey, reuse_tokens: int = 0, block_tokens: int = 512,
+                        before_block: Callable[[], None] | None = None) -> ScratchPrefill:
+        """``PrefillAPI.scratch_prefill``: the scheduler's own forward (``forward_paged``, a GPU call
+        on ZeroGPU) over a ``KVPool`` of exactly the prompt's tokens, outside the cache's budget::
+
+            scratch pool:  [0 ...... reused) [reused ... block) [block ... n)
+                            copied from the    one compute call   the next ...
+                            cache (untimed)
+
+        The copy is not timed: a request reads its cached prefix in place, copying is the
+        scratch pool's cost only."""
+        runner, ids, n = self.runner, key.ids, len(key.ids)
+        if n == 0:
+            raise EngineError("nothing to prefill: the prompt is empty")
+        if n > runner.max_context:
+            raise EngineError(f"{n:,} tokens, over the model's {runner.max_context:,}-token context")
+        pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                      n * runner.kv_bytes_per_token)
+        slots = pool.alloc(n)
+        assert slots is not None, "a scratch pool holds its prompt"
+        runs = contiguous_runs(slots)
+        block, reuse = max(1, int(block_tokens)), max(0, min(int(reuse_tokens), n - 1))
+
+        def copy_prefix() -> int:  # read only: no hit, no access time, no lock (the compute thread: no step runs)
+            kv = runner.new_request_kv(reuse)
+            got = self.cache.copy_prefix(key, reuse, kv)
+            if got:
+                pool.write_from(slots[:got], kv.k, kv.v)
+            return got
+
+        def forward(start: int, stop: int) -> tuple[float, torch.Tensor]:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            logits = runner.forward_paged(pool, [PagedSegment(ids[start:stop], start, slots, runs)])[0]
+            runner.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+            return ms, logits.detach().float().cpu().clone()
+
+        reused = 0
+        if reuse:
+            if before_block is not None:
+                before_block()
+            reused = runner.compute.call(copy_prefix)
+        forward_ms, pos, last = 0.0, reused, None
+        while pos < n:
+            if before_block is not None:
+                before_block()
+            stop = min(n, pos + block)
+            ms, last = runner.compute.call(forward, pos, stop)
+            forward_ms, pos = forward_ms + ms, stop
+        return ScratchPrefill(forward_ms, reused, last)
+
     def prefill_in_pool(self, key: CacheKey) -> PrefillResult:
         """Prefill ``key.ids`` the scheduler's way, synchronously: the cached prefix is read in
         place from the pool, the rest is computed into pool slots of its own, which then pass
@@ -432,7 +488,7 @@ class Engine(FacadeBase):
             m = RequestMetrics(
                 request_id=r.request_id, tag=req.tag, namespace=r.key.namespace, prompt_tokens=len(ids),
                 cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=t.prefill_ms,
-                baseline_prefill_ms=t.baseline_ms, ttft_ms=ttft_ms, queue_ms=queue_ms,
+                baseline_prefill_ms=None, ttft_ms=ttft_ms, queue_ms=queue_ms,
                 decode_tokens_per_s=decode_tps, output_tokens=len(out_ids), finish_reason=r.finish_reason,
                 cache_bytes=self.cache.bytes_in_use, cache_budget_bytes=self.cache.budget_bytes,
                 evicted_tokens=self.cache.evicted_tokens, inserted_tokens=kv.inserted_tokens,
