@@ -54,10 +54,17 @@ class NoReuseTimer:
         info = engine.info()
         self.block_tokens = default_policy(info.device.split(":")[0], self.isolation).block_tokens
         self.kv_bytes_per_token = info.kv_bytes_per_token
+        self.max_context = info.max_context
         self._one_at_a_time = threading.Lock()  # one scratch pool per engine at most
         self._lock = threading.Lock()
         self._figures: OrderedDict[int, float] = OrderedDict()  # request id -> no-reuse ms
         self.scratch_bytes = 0  # the scratch pool alive now (outside the cache budget)
+
+    @property
+    def scratch_bound_bytes(self) -> int:
+        """The most one scratch pool holds: the longest prompt it may time (one at a time)."""
+        tokens = min(self.max_tokens_isolated, self.max_context) if self.isolation else self.max_context
+        return tokens * self.kv_bytes_per_token
 
     def skip_reason(self, m: RequestMetrics) -> str | None:
         """Why ``m``'s no-reuse figure is not measured, or None when it is."""

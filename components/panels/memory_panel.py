@@ -11,6 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from analysis.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
+from analysis.no_reuse import no_reuse_for
 from analysis.prefill_timing import timer_for
 from components.panels.common import history_refresh, playground_history, totals, warn
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
@@ -46,7 +47,8 @@ def kv_event_rows(engine: EngineAPI) -> list[str]:
         f"| cached tokens, events vs the server's count | {checks['agree']:,} requests agree, {checks['differ']:,} "
         "differ (the blocks a prompt walked when sent, against what the server reported) |"]
 def outside_budget_row(engine: EngineAPI) -> str:
-    """The KV the process holds beside the budget: the paired timings' scratch buffers, the second
+    """The KV the process holds beside the budget: the paired timings' scratch buffers, the no-reuse
+    timing's scratch pool, the second
     tier's queue of spills not yet written and the request-order demo's pool, each with its bound.
 
     In isolation mode each figure may be another visitor's (a timing's scratch buffer is exactly
@@ -61,12 +63,15 @@ def outside_budget_row(engine: EngineAPI) -> str:
     timer = timer_for(engine)
     scratch = (f"timing scratch buffers {held(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
                if timer is not None else "")
+    cold = no_reuse_for(engine)
+    no_reuse = (f"no-reuse timing's pool {held(cold.scratch_bytes)} (at most {fmt_bytes(cold.scratch_bound_bytes)}, "
+                "one at a time)" if cold is not None else "")
     demo = (f"request-order demo's pool {held(demo_pool_bytes(engine))} (at most "
             f"{fmt_bytes(MAX_DEMO_TOKENS * bpt)}, only while a comparison runs)")
     stats = engine.stats()
     spills = (f"spills waiting to be written {held(stats.tier_queued_bytes)} (at most "
               f"{fmt_bytes(stats.tier_queue_bound_bytes)})" if stats.tier_queue_bound_bytes else "")
-    return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, spills, demo) if p)} |"
+    return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, no_reuse, spills, demo) if p)} |"
 
 
 def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:

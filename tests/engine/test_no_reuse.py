@@ -150,3 +150,28 @@ def test_an_engine_without_the_primitive_keeps_its_own_figure():
     assert no_reuse_for(remote) is None
     m = SimpleNamespace(baseline_prefill_ms=None)
     assert with_no_reuse(remote, m) is m
+
+
+def test_the_scratch_pool_is_shown_outside_the_budget_with_its_bound(engine, tiny_runner):
+    """Memory is a promise: the no-reuse timing's pool is held beside the budget, so the memory
+    panel's row names it, with the most it may hold, and it is gone once the timing ends."""
+    from components.panels.memory_panel import outside_budget_row
+    from components.views.format import fmt_bytes
+
+    timer = no_reuse_for(engine)
+    seen = []
+    real = engine.scratch_prefill
+
+    def spy(*args, **kw):
+        seen.append(timer.scratch_bytes)
+        return real(*args, **kw)
+
+    engine.scratch_prefill = spy
+    ids = rand_ids(5, 40, len(tiny_runner.text.tokenizer))
+    m = run_measured(engine, req(ids, measure_baseline=True))
+    assert m.baseline_prefill_ms is not None
+    assert seen == [40 * tiny_runner.kv_bytes_per_token]  # held while it ran
+    assert timer.scratch_bytes == 0  # and handed back
+    bound = tiny_runner.max_context * tiny_runner.kv_bytes_per_token
+    assert timer.scratch_bound_bytes == bound
+    assert f"no-reuse timing's pool 0 B (at most {fmt_bytes(bound)}, one at a time)" in outside_budget_row(engine)
