@@ -47,7 +47,10 @@ def test_eight_tabs_behind_one_address_run_in_the_same_batches(tiny_runner):
     engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8, chunk_tokens=256)
     gate = StepGate(engine)
     try:
-        tabs = [_ask(engine, _ids(1000 + 100 * i, 24), f"v-class/s-{i}") for i in range(8)]
+        # The eight arrive together: the worker, woken by the first, waits for the runner's lock
+        # until the last is in the inbox (else a busy machine can start a step between two tabs).
+        with engine.runner.lock:
+            tabs = [_ask(engine, _ids(1000 + 100 * i, 24), f"v-class/s-{i}") for i in range(8)]
     finally:
         gate.open()
     for h in tabs:
@@ -70,7 +73,8 @@ def test_a_second_address_goes_ahead_of_a_classroom(tiny_runner):
     bound = 2 + math.ceil(len(question) / (config.chunk_tokens - config.oldest_prefill_tokens))
     gate = StepGate(engine)
     try:
-        tabs = [_ask(engine, _ids(1000 + 700 * i, 600), f"v-class/s-{i}") for i in range(8)]
+        with engine.runner.lock:  # the eight arrive together (see the test above)
+            tabs = [_ask(engine, _ids(1000 + 700 * i, 600), f"v-class/s-{i}") for i in range(8)]
         gate.allow(2)
         wait_for(lambda: last_step_id(engine) == 2, what="the class's first two steps")
         assert _running_of(engine, "v-class") == 8, "the class was not admitted together on an idle server"

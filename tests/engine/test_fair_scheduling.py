@@ -122,8 +122,9 @@ def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_
     long_a = [_ids(2000, 900), _ids(4000, 900)]
     gate = StepGate(engine)
     try:
-        a = [engine.submit(GenerationRequest(prompt_ids=ids, namespace="v-a", measure_baseline=True,
-                                             sampling=SamplingParams(max_new_tokens=8))) for ids in long_a]
+        with engine.runner.lock:  # both arrive together: no step starts between the two submits
+            a = [engine.submit(GenerationRequest(prompt_ids=ids, namespace="v-a", measure_baseline=True,
+                                                 sampling=SamplingParams(max_new_tokens=8))) for ids in long_a]
         gate.allow(2)
         wait_for(lambda: last_step_id(engine) == 2, what="A's first two chunks")
         # Both admitted at once; the first's chunk takes step 1's budget, the second starts in step 2.
