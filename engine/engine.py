@@ -410,20 +410,20 @@ class Engine(FacadeBase):
         runs = contiguous_runs(slots)
         block, reuse = max(1, int(block_tokens)), max(0, min(int(reuse_tokens), n - 1))
 
-        def copy_prefix() -> int:  # read only: no hit, no access time, no lock (the compute thread: no step runs)
+        def copy_prefix() -> int:  # read only, under the cache's own lock: no hit, no access time, no node locked
             kv = runner.new_request_kv(reuse)
             got = self.cache.copy_prefix(key, reuse, kv)
             if got:
                 pool.write_from(slots[:got], kv.k, kv.v)
             return got
 
-        def forward(start: int, stop: int) -> tuple[float, torch.Tensor]:
+        def forward(start: int, stop: int) -> tuple[float, torch.Tensor | None]:
             runner.synchronize()
             t0 = time.perf_counter()
             logits = runner.forward_paged(pool, [PagedSegment(ids[start:stop], start, slots, runs)])[0]
             runner.synchronize()
             ms = (time.perf_counter() - t0) * 1000
-            return ms, logits.detach().float().cpu().clone()
+            return ms, logits.detach().float().cpu().clone() if stop == n else None  # the last block's only
 
         reused = 0
         if reuse:
