@@ -19,12 +19,13 @@ import os
 
 
 def _names_workers(args: list[str]) -> bool:
+    """The run says itself how many workers, or that it wants none (``--pdb`` cannot cross one)."""
     for i, a in enumerate(args):
-        if a in ("-n", "--numprocesses") or a.startswith(("--numprocesses=", "-n")) and a[2:3].isdigit():
+        if a in ("-n", "--numprocesses", "--pdb", "--trace", "-pno:xdist") or a.startswith("--numprocesses="):
             return True
-        if a == "-p" and i + 1 < len(args) and args[i + 1] == "no:xdist" or a == "-pno:xdist":
+        if a.startswith("-n") and (a[2:].isdigit() or a[2:] in ("auto", "logical")):
             return True
-        if a in ("--pdb", "--trace"):
+        if a == "-p" and args[i + 1:i + 2] == ["no:xdist"]:
             return True
     return False
 
