@@ -31,6 +31,7 @@ Figures on a shared or busy machine mean little: every scenario is a race for th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -212,7 +213,8 @@ def _flood(engine, http: httpx.Client, scale: Scale, salted: bool, result: Scena
             statuses.append(_post(http, "flooder", body).status_code)
 
         _visitor_asks_during(engine, http, scale, result, log, q, one, scale.flood, statuses,
-                             lambda s=statuses: len(s) >= scale.flood - cap)  # the excess refused, the rest queued
+                             lambda s=statuses: len(s) >= scale.flood - cap,  # the excess refused, the rest queued
+                             hold=cap > 0)
 
 
 def _long(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log) -> None:
@@ -286,14 +288,18 @@ def _text(content) -> str:
 
 
 def _visitor_asks_during(engine, http: httpx.Client, scale: Scale, result: ScenarioResult, log, q: int,
-                         send, senders: int, statuses: list[int], under_way) -> None:
+                         send, senders: int, statuses: list[int], under_way, hold: bool = False) -> None:
     """Start ``senders`` threads of ``send(i)``; once ``under_way()``, the visitor asks question
-    ``q`` and its first-text time is recorded; then the senders' statuses, and an idle engine."""
+    ``q`` and its first-text time is recorded; then the senders' statuses, and an idle engine.
+    ``hold``: the engine takes no step until ``under_way()``, so the senders all arrive before any
+    is answered (a flood at once, whatever the machine's speed; ``under_way`` must then come true
+    without an answer, as the per-client cap's refusals do)."""
     threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(senders)]
-    for t in threads:
-        t.start()
-    while not under_way() and any(t.is_alive() for t in threads):
-        time.sleep(0.01)
+    with engine.runner.lock if hold else contextlib.nullcontext():
+        for t in threads:
+            t.start()
+        while not under_way() and any(t.is_alive() for t in threads):
+            time.sleep(0.01)
     first = ask(http, "visitor", f"Question {q}: {QUESTION}", scale.max_new_tokens, result.refused)
     if first is not None:
         result.first_text_s.append(first)
