@@ -69,3 +69,34 @@ def chromium_executable() -> str:
     if os.environ.get("RADIX_REQUIRE_BROWSER") == "1":
         pytest.fail("Chromium is required (apt-get install chromium)")
     pytest.skip("Chromium not installed (apt-get install chromium)")
+
+
+@pytest.fixture(scope="session")
+def native_template(tmp_path_factory):
+    """Our two C kernels (attention, linear) built once per session into a folder of their own, or
+    None where they do not build. Tests about what a kernel computes start from a copy of it
+    (``seed_native``); the tests about the build itself (a fresh folder, a damaged file, another
+    CPU, threads racing to build) still build."""
+    from engine.model import native_build, native_linear
+    from engine.model.attention import native
+
+    folder = tmp_path_factory.mktemp("native-template")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native_build.ENV_DIR, str(folder))
+        native.reset()
+        native_linear.reset()
+        built = native.kernel() is not None and native_linear.kernel() is not None
+        native.reset()
+        native_linear.reset()
+    return folder if built else None
+
+
+def seed_native(template, folder) -> None:
+    """``folder`` made as a copy of the session's built kernels (mode 0o700, as a build makes it)."""
+    import shutil
+
+    if template is None:
+        return
+    folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+    for lib in template.glob("*.so"):
+        shutil.copy2(lib, folder / lib.name)

@@ -30,7 +30,7 @@ from engine.kvcache.tier_identity import fingerprint
 from engine.model import native_build, native_linear
 from engine.model.attention import native
 from engine.model.attention.cpu_native import CpuNativeBackend
-from tests.conftest import make_tiny_runner
+from tests.conftest import make_tiny_runner, seed_native
 
 RUNNABLE = [name for name in native_build.ISAS if not native_build.refused_isa(name)]
 pytestmark = pytest.mark.skipif(not attention_tests.BUILDS, reason="our C kernels do not build here")
@@ -38,9 +38,12 @@ LIBRARIES = (native_linear._library, native._library)  # the two OnFirstUse of t
 
 
 @pytest.fixture(scope="session")
-def isa_root(tmp_path_factory) -> Path:
-    """One folder per instruction set under here: each build is made once per session."""
-    return tmp_path_factory.mktemp("isa-builds")
+def isa_root(tmp_path_factory, native_template) -> Path:
+    """One folder per instruction set under here: each build is made once per session (the
+    default's, ``native``, is the session's template build)."""
+    root = tmp_path_factory.mktemp("isa-builds")
+    seed_native(native_template, root / "native")
+    return root
 
 
 @pytest.fixture(params=RUNNABLE)

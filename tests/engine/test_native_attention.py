@@ -18,6 +18,7 @@ from engine.model.attention import choose_backend, native
 from engine.model.attention.cpu_native import CpuNativeBackend
 from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.paged_attention import merge
+from tests.conftest import seed_native
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +28,9 @@ BUILDS = HAS_SIMD and shutil.which("cc") is not None
 
 
 @pytest.fixture
-def kernel(tmp_path, monkeypatch):
+def kernel(tmp_path, monkeypatch, native_template):
+    """The kernel loaded from a folder of this test's own, seeded with the session's build."""
+    seed_native(native_template, tmp_path / "native")
     monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))
     native.reset()
     k = native.kernel()
@@ -49,12 +52,18 @@ def reference(q, k, v, scale):
     return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
 
 
-def test_it_builds_on_a_machine_with_avx2_or_avx512_and_a_compiler(kernel, tmp_path):
+def test_it_builds_on_a_machine_with_avx2_or_avx512_and_a_compiler(tmp_path, monkeypatch):
     if not BUILDS:
         pytest.skip("no AVX2/AVX-512 or no cc here: the backend falls back to the flash kernel")
-    assert kernel is not None and native.why() == ""
-    assert kernel.path.parent == tmp_path / "native" and kernel.path.exists()
-    assert isinstance(choose_backend(CPU), CpuNativeBackend)
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path / "native"))  # empty: this one builds
+    native.reset()
+    try:
+        kernel = native.kernel()
+        assert kernel is not None and native.why() == ""
+        assert kernel.path.parent == tmp_path / "native" and kernel.path.exists()
+        assert isinstance(choose_backend(CPU), CpuNativeBackend)
+    finally:
+        native.reset()
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
@@ -167,9 +176,10 @@ def test_the_backend_takes_one_requests_rows_and_hands_the_rest_to_flash(kernel)
 
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
-def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch):
+def test_a_library_built_for_another_cpu_is_not_loaded(tmp_path, monkeypatch, native_template):
     """The cache folder moved to another CPU (a shared home, a copied image): ``-march=native``
     code from there could die of an illegal instruction here, so the name differs and it builds anew."""
+    seed_native(native_template, tmp_path)  # this CPU's build is there; the other CPU's is not
     monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
     native.reset()
     try:
@@ -211,8 +221,9 @@ def test_a_missing_or_failing_compiler_leaves_the_flash_kernel(tmp_path, monkeyp
 
 @pytest.mark.skipif(not BUILDS, reason="the kernel does not build here")
 @pytest.mark.parametrize("damage", ["garbage", "empty", "another library"])
-def test_a_damaged_library_file_is_built_again_by_the_next_process(tmp_path, damage):
+def test_a_damaged_library_file_is_built_again_by_the_next_process(tmp_path, damage, native_template):
     """A process never loads a library file twice, so the second run is another process."""
+    seed_native(native_template, tmp_path / "native")  # the first process loads the session's build
     env = {**os.environ, native.ENV_DIR: str(tmp_path / "native"), "PYTHONPATH": str(REPO)}
     probe = ("from engine.model.attention import native; import torch\n"
              "k = native.kernel(); assert k is not None, native.why()\n"

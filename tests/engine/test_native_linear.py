@@ -11,11 +11,14 @@ from torch import nn
 
 from engine.model import native_build, native_linear
 from engine.model.native_linear import MAX_ROWS, NativeLinear, plain_linears, use_native_linears
+from tests.conftest import seed_native
 from tests.engine.test_native_attention import BUILDS
 
 
 @pytest.fixture
-def kernel(tmp_path, monkeypatch):
+def kernel(tmp_path, monkeypatch, native_template):
+    """The kernel loaded from a folder of this test's own, seeded with the session's build."""
+    seed_native(native_template, tmp_path / "native")
     monkeypatch.setenv(native_build.ENV_DIR, str(tmp_path / "native"))
     native_linear.reset()
     k = native_linear.kernel()
