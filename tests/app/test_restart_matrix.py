@@ -5,7 +5,8 @@ under isolation, shows nothing of the first run's chats.
 
 Real processes on the embedded model (fp32, where reuse is exact), real files, real signals. One
 first run feeds every case: its cache folder is copied for each, so the cases do not depend on
-each other's order."""
+each other's order. The no-cache answers come from the app served in this test process (the
+session's model, no cache), so no process starts only to be the reference."""
 
 from __future__ import annotations
 
@@ -116,9 +117,31 @@ def answers(app: App) -> list[str]:
     return [app.chat(q)[0] for q in QUESTIONS]
 
 
+def no_cache_answers(runner, questions: list[list[dict]] = QUESTIONS) -> list[str]:
+    """What a run with no cache answers: the app served in this process on ``runner`` (the same
+    Blocks, the same /v1 route and the same model files as ``python app.py --no-cache``, without
+    a second process loading the model again)."""
+    from engine.engine import Engine
+    from tests.helpers_app import launched_app
+
+    engine = Engine(runner, enable_cache=False, isolation=False, max_new_tokens_cap=64)
+    try:
+        with launched_app(engine) as url:
+            model = httpx.get(url + "v1/models", timeout=30).json()["data"][0]["id"]
+            got = []
+            for messages in questions:
+                body = {"model": model, "max_tokens": 12, "temperature": 0, "messages": messages}
+                r = httpx.post(url + "v1/chat/completions", json=body, timeout=600)
+                assert r.status_code == 200, r.text
+                got.append(r.json()["choices"][0]["message"]["content"])
+            return got
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, real_runner):
-    """Run 1 with the defaults; returns (its cache folder, its answers, the no-cache answers)."""
+    """Run 1 with the defaults; returns (its cache folder, the no-cache answers)."""
     from engine.model.loader import converted_cache_dir
 
     converted = converted_cache_dir()  # the session's model load made it
@@ -131,11 +154,7 @@ def first_run(tmp_path_factory, real_runner):
     assert "Cache written to the second tier" in out, out
     tier = root / "kv-tier"
     assert any(tier.rglob("*.kv")), "run 1 wrote no chunk"
-    ref_root = tmp_path_factory.mktemp("nocache")
-    (ref_root / converted.name).symlink_to(converted)
-    ref = App(ref_root, "--no-cache", "--no-isolate", name="nocache")
-    reference = answers(ref)
-    ref.stop()
+    reference = no_cache_answers(real_runner)
     assert got == reference, "run 1 itself differs from a run with no cache"
     return root, reference
 
@@ -165,11 +184,17 @@ def check_second_run(app: App, reference: list[str]) -> None:
 
 
 def test_smaller_budget_with_isolation_starts_and_answers(first_run, tmp_path):
-    """The issue's own case: ``RADIX_ISOLATE=1 RADIX_CACHE_BUDGET_MB=64 python app.py`` after a default run."""
+    """The issue's own case: ``RADIX_ISOLATE=1 RADIX_CACHE_BUDGET_MB=64 python app.py`` after a default
+    run. Isolated, it shows nothing of run 1's chats, loads nothing of run 1's shared tier, and
+    keeps a tier folder of its own (the shared run's is gone: this configuration cannot read it)."""
     root = second_root(first_run, tmp_path)
     app = App(root, env={"RADIX_ISOLATE": "1", "RADIX_CACHE_BUDGET_MB": "64"}, name="small-isolated")
-    assert SECRET.split()[-1] not in app.snapshot_text(), "an isolated run shows run 1's private chat"
+    text = app.snapshot_text()
+    assert SECRET.split()[-1] not in text and "pallets" not in text, "an isolated run shows run 1's chats"
+    assert app.metrics().get("radix_tier_loaded_tokens_total", 0) == 0
     check_second_run(app, first_run[1])
+    (folder,) = tier_folders(root)
+    assert folder.name.endswith("-isolated")
 
 
 def test_smaller_budget_reloads_from_the_tier_and_stays_exact(first_run, tmp_path):
@@ -179,17 +204,6 @@ def test_smaller_budget_reloads_from_the_tier_and_stays_exact(first_run, tmp_pat
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 384, usage  # the document came back from disk
     assert app.metrics()["radix_tier_loaded_tokens_total"] > 0
     check_second_run(app, first_run[1])
-
-
-def test_isolation_shows_nothing_of_the_first_runs_chats(first_run, tmp_path):
-    root = second_root(first_run, tmp_path)
-    app = App(root, "--isolate", name="isolated")
-    text = app.snapshot_text()
-    assert "WALRUS" not in text and "pallets" not in text, "an isolated run shows run 1's chats"
-    assert app.metrics().get("radix_tier_loaded_tokens_total", 0) == 0
-    check_second_run(app, first_run[1])
-    (folder,) = tier_folders(root)  # its own; the shared run's is gone (this configuration cannot read it)
-    assert folder.name.endswith("-isolated")
 
 
 def test_another_dtype_never_reads_the_first_runs_chunks(first_run, tmp_path):
@@ -288,11 +302,10 @@ def test_another_checkpoint_at_the_same_path_never_reads_the_old_kv(tmp_path, to
     assert "Traceback" not in first.stop()
     before = tier_folders(root)
     save(1)  # the same path, other weights
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    ref = App(ref_root, "--model", str(model_dir), "--no-cache", "--no-isolate", name="ckpt-ref")
-    reference = answers(ref)
-    ref.stop()
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
+
+    reference = no_cache_answers(ModelRunner(load_model(str(model_dir))))  # the new weights, no cache
     second = App(root, "--model", str(model_dir), "--no-isolate", name="ckpt-b")
     assert second.metrics().get("radix_tier_loaded_tokens_total", 0) == 0
     check_second_run(second, reference)
