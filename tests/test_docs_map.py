@@ -6,6 +6,8 @@ pages are maps, their history lives in ``docs/CHANGELOG.md`` and in git). Parsed
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from pathlib import Path
 
@@ -22,8 +24,15 @@ MODULE_LIKE = re.compile(r"^(engine|server|components|analysis|tools|app)(\.\w+)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
+@functools.cache
 def _tracked_names() -> set[str]:
-    return {p.name for p in ROOT.rglob("*") if ".git" not in p.parts}
+    """Every file and folder name in the repository, dot folders (.git, the venvs) not entered."""
+    names = set()
+    for _folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        names.update(dirs)
+        names.update(files)
+    return names
 
 
 def _blocks(text: str) -> list[str]:
