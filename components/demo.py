@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from components import start_check
 from components.panels.chat_panel import build_chat_panel
 from components.panels.fewshot_panel import build_fewshot_panel
 from components.panels.fleet_panel import build_fleet_panel
@@ -84,7 +85,9 @@ def launch_kwargs(app_kwargs: dict | None = None) -> dict:
     in a bucket); no /monitoring page; uploads and deep links refused and request bodies capped
     (``server.request_guard.RequestGuard``: the app takes no files); Gradio keeps per-session
     state (inputs, ``gr.State``) for at most ``STATE_SESSIONS`` sessions, oldest dropped first.
-    ``app_kwargs`` (the HTTP API's routes, see ``app.app_kwargs``) join the guard's middleware."""
+    ``app_kwargs`` (the HTTP API's routes, see ``app.app_kwargs``) join the guard's middleware.
+    Every launch takes these, so here Gradio's start-up check becomes patient (``start_check``)."""
+    start_check.install()
     return dict(theme=gr.themes.Soft(), css=CSS, js=KEEP_ZOOM_JS, show_error=False, footer_links=[],
                 run_history=False, enable_monitoring=False, max_file_size="1kb",
                 state_session_capacity=STATE_SESSIONS, app_kwargs={"middleware": guard_middleware(), **(app_kwargs or {})})
