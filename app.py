@@ -270,8 +270,11 @@ def _serve(args: AppConfig) -> int:
     if page_work:
         warm_start(engine)  # shipped prompts cached before the page is served: the first question is a hit
     demo = build_app(engine, args.max_queue, routing_lab=lab)
-    if page_work:
+    if page_work and args.growth_curve:
         start_growth_curve(engine)  # prefill time against cached length, measured once in the background
+    elif page_work:
+        print("Growth curve: not measured at start (--no-growth-curve); the Growth tab's Measure button measures it",
+              flush=True)
     try:
         demo.launch(server_name=args.host, server_port=args.port, prevent_thread_lock=True,
                     **launch_kwargs(app_kwargs(engine, args.api_key, args.max_per_client, args.operator_key,

@@ -188,6 +188,10 @@ SETTINGS: tuple[Setting, ...] = (
        "tools.fleet): serve the API, /health, /metrics and KV events with none of the page's start-up work (no "
        "warm start of the shipped prompts, no growth curve), so several start fast and their caches start empty",
        _switch, switch=True),
+    _S("growth_curve", "--growth-curve", "RADIX_GROWTH_CURVE", "1", "measure the Growth tab's curve (prefill time "
+       "against cached length) in the background once the page is served: about 25 s of both cores on a CPU, "
+       "paused while visitors are served; --no-growth-curve leaves it to the tab's Measure button", _switch,
+       switch=True),
     # remote mode
     _S("backend", "--backend", "RADIX_BACKEND", "", "remote mode: send requests to this OpenAI-compatible server "
        "(vLLM, SGLang, another instance of this app) instead of running a model here; --model then names the "
@@ -258,6 +262,7 @@ class AppConfig:
     public_metrics: bool = False
     max_per_client: int | None = None  # None: the deployment's default (server.client_limits)
     replica: bool = False
+    growth_curve: bool = True
     backend: str = ""
     backend_model: str = ""
     backend_api_key: str = ""

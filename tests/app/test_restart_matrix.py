@@ -36,6 +36,10 @@ QUESTIONS = [
     ([{"role": "user", "content": f"Remember this: {SECRET}. Say OK."}]),
 ]
 OPERATOR_KEY = "restart-matrix-operator"  # /metrics of an isolated run answers the operator only
+# Every run after run 1 leaves the growth curve to the Growth tab: measured in the background at each
+# start it took both cores for as long as the run lived (about half of this file's time), and nothing
+# here reads it. Run 1 keeps the defaults, the curve included.
+SECOND_RUN = {"RADIX_GROWTH_CURVE": "0"}
 START_LIMIT_S = 600  # a usual start is 15-40 s on a quiet machine (model load, warm start); a hang or a crash is not
 
 
@@ -48,7 +52,7 @@ class App:
         self.log = root / f"{name}-{self.port}.log"
         full_env = {**os.environ, "RADIX_PLAYGROUND_CACHE": str(root), "RADIX_DISK_CACHE_MB": "2048",
                     "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
-                    "RADIX_OPERATOR_KEY": OPERATOR_KEY, **(env or {})}
+                    "RADIX_OPERATOR_KEY": OPERATOR_KEY, **SECOND_RUN, **(env or {})}
         self.started = time.monotonic()
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), *flags], cwd=REPO,
@@ -147,7 +151,7 @@ def first_run(tmp_path_factory, real_runner):
     converted = converted_cache_dir()  # the session's model load made it
     root = tmp_path_factory.mktemp("run1")
     (root / converted.name).symlink_to(converted)
-    app = App(root, "--no-isolate", name="run1")
+    app = App(root, "--no-isolate", name="run1", env={"RADIX_GROWTH_CURVE": "1"})
     got = answers(app)
     out = app.stop()
     assert "Traceback" not in out, out
@@ -178,6 +182,7 @@ def tier_folders(root: Path) -> list[Path]:
 
 def check_second_run(app: App, reference: list[str]) -> None:
     assert app.ready_s < START_LIMIT_S
+    assert "Growth curve: not measured at start" in app.output()  # SECOND_RUN: no background curve
     assert answers(app) == reference, "the second run answers differently from a run with no cache"
     out = app.stop()
     assert "Traceback" not in out, out

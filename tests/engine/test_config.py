@@ -27,7 +27,7 @@ SAMPLES = {
     "port": "8080", "api_key": "k1,k2", "operator_key": "op", "max_per_client": "2", "backend": "http://r",
     "backend_model": "m", "backend_kv_events": "off", "fleet": "http://a,http://b", "routing_lab": "lab.json",
 }
-SWITCHES = {"cache", "isolate", "public_metrics", "replica"}
+SWITCHES = {"cache", "isolate", "public_metrics", "replica", "growth_curve"}
 NEEDS = {"fleet": {"backend": "http://r"}, "routing_lab": {"backend": "http://r", "fleet": "http://a"}}
 
 # What the tools read for themselves (their own command lines', not the app's): left out of the registry.
