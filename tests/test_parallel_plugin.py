@@ -1,4 +1,4 @@
-"""``tests/parallel.py``: two workers unless the run names its own count or wants none."""
+"""``tests/parallel.py``: three workers unless the run names its own count or wants none."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_a_run_that_names_its_workers_is_left_alone(args):
 
 @pytest.mark.parametrize("args", [[], ["tests/engine", "-q"], ["-m", "not slow"], ["-p", "no:cacheprovider"],
                                   ["-k", "n2"], ["-p"]])
-def test_a_plain_run_gets_two_workers(args):
+def test_a_plain_run_gets_the_default_workers(args):
     assert not _names_workers(args)
 
 
