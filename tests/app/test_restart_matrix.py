@@ -43,6 +43,15 @@ SECOND_RUN = {"RADIX_GROWTH_CURVE": "0"}
 START_LIMIT_S = 600  # a usual start is 15-40 s on a quiet machine (model load, warm start); a hang or a crash is not
 
 
+def post_chat(url: str, model: str, messages: list[dict], max_tokens: int = 12) -> tuple[str, dict]:
+    """A greedy chat completion from the app at ``url``: (its text, its usage)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": messages}
+    r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    return data["choices"][0]["message"]["content"], data["usage"]
+
+
 class App:
     """One ``python app.py`` process on a free port, its output in a file."""
 
@@ -82,11 +91,7 @@ class App:
         return self.log.read_text(errors="replace")
 
     def chat(self, messages: list[dict], max_tokens: int = 12) -> tuple[str, dict]:
-        body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "messages": messages}
-        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
-        assert r.status_code == 200, r.text
-        data = r.json()
-        return data["choices"][0]["message"]["content"], data["usage"]
+        return post_chat(self.url, self.model, messages, max_tokens)
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -132,13 +137,7 @@ def no_cache_answers(runner, questions: list[list[dict]] = QUESTIONS) -> list[st
     try:
         with launched_app(engine) as url:
             model = httpx.get(url + "v1/models", timeout=30).json()["data"][0]["id"]
-            got = []
-            for messages in questions:
-                body = {"model": model, "max_tokens": 12, "temperature": 0, "messages": messages}
-                r = httpx.post(url + "v1/chat/completions", json=body, timeout=600)
-                assert r.status_code == 200, r.text
-                got.append(r.json()["choices"][0]["message"]["content"])
-            return got
+            return [post_chat(url, model, messages)[0] for messages in questions]
     finally:
         engine.close()
 
