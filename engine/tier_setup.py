@@ -7,7 +7,7 @@ only for its geometry and weights; what the store keeps and its trust rule are
 ``engine.kvcache.kv_tier``'s, how the cache uses it ``engine.kvcache.second_tier``'s.
 
 The tier's folder (``tier_dir``) is created with mode 0o700 and must be the user's alone
-(``kv_tier.unsafe_folder``: the user's or root's, not writable by others unless sticky): one
+(``tier_folder.unsafe_folder``: the user's or root's, not writable by others unless sticky): one
 that others may write gets no second tier (one log line), and its weights' digests are
 neither read nor kept there (the weights are hashed in full instead).
 """
@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.kvcache import kv_tier
+from engine.kvcache import kv_tier, tier_folder
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -51,7 +51,7 @@ def _memo_in(tier_dir: Path) -> Path | None:
         tier_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         return None
-    return None if kv_tier.unsafe_folder(tier_dir, parent=True) else tier_dir / "weight-digests.json"
+    return None if tier_folder.unsafe_folder(tier_dir, parent=True) else tier_dir / "weight-digests.json"
 
 
 def _attention_kernels(runner: ModelRunner) -> str:
@@ -74,12 +74,12 @@ def make_tier(runner: ModelRunner, tier_bytes: int, tier_dir: str | None, finger
     folder = Path(tier_dir) / f"{fingerprint}-{'isolated' if isolation else 'shared'}"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        why = kv_tier.unsafe_folder(folder.parent, parent=True)
+        why = tier_folder.unsafe_folder(folder.parent, parent=True)
         if why:
-            raise kv_tier.TierUnsafe(f"the KV tier's folder {folder.parent} {why}")
+            raise tier_folder.TierUnsafe(f"the KV tier's folder {folder.parent} {why}")
         store = kv_tier.DiskStore(folder, tier_bytes, geometry)
-    except (kv_tier.TierBusy, kv_tier.TierUnsafe, OSError) as exc:  # held, not the user's alone, or not made
+    except (tier_folder.TierBusy, tier_folder.TierUnsafe, OSError) as exc:  # held, not the user's alone, or not made
         log.warning("KV tier: running without a second tier: %s", exc)
         return None
-    kv_tier.prune_other_tiers(folder.parent, keep=folder)
+    tier_folder.prune_other_tiers(folder.parent, keep=folder)
     return store

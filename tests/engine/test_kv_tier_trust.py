@@ -23,7 +23,8 @@ import torch
 
 from engine.engine import Engine
 from engine.kvcache import kv_tier
-from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostStore, TierBusy
+from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostStore
+from engine.kvcache.tier_folder import TierBusy
 from engine.types import CacheKey
 from tests.conftest import make_tiny_runner
 from tests.engine.test_batching_exact import rand_ids
@@ -242,7 +243,8 @@ def test_a_second_store_on_the_folder_is_refused_until_the_first_closes(tmp_path
 def test_another_process_gets_tier_busy(tmp_path):
     store = DiskStore(tmp_path, 2**20, geometry())
     child = ("import sys, torch\n"
-             "from engine.kvcache.kv_tier import ChunkGeometry, DiskStore, TierBusy\n"
+             "from engine.kvcache.kv_tier import ChunkGeometry, DiskStore\n"
+             "from engine.kvcache.tier_folder import TierBusy\n"
              "try:\n"
              "    DiskStore(sys.argv[1], 2**20, ChunkGeometry(2, 2, 16, torch.float32))\n"
              "except TierBusy as exc:\n"

@@ -16,7 +16,8 @@ import torch
 
 from engine.engine import Engine
 from engine.kvcache import kv_tier, tier_identity
-from engine.kvcache.kv_tier import DiskStore, TierUnsafe
+from engine.kvcache.kv_tier import DiskStore
+from engine.kvcache.tier_folder import TierUnsafe
 from engine.types import CacheKey
 from tests.engine.test_kv_tier import chunk, geometry
 
