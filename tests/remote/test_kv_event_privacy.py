@@ -13,7 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from engine.kvcache.kv_events import KVEventPublisher, block_hash
+from engine.kvcache.kv_event_format import block_hash
+from engine.kvcache.kv_events import KVEventPublisher
 from engine.kvcache.radix_tree import RadixTree
 from engine.types import PUBLIC, CacheKey
 from server.remote.block_tree import BlockTree

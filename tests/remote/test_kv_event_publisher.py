@@ -15,7 +15,8 @@ import msgspec
 import pytest
 import zmq
 
-from engine.kvcache.kv_events import KVEventPublisher, block_hash
+from engine.kvcache.kv_event_format import block_hash
+from engine.kvcache.kv_events import KVEventPublisher
 from engine.kvcache.radix_tree import RadixTree
 from engine.types import PUBLIC, CacheKey
 from server.remote.block_tree import BlockTree
@@ -401,9 +402,9 @@ def test_a_stalled_sending_thread_never_blocks_the_cache_and_drops_are_counted()
 
 
 def test_replay_requests_are_rate_limited_and_a_client_that_never_reads_is_dropped(monkeypatch):
-    from engine.kvcache import kv_events
+    from engine.kvcache import kv_event_stream
 
-    monkeypatch.setattr(kv_events, "REPLAY_SESSION_S", 0.5)
+    monkeypatch.setattr(kv_event_stream, "REPLAY_SESSION_S", 0.5)
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS)
     tree = RadixTree()
     tree.listener = pub
@@ -424,11 +425,11 @@ def test_replay_requests_are_rate_limited_and_a_client_that_never_reads_is_dropp
             s.connect(pub.replay_endpoint)
             s.send_multipart([b"", (0).to_bytes(8, "big")])
         time.sleep(0.5)
-        assert pub.replay_refused > 150 and len(pub._answers) <= kv_events.REPLAY_SESSIONS
+        assert pub.replay_refused > 150 and len(pub._answers) <= kv_event_stream.REPLAY_SESSIONS
         ends = 0
         while spam.poll(100):
             ends += spam.recv_multipart()[-2] == (-1).to_bytes(8, "big", signed=True)
-        assert ends <= kv_events.REPLAY_BURST + 5  # answers, not 200 copies of the buffer
+        assert ends <= kv_event_stream.REPLAY_BURST + 5  # answers, not 200 copies of the buffer
         for s in silent:
             s.close(linger=0)
         spam.close(linger=0)
@@ -450,10 +451,10 @@ def test_a_replay_client_that_never_reads_holds_a_bounded_answer_and_is_dropped(
     messages at a time as its pipe takes them), and a client that does not take it in time is dropped."""
     import random as _random
 
-    from engine.kvcache import kv_events
+    from engine.kvcache import kv_event_stream
 
-    monkeypatch.setattr(kv_events, "REPLAY_SESSION_S", 1.0)
-    monkeypatch.setattr(kv_events, "REPLAY_HWM", 4)
+    monkeypatch.setattr(kv_event_stream, "REPLAY_SESSION_S", 1.0)
+    monkeypatch.setattr(kv_event_stream, "REPLAY_HWM", 4)
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "ours", block_size=BS)
     tree = RadixTree()
     tree.listener = pub

@@ -15,7 +15,7 @@ import pytest
 
 from components.panels.memory_panel import memory_markdown
 from engine.engine import Engine
-from engine.kvcache.kv_events import MEDIUM_STORAGE, block_hash
+from engine.kvcache.kv_event_format import MEDIUM_STORAGE, block_hash
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
