@@ -175,6 +175,9 @@ class ModelRunner:
         (exact on fused, fused on stack, stack on transformers), each probe runs once, in that order
         from the bottom; ``self.stack`` is left as the chosen driver needs it (None below stack)."""
         memo: dict[str, str] = {}
+        # the model's family as the exact forward reads it (engine.model.families), or why not
+        built = DecoderStack.build(self.model, fused=not (settings.refusal("layers", "fused")
+                                                          and settings.refusal("layers", "exact")))
 
         def runs(name: str) -> str:
             if name not in memo:
@@ -189,9 +192,13 @@ class ModelRunner:
             why = below("transformers", "the pool-reading attention")
             if why:
                 return why
-            built = DecoderStack.build(self.model, fused=not settings.refusal("layers", "fused"))
-            if built is None:
-                return "not a Llama-family decoder this forward knows (engine.model.decoder_stack)"
+            if isinstance(built, str):
+                return built
+            if not built.plain:
+                return (f"{built.parts.recipe.name}'s layer is not Llama-shaped or uses a sliding window: the "
+                        "stack's PyTorch layers do not run it (the exact forward does)")
+            if settings.refusal("layers", "fused"):
+                built.fused = None
             self.stack = self._check_stack(built)
             return "" if self.stack is not None else "its logits differ from transformers' forward on a probe"
 
@@ -206,8 +213,16 @@ class ModelRunner:
                 return "its logits are off the unfused forward's on a probe (or the kernel refused it)"
             return ""
 
+        def exact_check() -> str:
+            if isinstance(built, str):
+                return built
+            if built.plain:  # Llama-shaped: checked against the unfused stack, as the drivers below it
+                return below("fused", "the fused layers") or self._check_exact()
+            self.stack = built  # the other families: checked against transformers' own forward
+            return self._check_exact_family()
+
         checks: dict[str, Callable[[], str]] = {
-            "exact": lambda: below("fused", "the fused layers") or self._check_exact(),
+            "exact": exact_check,
             "fused": fused, "stack": stack, "transformers": self._enable_batching, "gathered": lambda: ""}
         for name in ("transformers", "stack", "fused", "exact"):  # the probes' order: each needs the one before
             runs(name)
@@ -340,6 +355,35 @@ class ModelRunner:
             return "its logits are off the unfused forward's on a probe (or a kernel refused it)"
         return ""
 
+    @torch.inference_mode()
+    def _check_exact_family(self) -> str:
+        """``_check_exact`` for a family whose layer the unfused stack does not run (``DecoderParts.plain``
+        false): the exact forward's logits of a probe prompt, run in three chunks, against transformers'
+        own forward of it from nothing, within the fused layers' bound (``FusedLayers.bound`` of the
+        largest logit; a misread recipe is off by far more)."""
+        stack = self.stack
+        if not stack.exact_ready:
+            return f"{stack.parts.recipe.name}: the fused layers do not take it here (dtype, sizes) or lack a tail in C"
+        if self.device.type != "cpu" or not exact.takes(
+                self.dtype, self.query_groups * self.num_kv_heads, self.num_kv_heads, self.head_dim):
+            return "the exact attention kernel does not take this model here (dtype, heads or head size)"
+        from transformers import DynamicCache
+
+        ids = [3 + (7 * i) % 61 for i in range(40)]
+        try:
+            ref = self._model(DynamicCache(), input_ids=torch.tensor([ids], device=self.device)).logits[0].float()
+            kv = self.new_request_kv(len(ids))
+            got = torch.cat([self._exact_buffer(ids[a:b], kv, every_position=True)
+                             for a, b in ((0, 24), (24, 39), (39, 40))])
+        except Exception as exc:  # noqa: BLE001 - a refusal of a kernel: the path before it
+            log.warning("exact forward off: %s", exc)
+            return f"a kernel refused it on a probe ({exc})"
+        bound = stack.fused.bound * max(1.0, float(ref.abs().max()))
+        if not bool(torch.isfinite(got).all()) or float((got - ref).abs().max()) > bound:
+            log.warning("exact forward off: logits differ from transformers' forward on a probe")
+            return "its logits are off transformers' forward on a probe"
+        return ""
+
     def _warm_up(self) -> None:
         """Run both prefill paths once, so the first visitor's timings are not a cold start."""
         ids = list(range(1, 17))
@@ -417,12 +461,10 @@ class ModelRunner:
         """``forward_paged``'s body in exact mode: every row through ``DecoderStack.forward_exact``
         over an ``exact.ExactPlan`` (rows in the caller's order). ``pool`` has per-layer ``k``/``v``."""
         plan = exact.ExactPlan(segments, self.device)
-        first = self.stack.layers[0]
-        call = plan.call(pool.k[first.index], self.query_groups * self.num_kv_heads, first.scaling)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
-        return self.stack.forward_exact(input_ids, positions, plan.write_index, pool.k, pool.v, call, last)[0].float()
+        return self.stack.forward_exact(input_ids, positions, plan.write_index, pool.k, pool.v, plan, last)[0].float()
 
     def _exact_buffer(self, ids: Sequence[int], kv: RequestKV, every_position: bool) -> torch.Tensor:
         """``forward``'s work in exact mode: ``ids`` after the ``kv.length`` tokens in the scratch

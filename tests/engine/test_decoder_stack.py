@@ -96,9 +96,10 @@ def _qwen_like(tokenizer, q_norm: bool):
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
 
 
-def test_qwen2_with_projection_biases_takes_the_stack_qwen3_does_not(tokenizer):
-    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=False)) is not None
-    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=True)) is None  # per-head norms: another layer
+def test_qwen2_with_projection_biases_takes_the_stack_qwen3_only_the_exact_forward(tokenizer):
+    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=False)).plain
+    qwen3 = DecoderStack.build(_qwen_like(tokenizer, q_norm=True))  # per-head norms: another layer
+    assert not qwen3.plain and qwen3.parts.recipe.qk_norm == "head"
 
 
 def test_switched_off_or_differing_keeps_transformers_forward(tokenizer, monkeypatch):
