@@ -1,7 +1,7 @@
 """What runs a forward, in words: the runner's execution plan and the settings behind it (issue 47, item 1).
 
 Owns: ``explain(runner)``, the lines ``python app.py --explain-kernels`` prints: the model, device
-and dtype; the plan (``engine.model.plan``: each decision's choice and why each option before it
+and dtype; its family's recipe (``engine.model.families``) or why it has none; the plan (``engine.model.plan``: each decision's choice and why each option before it
 was set aside); the forward, the linears and the attention as the engine info says them; the
 instruction set our C kernels were built for; and each setting the plan read, with its value.
 Knows nothing of requests or the cache: it reads the plan, chosen once at start, and changes nothing.
@@ -16,6 +16,7 @@ def explain(runner) -> list[str]:
     """The runner's forward, one fact a line (see the module docstring)."""
     plan = runner.plan
     lines = [f"model: {runner.name} on {runner.device} ({str(runner.dtype).removeprefix('torch.')})",
+             f"family: {runner.family}",
              f"plan: {plan.summary()}", *(f"  {line}" for line in plan.lines()),
              f"forward: {runner.forward_kind}",
              f"linears: {runner.linear_kernels}",

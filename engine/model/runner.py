@@ -167,6 +167,8 @@ class ModelRunner:
                                   fused_max_rows=fused.max_rows if fused is not None else 0,
                                   linear_max_rows=native_linear.MAX_ROWS if self.native_linears
                                   and self.dtype == torch.float32 else 0, switches=settings.switches)
+        if driver != "exact":  # nothing falls back silently: the log, the engine info and --explain-kernels say why
+            log.warning("%s: the forward is %s, not exact: %s", self.name, driver, self.plan.why_not("exact"))
         self.compute.call(self._warm_up)
 
     @torch.inference_mode()
@@ -580,7 +582,17 @@ class ModelRunner:
                     "PyTorch's ops, stack=off for transformers' forward)")
         if self.stack is not None:
             return "decoder stack: the model's layers called directly (RADIX_KERNELS=stack=off for transformers' forward)"
-        return "transformers' forward" + ("" if self.can_batch else ", one request per forward")
+        kind = "transformers' forward" + ("" if self.can_batch else ", one request per forward")
+        why = self.plan.why_not("exact")
+        return kind + (f" (not exact: {why})" if why else "")
+
+    @property
+    def family(self) -> str:
+        """The model's family recipe in words (``engine.model.families``), or why it has none."""
+        from engine.model import families
+
+        recipe = families.recipe_of(self.model)
+        return recipe.describe() if recipe is not None else families.refusal(self.model)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the compute thread (after the calls queued before), for command lines that build
