@@ -17,7 +17,7 @@ def tiny_model(family: str, vocab: int, seed: int = 0, dtype: torch.dtype = torc
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, num_hidden_layers=2,
+                  num_key_value_heads=2, max_position_embeddings=2048, num_hidden_layers=2,
                   initializer_range=0.1)
     three = dict(common, num_hidden_layers=3)
     if family == "qwen2":
