@@ -19,7 +19,7 @@ pieces take fewer ops for the same arithmetic:
   layer (``-a * b`` and ``a * -b`` are the same float).
 
 The logits are bit-identical to the transformers path: the runner checks so at start on a
-probe forward (``ModelRunner._check_stack``), and keeps transformers' forward on any difference.
+probe forward (``engine.model.layer_checks``), and keeps transformers' forward on any difference.
 
 Which models: every family of the registry (``engine.model.families``), through its
 ``engine.model.decoder_parts.DecoderParts``. The exact forward (``forward_exact``) runs all of
@@ -91,7 +91,7 @@ class DecoderStack:
         else:
             self.layers = list(parts.layers)  # index, scaling and head_dim: what forward_exact reads
         # A step of a few rows in two C calls per layer (engine.model.fused_decode), where the plan
-        # may use them; the runner drops them unless they check out on a probe (ModelRunner._check_fused).
+        # may use them; the runner drops them unless they check out on a probe (engine.model.layer_checks).
         p = next(model.parameters())
         self.fused: FusedLayers | None = FusedLayers.build(parts, p.dtype, p.device) if fused else None
         self.one_scale = len({(layer.scaling, layer.head_dim) for layer in self.layers}) == 1  # one C call takes one
@@ -112,18 +112,18 @@ class DecoderStack:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
                 k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
-                keep: torch.Tensor | int, rows_call: Callable | None = None) -> torch.Tensor:
+                keep: torch.Tensor | int, rows_call: Callable | None = None, fused: bool = False) -> torch.Tensor:
         """Logits of the kept rows: ``input_ids``/``positions`` ``[1, T]``; token ``i``'s KV goes to
         slot ``write_index[i]`` of every layer's ``k_pool``/``v_pool`` ``[Hkv, S, D]``;
         ``attend(k_layer, v_layer, query [1, Hq, T, D], scale) -> [1, T, Hq, D]`` reads them (the
         plan's attention); ``keep`` is transformers' ``logits_to_keep`` (0: every row, or the rows'
-        indices); ``rows_call(k_layer, q_heads, scale)`` (the plan's ``rows_call``), where given,
-        may offer that attention for C to call, and then a fused step runs every layer in one C
-        call. Returns ``[1, kept, vocab]`` in the model's dtype."""
+        indices). With ``fused`` (the caller's choice, from the plan: ``ExecutionPlan.driver_for``) the
+        layers run in the fused C calls, and where ``rows_call(k_layer, q_heads, scale)`` (the plan's
+        ``rows_call``) offers that attention for C to call, every layer in one C call. Returns
+        ``[1, kept, vocab]`` in the model's dtype. Llama-shaped decoders only (``plain``)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
-        if (self.fused is not None and input_ids.shape[1] <= self.fused.max_rows
-                and cos.shape[-1] == self.layers[0].head_dim):
+        if fused:
             h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend, rows_call)
         else:
             h = self._layers(h, cos, sin, write_index, k_pool, v_pool, attend)

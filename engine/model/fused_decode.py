@@ -23,7 +23,7 @@ Exactness: every step is per row (a row's result does not depend on the others i
 batched decode rows still equal lone ones bit for bit. Against the unfused forward the logits
 differ in their last bits (another order of float32 operations), like our linears against
 PyTorch's: the runner checks them within a bound on a probe at start
-(``ModelRunner._check_fused``) and runs unfused on any other result, and the second tier's
+(``engine.model.layer_checks``) and runs unfused on any other result, and the second tier's
 fingerprint names the fused forward. The execution plan decides (``engine.model.plan``:
 ``RADIX_KERNELS=fused=off``, alias ``RADIX_FUSED_DECODE=0``, turns it off).
 

@@ -22,7 +22,9 @@ Three decisions, each an ordered list of options; the first that runs here is ch
 
 Each layer driver builds on the one below it (exact on fused, fused on stack, stack on
 transformers), so its check asks about that one first; the checks run the runner's start-up
-probes (``ModelRunner._check_stack`` and the others), in the order they always ran.
+probes (``engine.model.layer_checks``), in the order they always ran. ``ExecutionPlan.driver_for``
+is the one rule that applies the plan to a step: a ``fused`` step of more rows than its cap runs the
+stack unfused.
 
 ``RADIX_KERNELS``: items separated by commas, each ``<decision>=<option>`` (that option is tried
 first: the ones before it are set aside) or ``<option>=off`` (that option is set aside). A named
@@ -175,6 +177,11 @@ class ExecutionPlan:
     linear_max_rows: int = 0  # our float32 linears: more rows go to PyTorch's product (0: any, or not ours)
     switches: tuple[tuple[str, str | None], ...] = ()
 
+    def driver_for(self, rows: int) -> str:
+        """The layer driver that runs a step of ``rows`` tokens: the chosen one, but ``stack`` for a
+        ``fused`` step of more than ``fused_max_rows`` rows (a prefill chunk). The one rule by rows."""
+        return "stack" if self.layers == "fused" and rows > self.fused_max_rows else self.layers
+
     def why_not(self, option: str) -> str | None:
         """Why ``option`` was set aside; None where it was chosen or not tried."""
         return next((why for _, name, why in self.rejected if name == option), None)
@@ -191,7 +198,7 @@ class ExecutionPlan:
             chosen = getattr(self, decision)
             out.append(f"{decision}: {chosen} ({dict(options)[chosen]})")
             out += [f"  not {name}: {why}" for d, name, why in self.rejected if d == decision]
-        if self.fused_max_rows:
+        if self.fused_max_rows and self.layers == "fused":
             out.append(f"fused layers: steps of up to {self.fused_max_rows} rows (more run unfused)")
         if self.linear_max_rows:
             out.append(f"our linears: up to {self.linear_max_rows} float32 rows (more go to PyTorch's product)")

@@ -4,6 +4,7 @@ fused decode layers, which differ in the last bits, are off here: ``test_fused_d
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -76,7 +77,7 @@ def test_stack_equals_transformers_forward(tokenizer, tiny_runner, tiny_runner_b
 
 
 def test_every_position_and_engine_path_use_the_stack(tiny_runner, monkeypatch):
-    monkeypatch.setattr(tiny_runner.stack, "fused", None)
+    monkeypatch.setattr(tiny_runner, "plan", dataclasses.replace(tiny_runner.plan, layers="stack"))
     plain_pool, stack_pool = _pools(tiny_runner, 64)
     seg = [PagedSegment(list(range(20, 45)), 0, plain_pool.alloc(25))]
     stack_pool.alloc(25)

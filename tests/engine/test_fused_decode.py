@@ -33,12 +33,11 @@ def _pool(runner, tokens: int) -> KVPool:
 
 
 def _run(runner, pool, segments, fused: bool) -> torch.Tensor:
-    stack = runner.stack
-    keep, stack.fused = stack.fused, stack.fused if fused else None
-    try:
-        return runner.compute.call(torch.inference_mode()(runner._paged), pool, segments, False, stack)
-    finally:
-        stack.fused = keep
+    """A step through the runner's stack, its fused layers or not (the plan's row cap applied, as
+    ``forward_paged`` applies it: ``ExecutionPlan.driver_for``)."""
+    rows = sum(len(s.ids) for s in segments)
+    fused = fused and rows <= runner.stack.fused.max_rows
+    return runner.compute.call(torch.inference_mode()(runner._paged), pool, segments, False, runner.stack, fused)
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the largest value (bf16: a flip carried on)

@@ -2,7 +2,7 @@
 layer a sliding window; attention scores and logits soft-capped; scale from query_pre_attn_scalar;
 the embedding scaled by sqrt(hidden)."""
 
-from engine.model.families import Norms, Recipe
+from engine.model.families.recipe import Norms, Recipe
 
 RECIPE = Recipe("Gemma 2", ("gemma2",),
                 norms=Norms(attn_in="input_layernorm", attn_out="post_attention_layernorm",

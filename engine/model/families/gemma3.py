@@ -1,7 +1,7 @@
 """Gemma 3 (text): Gemma 2's layer with an RMSNorm (1 + w) over each query and key head, a rotary
 table per layer type (a local base for the sliding layers) and no attention soft-cap."""
 
-from engine.model.families import Norms, Recipe
+from engine.model.families.recipe import Norms, Recipe
 
 RECIPE = Recipe("Gemma 3", ("gemma3_text", "gemma3"),
                 norms=Norms(attn_in="input_layernorm", attn_out="post_attention_layernorm",
