@@ -163,6 +163,13 @@ def read_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
     return KernelSettings(settings.pins, settings.off, tuple(switches))
 
 
+def for_gpu_calls(settings: KernelSettings) -> KernelSettings:
+    """``settings`` for a model kept on the CPU and moved to a GPU for each call (ZeroGPU): PyTorch's
+    linears, unpacked, and none of our CPU layers (what the runner there gets is the model as loaded)."""
+    return parse("packed=off,native=off,fused=off,exact=off", "the model moves to a GPU per call (ZeroGPU)",
+                 settings)
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """What runs a forward, chosen once at start (module docstring): the option of each decision,

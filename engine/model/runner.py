@@ -50,7 +50,7 @@ from engine.model.loader import LoadedModel
 from engine.model.native_linear import use_native_linears
 from engine.model.packed_linear import pack_linears
 from engine.model.paged_attention import PagedPlan, PagedSegment
-from engine.model.plan import ExecutionPlan
+from engine.model.plan import ExecutionPlan, KernelSettings
 from engine.text.codec import TextCodec
 from engine.types import EngineError, EngineFault, SamplingParams
 
@@ -90,7 +90,9 @@ def _on_compute_thread(method):
 class ModelRunner:
     in_process_forwards = True  # False for a runner whose forwards run elsewhere (engine.zerogpu)
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, kernels: KernelSettings | None = None) -> None:
+        """``kernels``: the kernel settings (``engine.model.plan``; the app passes them), by default
+        ``plan.read_settings()`` of this process's environment."""
         self.loaded = loaded
         # Every forward runs on this one thread (see engine.model.compute_thread: one OpenMP pool).
         self.compute = ComputeThread()
@@ -101,7 +103,7 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        settings = plan.read_settings()  # the one reading of RADIX_KERNELS and its aliases
+        settings = kernels if kernels is not None else plan.read_settings()
         # The linears (CPU bf16 with native bf16: oneDNN-packed weights; CPU fp32: our kernel, few rows),
         # checked on the compute thread: the packing check runs a product (one OpenMP pool).
         linear, rejected = self.compute.call(plan.choose, "linear", settings, plan.linear_check(self.model, settings))
