@@ -1,9 +1,9 @@
 """A decode step's layers in two C calls each: everything around attention, fused.
 
-Owns: ``FusedLayers``, the few-rows forward (float32 or bfloat16) of a Llama-family decoder layer's work
-before attention (RMSNorm, the q/k/v linears, the rotary embedding, the new KV written to its
-pool slots) and after it (the o linear, the residual, RMSNorm, gate/up, SiLU times up, down,
-the residual), each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
+Owns: ``FusedLayers``, the forward (float32 or bfloat16) of a decoder layer's work before attention
+(its norm, the q/k/v linears, q/k norms, the rotary embedding, the new KV written to its pool slots)
+and after it (the o linear, a norm, the residual, a norm, gate/up, the activation times up, down, a
+norm, the residual), as its family's recipe says, each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
 Knows nothing about requests or the tree: ``engine.model.decoder_stack`` calls it for a step of
 at most ``MAX_ROWS`` rows and does the attention between the two calls.
 
@@ -37,9 +37,11 @@ on the Zen 4 here the step's linears took 12.4 ms against oneDNN's 18.0-18.6, an
 55-60 ms fused against 61-63 unfused; at 16, 81-90 against 75-77 (oneDNN's bf16 dot products win
 there), so bf16 takes at most ``BF16_MAX_ROWS`` rows.
 
-Which layers: those ``DecoderStack`` takes, in float32 or bfloat16 on a CPU, with ``nn.Linear``
-projections (oneDNN-packed ones too; biases allowed), RMSNorms, SiLU, a rotary embedding over the
-whole head, and sizes our linear kernel takes (multiples of 8).
+Which layers: every family of ``engine.model.families``, read through ``engine.model.decoder_parts``
+(its recipe says the rest: norms before and after attention and the MLP, Gemma's ``1 + w``, q/k norms
+per head or over the projection, SiLU or GELU-tanh, a rotary table per layer type), in float32 or
+bfloat16 on a CPU, with plain ``[out, in]`` weights (views of a fused projection's rows too; biases
+allowed) and sizes our linear kernel takes (multiples of 8).
 """
 
 from __future__ import annotations

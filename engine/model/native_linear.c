@@ -308,10 +308,12 @@ radix_status radix_linear(const float *x, int64_t x_rs, int64_t rows, const void
 }
 
 /* ---------------------------------------------------------------------------------------------
- * A decoder layer's decode-step work around its attention, for Llama-family layers in float32 or
- * bfloat16 (engine.model.fused_decode): the RMSNorms, the seven linears, the rotary embedding, the
- * KV written to its pool slots, SiLU times up, and both residual adds, in two calls per layer
- * (before and after attention) instead of about eighty PyTorch ops. Every step is per row, so
+ * A decoder layer's work around its attention, in float32 or bfloat16 (engine.model.fused_decode):
+ * the RMSNorms, the seven linears, the rotary embedding, the KV written to its pool slots, SiLU (or
+ * GELU-tanh) times up, and both residual adds, in two calls per layer (before and after attention)
+ * instead of about eighty PyTorch ops. What a family adds to Llama's layer (engine.model.families:
+ * norms after attention and the MLP or none before, Gemma's 1 + w, q/k norms, a second rotary
+ * table) is a field of radix_layer, tested outside the linears' loops. Every step is per row, so
  * a row's result does not depend on the other rows in the call either.
  *
  * In bfloat16 (``bf16`` set) the weights, the RMSNorm weights and the pool are bf16, and the rows

@@ -8,8 +8,8 @@ the plan; nothing else in the engine reads these settings. Knows nothing of requ
 
 Three decisions, each an ordered list of options; the first that runs here is chosen::
 
-    layers     exact         every row, whatever its batch, through the fused C layers, our attention in
-                             blocks fixed by position and our head: a row's bits its own (issue 44)
+    layers     exact         every row, whatever its batch, through the fused C layers (the family's recipe),
+                             our attention in blocks fixed by position and our head: a row's bits its own
                fused         the decoder stack, steps of up to ``fused_max_rows`` rows in two fused C calls
                              a layer (all layers in one where no two rows share a prefix)
                stack         the decoder stack on PyTorch's ops (``engine.model.decoder_stack``)
@@ -20,9 +20,11 @@ Three decisions, each an ordered list of options; the first that runs here is ch
                torch         PyTorch's default
     attention  ``engine.model.attention.BACKENDS`` in their order (cpu_native, cpu_sdpa, math_chunked)
 
-Each layer driver builds on the one below it (exact on fused, fused on stack, stack on
-transformers), so its check asks about that one first; the checks run the runner's start-up
-probes (``engine.model.layer_checks``), in the order they always ran. ``ExecutionPlan.driver_for``
+For a Llama-shaped decoder each layer driver builds on the one below it (exact on fused, fused on
+stack, stack on transformers), so its check asks about that one first; the exact forward of any
+other family of ``engine.model.families`` is checked against transformers' own forward instead, and
+a family outside that registry is not exact, with the reason. The checks are
+``engine.model.layer_checks``. ``ExecutionPlan.driver_for``
 is the one rule that applies the plan to a step: a ``fused`` step of more rows than its cap runs the
 stack unfused.
 

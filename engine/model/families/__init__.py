@@ -30,8 +30,8 @@ FAMILIES: tuple[Recipe, ...] = (  # the registry: one line a family
     olmo2.RECIPE,
 )
 REGISTRY: dict[str, Recipe] = {t: r for r in FAMILIES for t in r.model_types}
-NEEDS = ("an entry in engine.model.families: a file declaring its Recipe (norms, activation, q/k norms, fused "
-         "projections, rotary, window, soft-caps) and one registry line")
+NEEDS = ("a file in engine.model.families declaring its Recipe (norms, activation, q/k norms, fused "
+         "projections, rotary, window, soft-caps) and one line in its registry")
 
 
 def model_type(model) -> str:
