@@ -104,6 +104,8 @@ class DecoderParts:
             return _resolve(model, recipe)
         except _Refused as why:
             return f"{recipe.name}: {why}"
+        except Exception as exc:  # noqa: BLE001 - a model that only looked like its family: say so, never crash
+            return f"{recipe.name}: its weights do not read as the recipe says ({type(exc).__name__}: {exc})"
 
 
 class _Refused(Exception):
@@ -188,8 +190,9 @@ def _resolve(model: nn.Module, r: Recipe) -> DecoderParts:
         return (torch.stack([c[0] for c, _ in pairs]).float().contiguous(),
                 torch.stack([s[0] for _, s in pairs]).float().contiguous())
 
-    cos, _ = rotary(torch.zeros((1, 1, int(cfg.hidden_size)), dtype=next(model.parameters()).dtype),
-                    torch.zeros((1, 1), dtype=torch.long))
+    p = next(model.parameters())
+    cos, _ = rotary(torch.zeros((1, 1, int(cfg.hidden_size)), dtype=p.dtype, device=p.device),
+                    torch.zeros((1, 1), dtype=torch.long, device=p.device))
     if cos.shape[-1] != head_dim:
         raise _Refused(f"a rotary embedding over {cos.shape[-1]} of the head's {head_dim} dimensions (partial rotary)")
     head = _need(model, "lm_head", "LM head")

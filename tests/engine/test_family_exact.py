@@ -146,3 +146,28 @@ def test_explain_kernels_names_the_exact_forward_for_every_family(tokenizer, tmp
         assert out.returncode == 0, out.stderr[-2000:]
         assert "plan: layers=exact " in out.stdout, (family, out.stdout)
         assert f"family: {families.REGISTRY[tiny_model(family, 64).config.model_type].name}: " in out.stdout
+
+
+def test_a_recipe_reads_the_weights_in_place_and_names_what_it_cannot_read(tokenizer):
+    """Phi-3's fused projections become views of their rows (no copy); Gemma's norms ``1 + w`` once, in
+    float32; Gemma 3's sliding layers read their own rotary table; a Llama with another activation is
+    outside its recipe, in one sentence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.model.decoder_parts import DecoderParts
+
+    phi3 = tiny_model("phi3", 256)
+    parts = DecoderParts.of(phi3)
+    qkv, nq = phi3.model.layers[0].self_attn.qkv_proj.weight, 4 * 16
+    layer = parts.layers[0]
+    assert layer.q.weight.data_ptr() == qkv.data_ptr()
+    assert layer.k.weight.data_ptr() == qkv.data_ptr() + nq * 64 * qkv.element_size()
+    assert layer.window == WINDOW and parts.recipe.name == "Phi-3"
+    gemma3 = DecoderParts.of(tiny_model("gemma3", 256, dtype=torch.bfloat16))
+    norm = gemma3.layers[0].attn_in
+    assert norm.offset and norm.weight.dtype == torch.float32
+    assert [(p.window, p.rope) for p in gemma3.layers] == [(WINDOW, 1), (0, 0), (WINDOW, 1)]
+    assert gemma3.final_softcap == 3.0 and not gemma3.plain
+    gelu = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu"))
+    assert DecoderParts.of(gelu) == "Llama: the config's activation is 'gelu', not the recipe's silu"
