@@ -186,7 +186,10 @@ def _resolve(model: nn.Module, r: Recipe) -> DecoderParts:
     rotary_emb = _need(inner, "rotary_emb", "rotary embedding")
 
     def rotary(h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [rotary_emb(h, positions, t) if t else rotary_emb(h, positions) for t in tables]
+        if not r.rotary_by_layer_type:  # one table: the model's own, as a view (no copy in float32)
+            cos, sin = rotary_emb(h, positions)
+            return cos.float().contiguous(), sin.float().contiguous()
+        pairs = [rotary_emb(h, positions, t) for t in tables]
         return (torch.stack([c[0] for c, _ in pairs]).float().contiguous(),
                 torch.stack([s[0] for _, s in pairs]).float().contiguous())
 
