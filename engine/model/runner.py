@@ -3,7 +3,7 @@
 Owns: forward passes on a request's KV buffer, packed forwards over many requests'
 buffers, the scheduler's forward over the KV pool, a reference prefill from scratch, and
 the model's KV geometry. Every forward runs on the runner's one compute thread
-(``engine.model.compute_thread``), whoever calls it; on an x86 CPU in float32 the
+(``engine.model.compute_thread``), whoever calls it; on an x86 CPU in bfloat16 the
 model's linears are oneDNN-packed (``engine.model.packed_linear``). Holds the model's
 text half as ``text`` (``engine.text.codec.TextCodec``: template, encode, decode, eos)
 and does no text itself. Knows nothing about the radix tree, the pool's policy or the
@@ -25,7 +25,8 @@ its place (``engine.model.pool_attention``). The other paths are single-request:
 Which of these runs, with which linears and attention, is chosen once as the runner is built:
 its ``plan`` (``engine.model.plan.ExecutionPlan``, frozen), from the plan's registry with the
 start-up checks of ``engine.model.layer_checks``. ``forward_paged`` asks the plan which driver runs
-a step (``ExecutionPlan.driver_for``) and runs it; nothing here reads a setting or chooses again.
+a step (``ExecutionPlan.driver_for``) and runs it; nothing here chooses again, and the settings come
+in as an argument (the environment is read, by ``plan.read_settings``, only when none are given).
 """
 
 from __future__ import annotations
