@@ -112,6 +112,7 @@ class _Refused(Exception):
     pass
 
 
+_DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers' rope types recomputed from the positions of each forward
 # the config's activation names that are the recipe's activation (families.ACTIVATIONS)
 _ACT_NAMES = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}
 
@@ -184,6 +185,10 @@ def _resolve(model: nn.Module, r: Recipe) -> DecoderParts:
         _check_shapes(parts, r)
         out.append(parts)
     rotary_emb = _need(inner, "rotary_emb", "rotary embedding")
+    kinds = getattr(rotary_emb, "rope_type", None)
+    dynamic = sorted({k for k in (kinds.values() if isinstance(kinds, dict) else [kinds]) if k in _DYNAMIC_ROPE})
+    if dynamic:  # its tables follow the longest position in the pack: a row's bits would hang on its batch
+        raise _Refused(f"a rotary embedding that changes with the batch's longest position ({', '.join(dynamic)})")
 
     def rotary(h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not r.rotary_by_layer_type:  # one table: the model's own, as a view (no copy in float32)

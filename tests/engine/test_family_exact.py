@@ -171,3 +171,19 @@ def test_a_recipe_reads_the_weights_in_place_and_names_what_it_cannot_read(token
     gelu = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu"))
     assert DecoderParts.of(gelu) == "Llama: the config's activation is 'gelu', not the recipe's silu"
+
+
+def test_a_rotary_table_that_follows_the_batch_is_not_exact():
+    """Phi-3's long-context ``longrope`` picks its factors from the longest position of each forward: a
+    row's bits would hang on its batch, so the recipe refuses it and says why (the plan falls back)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from engine.model.decoder_parts import DecoderParts
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 4096}
+    cfg = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=8192,
+                     original_max_position_embeddings=4096, pad_token_id=0, rope_parameters=rope)
+    assert DecoderParts.of(Phi3ForCausalLM(cfg)) == (
+        "Phi-3: a rotary embedding that changes with the batch's longest position (longrope)")
