@@ -140,6 +140,8 @@ def _resolve(model: nn.Module, r: Recipe) -> DecoderParts:
     layers = list(_need(inner, "layers", "decoder layers"))[: cfg.num_hidden_layers]
     if not layers:
         raise _Refused("no decoder layers")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise _Refused("bidirectional attention (an embedding model): the exact attention is causal")
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "embedding_multiplier", None):
         raise _Refused("tensor-parallel pretraining slices or an embedding multiplier, which the recipe does not say")
     q_heads, kv_heads = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
