@@ -113,7 +113,7 @@ def test_reuse_and_batching_give_the_logprobs_of_no_cache(runner):
         plain.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_runs_exact_and_batched_rows_equal_lone_ones(tokenizer, family):
     r = family_runner(tokenizer, family, torch.bfloat16)
     assert r.plan.layers == "exact", r.plan.lines()
