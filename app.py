@@ -26,17 +26,17 @@ def build_engine(args: AppConfig, runner=None):
     """The engine the flags describe (``args.engine``, its ``EngineConfig``, with the second tier's
     folder for this runner); ``runner`` (tests) skips loading ``args.model``."""
     from engine.engine import Engine
+    from engine.model import plan
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
     from engine.zerogpu.detect import OFF, SPACES, zerogpu_mode
 
     mode = zerogpu_mode()
     if runner is None:
-        device = args.device
+        device, kernels = args.device, plan.read_settings()
         if mode == SPACES:  # the main process has no GPU: the model stays on the CPU, each call moves it
-            device = "cpu"
-            os.environ["RADIX_PACKED_LINEAR"] = os.environ["RADIX_NATIVE_LINEAR"] = "0"
-        runner = ModelRunner(load_model(args.model, device=device, dtype=args.dtype))
+            device, kernels = "cpu", plan.for_gpu_calls(kernels)
+        runner = ModelRunner(load_model(args.model, device=device, dtype=args.dtype), kernels)
     if mode != OFF:  # ZeroGPU: the tree and the pool here, each forward in a GPU call (engine.zerogpu)
         from engine.zerogpu.runner import ZeroGPURunner
 

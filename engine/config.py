@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kvcache.eviction import DEFAULT_POLICY, POLICIES
+from engine.scheduler.config import SchedulerConfig
 
 __all__ = ["ConfigError", "EngineConfig"]
 
@@ -95,11 +96,11 @@ class EngineConfig:
     budget_bytes: int | None = None
     enable_cache: bool = True
     isolation: bool = False
-    max_queue: int = 32
+    max_queue: int = 32  # the one default: engine.settings and the app read it from here
     max_prompt_tokens: int | None = None
     max_new_tokens_cap: int = 512
     history_size: int = 1000
-    max_batch: int = 16
+    max_batch: int = SchedulerConfig.max_batch  # the scheduler's own default: one home
     chunk_tokens: int | None = None
     tier_bytes: int = 0
     tier_dir: str | None = None

@@ -156,9 +156,9 @@ SETTINGS: tuple[Setting, ...] = (
     _S("max_new_tokens", "--max-new-tokens", "RADIX_MAX_NEW_TOKENS", "", "cap on new tokens per request (default "
        f"{PRIVATE_MAX_NEW_TOKENS}; {PUBLIC_MAX_NEW_TOKENS} with --isolate)", _int_or_unset,
        field="max_new_tokens_cap"),
-    _S("max_queue", "--max-queue", "RADIX_MAX_QUEUE", "32", "requests that may wait for the model before visitors "
+    _S("max_queue", "--max-queue", "RADIX_MAX_QUEUE", str(EngineConfig.max_queue), "requests that may wait for the model before visitors "
        "get a 'busy' message", _int, field="max_queue"),
-    _S("max_batch", "--max-batch", "RADIX_MAX_BATCH", "16", "requests decoded together in one forward (continuous "
+    _S("max_batch", "--max-batch", "RADIX_MAX_BATCH", str(EngineConfig.max_batch), "requests decoded together in one forward (continuous "
        "batching); 1 runs one at a time", _int, field="max_batch"),
     _S("chunk_tokens", "--chunk-tokens", "RADIX_CHUNK_TOKENS", "0", "prompt tokens prefilled per scheduler step, "
        "so a long prompt cannot freeze other visitors' streams (0: 256 on CPU, 2048 on GPU)", _int_or_default,
@@ -250,8 +250,8 @@ class AppConfig:
     isolate: bool = False
     max_prompt_tokens: int | None = None  # None: the model's context (PUBLIC_MAX_PROMPT_TOKENS with isolate)
     max_new_tokens: int | None = None  # None: PRIVATE_MAX_NEW_TOKENS (PUBLIC_MAX_NEW_TOKENS with isolate)
-    max_queue: int = 32
-    max_batch: int = 16
+    max_queue: int = EngineConfig.max_queue  # the defaults' one home: EngineConfig (engine.config)
+    max_batch: int = EngineConfig.max_batch
     chunk_tokens: int | None = None
     kv_events_config: str = ""
     eviction_policy: str = "lru"

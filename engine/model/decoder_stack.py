@@ -19,16 +19,14 @@ pieces take fewer ops for the same arithmetic:
   layer (``-a * b`` and ``a * -b`` are the same float).
 
 The logits are bit-identical to the transformers path: the runner checks so at start on a
-probe forward (``ModelRunner._check_stack``), and keeps transformers' forward on any difference.
+probe forward (``engine.model.layer_checks``), and keeps transformers' forward on any difference.
 
-Which models: a causal LM whose ``model.layers`` are decoder layers with ``self_attn``
-(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, no per-head norms), ``mlp`` (``gate_proj``,
-``up_proj``, ``down_proj``, ``act_fn``), ``input_layernorm`` and
-``post_attention_layernorm``, a ``rotary_emb`` on the model, and ``apply_rotary_pos_emb``
-in its modeling module: Llama, Mistral (without a sliding window), Qwen2 and their kin.
-``DecoderStack.build`` returns None for anything else, and the runner keeps transformers'
-forward. Whether to try it at all is the execution plan's (``engine.model.plan``: ``stack=off``,
-alias ``RADIX_DECODER_STACK=0``).
+Which models: every family of the registry (``engine.model.families``), through its
+``engine.model.decoder_parts.DecoderParts``. The exact forward (``forward_exact``) runs all of
+them; the PyTorch layers (``forward``, the ``stack`` and ``fused`` drivers) only the Llama-shaped
+ones with no sliding window in use (``DecoderParts.plain``: Llama, Mistral, Qwen 2 and kin), whose
+modules ``_Layer`` calls by the names transformers gives them. Whether to try it at all is the
+execution plan's (``engine.model.plan``: ``stack=off``, alias ``RADIX_DECODER_STACK=0``).
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.held_signals import release_signals
+from engine.model.decoder_parts import DecoderParts
 from engine.model.fused_decode import FusedLayers, plain_rms_norm
 
 
@@ -60,7 +59,7 @@ def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Layer:
-    """One decoder layer's parts, looked up once (their ``forward`` methods: no module hooks)."""
+    """One Llama-shaped decoder layer's parts, looked up once (their ``forward`` methods: no module hooks)."""
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -75,70 +74,56 @@ class _Layer:
 
 
 class DecoderStack:
-    """A direct forward of a Llama-family decoder (module docstring)."""
+    """A direct forward of a decoder of the registry (module docstring)."""
 
-    def __init__(self, model: nn.Module, rotate: Callable, fused: bool = True) -> None:
+    def __init__(self, model: nn.Module, parts: DecoderParts, fused: bool = True) -> None:
         inner = model.model
-        self.embed = inner.embed_tokens.forward
-        self.rotary = inner.rotary_emb
-        self.norm = _rms_norm(inner.norm)
+        self.parts = parts
+        self.plain = parts.plain  # the PyTorch layers (forward) run it too
+        self.embed = parts.embed
         self.head = model.lm_head.forward
-        self.rotate = rotate
         modules = list(inner.layers[: model.config.get_text_config().num_hidden_layers])
-        self.layers = [_Layer(layer) for layer in modules]
+        if self.plain:
+            self.rotary = inner.rotary_emb
+            self.norm = _rms_norm(inner.norm)
+            self.rotate = getattr(sys.modules.get(type(modules[0].self_attn).__module__), "apply_rotary_pos_emb", None)
+            self.layers: list = [_Layer(layer) for layer in modules]
+        else:
+            self.layers = list(parts.layers)  # index, scaling and head_dim: what forward_exact reads
         # A step of a few rows in two C calls per layer (engine.model.fused_decode), where the plan
-        # may use them; the runner drops them unless they check out on a probe (ModelRunner._check_fused).
-        self.fused: FusedLayers | None = FusedLayers.build(model, modules) if fused else None
+        # may use them; the runner drops them unless they check out on a probe (engine.model.layer_checks).
+        p = next(model.parameters())
+        self.fused: FusedLayers | None = FusedLayers.build(parts, p.dtype, p.device) if fused else None
         self.one_scale = len({(layer.scaling, layer.head_dim) for layer in self.layers}) == 1  # one C call takes one
+        self.windows = [layer.window for layer in parts.layers]
 
     @classmethod
-    def build(cls, model: nn.Module, fused: bool = True) -> DecoderStack | None:
-        """The stack for ``model``, or None when it is not a decoder this forward knows; with its
-        fused layers where ``fused`` (the plan may use them) and they take the model."""
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if inner is None or not layers or getattr(model, "lm_head", None) is None:
-            return None
-        for name in ("embed_tokens", "rotary_emb", "norm"):
-            if getattr(inner, name, None) is None:
-                return None
-        rotate = getattr(sys.modules.get(type(layers[0].self_attn).__module__), "apply_rotary_pos_emb", None)
-        if rotate is None or not all(cls._knows(layer) for layer in layers):
-            return None
-        cfg = model.config.get_text_config()
-        if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "embedding_multiplier", None):
-            return None
-        return cls(model, rotate, fused)
-
-    @staticmethod
-    def _knows(layer: nn.Module) -> bool:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None:
-            return False
-        if any(getattr(attn, n, None) is None for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
-            return False
-        if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
-            return False  # per-head norms (Qwen3, OLMo 2): another layer shape
-        if any(getattr(mlp, n, None) is None for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            return False
-        extra = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-        names = {n for n, _ in layer.named_children()}
-        return names == extra  # any other part (a pre-feedforward norm, a router) is not this layer
+    def build(cls, model: nn.Module, fused: bool = True) -> DecoderStack | str:
+        """The stack for ``model``, or why not (its family is not in the registry, or its parts do
+        not read: one sentence); with its fused layers where ``fused`` (the plan may use them) and
+        they take the model."""
+        parts = DecoderParts.of(model)
+        if isinstance(parts, str):
+            return parts
+        stack = cls(model, parts, fused)
+        if stack.plain and stack.rotate is None:
+            return "its modeling module has no apply_rotary_pos_emb"
+        return stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
                 k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], attend: Callable,
-                keep: torch.Tensor | int, rows_call: Callable | None = None) -> torch.Tensor:
+                keep: torch.Tensor | int, rows_call: Callable | None = None, fused: bool = False) -> torch.Tensor:
         """Logits of the kept rows: ``input_ids``/``positions`` ``[1, T]``; token ``i``'s KV goes to
         slot ``write_index[i]`` of every layer's ``k_pool``/``v_pool`` ``[Hkv, S, D]``;
         ``attend(k_layer, v_layer, query [1, Hq, T, D], scale) -> [1, T, Hq, D]`` reads them (the
         plan's attention); ``keep`` is transformers' ``logits_to_keep`` (0: every row, or the rows'
-        indices); ``rows_call(k_layer, q_heads, scale)`` (the plan's ``rows_call``), where given,
-        may offer that attention for C to call, and then a fused step runs every layer in one C
-        call. Returns ``[1, kept, vocab]`` in the model's dtype."""
+        indices). With ``fused`` (the caller's choice, from the plan: ``ExecutionPlan.driver_for``) the
+        layers run in the fused C calls, and where ``rows_call(k_layer, q_heads, scale)`` (the plan's
+        ``rows_call``) offers that attention for C to call, every layer in one C call. Returns
+        ``[1, kept, vocab]`` in the model's dtype. Llama-shaped decoders only (``plain``)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)
-        if (self.fused is not None and input_ids.shape[1] <= self.fused.max_rows
-                and cos.shape[-1] == self.layers[0].head_dim):
+        if fused:
             h = self._fused(h, cos, sin, write_index, k_pool, v_pool, attend, rows_call)
         else:
             h = self._layers(h, cos, sin, write_index, k_pool, v_pool, attend)
@@ -148,19 +133,22 @@ class DecoderStack:
         return self.head(h)
 
     def forward_exact(self, input_ids: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
-                      k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], call: object,
+                      k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], plan: object,
                       keep: torch.Tensor | int) -> torch.Tensor:
         """``forward`` with every row's bits its own (issue 44): whatever the number of rows, every
-        layer runs the fused C calls (``FusedLayers.run_all``) with the exact attention ``call``
-        (``engine.model.attention.exact.ExactCall``) between them, and the final norm and the head
-        run on our kernels (``FusedLayers.tail``). Needs ``exact_ready``. Same arguments and result."""
+        layer runs the fused C calls (``FusedLayers.run_all``) with the exact attention of ``plan``
+        (an ``engine.model.attention.exact.ExactPlan``: each layer its window, the recipe's soft-cap)
+        between them, and the final norm and the head run on our kernels (``FusedLayers.tail``).
+        Needs ``exact_ready``. Same arguments and result as ``forward``."""
         h = self.embed(input_ids)
-        cos, sin = self.rotary(h, positions)
+        cos, sin = self.parts.rotary(h, positions)  # [tables, T, d] float32
         dtype, flat = h.dtype, h[0].float().contiguous()
+        first = self.layers[0]
+        call = plan.call(k_pool[first.index], self.fused.q_width // first.head_dim, first.scaling, self.windows,
+                         self.parts.attn_softcap)
         release_signals()  # the consumers' Python runs beside the kernels (compute_thread)
-        self.fused.run_all(flat, cos[0].float().contiguous(), sin[0].float().contiguous(),
-                           [k_pool[layer.index] for layer in self.layers], [v_pool[layer.index] for layer in self.layers],
-                           write_index.contiguous(), call)
+        self.fused.run_all(flat, cos, sin, [k_pool[layer.index] for layer in self.layers],
+                           [v_pool[layer.index] for layer in self.layers], write_index.contiguous(), call)
         if not (isinstance(keep, int) and keep == 0):
             flat = flat[keep].contiguous()
         return self.fused.tail.logits(flat).to(dtype).unsqueeze(0)
@@ -168,7 +156,7 @@ class DecoderStack:
     @property
     def exact_ready(self) -> bool:
         """Whether ``forward_exact`` can run: the fused layers and their tail built, one attention
-        scale for every layer, and the rotary embedding over whole heads."""
+        scale for every layer, one head size (the rotary embedding over whole heads: ``DecoderParts``)."""
         fused = self.fused
         return (fused is not None and fused.tail is not None and self.one_scale
                 and all(layer.head_dim == self.layers[0].head_dim for layer in self.layers))

@@ -1,9 +1,9 @@
 """A decode step's layers in two C calls each: everything around attention, fused.
 
-Owns: ``FusedLayers``, the few-rows forward (float32 or bfloat16) of a Llama-family decoder layer's work
-before attention (RMSNorm, the q/k/v linears, the rotary embedding, the new KV written to its
-pool slots) and after it (the o linear, the residual, RMSNorm, gate/up, SiLU times up, down,
-the residual), each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
+Owns: ``FusedLayers``, the forward (float32 or bfloat16) of a decoder layer's work before attention
+(its norm, the q/k/v linears, q/k norms, the rotary embedding, the new KV written to its pool slots)
+and after it (the o linear, a norm, the residual, a norm, gate/up, the activation times up, down, a
+norm, the residual), as its family's recipe says, each one call into ``native_linear.c`` (``radix_layer_pre``/``radix_layer_post``).
 Knows nothing about requests or the tree: ``engine.model.decoder_stack`` calls it for a step of
 at most ``MAX_ROWS`` rows and does the attention between the two calls.
 
@@ -23,7 +23,7 @@ Exactness: every step is per row (a row's result does not depend on the others i
 batched decode rows still equal lone ones bit for bit. Against the unfused forward the logits
 differ in their last bits (another order of float32 operations), like our linears against
 PyTorch's: the runner checks them within a bound on a probe at start
-(``ModelRunner._check_fused``) and runs unfused on any other result, and the second tier's
+(``engine.model.layer_checks``) and runs unfused on any other result, and the second tier's
 fingerprint names the fused forward. The execution plan decides (``engine.model.plan``:
 ``RADIX_KERNELS=fused=off``, alias ``RADIX_FUSED_DECODE=0``, turns it off).
 
@@ -37,9 +37,11 @@ on the Zen 4 here the step's linears took 12.4 ms against oneDNN's 18.0-18.6, an
 55-60 ms fused against 61-63 unfused; at 16, 81-90 against 75-77 (oneDNN's bf16 dot products win
 there), so bf16 takes at most ``BF16_MAX_ROWS`` rows.
 
-Which layers: those ``DecoderStack`` takes, in float32 or bfloat16 on a CPU, with ``nn.Linear``
-projections (oneDNN-packed ones too; biases allowed), RMSNorms, SiLU, a rotary embedding over the
-whole head, and sizes our linear kernel takes (multiples of 8).
+Which layers: every family of ``engine.model.families``, read through ``engine.model.decoder_parts``
+(its recipe says the rest: norms before and after attention and the MLP, Gemma's ``1 + w``, q/k norms
+per head or over the projection, SiLU or GELU-tanh, a rotary table per layer type), in float32 or
+bfloat16 on a CPU, with plain ``[out, in]`` weights (views of a fused projection's rows too; biases
+allowed) and sizes our linear kernel takes (multiples of 8).
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ import ctypes
 import torch
 from torch import nn
 
+from engine.model import families, native_linear
 from engine.model import native_abi as abi
-from engine.model import native_linear
-from engine.model.packed_linear import PackedLinear
+from engine.model.decoder_parts import DecoderParts, LayerParts, Linear, Norm
+from engine.model.families import Recipe
 
 MAX_ROWS = 32  # float32: a step of more rows (a prefill chunk) runs unfused
 BF16_MAX_ROWS = 8  # bfloat16: more rows go to oneDNN's bf16 products (faster there, module docstring)
@@ -67,25 +70,15 @@ _LayerStruct = abi.struct("radix_layer")  # one layer's weights by address, and 
 
 def plain_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """``(weight, eps)`` of a plain RMSNorm (a ``weight`` vector and a ``variance_epsilon``, no
-    offset), else None. The decoder stack's fused kernel call and these fused layers both need one."""
+    offset), else None: the decoder stack's one-kernel norm (its PyTorch layers, Llama-shaped only)."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if weight is None or eps is None or not type(norm).__name__.endswith("RMSNorm") or weight.ndim != 1:
         return None
     return weight, float(eps)
 
 
-def _scaled_rms_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-    return None if getattr(norm, "with_scale", True) is False else plain_rms_norm(norm)
-
-
-def _plain_weighted(m: nn.Module) -> bool:
-    """Whether ``m`` is a linear layer with a plain ``[out, in]`` weight: an ``nn.Linear``, or a
-    oneDNN-packed linear, which keeps that weight beside its packed copy (``engine.model.packed_linear``)."""
-    return isinstance(m, nn.Linear | PackedLinear)
-
-
-def _is_silu(act: object) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+def _weighted_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.is_contiguous() and t.shape[-1] % 8 == 0
 
 
 class FusedLayers:
@@ -108,61 +101,55 @@ class FusedLayers:
         self.tail: _Tail | None = None  # the final norm and the LM head in C, for an exact forward
 
     @classmethod
-    def build(cls, model: nn.Module, layers: list[nn.Module]) -> FusedLayers | None:
-        """The fused layers of ``model`` (the decoder layers ``layers``), or None when they are not
-        ones it takes (module docstring) or the kernel does not build."""
-        try:
-            p = next(model.parameters())
-        except StopIteration:
-            return None
-        kernel = native_linear.kernel() if p.device.type == "cpu" and p.dtype in DTYPES else None
+    def build(cls, parts: DecoderParts, dtype: torch.dtype, device: torch.device) -> FusedLayers | None:
+        """The fused layers of a decoder (its ``DecoderParts``), or None when they are not ones it takes
+        (module docstring) or the kernel does not build."""
+        kernel = native_linear.kernel() if device.type == "cpu" and dtype in DTYPES else None
         if kernel is None:
             return None
         structs, keep = [], []
-        for layer in layers:
-            s = cls._struct(layer, keep, p.dtype)
+        for layer in parts.layers:
+            s = cls._struct(layer, parts.recipe, keep, dtype)
             if s is None:
                 return None
             structs.append(s)
         if not structs:
             return None
-        fused = cls(kernel.lib, structs, keep, p.dtype)
-        fused.tail = _Tail.build(model, p.dtype, kernel)
+        fused = cls(kernel.lib, structs, keep, dtype)
+        fused.tail = _Tail.build(parts, dtype, kernel)
         return fused
 
     @staticmethod
-    def _struct(layer: nn.Module, keep: list[torch.Tensor], dtype: torch.dtype) -> _LayerStruct | None:
-        attn, mlp = layer.self_attn, layer.mlp
-        n1, n2 = _scaled_rms_norm(layer.input_layernorm), _scaled_rms_norm(layer.post_attention_layernorm)
-        if n1 is None or n2 is None or not _is_silu(mlp.act_fn):
+    def _struct(p: LayerParts, recipe: Recipe, keep: list[torch.Tensor], dtype: torch.dtype) -> _LayerStruct | None:
+        lins = [p.q, p.k, p.v, p.o, p.gate, p.up, p.down]
+        norms = [p.attn_in, p.mlp_in, p.attn_out, p.mlp_out, p.q_norm, p.k_norm]
+        if not all(_weighted_ok(m.weight, dtype) for m in lins) or p.head_dim % 2 or p.inter % 8:
             return None
-        lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(_plain_weighted(m) and m.weight.dtype == dtype and m.weight.is_contiguous()
-                   and m.in_features % 8 == 0 for m in lins):
-            return None
-        hidden, d = attn.q_proj.in_features, int(attn.head_dim)
-        q_heads, kv_heads = attn.q_proj.out_features // d, attn.k_proj.out_features // d
-        inter = mlp.gate_proj.out_features
-        shapes_ok = (attn.q_proj.out_features == q_heads * d and attn.k_proj.out_features == kv_heads * d
-                     and attn.v_proj.out_features == kv_heads * d and attn.o_proj.weight.shape == (hidden, q_heads * d)
-                     and mlp.up_proj.weight.shape == (inter, hidden) and mlp.down_proj.weight.shape == (hidden, inter)
-                     and n1[0].shape == (hidden,) and n2[0].shape == (hidden,) and d % 2 == 0 and kv_heads > 0
-                     and q_heads % kv_heads == 0 and inter % 8 == 0)
-        norms_ok = all(w.dtype == dtype and w.is_contiguous() for w, _ in (n1, n2))
-        if not shapes_ok or not norms_ok:
+        if not all(n is None or (n.weight.dtype == (torch.float32 if n.offset else dtype) and n.weight.is_contiguous())
+                   for n in norms):
             return None
 
-        def bias(m: nn.Linear) -> int | None:
+        def bias(m) -> int | None:
             if m.bias is None:
                 return None
-            b = m.bias.detach().float().contiguous()
+            b = m.bias.float().contiguous()
             keep.append(b)
             return b.data_ptr()
 
-        keep += [n1[0], n2[0], *(m.weight for m in lins)]  # held: what the struct points at cannot be freed
-        s = _LayerStruct(norm1=n1[0].data_ptr(), norm2=n2[0].data_ptr(), eps1=n1[1], eps2=n2[1],
-                         hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=d, inter=inter,
-                         bf16=int(dtype == torch.bfloat16))
+        def norm(n) -> tuple[int | None, float]:
+            if n is None:
+                return None, 0.0
+            keep.append(n.weight)
+            return n.weight.data_ptr(), n.eps
+
+        keep += [m.weight for m in lins]  # held: what the struct points at cannot be freed
+        (n1, e1), (n2, e2), (n3, e3), (n4, e4) = (norm(n) for n in norms[:4])
+        (qn, qe), (kn, _) = norm(p.q_norm), norm(p.k_norm)
+        s = _LayerStruct(norm1=n1, norm2=n2, eps1=e1, eps2=e2, norm3=n3, norm4=n4, eps3=e3, eps4=e4, qnorm=qn, knorm=kn,
+                         qk_eps=qe, qk_norm={"": 0, "head": 1, "projection": 2}[recipe.qk_norm],
+                         norm_offset=int(recipe.norm_offset), act=families.ACTIVATIONS.index(recipe.activation),
+                         rope=p.rope, hidden=p.hidden, q_heads=p.q_heads, kv_heads=p.kv_heads, head_dim=p.head_dim,
+                         inter=p.inter, bf16=int(dtype == torch.bfloat16))
         for name, m in zip(("q", "k", "v", "o", "g", "u", "d"), lins, strict=True):
             setattr(s, "w" + name, m.weight.data_ptr())
             setattr(s, "b" + name, bias(m))
@@ -189,7 +176,7 @@ class FusedLayers:
         failed = ctypes.c_int64(-1)
         code = self._all(self._table, n, h.data_ptr(), h.stride(0), rows, cos.data_ptr(), sin.data_ptr(), ks, vs,
                          shape[1], write_index.data_ptr(), q.data_ptr(), None if q16 is None else q16.data_ptr(),
-                         a.data_ptr(), attend.fn, attend.ctx, torch.get_num_threads(), ctypes.addressof(failed))
+                         a.data_ptr(), attend.fn, attend.contexts(n), torch.get_num_threads(), ctypes.addressof(failed))
         if code:
             raise abi.NativeRefusal(code, "the fused decode kernel", f"layer {failed.value} at {rows} rows")
 
@@ -237,32 +224,34 @@ class _Tail:
     the last steps of an exact forward (issue 44), where a row's logits must not depend on the rows
     beside it (PyTorch's and oneDNN's products pick their kernels by the number of rows)."""
 
-    def __init__(self, lib: ctypes.CDLL, norm: tuple[torch.Tensor, float], head: nn.Module,
-                 kernel: native_linear.LinearKernel, dtype: torch.dtype) -> None:
+    def __init__(self, lib: ctypes.CDLL, norm: Norm, head: Linear, kernel: native_linear.LinearKernel,
+                 dtype: torch.dtype, softcap: float) -> None:
         self._norm_fn = lib.radix_rms_norm  # its signature set where the library was loaded
-        self.norm_weight, self.eps = norm
-        self.weight = head.weight.detach()
-        self.bias = None if head.bias is None else head.bias.detach().float().contiguous()
-        self.kernel, self.dtype = kernel, dtype
+        self.norm = norm
+        self.weight = head.weight
+        self.bias = None if head.bias is None else head.bias.float().contiguous()
+        self.kernel, self.dtype, self.softcap = kernel, dtype, softcap
 
     @classmethod
-    def build(cls, model: nn.Module, dtype: torch.dtype, kernel: native_linear.LinearKernel) -> _Tail | None:
-        norm = _scaled_rms_norm(getattr(getattr(model, "model", None), "norm", None))
-        head = getattr(model, "lm_head", None)
-        if norm is None or head is None or not _plain_weighted(head):
+    def build(cls, parts: DecoderParts, dtype: torch.dtype, kernel: native_linear.LinearKernel) -> _Tail | None:
+        norm, head = parts.norm, parts.head
+        if (norm.weight.dtype != (torch.float32 if norm.offset else dtype) or not norm.weight.is_contiguous()
+                or not _weighted_ok(head.weight, dtype) or head.weight.shape[1] != norm.weight.shape[0]):
             return None
-        if (norm[0].dtype != dtype or not norm[0].is_contiguous() or head.weight.dtype != dtype
-                or not head.weight.is_contiguous() or head.weight.shape[1] != norm[0].shape[0]
-                or head.weight.shape[1] % 8):
-            return None
-        return cls(kernel.lib, norm, head, kernel, dtype)
+        return cls(kernel.lib, norm, head, kernel, dtype, parts.final_softcap)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [rows, hidden]`` float32 (bf16 values in bf16), contiguous: the final norm, then the
-        head; ``[rows, vocab]`` in the model's dtype, as the model's own head returns them."""
+        head (then the recipe's soft-cap, row by row: an elementwise op over the whole pack would
+        take its vector lanes by the row's place in the pack); ``[rows, vocab]`` in the model's dtype,
+        as the model's own head returns them."""
         x = torch.empty_like(h)
-        code = self._norm_fn(h.data_ptr(), h.stride(0), h.shape[0], h.shape[1], self.norm_weight.data_ptr(),
-                             self.eps, x.data_ptr(), int(self.dtype == torch.bfloat16))
+        code = self._norm_fn(h.data_ptr(), h.stride(0), h.shape[0], h.shape[1], self.norm.weight.data_ptr(),
+                             self.norm.eps, x.data_ptr(), int(self.dtype == torch.bfloat16), int(self.norm.offset))
         if code:
             raise abi.NativeRefusal(code, "the fused decode kernel", f"the final norm of {tuple(h.shape)}")
-        return self.kernel.run(x, self.weight, self.bias).to(self.dtype)
+        logits = self.kernel.run(x, self.weight, self.bias).to(self.dtype)
+        if self.softcap:
+            for row in logits:
+                row.copy_(torch.tanh(row / self.softcap) * self.softcap)
+        return logits

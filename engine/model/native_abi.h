@@ -80,9 +80,11 @@ typedef struct {
     int64_t threads;
     const void *k_now; /* the layer's keys and values, set per call (not read from the caller) */
     const void *v_now;
+    int64_t window; /* a sliding window: keys at positions above p - window only (0: every key) */
+    double softcap; /* scores soft-capped, cap * tanh(score / cap) (0: none) */
 } radix_exact;
 
-/* one decoder layer's weights by address (float32 or bf16; biases float32 or NULL) and its sizes */
+/* one decoder layer's weights by address (float32 or bf16; biases float32 or NULL), its sizes and its family's recipe (engine.model.families) */
 typedef struct {
     const void *norm1; /* [hidden] RMSNorm weights (float32 or bf16) */
     const void *norm2;
@@ -108,6 +110,17 @@ typedef struct {
     int64_t head_dim;
     int64_t inter;
     int64_t bf16; /* weights and pool in bfloat16 */
+    const void *norm3; /* [hidden] RMSNorms after attention and after the MLP, or NULL (norm1, norm2 may be NULL too: none) */
+    const void *norm4;
+    double eps3;
+    double eps4;
+    const void *qnorm; /* q/k RMSNorm weights: [head_dim] per head, or [q or kv width] */
+    const void *knorm;
+    double qk_eps;
+    int64_t qk_norm; /* 0 none, 1 per head, 2 over the whole projection */
+    int64_t norm_offset; /* 1: every norm weight is float32 holding 1 + w, the product rounded once */
+    int64_t act; /* 0 SiLU, 1 GELU (tanh) */
+    int64_t rope; /* the rotary table this layer reads: cos/sin + rope * rows * head_dim */
 } radix_layer;
 
 /* attention between a layer's two halves (radix_attention_layer, radix_exact_attention) */
@@ -134,13 +147,13 @@ radix_status radix_exact_attention(const radix_exact *cc, const void *q, const v
 /* native_linear.c */
 /* y = x W^T (+ bias) */
 radix_status radix_linear(const float *x, int64_t x_rs, int64_t rows, const void *w, int64_t out, int64_t in, const float *bias, float *y, int64_t y_rs, int bf16, int threads);
-/* the RMSNorm of rows */
-radix_status radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y, int bf16);
-/* a layer's work before attention */
+/* the RMSNorm of rows (offset: w is float32 holding 1 + w) */
+radix_status radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y, int bf16, int offset);
+/* a layer's work before attention (cos/sin: the rotary tables, [tables][rows][head_dim]) */
 radix_status radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos, const float *sin, float *q, void *k_pool, void *v_pool, int64_t pool_slots, const int64_t *write, int threads);
 /* a layer's work after attention */
 radix_status radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int64_t rows, const float *a, int threads);
-/* every layer of a decode step; the layer that refused goes to *failed_layer */
-radix_status radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows, const float *cos, const float *sin, void *const *k_pools, void *const *v_pools, int64_t pool_slots, const int64_t *write, float *q, uint16_t *q16, float *a, radix_attend_fn attend, const void *ctx, int threads, int64_t *failed_layer);
+/* every layer of a step, attention through attend(ctxs[layer]); the layer that refused goes to *failed_layer */
+radix_status radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows, const float *cos, const float *sin, void *const *k_pools, void *const *v_pools, int64_t pool_slots, const int64_t *write, float *q, uint16_t *q16, float *a, radix_attend_fn attend, const void *const *ctxs, int threads, int64_t *failed_layer);
 
 #endif

@@ -136,7 +136,8 @@ CODES = (
     ("RADIX_E_ATTN_TOKEN", "attention: a token whose pieces are empty or outside the pieces given"),
     ("RADIX_E_EXACT_SHAPE", "exact attention: a head size that is not a multiple of 16 from 16 to 256, "
                             "or no heads, tokens or threads"),
-    ("RADIX_E_EXACT_GROUP", "exact attention: more than 16 query heads per KV head, or none"),
+    ("RADIX_E_EXACT_GROUP", "exact attention: more than 16 query heads per KV head, or none, or a negative "
+                            "window or soft-cap"),
     ("RADIX_E_EXACT_RUNS", "exact attention: a token whose runs do not cover its positions from 0, "
                            "or a slot outside the pool"),
     ("RADIX_E_EXACT_CHUNKS", "exact attention: a chunk of tokens empty, out of order or longer than 16, "
@@ -147,7 +148,7 @@ CODES = (
     ("RADIX_E_NORM_SHAPE", "RMSNorm: no rows, a row stride shorter than a row, or a dtype flag not 0 or 1"),
     ("RADIX_E_LAYER_SHAPE", "fused layer: no layer, rows or threads, a dtype flag not 0 or 1, or sizes it "
                             "does not take (hidden, intermediate and query widths multiples of 8, an even "
-                            "head size, query heads a multiple of KV heads)"),
+                            "head size, query heads a multiple of KV heads) or a recipe field out of range"),
     ("RADIX_E_LAYER_SLOT", "fused layer: a row's pool slot outside the pool"),
     ("RADIX_E_LAYER_Q16", "fused layers: a bfloat16 layer without the bf16 query buffer"),
 )
@@ -164,14 +165,24 @@ STRUCTS = (
     Struct("radix_exact", fields(
         ("int64_t", "H G D slots ntok"), ("const int64_t *", "tok runs"), ("int64_t", "nruns"),
         ("const int64_t *", "chunks"), ("int64_t", "nchunks"), ("double", "scale"), ("int64_t", "bf16 threads"),
-        ("const void *", "k_now v_now", "the layer's keys and values, set per call (not read from the caller)")),
+        ("const void *", "k_now v_now", "the layer's keys and values, set per call (not read from the caller)"),
+        ("int64_t", "window", "a sliding window: keys at positions above p - window only (0: every key)"),
+        ("double", "softcap", "scores soft-capped, cap * tanh(score / cap) (0: none)")),
         "one forward's exact attention (decode_attention.c says how); k_now/v_now are set per call"),
     Struct("radix_layer", fields(
         ("const void *", "norm1 norm2", "[hidden] RMSNorm weights (float32 or bf16)"), ("double", "eps1 eps2"),
         ("const void *", "wq wk wv wo wg wu wd", "nn.Linear weights [out][in], contiguous (float32 or bf16)"),
         ("const float *", "bq bk bv bo bg bu bd", "their biases (float32), or NULL"),
-        ("int64_t", "hidden q_heads kv_heads head_dim inter"), ("int64_t", "bf16", "weights and pool in bfloat16")),
-        "one decoder layer's weights by address (float32 or bf16; biases float32 or NULL) and its sizes"),
+        ("int64_t", "hidden q_heads kv_heads head_dim inter"), ("int64_t", "bf16", "weights and pool in bfloat16"),
+        ("const void *", "norm3 norm4", "[hidden] RMSNorms after attention and after the MLP, or NULL (norm1, "
+         "norm2 may be NULL too: none)"), ("double", "eps3 eps4"),
+        ("const void *", "qnorm knorm", "q/k RMSNorm weights: [head_dim] per head, or [q or kv width]"),
+        ("double", "qk_eps"), ("int64_t", "qk_norm", "0 none, 1 per head, 2 over the whole projection"),
+        ("int64_t", "norm_offset", "1: every norm weight is float32 holding 1 + w, the product rounded once"),
+        ("int64_t", "act", "0 SiLU, 1 GELU (tanh)"),
+        ("int64_t", "rope", "the rotary table this layer reads: cos/sin + rope * rows * head_dim")),
+        "one decoder layer's weights by address (float32 or bf16; biases float32 or NULL), its sizes and its "
+        "family's recipe (engine.model.families)"),
 )
 
 CALLBACKS = (
@@ -201,17 +212,20 @@ FUNCTIONS = (
         "int64_t out, int64_t in, const float *bias, float *y, int64_t y_rs, int bf16, int threads",
         "y = x W^T (+ bias)"),
     _fn(_LIN, "radix_status", "radix_rms_norm", "const float *x, int64_t x_rs, int64_t rows, int64_t n, "
-        "const void *w, double eps, float *y, int bf16", "the RMSNorm of rows"),
+        "const void *w, double eps, float *y, int bf16, int offset", "the RMSNorm of rows (offset: w is float32 "
+        "holding 1 + w)"),
     _fn(_LIN, "radix_status", "radix_layer_pre", "const radix_layer *L, const float *h, int64_t h_rs, "
         "int64_t rows, const float *cos, const float *sin, float *q, void *k_pool, void *v_pool, "
-        "int64_t pool_slots, const int64_t *write, int threads", "a layer's work before attention"),
+        "int64_t pool_slots, const int64_t *write, int threads", "a layer's work before attention (cos/sin: the "
+        "rotary tables, [tables][rows][head_dim])"),
     _fn(_LIN, "radix_status", "radix_layer_post", "const radix_layer *L, float *h, int64_t h_rs, int64_t rows, "
         "const float *a, int threads", "a layer's work after attention"),
     _fn(_LIN, "radix_status", "radix_layers", "const radix_layer *const *layers, int64_t n_layers, float *h, "
         "int64_t h_rs, int64_t rows, const float *cos, const float *sin, void *const *k_pools, "
         "void *const *v_pools, int64_t pool_slots, const int64_t *write, float *q, uint16_t *q16, float *a, "
-        "radix_attend_fn attend, const void *ctx, int threads, int64_t *failed_layer",
-        "every layer of a decode step; the layer that refused goes to *failed_layer"),
+        "radix_attend_fn attend, const void *const *ctxs, int threads, int64_t *failed_layer",
+        "every layer of a step, attention through attend(ctxs[layer]); the layer that refused goes to "
+        "*failed_layer"),
 )
 FUNCTION = {f.name: f for f in FUNCTIONS}
 VALUE = {c.name: c.value for c in CONSTANTS}

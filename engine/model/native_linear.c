@@ -308,10 +308,12 @@ radix_status radix_linear(const float *x, int64_t x_rs, int64_t rows, const void
 }
 
 /* ---------------------------------------------------------------------------------------------
- * A decoder layer's decode-step work around its attention, for Llama-family layers in float32 or
- * bfloat16 (engine.model.fused_decode): the RMSNorms, the seven linears, the rotary embedding, the
- * KV written to its pool slots, SiLU times up, and both residual adds, in two calls per layer
- * (before and after attention) instead of about eighty PyTorch ops. Every step is per row, so
+ * A decoder layer's work around its attention, in float32 or bfloat16 (engine.model.fused_decode):
+ * the RMSNorms, the seven linears, the rotary embedding, the KV written to its pool slots, SiLU (or
+ * GELU-tanh) times up, and both residual adds, in two calls per layer (before and after attention)
+ * instead of about eighty PyTorch ops. What a family adds to Llama's layer (engine.model.families:
+ * norms after attention and the MLP or none before, Gemma's 1 + w, q/k norms, a second rotary
+ * table) is a field of radix_layer, tested outside the linears' loops. Every step is per row, so
  * a row's result does not depend on the other rows in the call either.
  *
  * In bfloat16 (``bf16`` set) the weights, the RMSNorm weights and the pool are bf16, and the rows
@@ -441,6 +443,58 @@ static inline void silu_mul8(float *g, const float *u, int n, int bf16) {
         g[i] = gb[i];
 }
 
+/* The norms a family's recipe asks for (engine.model.families): none (w NULL: the rows copied), the
+ * Llama RMSNorm above, or Gemma's (offset: w is float32 holding 1 + w, the normalised row times it
+ * rounded once, as transformers' Gemma RMSNorm). y has row stride n; y may be x (each row is read
+ * whole before it is written). */
+static void norm_rows(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
+                      int bf16, int offset) {
+    if (!w) {
+        for (int64_t r = 0; r < rows; r++)
+            if (y + r * n != x + r * x_rs)
+                memmove(y + r * n, x + r * x_rs, sizeof(float) * n);
+        return;
+    }
+    if (!offset) {
+        rms_norm(x, x_rs, rows, n, w, eps, y, bf16);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_rs;
+        float *yr = y + r * n;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + (float)eps);
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = bf16 ? bf(xr[i] * inv * ((const float *)w)[i]) : xr[i] * inv * ((const float *)w)[i];
+    }
+}
+
+/* g = gelu_tanh(g) * u for n <= 8 values, in place: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) * u,
+ * tanh(y) as 1 - 2 / (1 + e^2y); each value on its own (silu_mul8's contract) */
+static inline void gelu_mul8(float *g, const float *u, int n, int bf16) {
+    float gb[8] = {0}, ub[8] = {0};
+    for (int i = 0; i < n; i++) {
+        gb[i] = g[i];
+        ub[i] = u[i];
+    }
+    __m256 x = _mm256_loadu_ps(gb), uu = _mm256_loadu_ps(ub);
+    if (bf16)
+        x = bf8(x);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x),
+                                                       _mm256_mul_ps(x, x), x));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                       _mm256_add_ps(one, exp8(_mm256_add_ps(inner, inner)))));
+    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, th));
+    __m256 y = bf16 ? bf8(_mm256_mul_ps(bf8(s), bf8(uu))) : _mm256_mul_ps(s, uu);
+    _mm256_storeu_ps(gb, y);
+    for (int i = 0; i < n; i++)
+        g[i] = gb[i];
+}
+
 /* h[r] += t[r] for each of the rows (the residual add); in bf16 t rounded, then the sum */
 static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64_t n, int bf16) {
     for (int64_t r = 0; r < rows; r++)
@@ -452,21 +506,23 @@ static void add_rows(float *h, int64_t h_rs, const float *t, int64_t rows, int64
  * as every layer's, so a row's bits do not depend on the rows beside it. Returns RADIX_OK, or
  * RADIX_E_NORM_SHAPE for a shape it does not take. */
 radix_status radix_rms_norm(const float *x, int64_t x_rs, int64_t rows, int64_t n, const void *w, double eps, float *y,
-                            int bf16) {
-    if (rows < 1 || n < 1 || x_rs < n || (bf16 != 0 && bf16 != 1))
+                            int bf16, int offset) {
+    if (rows < 1 || n < 1 || x_rs < n || (bf16 != 0 && bf16 != 1) || (offset != 0 && offset != 1) || !w)
         return RADIX_E_NORM_SHAPE;
-    rms_norm(x, x_rs, rows, n, w, eps, y, bf16);
+    norm_rows(x, x_rs, rows, n, w, eps, y, bf16, offset);
     return RADIX_OK;
 }
 
 static int layer_ok(const radix_layer *L, int64_t rows, int threads) {
     return L && rows >= 1 && (L->bf16 == 0 || L->bf16 == 1) && threads >= 1 && L->hidden % 8 == 0 && L->inter % 8 == 0 && L->head_dim % 2 == 0 &&
-           (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0;
+           (L->q_heads * L->head_dim) % 8 == 0 && L->kv_heads >= 1 && L->q_heads % L->kv_heads == 0 &&
+           L->qk_norm >= 0 && L->qk_norm <= 2 && (!L->qk_norm || (L->qnorm && L->knorm)) && L->act >= 0 &&
+           L->act <= 1 && L->rope >= 0 && L->rope <= 1 && (L->norm_offset == 0 || L->norm_offset == 1);
 }
 
 /* Before attention: q (rotated) of each row to q [rows][q_heads * head_dim]; k (rotated) and v to
  * the pool layer k_pool/v_pool [kv_heads][slots][head_dim] (float32, or bf16 for a bf16 layer) at
- * slot write[r]. h [rows][hidden] (row stride h_rs) is only read; cos/sin [rows][head_dim] are the
+ * slot write[r]. h [rows][hidden] (row stride h_rs) is only read; cos/sin [tables][rows][head_dim] are the
  * model's rotary embedding. */
 radix_status radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs, int64_t rows, const float *cos,
                              const float *sin, float *q, void *k_pool, void *v_pool, int64_t pool_slots,
@@ -487,7 +543,7 @@ radix_status radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs,
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
-        rms_norm(h, h_rs, rows, hd, L->norm1, L->eps1, x, bf16);
+        norm_rows(h, h_rs, rows, hd, L->norm1, L->eps1, x, bf16, (int)L->norm_offset);
         linear_part(x, hd, rows, L->wq, nq, hd, L->bq, q, nq, bf16);
         linear_part(x, hd, rows, L->wk, nkv, hd, L->bk, k, nkv, bf16);
         linear_part(x, hd, rows, L->wv, nkv, hd, L->bv, v, nkv, bf16);
@@ -498,8 +554,15 @@ radix_status radix_layer_pre(const radix_layer *L, const float *h, int64_t h_rs,
                 round_all(q, rows * nq);
                 round_all(k, rows * 2 * nkv); /* k and v, side by side */
             }
+            if (L->qk_norm) { /* per head (rows of head_dim) or over the projection, before the rotation */
+                const int per_head = L->qk_norm == 1;
+                norm_rows(q, per_head ? d : nq, per_head ? rows * L->q_heads : rows, per_head ? d : nq, L->qnorm,
+                          L->qk_eps, q, bf16, (int)L->norm_offset);
+                norm_rows(k, per_head ? d : nkv, per_head ? rows * L->kv_heads : rows, per_head ? d : nkv, L->knorm,
+                          L->qk_eps, k, bf16, (int)L->norm_offset);
+            }
             for (int64_t r = 0; r < rows; r++) {
-                const float *c = cos + r * d, *s = sin + r * d;
+                const float *c = cos + (L->rope * rows + r) * d, *s = sin + (L->rope * rows + r) * d;
                 for (int64_t head = 0; head < L->q_heads; head++)
                     rotate(q + r * nq + head * d, c, s, d, bf16);
                 for (int64_t head = 0; head < L->kv_heads; head++) {
@@ -550,26 +613,44 @@ radix_status radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int6
 #pragma omp barrier
 #pragma omp single
         {
+            if (L->norm3) { /* a norm after attention (Gemma 2/3, OLMo 2): of o's output, as stored */
+                if (bf16)
+                    round_all(t, rows * hd);
+                norm_rows(t, hd, rows, hd, L->norm3, L->eps3, t, bf16, (int)L->norm_offset);
+            }
             add_rows(h, h_rs, t, rows, hd, bf16);
-            rms_norm(h, h_rs, rows, hd, L->norm2, L->eps2, t, bf16);
+            norm_rows(h, h_rs, rows, hd, L->norm2, L->eps2, t, bf16, (int)L->norm_offset);
         }
         linear_part(t, hd, rows, L->wg, ni, hd, L->bg, g, ni, bf16);
         linear_part(t, hd, rows, L->wu, ni, hd, L->bu, u, ni, bf16);
 #pragma omp barrier
+        if (L->act == 1) {
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n_gu; j += 8)
-            silu_mul8(g + j, u + j, n_gu - j < 8 ? (int)(n_gu - j) : 8, bf16);
+            for (int64_t j = 0; j < n_gu; j += 8)
+                gelu_mul8(g + j, u + j, n_gu - j < 8 ? (int)(n_gu - j) : 8, bf16);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n_gu; j += 8)
+                silu_mul8(g + j, u + j, n_gu - j < 8 ? (int)(n_gu - j) : 8, bf16);
+        }
         linear_part(g, ni, rows, L->wd, hd, ni, L->bd, t, hd, bf16);
 #pragma omp barrier
 #pragma omp single
-        add_rows(h, h_rs, t, rows, hd, bf16);
+        {
+            if (L->norm4) { /* a norm after the MLP (Gemma 2/3, OLMo 2) */
+                if (bf16)
+                    round_all(t, rows * hd);
+                norm_rows(t, hd, rows, hd, L->norm4, L->eps4, t, bf16, (int)L->norm_offset);
+            }
+            add_rows(h, h_rs, t, rows, hd, bf16);
+        }
     }
     free(t);
     return RADIX_OK;
 }
 
 /* Every layer of a decode step of a few rows, with attention in between through ``attend``
- * (decode_attention.c's radix_attention_layer and its fixed arguments ``ctx``): the same three
+ * (decode_attention.c's radix_attention_layer and each layer's fixed arguments ``ctxs[i]``): the same three
  * calls a layer as engine.model.decoder_stack makes from Python, without the Python between them.
  * q [rows][q_heads*head_dim] and a (attention's output, the same shape) are the caller's float32
  * scratch, and q16 (the same shape, bf16; NULL in float32) the queries as attention reads them in
@@ -579,7 +660,7 @@ radix_status radix_layer_post(const radix_layer *L, float *h, int64_t h_rs, int6
 radix_status radix_layers(const radix_layer *const *layers, int64_t n_layers, float *h, int64_t h_rs, int64_t rows,
                           const float *cos, const float *sin, void *const *k_pools, void *const *v_pools,
                           int64_t pool_slots, const int64_t *write, float *q, uint16_t *q16, float *a,
-                          radix_attend_fn attend, const void *ctx, int threads, int64_t *failed_layer) {
+                          radix_attend_fn attend, const void *const *ctxs, int threads, int64_t *failed_layer) {
     for (int64_t i = 0; i < n_layers; i++) {
         const radix_layer *L = layers[i];
         radix_status code = radix_layer_pre(L, h, h_rs, rows, cos, sin, q, k_pools[i], v_pools[i], pool_slots, write,
@@ -595,7 +676,7 @@ radix_status radix_layers(const radix_layer *const *layers, int64_t n_layers, fl
                 code = RADIX_E_LAYER_Q16;
         }
         if (!code)
-            code = attend(ctx, qa, k_pools[i], v_pools[i], a);
+            code = attend(ctxs[i], qa, k_pools[i], v_pools[i], a);
         if (!code)
             code = radix_layer_post(L, h, h_rs, rows, a, threads);
         if (code) {

@@ -8,8 +8,8 @@ the plan; nothing else in the engine reads these settings. Knows nothing of requ
 
 Three decisions, each an ordered list of options; the first that runs here is chosen::
 
-    layers     exact         every row, whatever its batch, through the fused C layers, our attention in
-                             blocks fixed by position and our head: a row's bits its own (issue 44)
+    layers     exact         every row, whatever its batch, through the fused C layers (the family's recipe),
+                             our attention in blocks fixed by position and our head: a row's bits its own
                fused         the decoder stack, steps of up to ``fused_max_rows`` rows in two fused C calls
                              a layer (all layers in one where no two rows share a prefix)
                stack         the decoder stack on PyTorch's ops (``engine.model.decoder_stack``)
@@ -20,9 +20,13 @@ Three decisions, each an ordered list of options; the first that runs here is ch
                torch         PyTorch's default
     attention  ``engine.model.attention.BACKENDS`` in their order (cpu_native, cpu_sdpa, math_chunked)
 
-Each layer driver builds on the one below it (exact on fused, fused on stack, stack on
-transformers), so its check asks about that one first; the checks run the runner's start-up
-probes (``ModelRunner._check_stack`` and the others), in the order they always ran.
+For a Llama-shaped decoder each layer driver builds on the one below it (exact on fused, fused on
+stack, stack on transformers), so its check asks about that one first; the exact forward of any
+other family of ``engine.model.families`` is checked against transformers' own forward instead, and
+a family outside that registry is not exact, with the reason. The checks are
+``engine.model.layer_checks``. ``ExecutionPlan.driver_for``
+is the one rule that applies the plan to a step: a ``fused`` step of more rows than its cap runs the
+stack unfused.
 
 ``RADIX_KERNELS``: items separated by commas, each ``<decision>=<option>`` (that option is tried
 first: the ones before it are set aside) or ``<option>=off`` (that option is set aside). A named
@@ -161,6 +165,13 @@ def read_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
     return KernelSettings(settings.pins, settings.off, tuple(switches))
 
 
+def for_gpu_calls(settings: KernelSettings) -> KernelSettings:
+    """``settings`` for a model kept on the CPU and moved to a GPU for each call (ZeroGPU): PyTorch's
+    linears, unpacked, and none of our CPU layers (what the runner there gets is the model as loaded)."""
+    return parse("packed=off,native=off,fused=off,exact=off", "the model moves to a GPU per call (ZeroGPU)",
+                 settings)
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """What runs a forward, chosen once at start (module docstring): the option of each decision,
@@ -174,6 +185,11 @@ class ExecutionPlan:
     fused_max_rows: int = 0  # a step of more rows runs the stack's layers unfused
     linear_max_rows: int = 0  # our float32 linears: more rows go to PyTorch's product (0: any, or not ours)
     switches: tuple[tuple[str, str | None], ...] = ()
+
+    def driver_for(self, rows: int) -> str:
+        """The layer driver that runs a step of ``rows`` tokens: the chosen one, but ``stack`` for a
+        ``fused`` step of more than ``fused_max_rows`` rows (a prefill chunk). The one rule by rows."""
+        return "stack" if self.layers == "fused" and rows > self.fused_max_rows else self.layers
 
     def why_not(self, option: str) -> str | None:
         """Why ``option`` was set aside; None where it was chosen or not tried."""
@@ -191,7 +207,7 @@ class ExecutionPlan:
             chosen = getattr(self, decision)
             out.append(f"{decision}: {chosen} ({dict(options)[chosen]})")
             out += [f"  not {name}: {why}" for d, name, why in self.rejected if d == decision]
-        if self.fused_max_rows:
+        if self.fused_max_rows and self.layers == "fused":
             out.append(f"fused layers: steps of up to {self.fused_max_rows} rows (more run unfused)")
         if self.linear_max_rows:
             out.append(f"our linears: up to {self.linear_max_rows} float32 rows (more go to PyTorch's product)")

@@ -3,7 +3,7 @@
 Owns: forward passes on a request's KV buffer, packed forwards over many requests'
 buffers, the scheduler's forward over the KV pool, a reference prefill from scratch, and
 the model's KV geometry. Every forward runs on the runner's one compute thread
-(``engine.model.compute_thread``), whoever calls it; on an x86 CPU in float32 the
+(``engine.model.compute_thread``), whoever calls it; on an x86 CPU in bfloat16 the
 model's linears are oneDNN-packed (``engine.model.packed_linear``). Holds the model's
 text half as ``text`` (``engine.text.codec.TextCodec``: template, encode, decode, eos)
 and does no text itself. Knows nothing about the radix tree, the pool's policy or the
@@ -14,27 +14,28 @@ tokens and prefill chunks alike) packed into one ``[1, total]`` sequence, each t
 its own position, every request's KV in the pool. Everything but attention (embeddings,
 projections, MLP, logits) runs once over the pack, which is where the time goes on a CPU
 (the weights are read once per forward); attention reads each request's slots in the pool
-(``engine.model.paged_attention``: a shared prefix once for all). A Llama-family model runs
-it through ``engine.model.decoder_stack`` (its own layers called directly), any other
-batchable model through transformers' forward with that attention registered in its place
-(``_paged_attention``). The other paths are single-request: ``forward``/``forward_last`` on a
-scratch buffer (tests' references, the warm start) and ``reference_prefill`` (a fresh buffer,
-no cache: tests' and benches' reference logits).
+(``engine.model.paged_attention``: a shared prefix once for all). By default every row runs the
+exact forward (``DecoderStack.forward_exact``: the family's recipe in our C layers, our attention
+in blocks fixed by position), whatever its batch; the other drivers are the decoder stack's PyTorch
+layers (Llama-shaped models) and transformers' forward with the pool-reading attention registered in
+its place (``engine.model.pool_attention``). The other paths are single-request:
+``forward``/``forward_last`` on a scratch buffer (tests' references, the warm start) and
+``reference_prefill`` (a fresh buffer, no cache: tests' and benches' reference logits).
 
 Which of these runs, with which linears and attention, is chosen once as the runner is built:
-its ``plan`` (``engine.model.plan.ExecutionPlan``), built from the plan's registry with the
-start-up probes below as the checks. The forwards act on the plan; nothing here reads a setting.
+its ``plan`` (``engine.model.plan.ExecutionPlan``, frozen), from the plan's registry with the
+start-up checks of ``engine.model.layer_checks``. ``forward_paged`` asks the plan which driver runs
+a step (``ExecutionPlan.driver_for``) and runs it; nothing here chooses again, and the settings come
+in as an argument (the environment is read, by ``plan.read_settings``, only when none are given).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ import torch
 from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.request_kv import PoolWriteCache, RequestKV
-from engine.model import native_build, native_linear, plan
+from engine.model import explain, layer_checks, native_linear, plan, pool_attention
 from engine.model.attention import AttentionBackend, exact
 from engine.model.compute_thread import ComputeThread, TurnLock
 from engine.model.decoder_stack import DecoderStack
@@ -55,41 +56,7 @@ from engine.text.codec import TextCodec
 from engine.types import EngineError, EngineFault, SamplingParams
 
 log = logging.getLogger(__name__)
-
-PAGED_ATTENTION = "radix_paged"
-_batch = threading.local()  # the plan and pool of the paged forward running on this thread, if any
-
-
-def _paged_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, except inside ``forward_paged`` through transformers' forward: there every request
-    attends over its slots in the pool (``engine.model.paged_attention``: a shared prefix read
-    once for all). Outside it, plain SDPA with SDPA's masks: single-request paths are unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    paged = getattr(_batch, "paged", None)
-    if paged is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise EngineError("this model's attention (soft-capping or position bias) cannot read the KV pool")
-    plan, pool = paged
-    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    return plan.attention(pool.k[module.layer_idx], pool.v[module.layer_idx], query, scale), None
-
-
-def _register_paged_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(PAGED_ATTENTION, _paged_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PAGED_ATTENTION, sdpa_mask)
-
-
-def cache_argument(model: torch.nn.Module) -> str:
-    """The name of the forward's cache argument: ``cache`` on the transformers line this project pins
-    (5.24), ``past_key_values`` on older ones (5.17, the GPU machine's). Read off the signature once,
-    never tried: an old forward takes an unknown ``cache=`` into its ``**kwargs`` and runs on a cache
-    of its own, silently, while a new one only warns about ``past_key_values=``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+cache_argument = pool_attention.cache_argument  # where callers have always found it
 
 
 @dataclass(frozen=True)
@@ -124,7 +91,9 @@ def _on_compute_thread(method):
 class ModelRunner:
     in_process_forwards = True  # False for a runner whose forwards run elsewhere (engine.zerogpu)
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, kernels: KernelSettings | None = None) -> None:
+        """``kernels``: the kernel settings (``engine.model.plan``; the app passes them), by default
+        ``plan.read_settings()`` of this process's environment."""
         self.loaded = loaded
         # Every forward runs on this one thread (see engine.model.compute_thread: one OpenMP pool).
         self.compute = ComputeThread()
@@ -135,7 +104,7 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        settings = plan.read_settings()  # the one reading of RADIX_KERNELS and its aliases
+        settings = kernels if kernels is not None else plan.read_settings()
         # The linears (CPU bf16 with native bf16: oneDNN-packed weights; CPU fp32: our kernel, few rows),
         # checked on the compute thread: the packing check runs a product (one OpenMP pool).
         linear, rejected = self.compute.call(plan.choose, "linear", settings, plan.linear_check(self.model, settings))
@@ -156,67 +125,19 @@ class ModelRunner:
         self.attention: AttentionBackend
         self.attention, set_aside = plan.choose_attention(self.device, settings)
         self.query_groups = int(cfg.num_attention_heads) // self.num_kv_heads  # query heads per KV head
-        # The layer driver: forward_paged's own layer-by-layer forward (engine.model.decoder_stack) where
-        # the model is a Llama-family decoder and it checks out bit for bit against transformers' forward,
-        # its fused layers and the exact forward (issue 44) where they check out too.
-        self.stack: DecoderStack | None = None
-        driver, dropped = self.compute.call(self._choose_layers, settings)
+        # The layer driver (engine.model.layer_checks): the exact forward where the family's recipe and
+        # our kernels check out, else the first of the drivers below it that does.
+        choice = self.compute.call(layer_checks.choose_layers, self, settings)
+        self.stack: DecoderStack | None = choice.stack
         fused = self.stack.fused if self.stack is not None else None
-        self.plan = ExecutionPlan(layers=driver, linear=linear, attention=self.attention.name,
-                                  rejected=tuple(rejected + set_aside + dropped),
+        self.plan = ExecutionPlan(layers=choice.driver, linear=linear, attention=self.attention.name,
+                                  rejected=tuple(rejected + set_aside) + choice.rejected,
                                   fused_max_rows=fused.max_rows if fused is not None else 0,
                                   linear_max_rows=native_linear.MAX_ROWS if self.native_linears
                                   and self.dtype == torch.float32 else 0, switches=settings.switches)
+        if choice.driver != "exact":  # never silently: the log, the engine info and --explain-kernels say why
+            log.warning("%s: the forward is %s, not exact: %s", self.name, choice.driver, self.plan.why_not("exact"))
         self.compute.call(self._warm_up)
-
-    @torch.inference_mode()
-    def _choose_layers(self, settings: KernelSettings) -> tuple[str, list[tuple[str, str, str]]]:
-        """The layer driver (``engine.model.plan``): each driver's check builds on the one below it
-        (exact on fused, fused on stack, stack on transformers), each probe runs once, in that order
-        from the bottom; ``self.stack`` is left as the chosen driver needs it (None below stack)."""
-        memo: dict[str, str] = {}
-
-        def runs(name: str) -> str:
-            if name not in memo:
-                memo[name] = settings.refusal("layers", name) or checks[name]()
-            return memo[name]
-
-        def below(name: str, what: str) -> str:
-            why = runs(name)
-            return f"needs {what}, which is not used: {why}" if why else ""
-
-        def stack() -> str:
-            why = below("transformers", "the pool-reading attention")
-            if why:
-                return why
-            built = DecoderStack.build(self.model, fused=not settings.refusal("layers", "fused"))
-            if built is None:
-                return "not a Llama-family decoder this forward knows (engine.model.decoder_stack)"
-            self.stack = self._check_stack(built)
-            return "" if self.stack is not None else "its logits differ from transformers' forward on a probe"
-
-        def fused() -> str:
-            why = below("stack", "the decoder stack")
-            if why:
-                return why
-            if self.stack.fused is None:
-                return "the fused layers do not take this model, or our linear kernel does not build here"
-            if not self._check_fused(self.stack, *self._probes()):
-                self.stack.fused = None
-                return "its logits are off the unfused forward's on a probe (or the kernel refused it)"
-            return ""
-
-        checks: dict[str, Callable[[], str]] = {
-            "exact": lambda: below("fused", "the fused layers") or self._check_exact(),
-            "fused": fused, "stack": stack, "transformers": self._enable_batching, "gathered": lambda: ""}
-        for name in ("transformers", "stack", "fused", "exact"):  # the probes' order: each needs the one before
-            runs(name)
-        driver, rejected = plan.choose("layers", settings, runs)
-        if driver not in ("exact", "fused") and self.stack is not None:
-            self.stack.fused = None  # checked but not used: the stack's steps stay unfused
-        if driver not in ("exact", "fused", "stack"):
-            self.stack = None
-        return driver, rejected
 
     @torch.inference_mode()
     def _probe_layers(self) -> list:
@@ -227,83 +148,13 @@ class ModelRunner:
         self._model(cache, input_ids=torch.tensor([[0]], device=self.device))
         return cache.layers
 
-    def _enable_batching(self) -> str:
-        """Switch the model to the pool-reading attention, where that is exact: SDPA models
-        with full attention in every layer (no sliding window, no logit soft-capping); "" then,
-        else why not. Others decode one request per forward (still scheduled together)."""
-        cfg = self.model.config.get_text_config(decoder=True)
-        if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
-            return "a sliding window or logit soft-capping: attention over the pool would not be exact"
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
-            return "a layer without full attention"
-        if self.model.config._attn_implementation not in ("sdpa", PAGED_ATTENTION):
-            return f"the model's attention is {self.model.config._attn_implementation}, not SDPA"
-        try:
-            _register_paged_attention()
-            self.model.set_attn_implementation(PAGED_ATTENTION)
-        except Exception as exc:  # noqa: BLE001 - an architecture that does not take registered attention
-            return f"the model does not take registered attention ({exc})"
-        if self.model.config._attn_implementation != PAGED_ATTENTION:
-            return "the model does not take registered attention"
-        return ""
-
-    @torch.inference_mode()
-    def _check_stack(self, stack: DecoderStack) -> DecoderStack | None:
-        """``stack`` if it computes exactly what transformers' forward computes on a probe: a
-        prefill, then a decode row and a prefill chunk sharing it (its fused layers set aside:
-        ``_check_fused`` checks them on their own, within a bound); else None."""
-        pool, probes = self._probes()
-        fused, stack.fused = stack.fused, None
-        try:
-            for segments in probes:
-                plain = self._paged(pool, segments, False, None)
-                direct = self._paged(pool, segments, False, stack)
-                if not torch.equal(plain, direct):
-                    return None
-        except Exception:  # a layer that only looked like one this forward knows
-            return None
-        stack.fused = fused
-        return stack
-
-    def _check_fused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]]) -> bool:
-        """Whether the stack's fused decode layers (``engine.model.fused_decode``) give the logits
-        of its unfused forward on the probes, up to rounding (another order of operations:
-        ``fused.bound`` of the largest logit; a misread layer is off by far more)."""
-        return self._near_unfused(stack, pool, probes, lambda segments: self._paged(pool, segments, False, stack),
-                                  "fused decode layers")
-
-    def _probes(self) -> tuple[KVPool, list[list[PagedSegment]]]:
-        """The start-up checks' forwards: a prefill, then a decode row and a prefill chunk sharing it,
-        then the row again (a pool of their own)."""
-        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                      40 * self.kv_bytes_per_token)
-        prefix = pool.alloc(20)
-        alone = prefix + pool.alloc(2)
-        return pool, [[PagedSegment(list(range(3, 23)), 0, prefix)],
-                      [PagedSegment([7], 20, alone), PagedSegment([5, 9, 11], 20, prefix + pool.alloc(3))],
-                      [PagedSegment([8], 21, alone)]]
-
-    def _near_unfused(self, stack: DecoderStack, pool: KVPool, probes: list[list[PagedSegment]], run, what: str) -> bool:
-        """Whether ``run(segments)`` (with the stack's fused layers on) gives the unfused stack's logits
-        on every probe up to rounding (``fused.bound`` of the largest logit; a misread layer is off by far
-        more); a refusal of a kernel counts as no. ``what`` names it in the one log line."""
-        fused = stack.fused
-        try:
-            for segments in probes:
-                stack.fused = None
-                plain = self._paged(pool, segments, False, stack)
-                stack.fused = fused
-                got = run(segments)
-                bound = fused.bound * max(1.0, float(plain.abs().max()))
-                if not bool(torch.isfinite(got).all()) or float((got - plain).abs().max()) > bound:
-                    log.warning("%s off: logits differ from the unfused forward's on a probe", what)
-                    return False
-        except Exception as exc:  # noqa: BLE001 - a refusal of the kernel: the path before it
-            log.warning("%s off: %s", what, exc)
-            return False
-        finally:
-            stack.fused = fused
-        return True
+    def _warm_up(self) -> None:
+        """Run both prefill paths once, so the first visitor's timings are not a cold start."""
+        ids = list(range(1, 17))
+        kv = self.new_request_kv(len(ids) + 1)
+        self.forward_last(ids[:8], kv)
+        self.forward_last(ids[8:], kv)
+        self.reference_prefill(ids)
 
     @property
     def can_batch(self) -> bool:
@@ -318,35 +169,9 @@ class ModelRunner:
 
     @property
     def runs_exact(self) -> bool:
-        """Whether forwards run exact now: the plan's driver (``exact``), and the stack and its fused
-        layers still there (a test or a caller that drops them gets the paths they name)."""
-        stack = self.stack
-        return bool(self.exact and stack is not None and stack.fused is not None)
-
-    @torch.inference_mode()
-    def _check_exact(self) -> str:
-        """Why not every forward runs exact (``DecoderStack.forward_exact``), "" where it does: where
-        it can, its logits are those of the unfused stack up to rounding on the probes
-        (``_check_fused``'s bound; a misread layer is off by far more)."""
-        stack = self.stack
-        if not stack.exact_ready:
-            return "the fused layers lack a tail in C, one attention scale or whole-head rotary"
-        if self.device.type != "cpu" or not exact.takes(
-                self.dtype, self.query_groups * self.num_kv_heads, self.num_kv_heads, self.head_dim):
-            return "the exact attention kernel does not take this model here (dtype, heads or head size)"
-        pool, probes = self._probes()
-        if not self._near_unfused(stack, pool, probes, lambda segments: self._exact_paged(pool, segments, False),
-                                  "exact forward"):
-            return "its logits are off the unfused forward's on a probe (or a kernel refused it)"
-        return ""
-
-    def _warm_up(self) -> None:
-        """Run both prefill paths once, so the first visitor's timings are not a cold start."""
-        ids = list(range(1, 17))
-        kv = self.new_request_kv(len(ids) + 1)
-        self.forward_last(ids[:8], kv)
-        self.forward_last(ids[8:], kv)
-        self.reference_prefill(ids)
+        """Whether forwards run exact: the plan's driver is ``exact`` (the same as ``exact``; kept for
+        the callers that ask it by this name)."""
+        return self.plan.layers == "exact"
 
     # ---------------------------------------------------------------- running
     def _model(self, cache, **inputs):
@@ -405,26 +230,30 @@ class ModelRunner:
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:
             raise EngineError("every_position takes one segment")
-        if self.plan.layers == "gathered":
+        driver = self.plan.driver_for(sum(len(s.ids) for s in segments))  # the plan says; nothing else chooses
+        if driver == "gathered":
             if every_position:
                 return self._forward_gathered(pool, segments[0], every_position=True)
             return torch.stack([self._forward_gathered(pool, s) for s in segments])
-        if self.runs_exact:
+        if driver == "exact":
             return self._exact_paged(pool, segments, every_position)
-        return self._paged(pool, segments, every_position, self.stack)
+        return self._paged(pool, segments, every_position, self.stack if driver in ("fused", "stack") else None,
+                           driver == "fused")
 
-    def _exact_paged(self, pool, segments: Sequence[PagedSegment], every_position: bool) -> torch.Tensor:
-        """``forward_paged``'s body in exact mode: every row through ``DecoderStack.forward_exact``
-        over an ``exact.ExactPlan`` (rows in the caller's order). ``pool`` has per-layer ``k``/``v``."""
+    def _exact_paged(self, pool, segments: Sequence[PagedSegment], every_position: bool,
+                     stack: DecoderStack | None = None) -> torch.Tensor:
+        """``forward_paged``'s body in exact mode: every row through ``stack.forward_exact`` (the
+        runner's stack by default) over an ``exact.ExactPlan`` (rows in the caller's order). ``pool``
+        has per-layer ``k``/``v``."""
         plan = exact.ExactPlan(segments, self.device)
-        first = self.stack.layers[0]
-        call = plan.call(pool.k[first.index], self.query_groups * self.num_kv_heads, first.scaling)
         input_ids = torch.tensor([plan.ids], device=self.device)
         positions = torch.tensor([plan.positions], device=self.device)
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
-        return self.stack.forward_exact(input_ids, positions, plan.write_index, pool.k, pool.v, call, last)[0].float()
+        stack = stack or self.stack
+        return stack.forward_exact(input_ids, positions, plan.write_index, pool.k, pool.v, plan, last)[0].float()
 
-    def _exact_buffer(self, ids: Sequence[int], kv: RequestKV, every_position: bool) -> torch.Tensor:
+    def _exact_buffer(self, ids: Sequence[int], kv: RequestKV, every_position: bool,
+                      stack: DecoderStack | None = None) -> torch.Tensor:
         """``forward``'s work in exact mode: ``ids`` after the ``kv.length`` tokens in the scratch
         buffer ``kv``, whose slots are its positions; the same kernels as the pool's forwards, so a
         buffer's logits equal the pool's bit for bit. Every position's logits (``[len(ids), vocab]``),
@@ -433,14 +262,14 @@ class ModelRunner:
         kv.ensure_capacity(start + n)
         buffer = _BufferLayers([kv.k[i] for i in range(kv.k.shape[0])], [kv.v[i] for i in range(kv.v.shape[0])])
         segment = PagedSegment(list(ids), start, range(start + n), runs=[(0, 0, start + n)])
-        logits = self._exact_paged(buffer, [segment], every_position)
+        logits = self._exact_paged(buffer, [segment], every_position, stack)
         kv.prefill_from(start + n)
         return logits
 
     def _paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
-               stack: DecoderStack | None) -> torch.Tensor:
-        """``forward_paged``'s body: through ``stack`` when given, else through transformers'
-        forward with the pool-reading attention registered in its place."""
+               stack: DecoderStack | None, fused: bool = False) -> torch.Tensor:
+        """``forward_paged``'s body: through ``stack`` when given (its fused layers where ``fused``),
+        else through transformers' forward with the pool-reading attention registered in its place."""
         # decode rows read in place, in one call for all, where the backend can
         own_rows = self.attention.takes_rows(self.dtype, self.query_groups, self.head_dim)
         plan = PagedPlan(segments, self.device, self.attention, own_rows)
@@ -449,16 +278,13 @@ class ModelRunner:
         last = 0 if every_position else torch.tensor(plan.lens, device=self.device).cumsum(0) - 1
         if stack is not None:
             logits = stack.forward(input_ids, positions, plan.write_index, pool.k, pool.v, plan.attention,
-                                   last, rows_call=plan.rows_call)[0].float()
+                                   last, rows_call=plan.rows_call, fused=fused)[0].float()
         else:
             mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # taken as given: no mask built
-            _batch.paged = (plan, pool)
-            try:
+            with pool_attention.reading_pool(plan, pool):
                 release_signals()  # held wake-ups go out as the model's work starts (compute_thread)
                 out = self._model(PoolWriteCache(pool, plan.write_index), input_ids=input_ids,
                                   position_ids=positions, attention_mask=mask, logits_to_keep=last)
-            finally:
-                _batch.paged = None
             logits = out.logits[0].float()
         if every_position or plan.order == sorted(plan.order):
             return logits  # already in the caller's order (one group of decode rows, say): no copy
@@ -502,43 +328,23 @@ class ModelRunner:
     @property
     def linear_kernels(self) -> str:
         """How the linear layers multiply, in words (for the engine info)."""
-        if self.runs_exact:
-            return "ours at any number of rows, in the fused layers and the head (the exact forward)"
-        if self.packed_linears:
-            fused = getattr(self.stack, "fused", None)
-            ours = (f"ours in the fused decode steps (up to {fused.max_rows} rows), " if fused is not None else "")
-            return f"{ours}oneDNN, weights packed once (RADIX_KERNELS=packed=off for PyTorch's default)"
-        if self.native_linears and self.plan.linear_max_rows:
-            return (f"ours up to {self.plan.linear_max_rows} rows (decode steps, short prefill chunks), MKL's for "
-                    "longer chunks (RADIX_KERNELS=native=off for PyTorch's alone)")
-        if self.native_linears:
-            return "ours at any number of rows (RADIX_KERNELS=native=off for PyTorch's alone)"
-        return "PyTorch's default"
+        return explain.linear_kernels(self)
 
     @property
     def kernel_isa(self) -> str:
         """The instruction set our C kernels are built for, in words (``RADIX_ISA``, for the engine
         info); "" where none of them runs."""
-        ours = (self.native_linears or getattr(self.stack, "fused", None) is not None
-                or self.attention.name == "cpu_native")
-        return native_build.describe_isa() if ours else ""
+        return explain.kernel_isa(self)
 
     @property
     def forward_kind(self) -> str:
         """What runs the scheduler's forward, in words (for the engine info)."""
-        if self.runs_exact:
-            return ("exact: every row, whatever its batch, through the decoder's layers in fused C calls, our "
-                    "attention in blocks fixed by position and our final norm and head, so a row's logits do not "
-                    "depend on its batch, its chunk or the cache, bit for bit (RADIX_KERNELS=exact=off for the "
-                    "faster paths)")
-        if self.stack is not None and self.stack.fused is not None:
-            return ("decoder stack: the model's layers called directly, decode steps of up to "
-                    f"{self.stack.fused.max_rows} rows in two fused C calls a layer, all layers in one C call when "
-                    "no two rows share a prefix (RADIX_KERNELS=fused=off for "
-                    "PyTorch's ops, stack=off for transformers' forward)")
-        if self.stack is not None:
-            return "decoder stack: the model's layers called directly (RADIX_KERNELS=stack=off for transformers' forward)"
-        return "transformers' forward" + ("" if self.can_batch else ", one request per forward")
+        return explain.forward_kind(self)
+
+    @property
+    def family(self) -> str:
+        """The model's family recipe in words (``engine.model.families``), or why it has none."""
+        return explain.family(self)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the compute thread (after the calls queued before), for command lines that build

@@ -4,6 +4,7 @@ fused decode layers, which differ in the last bits, are off here: ``test_fused_d
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -76,7 +77,7 @@ def test_stack_equals_transformers_forward(tokenizer, tiny_runner, tiny_runner_b
 
 
 def test_every_position_and_engine_path_use_the_stack(tiny_runner, monkeypatch):
-    monkeypatch.setattr(tiny_runner.stack, "fused", None)
+    monkeypatch.setattr(tiny_runner, "plan", dataclasses.replace(tiny_runner.plan, layers="stack"))
     plain_pool, stack_pool = _pools(tiny_runner, 64)
     seg = [PagedSegment(list(range(20, 45)), 0, plain_pool.alloc(25))]
     stack_pool.alloc(25)
@@ -96,9 +97,10 @@ def _qwen_like(tokenizer, q_norm: bool):
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
 
 
-def test_qwen2_with_projection_biases_takes_the_stack_qwen3_does_not(tokenizer):
-    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=False)) is not None
-    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=True)) is None  # per-head norms: another layer
+def test_qwen2_with_projection_biases_takes_the_stack_qwen3_only_the_exact_forward(tokenizer):
+    assert DecoderStack.build(_qwen_like(tokenizer, q_norm=False)).plain
+    qwen3 = DecoderStack.build(_qwen_like(tokenizer, q_norm=True))  # per-head norms: another layer
+    assert not qwen3.plain and qwen3.parts.recipe.qk_norm == "head"
 
 
 def test_switched_off_or_differing_keeps_transformers_forward(tokenizer, monkeypatch):

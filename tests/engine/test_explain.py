@@ -10,7 +10,8 @@ def test_it_names_the_plan_the_forward_the_linears_the_attention_and_every_switc
     lines = explain(tiny_runner)
     text = "\n".join(lines)
     assert lines[0].startswith("model: tiny-random-llama on cpu (float32)")
-    assert lines[1] == f"plan: {tiny_runner.plan.summary()}"
+    assert lines[1] == "family: Llama: norms pre, silu"
+    assert lines[2] == f"plan: {tiny_runner.plan.summary()}"
     assert f"  layers: {tiny_runner.plan.layers} (" in text and f"  linear: {tiny_runner.plan.linear} (" in text
     for _, option, why in tiny_runner.plan.rejected:  # every option set aside, with its reason
         assert f"    not {option}: {why}" in text

@@ -1,4 +1,4 @@
-"""The runner and cache work for the common causal-LM families (tiny random configs)."""
+"""The runner and cache work for every family of the registry and one outside it (tiny random configs)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,21 @@ from engine.engine import Engine
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
+from tests.family_models import FAMILIES, tiny_model
 
 
 def tiny(family: str, vocab: int):
+    """A tiny model of ``family``: one of the registry's (``tests/family_models.py``), or GPT-2 (outside it)."""
     import transformers as tf
 
-    torch.manual_seed(0)
-    common = dict(vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=512)
     if family == "gpt2":
+        torch.manual_seed(0)
         cfg = tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512)
         return tf.GPT2LMHeadModel(cfg)
-    if family == "qwen2":
-        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             **common)
-        return tf.Qwen2ForCausalLM(cfg)
-    if family == "mistral":
-        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
-                               sliding_window=None, **common)
-        return tf.MistralForCausalLM(cfg)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         **common)
-    return tf.LlamaForCausalLM(cfg)
+    return tiny_model(family, vocab)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt2"])
 def test_reuse_is_exact_for_family(tokenizer, family):
     model = tiny(family, len(tokenizer)).eval()
     runner = ModelRunner(LoadedModel(model, tokenizer, f"tiny-{family}", torch.device("cpu"), torch.float32))

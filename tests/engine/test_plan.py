@@ -182,3 +182,20 @@ def test_a_named_driver_and_linear_kernel_are_what_runs(tokenizer, monkeypatch):
         assert "RADIX_KERNELS" in r.forward_kind and dict(p.switches)[ENV] == "layers=stack,linear=torch"
     finally:
         r.close()
+
+
+def test_zerogpu_settings_are_passed_not_written_to_the_environment(monkeypatch):
+    """app.build_engine hands the runner its kernel settings (``plan.for_gpu_calls`` on ZeroGPU): PyTorch's
+    linears and none of our CPU layers, said by that reason; the environment is left as it was."""
+    import os
+
+    from engine.model import plan
+
+    before = dict(os.environ)
+    s = plan.for_gpu_calls(plan.read_settings({"RADIX_KERNELS": "attention=cpu_sdpa"}))
+    assert dict(os.environ) == before
+    for option in ("packed", "native", "fused", "exact"):
+        assert "ZeroGPU" in s.off[option]
+    assert s.pinned("attention") == "cpu_sdpa" and dict(s.switches)["RADIX_KERNELS"] == "attention=cpu_sdpa"
+    source = open(os.path.join(os.path.dirname(__file__), "..", "..", "app.py")).read()
+    assert "os.environ[" not in source  # nothing steers the engine by writing variables

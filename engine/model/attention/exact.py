@@ -36,26 +36,36 @@ _ExactStruct = abi.struct("radix_exact")  # one forward's exact attention (nativ
 
 class ExactCall:
     """The exact attention of one forward's tokens for every layer whose pool layers are shaped
-    like the one it was made for: ``fn``/``ctx`` for C (``radix_layers``' attend), ``attend`` for
-    Python. Holds every buffer its struct points at."""
+    like the one it was made for: ``fn`` and ``contexts`` for C (``radix_layers``' attend, one
+    struct a layer: a sliding window's layers have their own), ``attend`` for Python. Holds every
+    buffer its structs point at."""
 
-    def __init__(self, kernel: native.DecodeKernel, struct: _ExactStruct, keep: tuple) -> None:
-        self.struct, self._keep = struct, keep
+    def __init__(self, kernel: native.DecodeKernel, structs: Sequence[_ExactStruct], keep: tuple) -> None:
+        self.structs, self._keep = list(structs), keep
+        self.struct = self.structs[0]
         self.fn = kernel.exact_fn
-        self.ctx = ctypes.addressof(struct)
+        self._ctxs = [ctypes.addressof(s) for s in self.structs]
+        self.ctx = self._ctxs[0]
         self._run = kernel.lib.radix_exact_attention  # its signature set where the library is loaded
 
-    def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+    def contexts(self, layers: int) -> ctypes.Array:
+        """Each layer's struct, for ``radix_layers`` (``layers`` of them: the call's own count)."""
+        if layers != len(self._ctxs):
+            raise ValueError(f"this exact attention was made for {len(self._ctxs)} layers, not {layers}")
+        return (ctypes.c_void_p * layers)(*self._ctxs)
+
+    def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """``q [T, Hq * D]`` (contiguous, the pool's dtype; query head ``h * G + i`` reads KV head
-        ``h``) over the pool layer ``k_layer``/``v_layer`` ``[H, S, D]``: ``[T, Hq * D]`` float32."""
-        s = self.struct
+        ``h``) over the pool layer ``k_layer``/``v_layer`` ``[H, S, D]`` as layer ``layer`` (its window):
+        ``[T, Hq * D]`` float32."""
+        s = self.structs[layer]
         if (q.shape != (s.ntok, s.H * s.G * s.D) or not q.is_contiguous() or k_layer.shape != (s.H, s.slots, s.D)
                 or v_layer.shape != k_layer.shape or not (k_layer.is_contiguous() and v_layer.is_contiguous())
                 or not q.dtype == k_layer.dtype == v_layer.dtype):
             raise ValueError(f"the exact attention kernel takes [{s.ntok}, {s.H * s.G * s.D}] queries over "
                              f"[{s.H}, {s.slots}, {s.D}] pool layers of one dtype")
         out = torch.empty((s.ntok, s.H * s.G * s.D), dtype=torch.float32)
-        abi.check(self._run(self.ctx, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr()),
+        abi.check(self._run(self._ctxs[layer], q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr()),
                   "the exact attention kernel")
         return out
 
@@ -82,20 +92,27 @@ class ExactPlan:
         self.tok = torch.tensor(tok, dtype=torch.int64).reshape(-1, 3)
         self.runs = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
 
-    def call(self, k_layer: torch.Tensor, q_heads: int, scale: float) -> ExactCall:
+    def call(self, k_layer: torch.Tensor, q_heads: int, scale: float, windows: Sequence[int] = (0,),
+             softcap: float = 0.0) -> ExactCall:
         """The exact attention of this plan's tokens for pool layers shaped like ``k_layer``
-        ``[H, S, D]`` (float32 or bfloat16), ``q_heads`` query heads, scale ``scale``."""
+        ``[H, S, D]`` (float32 or bfloat16), ``q_heads`` query heads, scale ``scale``; one layer a
+        window of ``windows`` (0: none; a sliding window's keys are those above ``p - window``) and
+        the scores soft-capped at ``softcap`` (0: none)."""
         kernel = native.kernel()
         if kernel is None:
             raise ValueError(f"the exact attention kernel is not available: {native.why()}")
         h, slots, d = k_layer.shape
         per = max(1, min(MAX_CHUNK_TOKENS, MAX_ROWS // (q_heads // h)))
         chunks = torch.tensor(list(range(0, self.total, per)) + [self.total], dtype=torch.int64)
-        s = _ExactStruct(H=h, G=q_heads // h, D=d, slots=slots, ntok=self.total, tok=self.tok.data_ptr(),
-                         runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=chunks.data_ptr(),
-                         nchunks=chunks.shape[0] - 1, scale=scale, bf16=int(k_layer.dtype == torch.bfloat16),
-                         threads=torch.get_num_threads())
-        return ExactCall(kernel, s, (self.tok, self.runs, chunks))
+        made: dict[int, _ExactStruct] = {}
+        for w in windows:
+            if w not in made:
+                made[w] = _ExactStruct(H=h, G=q_heads // h, D=d, slots=slots, ntok=self.total, tok=self.tok.data_ptr(),
+                                       runs=self.runs.data_ptr(), nruns=self.runs.shape[0], chunks=chunks.data_ptr(),
+                                       nchunks=chunks.shape[0] - 1, scale=scale,
+                                       bf16=int(k_layer.dtype == torch.bfloat16), threads=torch.get_num_threads(),
+                                       window=int(w), softcap=float(softcap))
+        return ExactCall(kernel, [made[w] for w in windows], (self.tok, self.runs, chunks))
 
 
 def takes(dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int) -> bool:

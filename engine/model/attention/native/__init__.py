@@ -43,6 +43,10 @@ class LayerCall:
         self.fn, self.struct, self._keep = fn, struct, keep
         self.ctx = ctypes.addressof(struct)
 
+    def contexts(self, layers: int) -> ctypes.Array:
+        """``ctx`` for each of ``layers`` layers (``radix_layers`` takes one a layer): the same arguments."""
+        return (ctypes.c_void_p * layers)(*[self.ctx] * layers)
+
 
 class DecodeKernel:
     """The loaded library: ``attend`` (one call's rows over a view of keys) and ``attend_rows``

@@ -905,6 +905,12 @@ radix_status radix_attention_layer(const radix_attn_layer *c, const void *q, con
  * once for all of them. A token whose block ends earlier (the diagonal of a prefill chunk) joins
  * its neighbours with its own key count: its scores past it are never used, its sums stop there.
  *
+ * Families (engine.model.families): a sliding window (radix_exact.window) starts token t at
+ * lo = p - window + 1; blocks wholly before lo are skipped and the first one it reads masks the keys
+ * before lo (their weights 0: the sums are those that start at lo), so its blocks are still fixed by
+ * absolute position. A soft-cap (radix_exact.softcap) caps each score on its own before the maximum.
+ * Both depend on the position alone: the bits stay independent of the batch, the chunk and the cache.
+ *
  * The context (radix_exact): q and out are [ntok][H*G*D] (query head h*G + i reads KV head h,
  * as transformers lays them out), q in the pool's dtype, out float32; k and v one pool layer
  * [H][slots][D]. tok[t] = (position p, first run, end run): token t's runs, in position order,
@@ -920,7 +926,7 @@ radix_status radix_attention_layer(const radix_attn_layer *c, const void *q, con
 static radix_status exact_check(const radix_exact *c) {
     if (c->D % 16 || c->D > MAX_D || c->D < 16 || c->H < 1 || c->ntok < 1 || c->threads < 1)
         return RADIX_E_EXACT_SHAPE;
-    if (c->G < 1 || c->G > EXACT_MAX_G)
+    if (c->G < 1 || c->G > EXACT_MAX_G || c->window < 0 || !(c->softcap >= 0.0))
         return RADIX_E_EXACT_GROUP;
     for (int64_t t = 0; t < c->ntok; t++) {
         const int64_t p = c->tok[3 * t], r0 = c->tok[3 * t + 1], r1 = c->tok[3 * t + 2];
@@ -953,6 +959,7 @@ typedef struct {
     float bm[EXACT_ROWS], bs[EXACT_ROWS];
     float ba[EXACT_ROWS * MAX_D];        /* the block's weighted values per row */
     int nr[EXACT_ROWS];                  /* each row's key count in the block */
+    int lo[EXACT_ROWS];                  /* each row's first key in the block (a sliding window's start) */
     const char *kp[EXACT_BLOCK], *vp[EXACT_BLOCK], *gk[EXACT_BLOCK], *gv[EXACT_BLOCK];
     float kw[EXACT_TILE_KEYS * MAX_D];   /* AVX2: a tile's keys, float32 and side by side */
     float state[EXACT_MAX_CHUNK * EXACT_MAX_G * (MAX_D + 2)];
@@ -1071,11 +1078,33 @@ static inline __attribute__((always_inline)) void exact_values(exact_scratch *w,
             vf_store(w->ba + (int64_t)(r0 + i) * D + d0 + 16 * t, acc[i][t]);
 }
 
+/* What a family's attention does to the scores before the softmax (engine.model.families): soft-capping,
+ * cap * tanh(score / cap) (Gemma 2), and a sliding window's start, keys before lo[r] out of the row's
+ * maximum; each score on its own, so a row's bits stay its own. Nothing for a plain model. */
+static void exact_shape_scores(exact_scratch *w, int R, int rpad, int n, float cap) {
+    if (cap > 0.0f)
+        for (int j = 0; j < n; j++)
+            for (int r = 0; r < R; r++) {
+                float *at = w->sc + (int64_t)j * rpad + r;
+                *at = cap * tanhf(*at / cap);
+            }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < w->lo[r]; j++)
+            w->sc[(int64_t)j * rpad + r] = -INFINITY;
+}
+
+/* the weights of keys before a row's window: 0 (the sums then add +0, as if they started at lo[r]) */
+static void exact_window_weights(exact_scratch *w, int R, int rpad) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < w->lo[r]; j++)
+            w->sc[(int64_t)j * rpad + r] = 0.0f;
+}
+
 /* R query rows (row r's D values at qr[r], the pool's dtype) over the first nr[r] of the n keys at
  * kp/vp: each row's block maximum bm, sum of weights bs, and weighted values ba [R][D] (weights
  * relative to its maximum). Every row's numbers are those it gets computed alone (top of section). */
 static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w, const char *const *qr, int R, int n,
-                                                               int D, float scale, int bf16) {
+                                                               int D, float scale, int bf16, float cap) {
     const int esz = bf16 ? 2 : 4, rpad = (R + 15) / 16 * 16, nb = rpad / 16;
     for (int d = 0; d < D; d++)
         for (int r = 0; r < rpad; r++)
@@ -1136,6 +1165,7 @@ static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w,
         for (int b = 0; b < nb; b++)
             vf_store(w->sc + (int64_t)j * rpad + 16 * b, vf_mul(acc[b], vs));
     }
+    exact_shape_scores(w, R, rpad, n, cap);
     for (int r = 0; r < R; r++) /* a row's keys past its own count: out of its maximum */
         for (int j = w->nr[r]; j < n; j++)
             w->sc[(int64_t)j * rpad + r] = -INFINITY;
@@ -1155,6 +1185,7 @@ static inline __attribute__((always_inline)) void exact_rows_d(exact_scratch *w,
     for (int r = 0; r < R; r++) /* weights past a row's count: 0 (exp16 leaves e^-87) */
         for (int j = w->nr[r]; j < n; j++)
             w->sc[(int64_t)j * rpad + r] = 0.0f;
+    exact_window_weights(w, R, rpad);
     for (int b = 0; b < nb; b++) { /* each row's sum of weights, in key order (adding 0 past its count) */
         vf total = vf_zero();
         for (int j = 0; j < n; j++)
@@ -1288,7 +1319,7 @@ static inline __attribute__((always_inline)) void exact_values8(exact_scratch *w
 
 /* exact_rows_d on AVX2: the same results, rows eight to a register (rpad a multiple of 8) */
 static inline __attribute__((always_inline)) void exact_rows8(exact_scratch *w, const char *const *qr, int R, int n,
-                                                              int D, float scale, int bf16) {
+                                                              int D, float scale, int bf16, float cap) {
     const int esz = bf16 ? 2 : 4, rpad = (R + 7) / 8 * 8;
     for (int d = 0; d < D; d++)
         for (int r = 0; r < rpad; r++)
@@ -1311,6 +1342,7 @@ static inline __attribute__((always_inline)) void exact_rows8(exact_scratch *w, 
                 exact_tile8(w, rpad, u0, j, 1, 1, n, D, scale, bf16, esz);
         }
     }
+    exact_shape_scores(w, R, rpad, n, cap);
     for (int r = 0; r < R; r++) /* a row's keys past its own count: out of its maximum */
         for (int j = w->nr[r]; j < n; j++)
             w->sc[(int64_t)j * rpad + r] = -INFINITY;
@@ -1330,6 +1362,7 @@ static inline __attribute__((always_inline)) void exact_rows8(exact_scratch *w, 
     for (int r = 0; r < R; r++) /* weights past a row's count: 0 */
         for (int j = w->nr[r]; j < n; j++)
             w->sc[(int64_t)j * rpad + r] = 0.0f;
+    exact_window_weights(w, R, rpad);
     for (int b = 0; b < rpad; b += 8) { /* each row's sum of weights, in key order */
         __m256 total = _mm256_setzero_ps();
         for (int j = 0; j < n; j++)
@@ -1364,17 +1397,23 @@ static inline __attribute__((always_inline)) void exact_rows8(exact_scratch *w, 
 #endif
 
 /* exact_rows_d with the head size and dtype constants for the common sizes (the same operations) */
-static void exact_rows(exact_scratch *w, const char *const *qr, int R, int n, int D, float scale, int bf16) {
+static void exact_rows(exact_scratch *w, const char *const *qr, int R, int n, int D, float scale, int bf16, float cap) {
     if (D == 64 && !bf16)
-        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 0);
+        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 0, cap);
     else if (D == 64)
-        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 1);
+        EXACT_ROWS_FN(w, qr, R, n, 64, scale, 1, cap);
     else if (D == 128 && !bf16)
-        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 0);
+        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 0, cap);
     else if (D == 128)
-        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 1);
+        EXACT_ROWS_FN(w, qr, R, n, 128, scale, 1, cap);
     else
-        EXACT_ROWS_FN(w, qr, R, n, D, scale, bf16);
+        EXACT_ROWS_FN(w, qr, R, n, D, scale, bf16, cap);
+}
+
+/* token t's first key: 0, or its sliding window's start (keys at positions above p - window) */
+static inline int64_t exact_lo(const radix_exact *c, int64_t t) {
+    const int64_t p = c->tok[3 * t];
+    return c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
 }
 
 /* The running state (m, s, a) of one row merged with a block's (bm, bs, ba): the one place the
@@ -1433,7 +1472,7 @@ static void exact_chunk_block(const radix_exact *c, exact_scratch *w, const void
         int64_t base = -1;
         if (t < t1) {
             const int64_t p = c->tok[3 * t];
-            if (p < a0)
+            if (p < a0 || exact_lo(c, t) >= a0 + EXACT_BLOCK)
                 continue;
             n = (int)(p + 1 - a0 < EXACT_BLOCK ? p + 1 - a0 : EXACT_BLOCK);
             base = exact_base(c, t, a0, n);
@@ -1457,10 +1496,11 @@ static void exact_chunk_block(const radix_exact *c, exact_scratch *w, const void
         if (nm > 0 && !joins) { /* the group so far: its rows over its keys */
             const char *qr[EXACT_ROWS];
             for (int m = 0; m < nm; m++) {
-                const int64_t pt = c->tok[3 * members[m]];
+                const int64_t pt = c->tok[3 * members[m]], lo = exact_lo(c, members[m]);
                 for (int i = 0; i < G; i++) {
                     qr[m * G + i] = (const char *)q + (members[m] * row + (h * G + i) * D) * esz;
                     w->nr[m * G + i] = (int)(pt + 1 - a0 < EXACT_BLOCK ? pt + 1 - a0 : EXACT_BLOCK);
+                    w->lo[m * G + i] = (int)(lo > a0 ? lo - a0 : 0);
                 }
             }
             if (gbase >= 0)
@@ -1472,7 +1512,7 @@ static void exact_chunk_block(const radix_exact *c, exact_scratch *w, const void
                 memcpy(w->kp, w->gk, sizeof(char *) * gn);
                 memcpy(w->vp, w->gv, sizeof(char *) * gn);
             }
-            exact_rows(w, qr, nm * G, gn, D, (float)c->scale, bf16);
+            exact_rows(w, qr, nm * G, gn, D, (float)c->scale, bf16, (float)c->softcap);
             for (int m = 0; m < nm; m++) {
                 float *dst = part + (members[m] - t0) * per;
                 for (int i = 0; i < G; i++) {
@@ -1502,11 +1542,11 @@ static void exact_chunk_block(const radix_exact *c, exact_scratch *w, const void
     }
 }
 
-/* token t's rows at head h: the running state st after block b's partial pt (the first block's is
- * the state), then, after the last, the output */
-static void exact_fold(float *st, const float *pt, int64_t b, int G, int D) {
+/* token t's rows at head h: the running state st after a block's partial pt (the token's first
+ * block's, ``first``, is the state), then, after the last, the output */
+static void exact_fold(float *st, const float *pt, int first, int G, int D) {
     for (int i = 0; i < G; i++) {
-        if (b == 0) {
+        if (first) {
             st[i] = pt[i];
             st[G + i] = pt[G + i];
             memcpy(st + 2 * G + (int64_t)i * D, pt + 2 * G + (int64_t)i * D, sizeof(float) * D);
@@ -1580,23 +1620,28 @@ radix_status radix_exact_attention(const radix_exact *cc, const void *q, const v
                 while (c->chunks[ch + 1] <= t)
                     ch++;
                 float *st = w->state;
-                for (int64_t b = 0; b * EXACT_BLOCK <= c->tok[3 * t]; b++)
+                const int64_t b0 = exact_lo(c, t) / EXACT_BLOCK;
+                for (int64_t b = b0; b * EXACT_BLOCK <= c->tok[3 * t]; b++)
                     exact_fold(st, kept + ((ch * H + h) * nblk + b) * EXACT_MAX_CHUNK * per +
-                                           (t - c->chunks[ch]) * per, b, G, D);
+                                           (t - c->chunks[ch]) * per, b == b0, G, D);
                 exact_finish(st, out + t * row + h * G * D, G, D);
             }
         } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < H * c->nchunks; item++) {
                 const int64_t h = item % H, ch = item / H, t0 = c->chunks[ch], t1 = c->chunks[ch + 1];
-                int64_t last = 0;
-                for (int64_t t = t0; t < t1; t++)
+                int64_t last = 0, first = INT64_MAX;
+                for (int64_t t = t0; t < t1; t++) {
                     last = c->tok[3 * t] > last ? c->tok[3 * t] : last;
-                for (int64_t b = 0; b * EXACT_BLOCK <= last; b++) {
+                    first = exact_lo(c, t) / EXACT_BLOCK < first ? exact_lo(c, t) / EXACT_BLOCK : first;
+                }
+                for (int64_t b = first; b * EXACT_BLOCK <= last; b++) {
                     exact_chunk_block(c, w, q, h, t0, t1, b, w->block);
-                    for (int64_t t = t0; t < t1; t++)
-                        if (c->tok[3 * t] >= b * EXACT_BLOCK)
-                            exact_fold(w->state + (t - t0) * per, w->block + (t - t0) * per, b, G, D);
+                    for (int64_t t = t0; t < t1; t++) {
+                        const int64_t b0 = exact_lo(c, t) / EXACT_BLOCK;
+                        if (c->tok[3 * t] >= b * EXACT_BLOCK && b >= b0)
+                            exact_fold(w->state + (t - t0) * per, w->block + (t - t0) * per, b == b0, G, D);
+                    }
                 }
                 for (int64_t t = t0; t < t1; t++)
                     exact_finish(w->state + (t - t0) * per, out + t * row + h * G * D, G, D);
