@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 WINDOW = 8  # the sliding window of the families that have one (keys above p - 8)
 
 
@@ -39,6 +39,12 @@ def tiny_model(family: str, vocab: int, seed: int = 0, dtype: torch.dtype = torc
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, sliding_window=WINDOW, pad_token_id=0))
     elif family == "olmo2":
         model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**common))
+    elif family == "olmo3":  # its default layers (three sliding in four); YaRN on the full ones, as OLMo 3 ships
+        model = tf.Olmo3ForCausalLM(tf.Olmo3Config(
+            **dict(common, num_hidden_layers=4), sliding_window=WINDOW,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 256}}))
     else:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     with torch.no_grad():  # norms away from 1 (0 for Gemma's 1 + w): a misread norm must show

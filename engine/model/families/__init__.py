@@ -14,7 +14,7 @@ plain decoder, ``gemma3.py`` for everything at once; ``recipe.py`` says what eac
 
 from __future__ import annotations
 
-from engine.model.families import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from engine.model.families import gemma2, gemma3, llama, mistral, olmo2, olmo3, phi3, qwen2, qwen3
 from engine.model.families.recipe import ACTIVATIONS, Norms, Recipe
 
 __all__ = ["ACTIVATIONS", "FAMILIES", "NEEDS", "REGISTRY", "Norms", "Recipe", "model_type", "recipe_of", "refusal"]
@@ -28,6 +28,7 @@ FAMILIES: tuple[Recipe, ...] = (  # the registry: one line a family
     gemma3.RECIPE,
     phi3.RECIPE,
     olmo2.RECIPE,
+    olmo3.RECIPE,
 )
 REGISTRY: dict[str, Recipe] = {t: r for r in FAMILIES for t in r.model_types}
 NEEDS = ("a file in engine.model.families declaring its Recipe (norms, activation, q/k norms, fused "
