@@ -9,7 +9,7 @@ the kernels themselves.
 
 To add a family: a file here that declares its ``RECIPE`` (copy the nearest one: ``llama.py`` for a
 plain decoder, ``gemma3.py`` for everything at once; ``recipe.py`` says what each field means) and one line in ``_families`` below; then
-``tests/engine/test_family_exact.py`` takes its tiny config (``tests/engine/families.py``).
+``tests/engine/test_family_exact.py`` takes its tiny config (``tests/family_models.py``).
 """
 
 from __future__ import annotations
