@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import gc
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -216,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.streams}; sliding windows of {args.window} tokens")
     print(machine_header())
     print(title, flush=True)
+    t0 = time.perf_counter()
     rows = [bench_family(t, shape, tokenizer, args) for t in types]
     print()
     print(format_table(rows, title, args.streams))
+    print(f"\n{len(rows)} families in {time.perf_counter() - t0:,.0f} s")
     bad = [r.family for r in rows if not r.exact or r.same_answers.split("/")[0] != r.same_answers.split("/")[1]]
     if bad:
         print(f"\nnot exact, or a batched answer differs from its lone run: {', '.join(bad)}")
