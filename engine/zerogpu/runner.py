@@ -11,9 +11,9 @@ the arithmetic in calls.
 The GPU functions, decorated once by ``spaces.GPU`` with a duration worked out from the work each
 call carries (shorter asks wait less in ZeroGPU's queue):
 
-- ``gpu_turn`` (a generator): one visitor turn, the one call a turn makes (``turn_call.run``),
-  ``turn_duration_s``;
-- ``gpu_step``: one forward that belongs to no turn (``step_call.run``), ``step_duration_s``.
+- ``turn_call`` (a generator): one visitor turn, the one call a turn makes (``turn_call.run``),
+  asking ``turn_duration_s``;
+- a call for one forward that belongs to no turn (``step_call.run``), asking ``step_duration_s``.
 
 Worker side, ``device_runner``: a ``ModelRunner`` over the weights where this worker has them (its
 GPU on a Space), built once per worker; ``spaces`` reuses a worker while its GPU slot stays idle.
@@ -46,8 +46,7 @@ DECODE_S_PER_TOKEN = 0.03  # one decode forward of a 1-2B model, launch overhead
 BYTES_PER_S = 1e9  # KV pickled into the call and back
 MAX_S = 60  # spaces.GPU's default duration; a turn that would need more asks this much
 
-_MAIN: ModelRunner | None = None  # the main process's runner (a worker inherits it by fork)
-_WORKER: ModelRunner | None = None  # built in a worker, over the weights where the worker has them
+_WORKER_RUNNERS: dict[int, ModelRunner] = {}  # in a worker: id(main runner) -> its runner on this worker's device
 
 
 def turn_duration_s(work: turn_call.TurnWork) -> int:
@@ -63,28 +62,16 @@ def step_duration_s(work: step_call.StepWork) -> int:
     return min(MAX_S, math.ceil(CALL_BASE_S + work.tokens * PREFILL_S_PER_TOKEN + 2 * work.nbytes / BYTES_PER_S))
 
 
-def gpu_turn(work: turn_call.TurnWork) -> Iterator[turn_call.Step]:
-    """The body of a turn's call: its forwards, streamed out as they are done."""
-    yield from turn_call.run(device_runner(), work)
-
-
-def gpu_step(work: step_call.StepWork) -> step_call.StepOut:
-    """The body of a call for one forward outside any turn."""
-    return step_call.run(device_runner(), work)
-
-
-def device_runner() -> ModelRunner:
-    """This worker's runner: the main runner's model where this worker holds its weights (the GPU
+def device_runner(main: ModelRunner) -> ModelRunner:
+    """This worker's runner for ``main``: its model where this worker holds the weights (the GPU
     on a Space), built on the first call a worker takes and kept for the calls it takes after."""
-    global _WORKER
-    if _WORKER is None:
-        main = _MAIN
-        assert main is not None, "ZeroGPURunner was not built in this process"
+    runner = _WORKER_RUNNERS.get(id(main))
+    if runner is None:
         device = next(main.model.parameters()).device
         if device.type == "cpu":  # a CPU as the device (tests): GNU OpenMP's pool does not survive the fork
             torch.set_num_threads(1)
-        _WORKER = ModelRunner(dataclasses.replace(main.loaded, device=device))
-    return _WORKER
+        runner = _WORKER_RUNNERS[id(main)] = ModelRunner(dataclasses.replace(main.loaded, device=device))
+    return runner
 
 
 def place_on_gpu(runner: ModelRunner) -> None:
@@ -99,13 +86,21 @@ class ZeroGPURunner:
     in_process_forwards = False  # Engine: no paired prefill timing in this mode
 
     def __init__(self, inner: ModelRunner) -> None:
-        global _MAIN
         import spaces  # the caller imported it before anything touched CUDA (app.main, the tests)
 
         from engine.zerogpu.turns import TurnScheduler
 
-        self.inner = _MAIN = inner
+        self.inner = inner
         self.scheduler_class = TurnScheduler
+
+        def gpu_turn(work: turn_call.TurnWork) -> Iterator[turn_call.Step]:
+            """The body of a turn's call: its forwards, streamed out as they are done."""
+            yield from turn_call.run(device_runner(inner), work)
+
+        def gpu_step(work: step_call.StepWork) -> step_call.StepOut:
+            """The body of a call for one forward outside any turn."""
+            return step_call.run(device_runner(inner), work)
+
         self.turn_call = spaces.GPU(duration=turn_duration_s)(gpu_turn)
         self._step_call = spaces.GPU(duration=step_duration_s)(gpu_step)
         self.calls = 0  # calls made for forwards outside any turn

@@ -274,3 +274,98 @@ def test_a_worker_killed_mid_call_fails_that_turn_and_the_next_turn_works(engine
     assert answer(again), again[0]
     assert zero.healthy()
     print(f"\nworker killed mid-call, the visitor's one sentence: {warnings[0]}")
+
+
+@pytest.mark.skipif(FRESH, reason="runs in the outer process: python app.py in a subprocess")
+def test_app_py_starts_in_zerogpu_mode_with_the_model_placed_on_cuda(tokenizer, tmp_path):
+    """``python app.py`` on a ZeroGPU Space: ``import spaces`` first, the model built and placed on
+    ``cuda`` at start (not in a call), the page served, and ``spaces`` packing the weights at launch
+    and reporting to the device API. No call is made: nothing here can start a real worker."""
+    import httpx
+
+    from tests.helpers_app import free_port
+    from tests.zerogpu.device_api import DeviceAPI
+
+    folder = tmp_path / "tiny"
+    runner = tiny_runner(tokenizer)
+    runner.model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    runner.close()
+    api = DeviceAPI().start()
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", RADIX_DISK_CACHE_MB="0",
+               PYTHONUNBUFFERED="1", SPACES_ZERO_GPU="true", SPACES_ZERO_DEVICE_API_URL=api.url,
+               ZEROGPU_OFFLOAD_DIR=str(tmp_path / "packs"), ZEROGPU_MMAP_AUTOPRUNE_PATTERN=str(tmp_path / "none" / "*"))
+    proc = subprocess.Popen([sys.executable, "app.py", "--model", str(folder), "--port", str(port)],
+                            cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and api.startup_reports == 0:
+            time.sleep(0.2)
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
+        assert page.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+        api.close()
+    lines = out.splitlines()
+    assert api.startup_reports == 1, out[-3000:]
+    ready = [line for line in lines if line.startswith("Model ready:")]
+    assert ready and "ZeroGPU" in ready[0] and "bfloat16" in ready[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert api.schedules == []  # starting costs no visitor anything
+
+
+@fresh_only
+@pytest.mark.slow
+def test_a_starter_question_behind_the_cached_handbook_is_one_short_call():
+    """The measurement (embedded model, bf16 as on a Space, this CPU as the device): a visitor's
+    starter question with 96 new tokens behind the handbook another visitor's turn cached: its
+    calls, the seconds they ask for, the wall time here, and the turns an unauthenticated
+    visitor's 120 s cover."""
+    import app
+    from components.chat_presets import HANDBOOK_STARTERS, HANDBOOK_SYSTEM
+    from tests.helpers_app import launched_app
+    from tests.zerogpu.device_api import UNAUTHENTICATED_S, visitor_token
+
+    os.environ["RADIX_ZEROGPU_MODEL"] = "embedded"
+    engine = app.build_engine(app.parse_args(ARGS))
+    submitted, submit = [], engine.submit
+    engine.submit = lambda request: submitted.append(request) or submit(request)
+    first, second = visitor_token("10.1.0.1"), visitor_token("10.1.0.2")
+    from gradio_client import Client
+
+    with launched_app(engine) as url:
+        Client(url, headers={"X-IP-Token": first}, verbose=False).predict(
+            HANDBOOK_STARTERS[0], [], HANDBOOK_SYSTEM, "", 96, False, api_name="/chat")
+        before = len(API.schedules)
+        calls_before = set(API.calls)
+        t0 = time.monotonic()
+        Client(url, headers={"X-IP-Token": second}, verbose=False).predict(
+            HANDBOOK_STARTERS[1], [], HANDBOOK_SYSTEM, "", 96, False, api_name="/chat")
+        page_s = time.monotonic() - t0
+    asked = API.schedules[before:]
+    calls = [c for k, c in API.calls.items() if k not in calls_before]
+    m = engine.recent()[-1]
+    # The same prompt again, all 96 tokens whatever the model says (no visitor: the Space's own quota).
+    import dataclasses
+
+    from engine.types import SamplingParams
+
+    seen = set(API.calls)
+    again = dataclasses.replace(submitted[-1], sampling=SamplingParams(max_new_tokens=96, ignore_eos=True))
+    full = list(engine.submit(again))[-1].metrics
+    [held96] = [c.wall_s for k, c in API.calls.items() if k not in seen]
+    engine.close()
+    assert [s.token for s in asked] == [second] and len(calls) == 1
+    ask, wall = asked[0].duration_s, calls[0].wall_s
+    by_ask = int(UNAUTHENTICATED_S // ask)
+    by_use = int((UNAUTHENTICATED_S - ask) // wall) + 1 if wall < UNAUTHENTICATED_S else 0
+    print(f"\nZeroGPU starter question, {engine.info().model_name} ({engine.info().dtype}), this CPU as the device: "
+          f"{len(asked)} call, {ask} s asked, {wall:.1f} s held here ({page_s:.1f} s on the page); "
+          f"{m.cached_tokens:,} of {m.prompt_tokens:,} prompt tokens cached, {m.output_tokens} new; "
+          f"an unauthenticated visitor's {UNAUTHENTICATED_S:.0f} s: {by_ask} such turns counted at the ask, "
+          f"{by_use} at this CPU's time; 96 tokens forced: {API.schedules[-1].duration_s} s asked, {held96:.1f} s held "
+          f"({full.cached_tokens:,} cached, {full.output_tokens} new)")
+    assert m.cached_tokens >= 2000 and by_ask >= 20
