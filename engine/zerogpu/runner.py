@@ -51,9 +51,8 @@ _WORKER_RUNNERS: dict[int, ModelRunner] = {}  # in a worker: id(main runner) -> 
 
 def turn_duration_s(work: turn_call.TurnWork) -> int:
     """Seconds a turn's call asks for: its prefill, its decode forwards, its KV in and out."""
-    kv_out = work.nbytes / max(1, work.past) / 2 * (len(work.ids) + work.new_tokens) if work.past else 0
-    s = (CALL_BASE_S + (WORKER_START_S if work.cold else 0.0) + len(work.ids) * PREFILL_S_PER_TOKEN + work.new_tokens * DECODE_S_PER_TOKEN
-         + (work.nbytes + kv_out) / BYTES_PER_S)
+    s = (CALL_BASE_S + (WORKER_START_S if work.cold else 0.0) + len(work.ids) * PREFILL_S_PER_TOKEN
+         + work.new_tokens * DECODE_S_PER_TOKEN + work.kv_bytes / BYTES_PER_S)
     return min(MAX_S, math.ceil(s))
 
 

@@ -54,6 +54,12 @@ class TurnWork:
     max_new_tokens: int
     eos_ids: frozenset[int]
     cold: bool = False  # no call has come back whole yet: the worker likely starts (the weights to its GPU)
+    kv_bytes_per_token: int = 0  # what each position computed brings back
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes in (the positions already computed) and out (those this call computes)."""
+        return self.nbytes + self.kv_bytes_per_token * (len(self.ids) + self.new_tokens)
 
     @property
     def new_tokens(self) -> int:
@@ -62,7 +68,7 @@ class TurnWork:
 
     @property
     def nbytes(self) -> int:
-        """KV bytes in; about as many come back per new token's share."""
+        """KV bytes in."""
         return self.k.numel() * self.k.element_size() * 2
 
 
@@ -101,7 +107,8 @@ def pack(pool: KVPool, segment: PagedSegment, chunk_tokens: int, sampling_params
                     sampling=sampling_params,
                     history=tuple(int(t) for t in history),
                     generator_state=None if generator is None else generator.get_state(),
-                    max_new_tokens=int(max_new_tokens), eos_ids=frozenset(int(t) for t in eos_ids), cold=cold)
+                    max_new_tokens=int(max_new_tokens), eos_ids=frozenset(int(t) for t in eos_ids), cold=cold,
+                    kv_bytes_per_token=pool.bytes_per_token)
 
 
 def run(runner, work: TurnWork) -> Iterator[Step]:

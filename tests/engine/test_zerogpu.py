@@ -181,7 +181,8 @@ def test_a_starter_question_asks_for_a_few_seconds():
     work = turn_call.TurnWork(ids=tuple(range(17)), first=17, past=2303, slots=tuple(range(2320 + 96)),
                               num_slots=2320 + 96,
                               k=kv, v=kv, chunk_tokens=2048, sampling=SamplingParams(), history=(),
-                              generator_state=None, max_new_tokens=96, eos_ids=frozenset({2}))
+                              generator_state=None, max_new_tokens=96, eos_ids=frozenset({2}),
+                              kv_bytes_per_token=per_token)
     assert work.nbytes == 2303 * per_token
     asked = turn_duration_s(work)
     assert asked <= 6 and 120 // asked >= 20, asked  # an unauthenticated visitor's 2 minutes: 20 turns and more
