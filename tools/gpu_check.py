@@ -43,12 +43,16 @@ CHECK_MODULES = ("engine.engine", "engine.model.loader", "engine.model.runner", 
                  "tests.engine.test_exact_reuse", "tests.engine.test_transformers_lines", "engine.zerogpu.turn_call",
                  "engine.zerogpu.runner")
 
-# The embedded model (SmolLM2-135M) and a 1B-class Llama on the same vocabulary (1.07e9 parameters).
+# The embedded model (SmolLM2-135M), a 1B-class Llama on the same vocabulary (1.07e9 parameters) and
+# SmolLM2-1.7B's shape (the ZeroGPU turn's step).
 SHAPES = {
     "embedded": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, head_dim=64),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),
+    # SmolLM2-1.7B-Instruct, the ZeroGPU Space's model (engine/zerogpu/detect.py): 1.71e9 parameters, no GQA.
+    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                 num_key_value_heads=32, head_dim=64),
 }
 
 
@@ -247,7 +251,7 @@ def table(work: Path) -> str:
                "engine_tests": _junit(work / "engine_tests.xml")}
     for name in steps:
         lines.append(f"| {name} | {_status(steps, name, work)} | {results.get(name, '')} |")
-    for shape in ("embedded", "1b", "embedded_hf"):
+    for shape in ("embedded", "1b", "1.7b", "embedded_hf"):
         bench = _load(work / f"bench_{shape}.json")
         if bench:
             lines += ["", f"## Prefill, {shape} shape: {bench['title']}", "",

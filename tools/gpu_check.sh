@@ -116,6 +116,13 @@ for shape in "${shapes[@]}"; do
     --dtype "$dtype" --new-tokens "$turn_tokens" --json "$work/zerogpu_turn_$shape.json"
   [ "$shape" = embedded ] || rm -rf "$model"
 done
+if [ "$mode" = device ]; then  # ZeroGPU's model, SmolLM2-1.7B's shape: a visitor turn's call body on this GPU
+  model="$work/model_1.7b"
+  step model_1.7b 120 "$PY" -m tools.gpu_check model --shape 1.7b --out "$model" --device "$dev"
+  step zerogpu_turn_1.7b 90 "$PY" -m tools.gpu_check zerogpu-turn --model "$model" --device "$dev" \
+    --dtype "$dtype" --new-tokens "$turn_tokens" --json "$work/zerogpu_turn_1.7b.json"
+  rm -rf "$model"
+fi
 # transformers' generate_batch on the same workload, last: a peer that hangs costs only its own row.
 step serve_embedded_hf 120 "$PY" -m tools.serve_bench --model "$work/model_embedded" --device "$dev" --dtype "$dtype" \
   --engines hf "${serve[@]}" --json "$work/serve_embedded_hf.json"

@@ -48,9 +48,11 @@ def test_a_barred_import_is_reported(tmp_path):
     assert done.returncode == 1 and "FAILED gradio" in done.stdout, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize(("shape", "params"), [("embedded", 134_515_008), ("1b", 1_073_809_408)])
+@pytest.mark.parametrize(("shape", "params"), [("embedded", 134_515_008), ("1b", 1_073_809_408),
+                                               ("1.7b", 1_711_376_384)])
 def test_model_shapes(tokenizer, shape, params):
-    """The embedded shape has SmolLM2-135M's parameter count; the 1B-class one about a billion."""
+    """The embedded shape has SmolLM2-135M's parameter count; the 1B-class one about a billion; the
+    ZeroGPU Space's model, SmolLM2-1.7B's 1.71 billion."""
     from transformers import LlamaForCausalLM
 
     cfg = gpu_check.shape_config(shape, tokenizer)
