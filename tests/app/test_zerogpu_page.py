@@ -217,8 +217,6 @@ def test_two_visitors_through_the_page(engines):
 
 @fresh_only
 def test_a_spent_quota_gets_one_sentence_while_the_other_visitor_is_served(engines):
-    from concurrent.futures import ThreadPoolExecutor
-
     from components.chat_presets import HANDBOOK_STARTERS, HANDBOOK_SYSTEM
     from tests.helpers_app import launched_app, shown_logs
     from tests.zerogpu.device_api import visitor_token
@@ -231,10 +229,8 @@ def test_a_spent_quota_gets_one_sentence_while_the_other_visitor_is_served(engin
     with launched_app(zero) as url:
         c = Client(url, headers={"X-IP-Token": carol}, verbose=False, download_files=False)
         d = Client(url, headers={"X-IP-Token": dave}, verbose=False, download_files=False)
-        with ThreadPoolExecutor(2) as pool:
-            jc = c.submit(HANDBOOK_STARTERS[2], [], HANDBOOK_SYSTEM, "", 16, False, api_name="/chat")
-            jd = d.submit(HANDBOOK_STARTERS[0], [], HANDBOOK_SYSTEM, "", 16, False, api_name="/chat")
-            del pool
+        jc = c.submit(HANDBOOK_STARTERS[2], [], HANDBOOK_SYSTEM, "", 16, False, api_name="/chat")  # at once
+        jd = d.submit(HANDBOOK_STARTERS[0], [], HANDBOOK_SYSTEM, "", 16, False, api_name="/chat")
         rc, rd = jc.result(timeout=300), jd.result(timeout=300)
         warnings = [msg for msg, _ in shown_logs(jc)]
     assert answer(rd), rd[0]  # Dave answered
