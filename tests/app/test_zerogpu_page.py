@@ -289,24 +289,29 @@ def test_app_py_starts_in_zerogpu_mode_with_the_model_placed_on_cuda(tokenizer, 
     runner.close()
     api = DeviceAPI().start()
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", RADIX_DISK_CACHE_MB="0",
-               PYTHONUNBUFFERED="1", SPACES_ZERO_GPU="true", SPACES_ZERO_DEVICE_API_URL=api.url,
-               ZEROGPU_OFFLOAD_DIR=str(tmp_path / "packs"), ZEROGPU_MMAP_AUTOPRUNE_PATTERN=str(tmp_path / "none" / "*"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1",
+               RADIX_PLAYGROUND_CACHE=str(tmp_path / "cache"),  # the second tier on, as on a Space
+               SPACES_ZERO_GPU="true", SPACES_ZERO_DEVICE_API_URL=api.url, ZEROGPU_OFFLOAD_DIR=str(tmp_path / "packs"),
+               ZEROGPU_MMAP_AUTOPRUNE_PATTERN=str(tmp_path / "none" / "*"))
     proc = subprocess.Popen([sys.executable, "app.py", "--model", str(folder), "--port", str(port)],
                             cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and api.startup_reports == 0:
+        while time.monotonic() < deadline and api.startup_reports == 0 and proc.poll() is None:
             time.sleep(0.2)
+        assert api.startup_reports == 1, "no start-up report"
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
         assert page.status_code == 200
-    finally:
+    except AssertionError as exc:
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0]
+        raise AssertionError(f"{exc}: {proc.communicate(timeout=120)[0][-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0] if proc.stdout and not proc.stdout.closed else ""
         api.close()
     lines = out.splitlines()
-    assert api.startup_reports == 1, out[-3000:]
     ready = [line for line in lines if line.startswith("Model ready:")]
     assert ready and "ZeroGPU" in ready[0] and "bfloat16" in ready[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
