@@ -29,18 +29,21 @@ def build_engine(args: AppConfig, runner=None):
     from engine.model import plan
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
-    from engine.zerogpu.detect import OFF, SPACES, zerogpu_mode
+    from engine.zerogpu.detect import SPACES, zerogpu_mode, zerogpu_model
 
     mode = zerogpu_mode()
     if runner is None:
-        device, kernels = args.device, plan.read_settings()
-        if mode == SPACES:  # the main process has no GPU: the model stays on the CPU, each call moves it
-            device, kernels = "cpu", plan.for_gpu_calls(kernels)
-        runner = ModelRunner(load_model(args.model, device=device, dtype=args.dtype), kernels)
-    if mode != OFF:  # ZeroGPU: the tree and the pool here, each forward in a GPU call (engine.zerogpu)
-        from engine.zerogpu.runner import ZeroGPURunner
+        model, device, dtype, kernels = args.model, args.device, args.dtype, plan.read_settings()
+        if mode == SPACES:  # a bigger model, built on the CPU with torch linears, then placed on cuda once, below
+            model, device = zerogpu_model(model), "cpu"
+            dtype = "bfloat16" if dtype == "auto" else dtype
+            kernels = plan.for_gpu_calls(kernels)
+        runner = ModelRunner(load_model(model, device=device, dtype=dtype), kernels)
+    if mode == SPACES:  # ZeroGPU: the model on cuda at start, tree and pool here, one GPU call per turn
+        from engine.zerogpu.runner import ZeroGPURunner, place_on_gpu
 
-        runner = ZeroGPURunner(runner, mode)
+        place_on_gpu(runner)
+        runner = ZeroGPURunner(runner)
     from engine.model.loader import cache_root
 
     tier_dir = str(cache_root() / "kv-tier") if runner.device.type == "cpu" else None  # a GPU's: host memory

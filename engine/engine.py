@@ -18,6 +18,7 @@ One request, in token positions::
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import queue
@@ -135,7 +136,8 @@ class Engine(FacadeBase):
         self._start_records(c.history_size, self._stats_lock)
         config = SchedulerConfig(max_batch=c.max_batch, isolation=c.isolation,
                                  chunk_tokens=c.chunk_tokens or default_chunk_tokens(runner.device))
-        self.scheduler = Scheduler(runner, self.cache, config)
+        # ZeroGPU mode brings its own (engine.zerogpu.turns: one GPU call per visitor turn)
+        self.scheduler = getattr(runner, "scheduler_class", Scheduler)(runner, self.cache, config)
         self._closed = self._stopping = False
         self._worker = threading.Thread(target=self._work, name="engine-worker", daemon=True)
         self._worker.start()
@@ -160,6 +162,7 @@ class Engine(FacadeBase):
             rid = self._next_id
             self._next_id += 1
         handle = RequestHandle(request, ids, rid)
+        handle.context = contextvars.copy_context()  # the caller's (a page visitor's request): ZeroGPU calls carry it
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
         with self._submit_lock:  # the counts and the put as one: two submits cannot both take the last place
             if self._waiting() >= self.max_queue:

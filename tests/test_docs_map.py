@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_MAX_BYTES = 8192
-ARCHITECTURE_MAX_LINES = 150
+ARCHITECTURE_MAX_LINES = 175
 PERFORMANCE_MAX_LINES = 200
 
 CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

@@ -3,6 +3,7 @@
     python -m tools.gpu_check prepare [--dir .gpu]        # here: the tokenizer (and wheels, if any) that travel
     python -m tools.gpu_check imports                     # the check's imports, with the device's missing packages barred
     python -m tools.gpu_check model --shape embedded|1b --out DIR [--device cuda]   # random weights, seeded
+    python -m tools.gpu_check zerogpu-turn --model DIR --device cuda --json FILE  # a ZeroGPU turn's call body there
     python -m tools.gpu_check table --work DIR --out FILE # gpu_check.md from the steps' results
 
 ``tools/gpu_check.sh`` runs these around the tests and the benches. The device machine (see
@@ -39,14 +40,19 @@ WHEELS: tuple[str, ...] = ()
 # What the check imports: the engine, the benches, the tests' fixtures and the CUDA tests.
 CHECK_MODULES = ("engine.engine", "engine.model.loader", "engine.model.runner", "tools.bench",
                  "tools.serve_bench", "tools.gpu_check", "tests.conftest", "tests.engine.test_cuda",
-                 "tests.engine.test_exact_reuse", "tests.engine.test_transformers_lines")
+                 "tests.engine.test_exact_reuse", "tests.engine.test_transformers_lines", "engine.zerogpu.turn_call",
+                 "engine.zerogpu.runner")
 
-# The embedded model (SmolLM2-135M) and a 1B-class Llama on the same vocabulary (1.07e9 parameters).
+# The embedded model (SmolLM2-135M), a 1B-class Llama on the same vocabulary (1.07e9 parameters) and
+# SmolLM2-1.7B's shape (the ZeroGPU turn's step).
 SHAPES = {
     "embedded": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, head_dim=64),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),
+    # SmolLM2-1.7B-Instruct, the ZeroGPU Space's model (engine/zerogpu/detect.py): 1.71e9 parameters, no GQA.
+    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                 num_key_value_heads=32, head_dim=64),
 }
 
 
@@ -136,6 +142,66 @@ def build_model(shape: str, out: Path, device: str = "cpu", seed: int = 0) -> Pa
     return out
 
 
+def zerogpu_turn(model: Path, device: str, dtype: str, new_tokens: int, out: Path) -> int:
+    """A ZeroGPU turn's call body (``engine.zerogpu.turn_call``) on ``device``, as a Space's worker runs
+    it, against the plain engine on the same device: two visitors' starter questions behind the
+    handbook, the second with the handbook's KV sent in from host memory (the pool of record), each
+    with ``new_tokens`` greedy tokens. Writes the tokens' agreement, the device and wall seconds and
+    the seconds the call would ask for (``turn_duration_s``) to ``out``; exit 1 when a token differs."""
+    import time
+
+    import torch
+
+    from components.chat_presets import HANDBOOK_STARTERS, NORTHWIND_HANDBOOK
+    from engine.engine import Engine
+    from engine.kvcache.kv_pool import KVPool, contiguous_runs
+    from engine.model import logprobs
+    from engine.model.loader import load_model
+    from engine.model.paged_attention import PagedSegment
+    from engine.model.runner import ModelRunner
+    from engine.types import GenerationRequest, SamplingParams
+    from engine.zerogpu import turn_call
+    from engine.zerogpu.runner import turn_duration_s
+
+    runner = ModelRunner(load_model(str(model), device=device, dtype=dtype))
+    plain = Engine(runner, budget_bytes=2**30)
+    sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    prompts = [plain.encode(plain.render_chat([{"role": "system", "content": NORTHWIND_HANDBOOK},
+                                               {"role": "user", "content": q}], add_generation_prompt=True))
+               for q in HANDBOOK_STARTERS[:2]]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
+    pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, torch.device("cpu"),
+                  (len(prompts[0]) + len(prompts[1]) + 2 * new_tokens) * runner.kv_bytes_per_token)
+    rows, cached_slots = [], []
+    for turn, ids in enumerate(prompts):
+        want = list(plain.submit(GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, logprobs=0)))[-1].metrics
+        past = shared if turn else 0  # the second turn: the handbook's KV from the first, in host memory
+        slots = cached_slots[:past] + pool.alloc(len(ids) - past + new_tokens)
+        segment = PagedSegment(ids[past:], past, slots, contiguous_runs(slots))
+        work = turn_call.pack(pool, segment, 2048, sampling, [], None, new_tokens, runner.text.eos_ids)
+        t0 = time.perf_counter()
+        got, device_ms, out_bytes = [], 0.0, 0
+        for step in turn_call.run(runner, work):
+            tok = int(step.logits.float().argmax())
+            got.append((tok, logprobs.token_logprob(step.logits, tok, 0).logprob))
+            device_ms += step.device_ms
+            out_bytes += step.k.numel() * step.k.element_size() * 2
+            turn_call.apply(pool, PagedSegment(step.ids, step.past, slots, ()), step)
+        wall_s = time.perf_counter() - t0
+        cached_slots = slots
+        same = [t for t, _ in got] == list(want.output_ids) and [lp for _, lp in got] == [
+            e.logprob for e in want.output_logprobs]
+        rows.append(dict(turn=turn + 1, prompt_tokens=len(ids), cached_tokens=past, new_tokens=len(got),
+                         identical=same, kv_in_mb=work.nbytes / 2**20, kv_out_mb=out_bytes / 2**20,
+                         device_s=device_ms / 1000, wall_s=wall_s, asked_s=turn_duration_s(work)))
+        print(f"turn {turn + 1}: {len(ids):,} prompt tokens ({past:,} cached), {len(got)} new, identical to the "
+              f"plain engine: {same}; {device_ms / 1000:.2f} s on the device, {wall_s:.2f} s in all, "
+              f"{turn_duration_s(work)} s asked")
+    plain.close()
+    out.write_text(json.dumps(dict(title=f"{runner.name} on {device} ({dtype})", rows=rows)))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
 # ---------------------------------------------------------------- the table
 def _steps(work: Path) -> dict[str, tuple[int, float]]:
     steps = {}
@@ -185,7 +251,7 @@ def table(work: Path) -> str:
                "engine_tests": _junit(work / "engine_tests.xml")}
     for name in steps:
         lines.append(f"| {name} | {_status(steps, name, work)} | {results.get(name, '')} |")
-    for shape in ("embedded", "1b", "embedded_hf"):
+    for shape in ("embedded", "1b", "1.7b", "embedded_hf"):
         bench = _load(work / f"bench_{shape}.json")
         if bench:
             lines += ["", f"## Prefill, {shape} shape: {bench['title']}", "",
@@ -211,6 +277,14 @@ def table(work: Path) -> str:
                     memory = f"RSS growth {r['rss_growth_mb']:,.0f} MiB, KV budget {r['budget_mb']:,.0f} MiB"
                 lines.append(f"| {r['streams']} | {r['engine']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50_ms']:,.0f} | "
                              f"{r['ttft_p95_ms']:,.0f} | {r['identical']}/{r['requests']} | {memory} |")
+        turns = _load(work / f"zerogpu_turn_{shape}.json")
+        if turns:
+            lines += ["", f"## A ZeroGPU turn's call body, {shape} shape: {turns['title']}", "",
+                      "| turn | prompt tokens | cached | new | identical to the plain engine | KV in / out MiB | "
+                      "device s | wall s | asked s |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+            lines += [f"| {r['turn']} | {r['prompt_tokens']:,} | {r['cached_tokens']:,} | {r['new_tokens']} | "
+                      f"{r['identical']} | {r['kv_in_mb']:,.1f} / {r['kv_out_mb']:,.1f} | {r['device_s']:.2f} | "
+                      f"{r['wall_s']:.2f} | {r['asked_s']} |" for r in turns["rows"]]
     failed = [n for n, (rc, _) in steps.items() if rc != 0]
     lines += ["", f"Steps failed: {', '.join(failed) if failed else 'none'}. Raw log: gpu_check.log."]
     return "\n".join(lines) + "\n"
@@ -243,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--device", default="cpu")
     m.add_argument("--seed", type=int, default=0)
+    z = sub.add_parser("zerogpu-turn")
+    z.add_argument("--model", type=Path, required=True)
+    z.add_argument("--device", default="cpu")
+    z.add_argument("--dtype", default="auto")
+    z.add_argument("--new-tokens", type=int, default=96)
+    z.add_argument("--json", type=Path, required=True)
     e = sub.add_parser("env")
     e.add_argument("--work", type=Path, required=True)
     e.add_argument("--mode", default="device")
@@ -257,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "model":
         build_model(args.shape, args.out, args.device, args.seed)
         return 0
+    if args.cmd == "zerogpu-turn":
+        return zerogpu_turn(args.model, args.device, args.dtype, args.new_tokens, args.json)
     if args.cmd == "env":
         write_env(args.work, args.mode)
         return 0

@@ -79,7 +79,7 @@ if [ "$mode" = rehearse ]; then
   step venv 400 bash -c make_venv
   PY=$venv/bin/python
   dev=cpu dtype=float32
-  sizes=256,1024 repeats=1 greedy=4
+  sizes=256,1024 repeats=1 greedy=4 turn_tokens=8
   serve=(--streams 1,8 --requests 8 --max-new-tokens 8 --system-tokens 256 --max-batch 8 --budget-mb 256)
   shapes=(embedded)
 else
@@ -94,7 +94,7 @@ else
     export PYTHONPATH="$work/site"
   fi
   dev=cuda dtype=bfloat16
-  sizes=256,1024,4096,8000 repeats=3 greedy=16
+  sizes=256,1024,4096,8000 repeats=3 greedy=16 turn_tokens=96
   serve=(--streams 1,8,64 --requests 64 --max-new-tokens 32 --system-tokens 2048 --max-batch 64 --budget-mb 1024)
   shapes=(embedded 1b)
 fi
@@ -111,8 +111,18 @@ for shape in "${shapes[@]}"; do
     --repeats "$repeats" --greedy-tokens "$greedy" --json "$work/bench_$shape.json"
   step "serve_$shape" 180 "$PY" -m tools.serve_bench --model "$model" --device "$dev" --dtype "$dtype" \
     --engines batched "${serve[@]}" --json "$work/serve_$shape.json"
+  # ZeroGPU: a visitor turn's call body (engine/zerogpu/turn_call.py) on this device, against the plain engine.
+  step "zerogpu_turn_$shape" 90 "$PY" -m tools.gpu_check zerogpu-turn --model "$model" --device "$dev" \
+    --dtype "$dtype" --new-tokens "$turn_tokens" --json "$work/zerogpu_turn_$shape.json"
   [ "$shape" = embedded ] || rm -rf "$model"
 done
+if [ "$mode" = device ]; then  # ZeroGPU's model, SmolLM2-1.7B's shape: a visitor turn's call body on this GPU
+  model="$work/model_1.7b"
+  step model_1.7b 120 "$PY" -m tools.gpu_check model --shape 1.7b --out "$model" --device "$dev"
+  step zerogpu_turn_1.7b 90 "$PY" -m tools.gpu_check zerogpu-turn --model "$model" --device "$dev" \
+    --dtype "$dtype" --new-tokens "$turn_tokens" --json "$work/zerogpu_turn_1.7b.json"
+  rm -rf "$model"
+fi
 # transformers' generate_batch on the same workload, last: a peer that hangs costs only its own row.
 step serve_embedded_hf 120 "$PY" -m tools.serve_bench --model "$work/model_embedded" --device "$dev" --dtype "$dtype" \
   --engines hf "${serve[@]}" --json "$work/serve_embedded_hf.json"

@@ -146,8 +146,8 @@ def gpu_call_note(engine: ServingAPI) -> str:
     """On ZeroGPU: why an answer may pause, and what it costs the visitor ("" elsewhere)."""
     if not engine.capabilities.gpu_calls:
         return ""
-    return ("On ZeroGPU each step of this answer runs in a GPU call: a pause is a call waiting in ZeroGPU's queue "
-            "for a GPU, and each call's time counts against your daily GPU quota.")
+    return ("On ZeroGPU this answer runs in one GPU call, charged to your own daily GPU quota (a few seconds a "
+            "question); a pause before the first token is the call waiting in ZeroGPU's queue for a GPU.")
 
 
 def paired_timer(engine: EngineAPI):

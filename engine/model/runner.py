@@ -104,7 +104,7 @@ class ModelRunner:
         cfg = self.model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(cfg, "n_positions", None) or 2048)
-        settings = kernels if kernels is not None else plan.read_settings()
+        self.kernels = settings = kernels if kernels is not None else plan.read_settings()  # what a copy elsewhere takes
         # The linears (CPU bf16 with native bf16: oneDNN-packed weights; CPU fp32: our kernel, few rows),
         # checked on the compute thread: the packing check runs a product (one OpenMP pool).
         linear, rejected = self.compute.call(plan.choose, "linear", settings, plan.linear_check(self.model, settings))

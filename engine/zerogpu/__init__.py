@@ -1,19 +1,22 @@
 """ZeroGPU mode: a Hugging Face Space whose GPU exists only inside each ``@spaces.GPU`` call.
 
-On ZeroGPU every decorated call runs in a worker forked from the main process; its arguments
-and result are pickled, and nothing it writes reaches the main process except what it returns
-(``/work/shared/field-notes.md``, "ZeroGPU"). So the engine keeps everything of record where it
-outlives a call, in the main process's host memory: the radix tree, the pool of KV bytes, the
-requests, the scheduler. Only the model's arithmetic crosses over, one forward per call:
+On ZeroGPU every decorated call runs in a worker forked from the main process; its arguments and
+results are pickled, and nothing it writes reaches the main process except what it returns
+(``docs/GPU.md``, "ZeroGPU mode"). ZeroGPU charges each call to the visitor whose Gradio request
+it was made in (the ``X-IP-Token`` header ``spaces`` sends with the schedule). So the engine keeps
+everything of record in the main process's host memory (the radix tree, the KV pool, the
+requests, the scheduler) and makes one call per visitor turn, in that visitor's context::
 
-    main process (tree, pool, scheduler)             the call's worker (the device)
-    step_call.pack: the forward's rows, the KV  ---> step_call.run: a pool of just those slots,
-      of every slot they read, as CPU tensors          the same forward_paged, the new KV read back
-    step_call.apply: the new KV into the pool   <--- logits and the new KV, as CPU tensors
+    main process (tree, pool, scheduler)              the turn's worker (the device)
+    turns: the request's first forward starts   --->  turn_call.run: the cached prefix's KV in,
+      its call, in the visitor's context               the prompt's chunks, then decode, each
+    turns: each forward's rows from their       <---   forward streamed out as it is done
+      calls' streams, KV into the pool of record       (logits and new KV, CPU tensors)
 
-Modules: ``detect.py`` (is this a ZeroGPU Space, or the emulation), ``emulation.py`` (ZeroGPU's
-process model on any machine: a forked worker per call, pickled in and out; what CI tests run
-on), ``step_call.py`` (one forward as plain data, both sides), ``runner.py`` (``ZeroGPURunner``:
-a ``ModelRunner`` whose forwards run through the call). The engine, the scheduler and the page
-do not know the difference: the answer is the same computation on the same KV.
+Modules: ``detect.py`` (is this a ZeroGPU Space), ``runner.py`` (``ZeroGPURunner``: the model
+placed on ``cuda`` at start, the decorated GPU functions and what each asks for, the worker's
+runner), ``turns.py`` (``TurnScheduler``: one call per turn, in the visitor's context),
+``turn_call.py`` (a turn as plain data, both sides), ``step_call.py`` (one forward outside any
+turn, both sides). The tree, the page and the API do not know the difference: the answer is the
+same computation on the same KV.
 """

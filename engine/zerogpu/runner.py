@@ -1,172 +1,157 @@
-"""``ZeroGPURunner``: a ``ModelRunner`` whose forwards run inside GPU calls.
+"""``ZeroGPURunner``: the model runner of ZeroGPU mode, in the main process and in each call's worker.
 
-Owns: the one GPU function (``gpu_forward``: one forward, ``step_call.run``), decorated once per
-process by ``spaces.GPU`` on a Space or by ``emulation.gpu``, with a duration worked out from
-what the call carries (``duration_s``); turning a call's failure (quota, time limit, a dead
-worker) into one sentence for the visitor. Everything else is the wrapped runner's: text,
-geometry, the compute thread, the lock. Every forward the scheduler asks for
-(``forward_paged``: prompts, decode rows, the analysis's scratch prefills) is one call, started from the
-compute thread, so the worker is a fork of the thread that owns the model.
+Main process: the ``ModelRunner`` this wraps is built first on the CPU (its geometry, its text,
+its plan's checks; torch linears only), then its model is placed on ``cuda`` once, at start
+(``place_on_gpu``, under the ``spaces`` package's CUDA emulation, before the app launches), as
+ZeroGPU asks: ``spaces`` packs those weights at launch and each worker finds them on its GPU; no
+call moves the model. From then on nothing computes in the main process: the tree, the pool of
+record (host memory: ``device`` is the CPU) and the scheduler (``turns.TurnScheduler``) live here,
+the arithmetic in calls.
 
-What it does not do: the contiguous-buffer forwards (``forward``, ``forward_last``,
-``reference_prefill``) run in this process; the engine reports ``prefill_timing`` off in this
-mode, so the paired timer and the warm start, their users, are not used. Each step is one
-call: on a real Space a call's start (a worker, the weights to the device) is paid per step.
+The GPU functions, decorated once by ``spaces.GPU`` with a duration worked out from the work each
+call carries (shorter asks wait less in ZeroGPU's queue):
+
+- ``turn_call`` (a generator): one visitor turn, the one call a turn makes (``turn_call.run``),
+  asking ``turn_duration_s``;
+- a call for one forward that belongs to no turn (``step_call.run``), asking ``step_duration_s``.
+
+Worker side, ``device_runner``: a ``ModelRunner`` over the weights where this worker has them (its
+GPU on a Space), built once per worker; ``spaces`` reuses a worker while its GPU slot stays idle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
 
 from engine.held_signals import release_signals
 from engine.kvcache.kv_pool import KVPool
 from engine.model.paged_attention import PagedSegment
 from engine.model.runner import ModelRunner, RowFuture
-from engine.types import EngineError, EngineFault
-from engine.zerogpu import step_call
-from engine.zerogpu.detect import EMULATE, SPACES
+from engine.types import EngineError
+from engine.zerogpu import step_call, turn_call
 
 log = logging.getLogger(__name__)
 
-BASE_S = 10.0  # a call's start on a Space: the worker, the weights to the device, the runner's checks
-S_PER_TOKEN = 0.002  # generous for a 1B-class model on an H200 slice
-BYTES_PER_S = 2e9  # pickled KV in and out
-MAX_S = 120.0
+# What a call asks for (seconds on a Space's GPU; ``spaces`` rounds down to whole seconds, so asks are
+# rounded up here). Measured figures and the reasoning: docs/GPU.md, "ZeroGPU mode".
+CALL_BASE_S = 1.5  # a call's start: the schedule, a reused worker taking the work, pickling both ways
+WORKER_START_S = 10.0  # a new worker's start besides: CUDA, the weights to the GPU, its runner's checks
+PREFILL_S_PER_TOKEN = 0.0005  # a 1-2B model's prefill on half a Blackwell, chunks of 256 and more
+DECODE_S_PER_TOKEN = 0.03  # one decode forward of a 1-2B model, launch overhead included
+BYTES_PER_S = 1e9  # KV pickled into the call and back
+MAX_S = 60  # spaces.GPU's default duration; a turn that would need more asks this much
 
-MAX_AHEAD = 31  # decode forwards a call may run after the asked one (32 tokens a call at most)
-AHEAD_LOGITS_BYTES = 64 * 2**20  # the most logits of forwards run ahead held here at once
-
-_DEVICE_RUNNER: ModelRunner | None = None  # the runner a worker computes with (inherited by fork)
-
-
-def duration_s(work: step_call.StepWork) -> float:
-    """Seconds to ask for a call carrying ``work`` (a shorter ask waits less in ZeroGPU's queue)."""
-    return min(MAX_S, BASE_S + work.tokens * S_PER_TOKEN + 2 * work.nbytes / BYTES_PER_S)
+_WORKER_RUNNERS: dict[int, ModelRunner] = {}  # in a worker: id(main runner) -> its runner on this worker's device
 
 
-def gpu_forward(work: step_call.StepWork) -> step_call.StepResult:
-    """The body of every GPU call: one forward on the worker's device."""
-    return step_call.run(_device_runner(), work)
+def turn_duration_s(work: turn_call.TurnWork) -> int:
+    """Seconds a turn's call asks for: its prefill, its decode forwards, its KV in and out."""
+    s = (CALL_BASE_S + (WORKER_START_S if work.cold else 0.0) + len(work.ids) * PREFILL_S_PER_TOKEN
+         + work.new_tokens * DECODE_S_PER_TOKEN + work.kv_bytes / BYTES_PER_S)
+    return min(MAX_S, math.ceil(s))
 
 
-def _device_runner() -> ModelRunner:
-    """The forked main runner where it is already on a device this worker has (the emulation,
-    a GPU machine); on a Space, where the main process holds the model on the CPU and a worker
-    sees the GPU, a runner on ``cuda`` built once in this worker."""
-    global _DEVICE_RUNNER
-    runner = _DEVICE_RUNNER
-    assert runner is not None, "ZeroGPURunner.install was not called"
-    import torch
+def step_duration_s(work: step_call.StepWork) -> int:
+    """Seconds a forward outside any turn asks for."""
+    return min(MAX_S, math.ceil(CALL_BASE_S + work.tokens * PREFILL_S_PER_TOKEN + 2 * work.nbytes / BYTES_PER_S))
 
-    if runner.device.type == "cpu" and torch.cuda.is_available():
-        _DEVICE_RUNNER = runner = ModelRunner(runner.loaded_for_device(torch.device("cuda")))
+
+def device_runner(main: ModelRunner) -> ModelRunner:
+    """This worker's runner for ``main``: its model where this worker holds the weights (the GPU
+    on a Space), built on the first call a worker takes and kept for the calls it takes after."""
+    runner = _WORKER_RUNNERS.get(id(main))
+    if runner is None:
+        device = next(main.model.parameters()).device
+        if device.type == "cpu":  # a CPU as the device (tests): GNU OpenMP's pool does not survive the fork
+            torch.set_num_threads(1)
+        runner = _WORKER_RUNNERS[id(main)] = ModelRunner(dataclasses.replace(main.loaded, device=device), main.kernels)
     return runner
 
 
+def place_on_gpu(runner: ModelRunner) -> None:
+    """The model on ``cuda`` in the main process, once, at start (under ``spaces``' emulation:
+    ``spaces`` packs it at launch and hands it to each worker on its GPU)."""
+    runner.model.to("cuda")
+
+
 class ZeroGPURunner:
-    """Wraps a built ``ModelRunner``; attribute reads fall through to it."""
+    """Wraps a built ``ModelRunner`` (its model already placed); attribute reads fall through to it."""
 
     in_process_forwards = False  # Engine: no paired prefill timing in this mode
 
-    def __init__(self, inner: ModelRunner, mode: str, max_ahead: int = MAX_AHEAD) -> None:
-        global _DEVICE_RUNNER
-        if mode not in (SPACES, EMULATE):
-            raise ValueError(f"unknown ZeroGPU mode {mode!r}")
-        self.inner, self.mode = inner, mode
-        _DEVICE_RUNNER = inner
-        if mode == SPACES:
-            import spaces  # must come before CUDA is touched: the caller imports this module early
+    def __init__(self, inner: ModelRunner) -> None:
+        import spaces  # the caller imported it before anything touched CUDA (app.main, the tests)
 
-            self._call = spaces.GPU(duration=duration_s)(gpu_forward)
-        else:
-            from engine.zerogpu.emulation import gpu
+        from engine.zerogpu.turns import TurnScheduler
 
-            self._call = gpu(gpu_forward, duration=duration_s)
-        self.calls = 0  # GPU calls made
-        self.reused_steps = 0  # forwards served from what a call ran ahead
-        self.max_ahead = max_ahead
+        self.inner = inner
+        self.scheduler_class = TurnScheduler
+
+        def gpu_turn(work: turn_call.TurnWork) -> Iterator[turn_call.Step]:
+            """The body of a turn's call: its forwards, streamed out as they are done."""
+            yield from turn_call.run(device_runner(inner), work)
+
+        def gpu_step(work: step_call.StepWork) -> step_call.StepOut:
+            """The body of a call for one forward outside any turn."""
+            return step_call.run(device_runner(inner), work)
+
+        self.turn_call = spaces.GPU(duration=turn_duration_s)(gpu_turn)
+        self._step_call = spaces.GPU(duration=step_duration_s)(gpu_step)
+        self.calls = 0  # calls made for forwards outside any turn
         self.last_device_ms = 0.0
-        self._ahead: list[step_call.StepOut] = []  # forwards the last call ran ahead, in order
-        self._ahead_pool: KVPool | None = None  # the pool they were computed over
-        self._to_local: dict[int, int] = {}
-        self._to_pool: dict[int, int] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the KV of record lives: the main process's host memory."""
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        """Nothing runs on a device in this process."""
+
     def forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool = False,
                       ahead: Sequence[RowFuture] | None = None):
-        """``ModelRunner.forward_paged``, computed in a GPU call (``step_call``); a forward the last
-        call already ran ahead comes from what it brought back."""
+        """``ModelRunner.forward_paged`` for a forward outside any turn, in a GPU call of its own
+        (made from the compute thread: no visitor's context, so no visitor is charged)."""
         if not segments or any(not s.ids for s in segments):
             raise EngineError("nothing to compute: every segment needs at least one token")
         if every_position and len(segments) != 1:
             raise EngineError("every_position takes one segment")
-        return self.inner.compute.call(self._forward_paged, pool, segments, every_position, ahead)
+        return self.inner.compute.call(self._forward_paged, pool, segments, every_position)
 
-    def _forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool,
-                       ahead: Sequence[RowFuture] | None):
-        if self._ahead and not every_position and pool is self._ahead_pool:  # engines sharing a runner: own pools
-            step = self._ahead.pop(0)
-            if step_call.signature(step.segments) == _signature_or_none(segments, self._to_local):
-                self.reused_steps += 1
-                self.last_device_ms = step.device_ms
-                return step_call.apply(pool, self._to_pool, step)
-        self._ahead.clear()  # not the forward it guessed: what it ran ahead is dropped
-        steps = self.ahead_steps(segments, ahead)
-        work, to_local = step_call.pack(pool, segments, every_position, ahead, steps)
-        release_signals()  # the call blocks for a while: held wake-ups (a first token, say) go out now
+    def _forward_paged(self, pool: KVPool, segments: Sequence[PagedSegment], every_position: bool):
+        work, to_local = step_call.pack(pool, segments, every_position)
+        release_signals()  # the call blocks for a while: held wake-ups go out now
+        from engine.zerogpu.turns import as_visitor_fault
+
         try:
-            result = self._call(work)
-        except EngineError:
-            raise
-        except Exception as exc:  # quota, time limit, a dead worker: one sentence, never a traceback
-            log.warning("GPU call failed: %s", exc)
-            raise EngineFault(_visitor_text(exc)) from exc
+            result = self._step_call(work)
+        except Exception as exc:  # quota, a dead worker: one sentence, never a traceback
+            raise as_visitor_fault(exc) from exc
         self.calls += 1
-        first, *rest = result.steps
-        self.last_device_ms = first.device_ms
-        self._to_local, self._to_pool = to_local, {v: k for k, v in to_local.items()}
-        self._ahead, self._ahead_pool = rest, pool
-        return step_call.apply(pool, self._to_pool, first)
+        self.last_device_ms = result.device_ms
+        return step_call.apply(pool, {v: k for k, v in to_local.items()}, result)
 
-    def ahead_steps(self, segments: Sequence[PagedSegment], ahead: Sequence[RowFuture] | None) -> int:
-        """How many decode forwards a call runs after the asked one: none unless every row is
-        greedy (a sampled token cannot be guessed), and no more than ``AHEAD_LOGITS_BYTES`` of
-        logits held here."""
-        if not ahead or any(f.sampling.temperature > 0 for f in ahead):
-            return 0
-        per_step = len(segments) * self.inner.text.vocab_size * 4
-        return max(0, min(self.max_ahead, AHEAD_LOGITS_BYTES // max(1, per_step) - 1))
+    def forward(self, *args, **kwargs):
+        raise EngineError("ZeroGPU mode computes in GPU calls only (forward_paged)")
+
+    forward_last = reference_prefill = forward
 
     @property
     def where(self) -> str:
-        if self.mode == EMULATE:
-            return f"ZeroGPU calls (emulated: a forked worker on this {self.inner.device.type})"
-        return "ZeroGPU (a GPU lent to each call)"
+        return "ZeroGPU (a GPU lent to each visitor's turn)"
 
     @property
     def forward_kind(self) -> str:
-        where = ("a forked worker on this machine: ZeroGPU emulated (RADIX_ZEROGPU=emulate)" if self.mode == EMULATE
-                 else "a ZeroGPU worker on the Space's GPU")
-        return f"each forward in one GPU call, in {where}; there: {self.inner.forward_kind}"
+        return f"each visitor turn in one ZeroGPU call, on the Space's GPU; there: {self.inner.forward_kind}"
 
     def forward_ms(self, wall_ms: float) -> float:
-        """The last forward's time as the figures count it: its time on the device, not the call's
-        start and transfers around it."""
+        """The last forward's time on the device, not the call's start and transfers around it."""
         return self.last_device_ms
-
-
-def _signature_or_none(segments: Sequence[PagedSegment], to_local: dict[int, int]):
-    try:
-        return step_call.signature(segments, to_local)
-    except KeyError:  # a slot the last call never saw
-        return None
-
-
-def _visitor_text(exc: Exception) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    if "quota" in text.lower():
-        return f"The free GPU quota is used up: {text[:200]}"
-    return f"The GPU call did not finish: {text[:240]} Please try again."

@@ -48,9 +48,11 @@ def test_a_barred_import_is_reported(tmp_path):
     assert done.returncode == 1 and "FAILED gradio" in done.stdout, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize(("shape", "params"), [("embedded", 134_515_008), ("1b", 1_073_809_408)])
+@pytest.mark.parametrize(("shape", "params"), [("embedded", 134_515_008), ("1b", 1_073_809_408),
+                                               ("1.7b", 1_711_376_384)])
 def test_model_shapes(tokenizer, shape, params):
-    """The embedded shape has SmolLM2-135M's parameter count; the 1B-class one about a billion."""
+    """The embedded shape has SmolLM2-135M's parameter count; the 1B-class one about a billion; the
+    ZeroGPU Space's model, SmolLM2-1.7B's 1.71 billion."""
     from transformers import LlamaForCausalLM
 
     cfg = gpu_check.shape_config(shape, tokenizer)
@@ -73,7 +75,11 @@ def test_table_marks_each_step_and_reads_the_rows(tmp_path):
     (tmp_path / "serve_embedded.json").write_text(json.dumps(dict(title="t", weight_bytes=256 * 2**20, rows=[dict(
         streams=64, engine="batched", tokens_per_s=2000.0, ttft_p50_ms=50, ttft_p95_ms=90, identical=60, requests=64,
         device_peak_mb=1400.0, budget_mb=1024.0, rss_growth_mb=3.0)])))
+    (tmp_path / "zerogpu_turn_embedded.json").write_text(json.dumps(dict(title="t", rows=[dict(
+        turn=2, prompt_tokens=2320, cached_tokens=2308, new_tokens=96, identical=True, kv_in_mb=101.4, kv_out_mb=9.9,
+        device_s=0.8, wall_s=1.1, asked_s=5)])))
     text = gpu_check.table(tmp_path)
+    assert "| 2 | 2,320 | 2,308 | 96 | True | 101.4 / 9.9 | 0.80 | 1.10 | 5 |" in text
     assert "NVIDIA H100 80GB HBM3" in text and "transformers 5.17.0" in text
     assert "| cuda_tests | FAILED (exit 1), 20 s | 1 passed, 1 failed, 0 skipped |" in text
     assert "| bench_1b | TIMED OUT, 150 s |" in text and "| serve_1b | SKIPPED (no time left), 0 s |" in text
@@ -95,4 +101,5 @@ def test_rehearsal_end_to_end(tmp_path):
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     assert done.returncode == 0 and "Steps failed: none." in table, table + done.stdout[-3000:]
     assert "transformers 5.17.0" in table and "| 1,024 | 32 |" in table and "| 8 | batched |" in table
+    assert "A ZeroGPU turn's call body, embedded shape" in table and "| 8 | True |" in table
     assert json.loads((tmp_path / "out" / "results.json").read_text())["serve_embedded"]["rows"]
