@@ -16,13 +16,13 @@ Knows nothing about the page or the server: their settings are names and words h
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import setting_parsers as parse
 from engine.config import ConfigError, EngineConfig
 
 __all__ = ["AppConfig", "SETTINGS", "Setting", "build_parser", "markdown_table", "parse_args"]
@@ -31,77 +31,6 @@ __all__ = ["AppConfig", "SETTINGS", "Setting", "build_parser", "markdown_table",
 # next to everyone else's; explicit flags or env vars always win.
 PUBLIC_MAX_NEW_TOKENS, PRIVATE_MAX_NEW_TOKENS = 256, 512
 PUBLIC_MAX_PROMPT_TOKENS = 4096
-
-
-# ---------------------------------------------------------------- parsers: text -> value, ValueError says why
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
-
-
-def _int_or_default(text: str) -> int | None:
-    """A whole number, or 0 / empty for the default (None)."""
-    return None if text.strip() in ("", "0") else _int(text)
-
-
-def _int_or_unset(text: str) -> int | None:
-    """A whole number, or empty for the default (which may depend on ``--isolate``)."""
-    return None if not text.strip() else _int(text)
-
-
-def _per_client(text: str) -> int | None:
-    """A cap >= 0 (0: none), or a negative number / empty for the deployment's default (None)."""
-    value = _int(text) if text.strip() else -1
-    return None if value < 0 else value
-
-
-def _number(text: str, what: str = "a number") -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected {what}, got {text!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"must be finite, got {text!r}")
-    return value
-
-
-def _mib(text: str) -> float | None:
-    """MiB, >= 0; 0 for the default (None)."""
-    value = _number(text, "a number of MiB")
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {text!r}")
-    return value or None
-
-
-def _positive_number(text: str) -> float:
-    if _number(text) <= 0:
-        raise ValueError(f"must be > 0, got {text!r}")
-    return float(text)
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
-def _switch(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in _TRUE + _FALSE:
-        raise ValueError(f"expected 1 or 0 (true/false, yes/no, on/off), got {text!r}")
-    return word in _TRUE
-
-
-def _switch_or_auto(text: str) -> bool | None:
-    """On or off, or empty for the default (None: on a Hugging Face Space, off elsewhere)."""
-    return None if not text.strip() else _switch(text)
-
-
-def _urls(text: str) -> list[str]:
-    return [u.strip() for u in text.split(",") if u.strip()]
-
-
-def _mib_to_bytes(mib: float | None) -> int | None:
-    return None if mib is None else int(mib * 2**20)
 
 
 # ---------------------------------------------------------------- the registry
@@ -140,28 +69,28 @@ SETTINGS: tuple[Setting, ...] = (
        "float16"),
     # the local engine (EngineConfig)
     _S("cache_budget_mb", "--cache-budget-mb", "RADIX_CACHE_BUDGET_MB", "0", "KV cache budget in MiB (0: 1024 on "
-       "CPU/MPS, a quarter of free GPU memory on CUDA)", _mib, field="budget_bytes", to_field=_mib_to_bytes),
+       "CPU/MPS, a quarter of free GPU memory on CUDA)", parse.mib, field="budget_bytes", to_field=parse.mib_to_bytes),
     _S("disk_cache_mb", "--disk-cache-mb", "RADIX_DISK_CACHE_MB", "2048", "second tier: evicted KV kept in chunk "
        "files under the cache folder (host memory on a GPU) and found again after a restart; 0 turns it off (with "
-       "--isolate only shipped content is written)", _mib, field="tier_bytes",
-       to_field=lambda mib: _mib_to_bytes(mib) or 0),
+       "--isolate only shipped content is written)", parse.mib, field="tier_bytes",
+       to_field=lambda mib: parse.mib_to_bytes(mib) or 0),
     _S("cache", "--cache", "RADIX_CACHE", "1", "the prefix cache; --no-cache runs with none at all (for "
-       "comparison)", _switch, switch=True, field="enable_cache"),
+       "comparison)", parse.switch, switch=True, field="enable_cache"),
     _S("isolate", "--isolate", "RADIX_ISOLATE", "", "give each visitor a private cache namespace (default: on "
-       "on Hugging Face Spaces, where SYSTEM=spaces; off elsewhere)", _switch_or_auto, switch=True,
+       "on Hugging Face Spaces, where SYSTEM=spaces; off elsewhere)", parse.switch_or_auto, switch=True,
        field="isolation"),
     _S("max_prompt_tokens", "--max-prompt-tokens", "RADIX_MAX_PROMPT_TOKENS", "0", "cap on prompt tokens per "
-       f"request (0: the model's context; {PUBLIC_MAX_PROMPT_TOKENS} with --isolate)", _int_or_default,
+       f"request (0: the model's context; {PUBLIC_MAX_PROMPT_TOKENS} with --isolate)", parse.int_or_default,
        field="max_prompt_tokens"),
     _S("max_new_tokens", "--max-new-tokens", "RADIX_MAX_NEW_TOKENS", "", "cap on new tokens per request (default "
-       f"{PRIVATE_MAX_NEW_TOKENS}; {PUBLIC_MAX_NEW_TOKENS} with --isolate)", _int_or_unset,
+       f"{PRIVATE_MAX_NEW_TOKENS}; {PUBLIC_MAX_NEW_TOKENS} with --isolate)", parse.int_or_unset,
        field="max_new_tokens_cap"),
     _S("max_queue", "--max-queue", "RADIX_MAX_QUEUE", str(EngineConfig.max_queue), "requests that may wait for the model before visitors "
-       "get a 'busy' message", _int, field="max_queue"),
+       "get a 'busy' message", parse.whole, field="max_queue"),
     _S("max_batch", "--max-batch", "RADIX_MAX_BATCH", str(EngineConfig.max_batch), "requests decoded together in one forward (continuous "
-       "batching); 1 runs one at a time", _int, field="max_batch"),
+       "batching); 1 runs one at a time", parse.whole, field="max_batch"),
     _S("chunk_tokens", "--chunk-tokens", "RADIX_CHUNK_TOKENS", "0", "prompt tokens prefilled per scheduler step, "
-       "so a long prompt cannot freeze other visitors' streams (0: 256 on CPU, 2048 on GPU)", _int_or_default,
+       "so a long prompt cannot freeze other visitors' streams (0: 256 on CPU, 2048 on GPU)", parse.int_or_default,
        field="chunk_tokens"),
     _S("kv_events_config", "--kv-events-config", "RADIX_KV_EVENTS_CONFIG", "", "publish this engine's cache as KV "
        "events, vLLM's format and flag (e.g. '{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
@@ -172,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
        "--isolate, fair share first", field="eviction_policy", metavar="NAME"),
     # serving: the port, the API, who may read what
     _S("host", "--host", "GRADIO_SERVER_NAME", "127.0.0.1", "address to listen on"),
-    _S("port", "--port", "GRADIO_SERVER_PORT", "7860", "port to listen on", _int),
+    _S("port", "--port", "GRADIO_SERVER_PORT", "7860", "port to listen on", parse.whole),
     _S("api_key", "--api-key", "RADIX_API_KEY", "", "require this key (Authorization: Bearer) on the "
        "OpenAI-compatible API under /v1; several separated by commas (none: open)"),
     _S("operator_key", "--operator-key", "RADIX_OPERATOR_KEY", "", "with --isolate, /metrics and /kv_event_sources "
@@ -180,17 +109,17 @@ SETTINGS: tuple[Setting, ...] = (
        "server/exposure.py"),
     _S("public_metrics", "--public-metrics", "RADIX_PUBLIC_METRICS", "0", "with --isolate, serve /metrics and "
        "/kv_event_sources to everyone anyway (their counters show each visitor's prompt length when it ends)",
-       _switch, switch=True),
+       parse.switch, switch=True),
     _S("max_per_client", "--max-per-client", "RADIX_MAX_PER_CLIENT", "-1", "API requests one client (API key, "
        "else address) may have queued or running; 0: no cap (-1: a quarter of --max-queue, at most 4, with "
-       "--isolate; no cap without)", _per_client),
+       "--isolate; no cap without)", parse.per_client),
     _S("replica", "--replica", "RADIX_REPLICA", "0", "one replica of a fleet behind a router (python -m "
        "tools.fleet): serve the API, /health, /metrics and KV events with none of the page's start-up work (no "
        "warm start of the shipped prompts, no growth curve), so several start fast and their caches start empty",
-       _switch, switch=True),
+       parse.switch, switch=True),
     _S("growth_curve", "--growth-curve", "RADIX_GROWTH_CURVE", "1", "measure the Growth tab's curve (prefill time "
        "against cached length) in the background once the page is served: about 25 s of both cores on a CPU, "
-       "paused while visitors are served; --no-growth-curve leaves it to the tab's Measure button", _switch,
+       "paused while visitors are served; --no-growth-curve leaves it to the tab's Measure button", parse.switch,
        switch=True),
     # remote mode
     _S("backend", "--backend", "RADIX_BACKEND", "", "remote mode: send requests to this OpenAI-compatible server "
@@ -206,13 +135,13 @@ SETTINGS: tuple[Setting, ...] = (
        "/kv_event_sources)", metavar="ENDPOINT"),
     _S("fleet", "--fleet", "RADIX_FLEET", "", "remote mode, --backend a router (python -m tools.fleet): the replicas "
        "behind it; the page follows each one's KV events and shows them side by side in a Fleet tab, with the "
-       "replica each request landed on; requests still go through the router", _urls, metavar="URL,URL,..."),
+       "replica each request landed on; requests still go through the router", parse.urls, metavar="URL,URL,..."),
     _S("routing_lab", "--routing-lab", "RADIX_ROUTING_LAB", "", "with --fleet: the routing lab's report (python -m "
        "tools.routing_lab --json FILE), shown in the Fleet tab beside the live trees", metavar="FILE"),
     # a command, not a setting of the server
     _S("explain_kernels", "--explain-kernels", None, "0", "load the model, print its execution plan (the layer "
        "driver, the linears and the attention chosen, why each option before them was set aside, the "
-       "RADIX_KERNELS setting and its aliases) and exit", _switch),
+       "RADIX_KERNELS setting and its aliases) and exit", parse.switch),
     # read deeper in the code: declared here, read there
     _S(None, None, "RADIX_KERNELS", "", "what runs a forward: items like linear=packed,attention=cpu_sdpa,fused=off "
        "(docs/USAGE.md); the older switches are its aliases", read_by="engine/model/plan.py",
@@ -223,7 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S(None, None, "RADIX_NATIVE_DIR", "", "where our C kernels are built (default: native/ in the cache folder)",
        read_by="engine/model/native_build.py"),
     _S(None, None, "RADIX_ATTENTION_WORKSPACE_MB", "64", "math_chunked attention: MiB one call's blocks may hold",
-       _positive_number, read_by="engine/model/attention/math_chunked.py"),
+       parse.positive_number, read_by="engine/model/attention/math_chunked.py"),
     _S(None, None, "RADIX_PLAYGROUND_CACHE", "", "the cache folder: converted weights, kernels, the second tier's "
        "files (default ~/.cache/radix-playground)", read_by="engine/model/hub.py"),
     _S(None, None, "RADIX_TOKENIZER_DIR", "", "a folder with the embedded model's tokenizer files, for a machine "
@@ -332,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if s.switch:
             p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=_UNSET, help=_help(s))
-        elif s.env is None and s.parse is _switch:  # a command: present or not
+        elif s.env is None and s.parse is parse.switch:  # a command: present or not
             p.add_argument(s.flag, dest=s.name, action="store_true", default=_UNSET, help=_help(s))
         else:
             p.add_argument(s.flag, dest=s.name, type=_argument_type(s.parse), default=_UNSET, metavar=s.metavar,
