@@ -89,7 +89,7 @@ def req(ids, n=6, **kw) -> GenerationRequest:
     return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n), **kw)
 
 
-def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path):
+def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path)
     cache = engine.cache
@@ -106,14 +106,14 @@ def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, t
     slots = cache.tree.match(CacheKey(tuple(doc))).values[: 3 * C]
     after = torch.stack([torch.stack([layer[:, slots] for layer in half]) for half in (cache.pool.k, cache.pool.v)])
     assert torch.equal(before, after)  # the KV came back bit for bit
-    plain = Engine(tiny_runner, enable_cache=False)
+    plain = make_engine(enable_cache=False)
     assert m.output_ids == plain.run(req(question, 8)).output_ids
     wait_idle(engine)
     assert_clean(engine)
     assert engine.stats().tier_loaded_tokens >= m.tier_tokens
 
 
-def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path):
+def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(3, 2 * C + 7, vocab)
     first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
@@ -123,7 +123,7 @@ def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path):
     assert second.stats().tier_chunks >= 2
     m = second.run(req(doc + [5, 6, 7], 4))
     assert m.cached_tokens == 2 * C and m.tier_tokens == 2 * C
-    assert m.output_ids == Engine(tiny_runner, enable_cache=False).run(req(doc + [5, 6, 7], 4)).output_ids
+    assert m.output_ids == make_engine(enable_cache=False).run(req(doc + [5, 6, 7], 4)).output_ids
     assert_clean(second)
 
 
@@ -151,7 +151,7 @@ def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
     assert private_key not in engine.tier
 
 
-def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path):
+def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
     docs = [rand_ids(20 + i, 2 * C + 3, vocab) for i in range(4)]
@@ -179,7 +179,7 @@ def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, t
     burst()
     results = first + results
     assert not errors
-    plain = Engine(tiny_runner, enable_cache=False)
+    plain = make_engine(enable_cache=False)
     assert [m.output_ids for m in results] == [plain.run(r).output_ids for r in requests + requests]
     assert sum(m.tier_tokens for m in results) > 0 and engine.stats().tier_spilled_tokens > 0
     wait_idle(engine)
@@ -210,7 +210,7 @@ def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, mo
     assert_clean(engine)
 
 
-def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, monkeypatch):
+def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, monkeypatch, make_engine):
     """A GPU's second tier is host memory, gone at exit: persisting writes nothing and says so
     (None), so the app does not print "written to the second tier for the next start"."""
     import engine.engine as engine_module
@@ -218,8 +218,8 @@ def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, mon
     geometry = kv_tier.ChunkGeometry(tiny_runner.num_layers, tiny_runner.num_kv_heads, tiny_runner.head_dim,
                                      tiny_runner.dtype)
     monkeypatch.setattr(engine_module, "make_tier", lambda *a, **k: kv_tier.HostStore(2**24, geometry))
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24)
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24)
     assert engine.capabilities.second_tier and engine.stats().tier_kind == "host memory"
     assert engine.persist_cache() is None
     engine.close()
-    assert Engine(tiny_runner, budget_bytes=2**20).persist_cache() is None  # no tier at all
+    assert make_engine(budget_bytes=2**20).persist_cache() is None  # no tier at all

@@ -48,10 +48,10 @@ def test_an_evicted_node_shows_spilled_then_resident_again_after_a_load(tiny_run
     assert_clean(engine)
 
 
-def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_it(tiny_runner, tmp_path):
+def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_it(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     chunk_bytes = C * tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=3 * chunk_bytes,
+    engine = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=3 * chunk_bytes,
                     tier_dir=str(tmp_path))
     first, second = rand_ids(4, 3 * C + 9, vocab), rand_ids(5, 3 * C + 9, vocab)
     engine.run(req(first, 1))
@@ -69,9 +69,9 @@ def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_i
     assert_clean(engine)
 
 
-def test_no_spilled_nodes_without_a_tier(tiny_runner):
+def test_no_spilled_nodes_without_a_tier(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token)
     for i in range(4):
         engine.run(req(rand_ids(10 + i, 2 * C + 3, vocab), 1))
     assert engine.cache.evicted_tokens > 0 and spilled(engine) == []
