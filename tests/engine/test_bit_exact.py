@@ -241,7 +241,7 @@ def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path, m
         return events[-1].metrics
 
     engine = make_engine(runner, budget_bytes=300 * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
-                    tier_dir=str(tmp_path))
+                         tier_dir=str(tmp_path))
     plain = make_engine(runner, enable_cache=False)
     doc = torch.randint(10, vocab, (3 * C + 10,), generator=gen).tolist()
     question = doc + torch.randint(10, vocab, (5,), generator=gen).tolist()

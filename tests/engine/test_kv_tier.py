@@ -80,9 +80,9 @@ def test_host_store_is_the_same_lru(tmp_path):
 
 
 # ------------------------------------------------------------------- through the engine
-def tier_engine(runner, tmp_path, budget_tokens=300, **kw) -> Engine:
-    return Engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
-                  tier_dir=str(tmp_path), **kw)
+def tier_engine(make_engine, runner, tmp_path, budget_tokens=300, **kw) -> Engine:
+    return make_engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
+                       tier_dir=str(tmp_path), **kw)
 
 
 def req(ids, n=6, **kw) -> GenerationRequest:
@@ -91,7 +91,7 @@ def req(ids, n=6, **kw) -> GenerationRequest:
 
 def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path)
     cache = engine.cache
     doc = rand_ids(1, 3 * C + 10, vocab)
     engine.prefill_in_pool(CacheKey(tuple(doc)))
@@ -116,10 +116,10 @@ def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, t
 def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(3, 2 * C + 7, vocab)
-    first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    first = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 4))
     first.close()  # writes what the cache holds
-    second = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    second = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     assert second.stats().tier_chunks >= 2
     m = second.run(req(doc + [5, 6, 7], 4))
     assert m.cached_tokens == 2 * C and m.tier_tokens == 2 * C
@@ -127,20 +127,20 @@ def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path, make_engine):
     assert_clean(second)
 
 
-def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp_path):
+def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(4, 2 * C + 1, vocab)
-    first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    first = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 2))
     first.close()
-    other = tier_engine(tiny_runner_bf16, tmp_path, budget_tokens=1000)
+    other = tier_engine(make_engine, tiny_runner_bf16, tmp_path, budget_tokens=1000)
     assert other.stats().tier_chunks == 0
     assert other.run(req(doc + [9], 2)).tier_tokens == 0
 
 
-def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
+def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000, isolation=True)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000, isolation=True)
     shipped = rand_ids(5, 2 * C, vocab)
     private = rand_ids(6, 3 * C, vocab)
     engine.run(req(shipped + private, 2, namespace="v-alice", public_len=len(shipped)))
@@ -153,7 +153,7 @@ def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
 
 def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
     docs = [rand_ids(20 + i, 2 * C + 3, vocab) for i in range(4)]
     requests = [req(docs[i % 4] + rand_ids(40 + i, 4, vocab), 5) for i in range(16)]
     results: list = [None] * len(requests)
@@ -186,11 +186,11 @@ def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, t
     assert_clean(engine)
 
 
-def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch):
+def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch, make_engine):
     """A request waiting for room retries its admission every step: the tier's files are read
     only once room is made, never by an attempt that fails."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=400)
     doc = rand_ids(8, 3 * C, vocab)
     engine.run(req(doc, 1))
     engine.offload_cache()

@@ -259,17 +259,17 @@ def test_another_process_gets_tier_busy(tmp_path):
 
 def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tmp_path, caplog, make_engine):
     first = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
+                        tier_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
         second = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                        tier_dir=str(tmp_path))
+                             tier_dir=str(tmp_path))
     assert first.tier is not None and second.tier is None and not second.capabilities.second_tier
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.tier_setup"]
     assert len(lines) == 1 and "without a second tier" in lines[0] and str(tmp_path) in lines[0]
     second.close()
     first.close()
     third = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))  # the first released the folder at close
+                        tier_dir=str(tmp_path))  # the first released the folder at close
     assert third.tier is not None
 
 
@@ -278,7 +278,7 @@ def test_an_engine_whose_tier_folder_cannot_be_made_runs_without_a_tier(tiny_run
     blocker.write_text("a file where the tier's folder would go")
     with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
         engine = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                        tier_dir=str(blocker))
+                             tier_dir=str(blocker))
     assert engine.tier is None and "without a second tier" in caplog.text
 
 
@@ -423,12 +423,12 @@ def test_a_retrained_checkpoint_of_the_same_name_never_reads_the_old_kv(tiny_run
     vocab = len(tokenizer)
     doc = rand_ids(11, 2 * C + 1, vocab)
     first = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
+                        tier_dir=str(tmp_path))
     first.run(req(doc, 2))
     first.close()
     assert first.tier.num_chunks >= 2
     other = make_engine(retrained, budget_bytes=1000 * retrained.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
+                        tier_dir=str(tmp_path))
     assert other.stats().tier_chunks == 0 and other.run(req(doc + [9], 2)).tier_tokens == 0
     other.close()
     retrained.close()
@@ -438,11 +438,11 @@ def test_an_isolated_run_never_reads_what_a_shared_run_wrote(tiny_runner, tmp_pa
     vocab = len(tiny_runner.text.tokenizer)
     chat = rand_ids(12, 2 * C + 1, vocab)  # a visitor's chat, public in a run without isolation
     shared = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
+                         tier_dir=str(tmp_path))
     shared.run(req(chat, 2))
     shared.close()
     isolated = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                      tier_dir=str(tmp_path), isolation=True)
+                           tier_dir=str(tmp_path), isolation=True)
     assert isolated.stats().tier_chunks == 0 and isolated.run(req(chat + [9], 2)).tier_tokens == 0
     assert shared.tier.folder.name.endswith("-shared") and isolated.tier.folder.name.endswith("-isolated")
     assert shared.tier.folder.name.removesuffix("-shared") == isolated.tier.folder.name.removesuffix("-isolated")
@@ -453,7 +453,7 @@ def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(t
     goes at the next start, unless an engine holds it now; other files beside them stay."""
     vocab = len(tiny_runner.text.tokenizer)
     shared = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
+                         tier_dir=str(tmp_path))
     shared.run(req(rand_ids(13, 2 * C + 1, vocab), 2))
     shared.close()
     legacy = tmp_path / "0123456789abcdef"  # a folder named by a fingerprint alone (before the mode was in it)
@@ -462,7 +462,7 @@ def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(t
     (tmp_path / "notes").mkdir()  # not a tier's folder: never touched
     held = DiskStore(tmp_path / "fedcba9876543210-shared", 2**20, geometry())
     isolated = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                      tier_dir=str(tmp_path), isolation=True)
+                           tier_dir=str(tmp_path), isolation=True)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert names == sorted([isolated.tier.folder.name, held.folder.name, "notes"])
     isolated.close()
