@@ -8,13 +8,12 @@ import time
 
 import httpx
 
-from engine.engine import Engine
 from server.remote.engine import RemoteEngine
 from tests.helpers_app import launched_app
 
 
-def test_health_is_200_and_empty_while_up_and_503_once_closed(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=4)
+def test_health_is_200_and_empty_while_up_and_503_once_closed(make_engine):
+    engine = make_engine(max_new_tokens_cap=4)
     with launched_app(engine) as url:
         up = httpx.get(url + "health", timeout=30)
         assert up.status_code == 200 and up.content == b""
@@ -24,28 +23,22 @@ def test_health_is_200_and_empty_while_up_and_503_once_closed(tiny_runner):
         assert down.status_code == 503 and down.content == b""
 
 
-def test_a_public_deployment_answers_health_to_anyone_and_nothing_more(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
-    try:
-        with launched_app(engine) as url:
-            r = httpx.get(url + "health", timeout=30)
-            assert r.status_code == 200 and r.content == b""
-            assert httpx.get(url + "metrics", timeout=30).status_code == 404  # the server's figures stay closed
-    finally:
-        engine.close()
+def test_a_public_deployment_answers_health_to_anyone_and_nothing_more(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=4)
+    with launched_app(engine) as url:
+        r = httpx.get(url + "health", timeout=30)
+        assert r.status_code == 200 and r.content == b""
+        assert httpx.get(url + "metrics", timeout=30).status_code == 404  # the server's figures stay closed
 
 
-def test_remote_mode_answers_the_backends_health(tiny_runner, tokenizer):
-    backend = Engine(tiny_runner, max_new_tokens_cap=4)
-    try:
-        with launched_app(backend) as backend_url:
-            remote = RemoteEngine(backend_url, "", tokenizer)
-            remote.check_backend()
-            with launched_app(remote) as page:
-                assert httpx.get(page + "health", timeout=30).status_code == 200
-                backend.close()
-                time.sleep(1.1)  # the remote engine keeps its backend's answer for a second
-                assert httpx.get(page + "health", timeout=30).status_code == 503
-            remote.close()
-    finally:
-        backend.close()
+def test_remote_mode_answers_the_backends_health(tokenizer, make_engine):
+    backend = make_engine(max_new_tokens_cap=4)
+    with launched_app(backend) as backend_url:
+        remote = RemoteEngine(backend_url, "", tokenizer)
+        remote.check_backend()
+        with launched_app(remote) as page:
+            assert httpx.get(page + "health", timeout=30).status_code == 200
+            backend.close()
+            time.sleep(1.1)  # the remote engine keeps its backend's answer for a second
+            assert httpx.get(page + "health", timeout=30).status_code == 503
+        remote.close()
