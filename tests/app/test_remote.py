@@ -318,7 +318,7 @@ def test_app_flags_build_the_remote_engine_and_serve_only_metrics_and_health(bac
 
 def test_fleet_flag_needs_a_backend_and_takes_a_list(monkeypatch):
     """``--fleet URL,URL`` (env ``RADIX_FLEET``) names the replicas behind the router ``--backend``;
-    alone it is refused in one line (the real fleet is tests/remote/test_fleet.py's)."""
+    alone it is refused in one line (the real fleet is tests/server/remote/test_fleet.py's)."""
     with pytest.raises(SystemExit):
         app.parse_args(["--fleet", "http://127.0.0.1:1"])
     args = app.parse_args(["--backend", "http://127.0.0.1:9", "--fleet", " http://a:1, http://b:2 ,"])

@@ -35,7 +35,7 @@ from tools.fleet.trace import built_in_trace, replay, summarize
 
 pytestmark = pytest.mark.fleet
 REPLICAS = 3
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def need_router() -> None:

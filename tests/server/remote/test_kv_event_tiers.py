@@ -20,7 +20,7 @@ from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
 from tests.helpers_app import free_port
-from tests.remote.test_kv_event_publisher import Raw, vllm_decode
+from tests.server.remote.test_kv_event_publisher import Raw, vllm_decode
 
 BS = 32
 C = CHUNK_TOKENS
