@@ -14,7 +14,7 @@ from engine.engine import Engine
 from engine.kvcache import kv_tier
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostStore
 from engine.types import CacheKey, GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 C = CHUNK_TOKENS

@@ -26,8 +26,8 @@ from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostS
 from engine.kvcache.tier_folder import TierBusy
 from engine.types import CacheKey
 from tests.conftest import make_tiny_runner
-from tests.engine.test_batching_exact import rand_ids
 from tests.engine.test_kv_tier import chunk, geometry, req
+from tests.engines import rand_ids
 
 C = CHUNK_TOKENS
 LOGGER = "engine.kvcache.kv_tier"

@@ -11,7 +11,8 @@ import pytest
 
 from engine.engine import Engine
 from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids, req, together
+from tests.engine.test_batching_exact import req, together
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 

@@ -9,8 +9,8 @@ from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, HIDDEN_SPILLED_BASE, for_viewer
 from engine.types import NodeInfo, TreeSnapshot
-from tests.engine.test_batching_exact import rand_ids
 from tests.engine.test_kv_tier import req, tier_engine
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 C = CHUNK_TOKENS

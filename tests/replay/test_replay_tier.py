@@ -13,7 +13,7 @@ from analysis.replay.sim_cache import SimCache
 from analysis.replay.simulate import ModelGeometry, model_geometry, simulate_lines
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean
 from tools.replay import main
 
