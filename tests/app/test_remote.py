@@ -308,7 +308,7 @@ def test_app_flags_build_the_remote_engine_and_serve_only_metrics_and_health(bac
     remote = app.build_remote_engine(args, tokenizer=tokenizer)
     assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
     # the backend serves its own /v1; /metrics here adds what its KV events say (none from this backend),
-    # /health is the backend's health (tests/app/test_health.py)
+    # /health is the backend's health (tests/server/test_health.py)
     assert [r.path for r in app.app_kwargs(remote)["routes"]] == ["/metrics", "/health"]
     assert remote.events is None and remote.snapshot().origin == "shadow"
     assert remote.info().backend == remote.base_url

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, FEW_SHOT_PRESETS, STARTER_QUESTIONS, SYSTEM_PRESETS
+from tests.components.test_ui_build import tree_paths
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor, wait_idle
-from tests.ui.test_ui_build import tree_paths
 
 pytestmark = pytest.mark.slow
 
