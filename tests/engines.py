@@ -42,7 +42,14 @@ class EngineFactory:
         return engine
 
     def close_all(self) -> None:
+        """Every engine closed even when one close raises; the first error is raised after."""
+        errors: list[BaseException] = []
         while self._made:
             engine = self._made.pop()
             if not engine._closed:  # a test about what happens after close() has closed it
-                engine.close()
+                try:
+                    engine.close()
+                except Exception as e:  # noqa: BLE001 - the rest must still close
+                    errors.append(e)
+        if errors:
+            raise errors[0]
