@@ -15,6 +15,7 @@ import torch
 
 from engine.model.loader import LoadedModel, load_model, load_tokenizer
 from engine.model.runner import ModelRunner
+from tests.engines import EngineFactory
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +56,25 @@ def tiny_runner_bf16(tokenizer) -> ModelRunner:
 @pytest.fixture(scope="session")
 def real_runner() -> ModelRunner:
     return ModelRunner(load_model())
+
+
+def _engine_factory(request):
+    factory = EngineFactory(lambda: request.getfixturevalue("tiny_runner"))
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture
+def make_engine(request):
+    """``make_engine(runner=None, config=None, **settings) -> Engine``: an engine on ``runner`` (the
+    tiny random Llama when None), closed when the test ends, passed or failed."""
+    yield from _engine_factory(request)
+
+
+@pytest.fixture(scope="module")
+def make_module_engine(request):
+    """``make_engine`` for a module's fixtures: its engines are closed when the module's tests end."""
+    yield from _engine_factory(request)
 
 
 @pytest.fixture(scope="session")

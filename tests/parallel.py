@@ -56,10 +56,10 @@ LONGEST_FIRST = (
     "tests/app/test_restart_matrix.py",
     "tests/tools/test_gpu_check.py",
     "tests/ui/test_demo_browser.py",
-    "tests/remote/test_fleet.py",
+    "tests/server/remote/test_fleet.py",
     "tests/app/test_fuzz.py",
-    "tests/remote/test_vllm_events.py",
-    "tests/remote/test_fleet_vllm.py",
+    "tests/server/remote/test_vllm_events.py",
+    "tests/server/remote/test_fleet_vllm.py",
     "tests/ui/test_ui_browser.py",
 )
 

@@ -1,4 +1,4 @@
-"""Record a real server's KV event stream into a small msgpack file (tests/remote/fixtures/).
+"""Record a real server's KV event stream into a small msgpack file (tests/server/remote/fixtures/).
 
 A raw subscriber (pyzmq only, no decoding of ours) follows the server's events while this
 sends token-id prompts to its ``/v1/completions``; the file holds what came on the wire::

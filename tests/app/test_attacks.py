@@ -15,15 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.engine import Engine
 from engine.types import EngineError
 from server.request_guard import MAX_BODY_BYTES
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+def app_url(make_module_engine):
+    engine = make_module_engine(isolation=True, max_new_tokens_cap=4)
     with launched_app(engine) as url:
         yield url, engine
     wait_idle(engine)
@@ -139,7 +138,7 @@ def _session(name: str):
     return SimpleNamespace(session_hash=f"session-{name}")
 
 
-def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
+def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner, make_engine):
     """Three long unique prompts from one visitor under a small budget evicted everyone else's
     entries and the shipped blocks (global LRU): the other visitor's next turn got 5 of 217
     tokens from the cache. Now the attacker evicts their own entries first, and shipped blocks
@@ -149,8 +148,8 @@ def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
     from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, STARTER_QUESTIONS, SYSTEM_PRESETS
     from components.panels.chat_panel import build_request, chat_messages
 
-    engine = Engine(tiny_runner, isolation=True, budget_bytes=800 * tiny_runner.kv_bytes_per_token,
-                    max_new_tokens_cap=4)
+    engine = make_engine(isolation=True, budget_bytes=800 * tiny_runner.kv_bytes_per_token,
+                         max_new_tokens_cap=4)
 
     def turn(who: str, system: str, history: list[dict], question: str):
         req = build_request(engine, chat_messages(system, history, question), 4, False, _session(who), "chat")
@@ -178,7 +177,7 @@ def test_one_visitor_cannot_flush_another_visitors_cache(tiny_runner):
     engine.check_invariants()
 
 
-def test_work_for_a_result_stream_never_opened_is_stopped(tiny_runner):
+def test_work_for_a_result_stream_never_opened_is_stopped(make_engine):
     """A request only posted to the queue (/queue/join), with nobody reading /queue/data, ran
     to its last token and held the model for everyone; now it is cancelled. A visitor who
     reads the stream still gets every token."""
@@ -192,7 +191,7 @@ def test_work_for_a_result_stream_never_opened_is_stopped(tiny_runner):
     # messages pile up when the machine is busy (CI once saw 256 tokens in fewer). Twelve
     # times the limit leaves room for that and still fits the tiny model's 1,024 positions.
     cap = 12 * UNREAD_LIMIT
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=cap)
+    engine = make_engine(isolation=True, max_new_tokens_cap=cap)
 
     def finished(n: int):
         deadline = time.monotonic() + 120

@@ -25,7 +25,6 @@ from components.panels.engine_state import _PAGE, engine_state
 from components.session import page_keyed, share_page_blocks
 from components.warm_start import shipped_prefixes
 from engine.cache_keys import KeyRules, Visitor, shipped_part
-from engine.engine import Engine
 from engine.namespaces import owner_of, secret_name
 from engine.types import PUBLIC, CacheKey, GenerationRequest
 from server.cache_scope import api_visitor, keyed_request
@@ -115,44 +114,38 @@ def _same(got: CacheKey, want: CacheKey, random_part: bool) -> None:
 
 
 @pytest.mark.parametrize("isolation", [True, False])
-def test_page_and_api_key_through_the_one_function(tiny_runner, isolation):
-    engine = Engine(tiny_runner, isolation=isolation, max_new_tokens_cap=4)
-    try:
-        share_page_blocks(engine)
-        assert engine._shipped == old_page_blocks(engine)  # the same blocks as the page had
-        rules = KeyRules(isolation, engine._key_secret, old_page_blocks(engine))
-        for msgs in (chat_messages(SYSTEM_PRESETS["Pirate"], [], "hi"), chat_messages("Be terse.", [], "hi")):
-            gen = GenerationRequest(messages=tuple(msgs))
-            ids = engine.prompt_ids(gen)
-            for origin, sess, salt in CASES:
-                tab = SimpleNamespace(session_hash=sess, client=SimpleNamespace(host=origin), headers={})
-                want = rules.key(ids, Visitor.page(origin, sess))
-                built = build_request(engine, msgs, 2, False, tab, tag="chat")
-                for got in (page_keyed(engine, gen, tab).key, engine.cache_key(list(built.prompt_ids), built)):
-                    _same(got, want, random_part=isolation and not sess)
-                # The API: what the route sends (namespace, store), as the engine keys it.
-                visitor = Visitor.api(origin, salt)
-                sent = keyed_request(engine, gen, origin, salt)
-                assert list(sent.prompt_ids) == ids and sent.messages is None
-                _same(engine.cache_key(ids, sent), rules.key(ids, visitor), random_part=isolation and not salt)
-                assert sent.store == rules.store(visitor)
-        assert page_keyed(engine, gen, None).key.public_len == 0  # the custom prompt shares nothing
-    finally:
-        engine.close()
+def test_page_and_api_key_through_the_one_function(isolation, make_engine):
+    engine = make_engine(isolation=isolation, max_new_tokens_cap=4)
+    share_page_blocks(engine)
+    assert engine._shipped == old_page_blocks(engine)  # the same blocks as the page had
+    rules = KeyRules(isolation, engine._key_secret, old_page_blocks(engine))
+    for msgs in (chat_messages(SYSTEM_PRESETS["Pirate"], [], "hi"), chat_messages("Be terse.", [], "hi")):
+        gen = GenerationRequest(messages=tuple(msgs))
+        ids = engine.prompt_ids(gen)
+        for origin, sess, salt in CASES:
+            tab = SimpleNamespace(session_hash=sess, client=SimpleNamespace(host=origin), headers={})
+            want = rules.key(ids, Visitor.page(origin, sess))
+            built = build_request(engine, msgs, 2, False, tab, tag="chat")
+            for got in (page_keyed(engine, gen, tab).key, engine.cache_key(list(built.prompt_ids), built)):
+                _same(got, want, random_part=isolation and not sess)
+            # The API: what the route sends (namespace, store), as the engine keys it.
+            visitor = Visitor.api(origin, salt)
+            sent = keyed_request(engine, gen, origin, salt)
+            assert list(sent.prompt_ids) == ids and sent.messages is None
+            _same(engine.cache_key(ids, sent), rules.key(ids, visitor), random_part=isolation and not salt)
+            assert sent.store == rules.store(visitor)
+    assert page_keyed(engine, gen, None).key.public_len == 0  # the custom prompt shares nothing
 
 
-def test_warm_start_keys_the_shipped_part_of_the_page_key(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
-    try:
-        keys = dict(shipped_prefixes(engine))
-        preset = FEW_SHOT_PRESETS["Sentiment"]
-        msgs = [{"role": "user", "content": few_shot_prompt(preset["instruction"], preset["examples"], "?")}]
-        tab = SimpleNamespace(session_hash="tab-a", client=SimpleNamespace(host="10.0.0.1"), headers={})
-        assert keys["few-shot set “Sentiment”"] == shipped_part(page_keyed(engine, GenerationRequest(
-            messages=tuple(msgs)), tab).key)
-        assert all(k.namespace == PUBLIC and k.public_len == len(k.ids) > 0 for k in keys.values())
-    finally:
-        engine.close()
+def test_warm_start_keys_the_shipped_part_of_the_page_key(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=4)
+    keys = dict(shipped_prefixes(engine))
+    preset = FEW_SHOT_PRESETS["Sentiment"]
+    msgs = [{"role": "user", "content": few_shot_prompt(preset["instruction"], preset["examples"], "?")}]
+    tab = SimpleNamespace(session_hash="tab-a", client=SimpleNamespace(host="10.0.0.1"), headers={})
+    assert keys["few-shot set “Sentiment”"] == shipped_part(page_keyed(engine, GenerationRequest(
+        messages=tuple(msgs)), tab).key)
+    assert all(k.namespace == PUBLIC and k.public_len == len(k.ids) > 0 for k in keys.values())
 
 
 def test_the_keying_callers_compute_no_namespace_of_their_own():
@@ -174,16 +167,12 @@ def test_the_page_keeps_its_objects_out_of_the_engine():
     assert not offenders, offenders
 
 
-def test_engine_state_is_one_object_per_engine_and_dies_with_it(tiny_runner):
-    engine, other = Engine(tiny_runner), Engine(tiny_runner)
-    try:
-        made = []
-        first = engine_state(engine, "test.memo", lambda: made.append(1) or object())
-        assert engine_state(engine, "test.memo", lambda: made.append(1) or object()) is first and made == [1]
-        assert engine_state(other, "test.memo", object) is not first
-    finally:
-        engine.close()
-        other.close()
+def test_engine_state_is_one_object_per_engine_and_dies_with_it(make_engine):
+    engine, other = make_engine(), make_engine()
+    made = []
+    first = engine_state(engine, "test.memo", lambda: made.append(1) or object())
+    assert engine_state(engine, "test.memo", lambda: made.append(1) or object()) is first and made == [1]
+    assert engine_state(other, "test.memo", object) is not first
 
     class Holder:  # any weakly referable key: the registry knows nothing of what an engine is
         pass

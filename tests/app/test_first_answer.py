@@ -46,7 +46,8 @@ def _first_text_s(engine: Engine, visitor: str) -> float:
     return first
 
 
-def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_curve(tiny_runner, monkeypatch):
+def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_curve(tiny_runner, monkeypatch,
+                                                                                      make_engine):
     """The curve's first compute block is held until the question is in the engine (so the
     question arrives while the curve is under way, at an exact point, whatever the machine's
     speed). Its prompt takes four steps of prefill; no block of the curve may start between
@@ -58,7 +59,7 @@ def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_
 
     from components.warm_start import start_growth_curve
 
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+    engine = make_engine(isolation=True, max_new_tokens_cap=8)
     warm_start(engine)  # before the page is served, as app.py does
     blocks: list[int] = []  # the last step logged when each of the curve's compute blocks started
     held, go = threading.Event(), threading.Event()
@@ -113,7 +114,7 @@ def test_a_question_right_after_start_waits_for_at_most_one_block_of_the_growth_
 
 
 @pytest.mark.slow
-def test_first_answer_right_after_start_is_as_fast_as_on_an_idle_app(real_runner):
+def test_first_answer_right_after_start_is_as_fast_as_on_an_idle_app(real_runner, make_engine):
     """Idle first (the app warm and nothing else running), then the growth curve starts as at a
     start (its filler and timed prefills, shortened to two lengths to bound the test) and a
     visitor asks half a second later. A start is tried up to three times and the best counts:
@@ -123,7 +124,7 @@ def test_first_answer_right_after_start_is_as_fast_as_on_an_idle_app(real_runner
 
     from components.warm_start import growth_filler
 
-    engine = Engine(real_runner, isolation=True, max_new_tokens_cap=16)
+    engine = make_engine(real_runner, isolation=True, max_new_tokens_cap=16)
     warm_start(engine)
     idle = sorted(_first_text_s(engine, f"v-idle-{i}") for i in range(3))
     bound = idle[1] * 1.5 + 0.75  # one background block (at most 256 tokens) may be under way when the visitor asks

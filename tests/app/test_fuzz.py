@@ -224,8 +224,8 @@ def calls_for(block) -> int:
 
 
 @pytest.fixture(scope="module")
-def ui_engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
+def ui_engine(tiny_runner, make_module_engine) -> Engine:
+    return make_module_engine(max_new_tokens_cap=8, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
 
 
 def test_fuzz_ui_handlers(ui_engine, monkeypatch):
@@ -372,8 +372,8 @@ def endpoint_choices(client) -> dict[str, list[list]]:
     return out
 
 
-def test_fuzz_public_api(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
+def test_fuzz_public_api(tiny_runner, make_engine):
+    engine = make_engine(max_new_tokens_cap=8, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
     with launched_app(engine) as url:
         findings, raw = api_fuzz(url, n_per_endpoint=32, seed=99)
         # The app still serves a plain request afterwards.
@@ -387,10 +387,10 @@ def test_fuzz_public_api(tiny_runner):
 
 
 @pytest.mark.slow
-def test_fuzz_chat_api_on_the_real_model(real_runner):
+def test_fuzz_chat_api_on_the_real_model(real_runner, make_engine):
     """A smaller API run on the real model: the nasty texts, with real tokenization and
     decoding, sent the way a browser sends them (raw JSON: lone surrogates included)."""
-    engine = Engine(real_runner, max_new_tokens_cap=4)
+    engine = make_engine(real_runner, max_new_tokens_cap=4)
     with launched_app(engine) as url:
         chat = fn_id(visitor(url), "chat")
         findings = Findings()
@@ -418,8 +418,8 @@ def test_fuzz_chat_api_on_the_real_model(real_runner):
 
 
 # ------------------------------------------------------------------ engine
-def test_fuzz_engine(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=8, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
+def test_fuzz_engine(tiny_runner, make_engine):
+    engine = make_engine(max_new_tokens_cap=8, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
     rng = random.Random(7)
     emoji_ids = tiny_runner.text.encode("👨‍👩‍👧‍👦🏳️‍🌈")
     problems, outcomes = [], {"ok": 0, "refused": 0, "cancelled": 0}

@@ -9,7 +9,6 @@ import time
 import pytest
 
 import app
-from engine.engine import Engine
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, launched_app, shown_logs, visitor, wait_idle
 
@@ -21,8 +20,8 @@ def _wait(cond, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_full_engine_queue_answers_busy(tiny_runner):
-    engine = Engine(tiny_runner, max_queue=2, max_new_tokens_cap=4)
+def test_full_engine_queue_answers_busy(tiny_runner, make_engine):
+    engine = make_engine(max_queue=2, max_new_tokens_cap=4)
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=2))
     with tiny_runner.lock:  # the model is busy: the worker takes one request and waits
         running = engine.submit(req)
@@ -37,8 +36,8 @@ def test_full_engine_queue_answers_busy(tiny_runner):
     assert_clean(engine)
 
 
-def test_busy_message_reaches_the_visitor(tiny_runner):
-    engine = Engine(tiny_runner, max_queue=1, max_new_tokens_cap=4)
+def test_busy_message_reaches_the_visitor(tiny_runner, make_engine):
+    engine = make_engine(max_queue=1, max_new_tokens_cap=4)
     chat = ("Hello!", [], "Pirate", "", 2, False)
     with launched_app(engine, max_queue=1) as url:
         a, b, c = visitor(url), visitor(url), visitor(url)

@@ -42,13 +42,13 @@ def chat(engine: Engine, who: str, system: str, question: str, max_new: int = 3)
 
 
 @pytest.fixture()
-def isolated(tiny_runner) -> Engine:
-    return Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+def isolated(make_engine) -> Engine:
+    return make_engine(isolation=True, max_new_tokens_cap=8)
 
 
 @pytest.fixture()
-def shared(tiny_runner) -> Engine:
-    return Engine(tiny_runner, isolation=False, max_new_tokens_cap=8)
+def shared(make_engine) -> Engine:
+    return make_engine(isolation=False, max_new_tokens_cap=8)
 
 
 # ----------------------------------------------------------------- namespaces
@@ -209,7 +209,7 @@ def _others_view(engine: Engine, viewer: str, own: str) -> tuple:
             stats.num_nodes, stats.evicted_tokens, stats.requests, stats.prompt_tokens, stats.locked_tokens)
 
 
-def test_hidden_nodes_do_not_tell_which_prompt_another_visitor_sent(tiny_runner):
+def test_hidden_nodes_do_not_tell_which_prompt_another_visitor_sent(make_engine):
     """The attack: the three starter questions differ by a few tokens, and the size of the new
     hidden node named the one another visitor clicked in 6 of 6 trials. Now the other visitor's
     snapshot (and the cache figures shown to them) are identical whichever was sent."""
@@ -218,7 +218,7 @@ def test_hidden_nodes_do_not_tell_which_prompt_another_visitor_sent(tiny_runner)
 
     views, summaries = [], []
     for question in STARTER_QUESTIONS:
-        engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+        engine = make_engine(isolation=True, max_new_tokens_cap=8)
         chat(engine, "b", SYSTEM_PRESETS[DEFAULT_SYSTEM], "Where is my order?")  # the observer's own turn
         chat(engine, "a", SYSTEM_PRESETS[DEFAULT_SYSTEM], question)
         ns_b = visitor_namespace(session("b"), engine)
@@ -247,8 +247,8 @@ def _served(numbers_markdown: str) -> int:
 
 
 @pytest.mark.parametrize("isolation", [True, False], ids=["isolated", "shared"])
-def test_two_gradio_visitors(tiny_runner, isolation):
-    engine = Engine(tiny_runner, isolation=isolation, max_new_tokens_cap=8)
+def test_two_gradio_visitors(isolation, make_engine):
+    engine = make_engine(isolation=isolation, max_new_tokens_cap=8)
     with launched_app(engine) as url:
         a, b = visitor(url), visitor(url)
         assert a.session_hash != b.session_hash

@@ -13,7 +13,6 @@ import pytest
 
 from components.demo import launch_kwargs
 from components.panels.hardening import clean, sanitized
-from engine.engine import Engine
 from tests.helpers_app import assert_clean, fn_id, launched_app, raw_call, visitor, wait_idle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +24,8 @@ FILE_COMPONENTS = {"file", "files", "image", "audio", "video", "gallery", "model
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=4)
+def app_url(make_module_engine):
+    engine = make_module_engine(max_new_tokens_cap=4)
     with launched_app(engine) as url:
         yield url, engine
     wait_idle(engine)

@@ -18,7 +18,6 @@ import pytest
 
 import app
 from analysis.no_reuse import run_measured
-from engine.engine import Engine
 from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
 from server.remote.usage import BackendUsage, error_message, parse_choice, parse_usage
@@ -103,9 +102,9 @@ def test_error_bodies():
 
 # ------------------------------------------------------------------ against a second instance of this app
 @pytest.fixture(scope="module")
-def backend(tiny_runner):
+def backend(make_module_engine):
     """This app, served on loopback as the backend, with an API key."""
-    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    engine = make_module_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=16)
     from components.demo import launch_kwargs
 
     demo = app.build_app(engine)
@@ -138,10 +137,10 @@ def _tree(snapshot) -> list[tuple]:
     return sorted((n.depth_tokens, n.token_ids) for n in snapshot.nodes)
 
 
-def test_remote_mode_shows_what_local_mode_shows(backend, tiny_runner, tokenizer):
+def test_remote_mode_shows_what_local_mode_shows(backend, tokenizer, make_engine):
     _, url = backend
     remote = remote_for(url, tokenizer)
-    local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    local = make_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=16)
     for req in _requests():
         r, m = run_measured(remote, req), run_measured(local, req)  # the no-reuse figure as the page takes it
         assert (r.prompt_tokens, r.cached_tokens, r.output_text, r.output_ids) == \
@@ -285,7 +284,7 @@ def test_a_backend_without_cache_reporting_says_so(tokenizer):
         assert m.cached_tokens == min(48, m.prompt_tokens) and m.cached_tokens_reported
 
 
-def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, tiny_runner, tokenizer):
+def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, tokenizer, make_engine):
     from analysis.lab.ordering_runs import LabPrompt, Variant, run_lab_to_end
 
     _, url = backend
@@ -293,7 +292,7 @@ def test_the_ordering_lab_runs_on_a_remote_server_as_it_does_locally(backend, ti
     shared = "Reference: " + "the radix cache keeps every computed prefix. " * 4
     variants = [Variant("static first", tuple(LabPrompt(f"q{i}", prompt=shared + f"Question {i}?") for i in range(3))),
                 Variant("dynamic first", tuple(LabPrompt(f"q{i}", prompt=f"Question {i}? " + shared) for i in range(3)))]
-    local = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=16)
+    local = make_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=16)
     got = run_lab_to_end(remote, variants, measure_baseline=False)
     want = run_lab_to_end(local, variants, measure_baseline=False)
     assert [[q.cached_tokens for q in v.requests] for v in got] == [[q.cached_tokens for q in v.requests]
@@ -309,7 +308,7 @@ def test_app_flags_build_the_remote_engine_and_serve_only_metrics_and_health(bac
     remote = app.build_remote_engine(args, tokenizer=tokenizer)
     assert remote.model == "tiny-random-llama" and remote.base_url == url.rstrip("/")
     # the backend serves its own /v1; /metrics here adds what its KV events say (none from this backend),
-    # /health is the backend's health (tests/app/test_health.py)
+    # /health is the backend's health (tests/server/test_health.py)
     assert [r.path for r in app.app_kwargs(remote)["routes"]] == ["/metrics", "/health"]
     assert remote.events is None and remote.snapshot().origin == "shadow"
     assert remote.info().backend == remote.base_url
@@ -319,7 +318,7 @@ def test_app_flags_build_the_remote_engine_and_serve_only_metrics_and_health(bac
 
 def test_fleet_flag_needs_a_backend_and_takes_a_list(monkeypatch):
     """``--fleet URL,URL`` (env ``RADIX_FLEET``) names the replicas behind the router ``--backend``;
-    alone it is refused in one line (the real fleet is tests/remote/test_fleet.py's)."""
+    alone it is refused in one line (the real fleet is tests/server/remote/test_fleet.py's)."""
     with pytest.raises(SystemExit):
         app.parse_args(["--fleet", "http://127.0.0.1:1"])
     args = app.parse_args(["--backend", "http://127.0.0.1:9", "--fleet", " http://a:1, http://b:2 ,"])

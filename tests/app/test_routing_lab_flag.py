@@ -8,7 +8,7 @@ import json
 import pytest
 
 import app
-from tests.ui.test_routing_lab_report import REPORT
+from tests.components.test_routing_lab_report import REPORT
 
 
 def test_the_flag_needs_a_fleet(capsys):

@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 
-from engine.engine import Engine
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 from engine.types import PUBLIC, GenerationRequest, SamplingParams, TreeSnapshot
 from server.remote.engine import RemoteEngine
@@ -29,8 +28,8 @@ def shape(snap: TreeSnapshot) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_runner):
-    local = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+def engines(tiny_runner, make_module_engine):
+    local = make_module_engine(isolation=True, max_new_tokens_cap=4, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
     public = len(local.encode(SHARED)) - 1
     for ns, prompt in RUNS:
         local.run(GenerationRequest(prompt=prompt, namespace=ns, sampling=SamplingParams(max_new_tokens=3),
@@ -40,7 +39,6 @@ def engines(tiny_runner):
     remote.tree = local.cache.tree  # the same tree behind both (read only here)
     yield local, remote
     remote.close()
-    local.close()
 
 
 @pytest.mark.parametrize("viewer", ["v-a", "v-b", "v-c", "v-nobody"])

@@ -11,11 +11,8 @@ import torch
 from engine.engine import Engine
 from engine.types import CacheKey, GenerationRequest, SamplingParams
 from tests.conftest import fast_paths
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
-
-
-def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def req(ids, n=8, **kw) -> GenerationRequest:
@@ -102,18 +99,18 @@ def test_chunked_prefill_logits_exact(tiny_runner):
 
 
 @pytest.fixture(scope="module")
-def lone(tiny_runner):
+def lone(make_module_engine):
     """Answers of requests run one at a time with no cache."""
-    engine = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    engine = make_module_engine(enable_cache=False, max_batch=1)
     return lambda r: engine.run(r).output_ids
 
 
-def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
+def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(10, 30, vocab)
     requests = [req(shared + rand_ids(20 + i, 3 + 4 * i, vocab), n=4 + 3 * i) for i in range(6)]
     requests.append(req(rand_ids(99, 17, vocab), n=12))
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token, chunk_tokens=16)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token, chunk_tokens=16)
     metrics = together(engine, requests)
     for r, m in zip(requests, metrics, strict=True):
         assert m.output_ids == lone(r)
@@ -124,9 +121,9 @@ def test_batched_greedy_answers_equal_lone_runs(tiny_runner, lone):
     assert engine.cache.running_tokens == 0
 
 
-def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):
+def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     first = [req(rand_ids(30 + i, 12, vocab), n=40) for i in range(2)]
     handles = [engine.submit(r) for r in first]
     streams = [iter(h) for h in handles]
@@ -141,19 +138,19 @@ def test_requests_joining_mid_decode_stay_exact(tiny_runner, lone):
 
 
 @pytest.mark.parametrize("guard", [dict(), dict(no_repeat_ngram_size=2, repetition_penalty=1.2)])
-def test_seeded_sampling_same_alone_or_batched(tiny_runner, lone, guard):
+def test_seeded_sampling_same_alone_or_batched(tiny_runner, lone, guard, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=s, **guard) for s in range(4)]
     requests = [req(rand_ids(50 + i, 10 + i, vocab), sampling=p) for i, p in enumerate(params)]
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     metrics = together(engine, requests)
     for r, m in zip(requests, metrics, strict=True):
         assert m.output_ids == lone(r)
 
 
-def test_cached_prefixes_differ_per_row(tiny_runner, lone):
+def test_cached_prefixes_differ_per_row(tiny_runner, lone, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     a, b = rand_ids(60, 40, vocab), rand_ids(61, 15, vocab)
     engine.run(req(a, 1))
     engine.run(req(b, 1))
@@ -166,9 +163,9 @@ def test_cached_prefixes_differ_per_row(tiny_runner, lone):
     engine.check_invariants()
 
 
-def test_public_prefill_api_unchanged(tiny_runner):
+def test_public_prefill_api_unchanged(tiny_runner, make_engine):
     """``Engine.prefill`` (the bench uses it) still prefills one request synchronously."""
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     ids = rand_ids(70, 20, len(tiny_runner.text.tokenizer))
     kv = tiny_runner.new_request_kv(len(ids))
     res = engine.prefill(CacheKey(tuple(ids)), kv)
@@ -177,7 +174,7 @@ def test_public_prefill_api_unchanged(tiny_runner):
 
 
 @pytest.mark.slow
-def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
+def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner, make_engine):
     """The embedded model in fp32: 8 chats sharing a system prompt, run together, give the
     same greedy answers as each run alone with no cache."""
     system = {"role": "system", "content": "You are a friendly assistant for an outdoor gear shop. Answer briefly."}
@@ -186,9 +183,9 @@ def test_eight_concurrent_chats_equal_lone_runs_real_model(real_runner):
                  "How long does delivery take?", "What should I pack for a rainy hike?"]
     requests = [GenerationRequest(messages=(system, {"role": "user", "content": q}),
                                   sampling=SamplingParams(max_new_tokens=12)) for q in questions]
-    engine = Engine(real_runner, max_batch=8)
+    engine = make_engine(real_runner, max_batch=8)
     metrics = together(engine, requests)
-    alone = Engine(real_runner, enable_cache=False, max_batch=1)
+    alone = make_engine(real_runner, enable_cache=False, max_batch=1)
     for r, m in zip(requests, metrics, strict=True):
         assert m.output_ids == alone.run(r).output_ids, m.output_text
     assert max(m.batch_size_max for m in metrics) >= 6
@@ -211,7 +208,7 @@ def test_incremental_detokenizing_matches_whole_decode(tiny_runner):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
-def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
+def test_batched_answers_equal_lone_runs_for_family(tokenizer, family, make_engine):
     from engine.model.loader import LoadedModel
     from engine.model.runner import ModelRunner
     from tests.engine.test_model_families import tiny
@@ -221,14 +218,14 @@ def test_batched_answers_equal_lone_runs_for_family(tokenizer, family):
     vocab = len(tokenizer)
     shared = rand_ids(200, 20, vocab)
     requests = [req(shared + rand_ids(201 + i, 3 + 5 * i, vocab), n=5 + i) for i in range(4)]
-    metrics = together(Engine(runner, chunk_tokens=12), requests)
-    alone = Engine(runner, enable_cache=False, max_batch=1)
+    metrics = together(make_engine(runner, chunk_tokens=12), requests)
+    alone = make_engine(runner, enable_cache=False, max_batch=1)
     for r, m in zip(requests, metrics, strict=True):
         assert m.output_ids == alone.run(r).output_ids
     assert max(m.batch_size_max for m in metrics) >= 3
 
 
-def test_out_of_memory_fails_only_the_request_that_needs_it(tiny_runner, lone, monkeypatch):
+def test_out_of_memory_fails_only_the_request_that_needs_it(tiny_runner, lone, monkeypatch, make_engine):
     """Issue 28: an out-of-memory error in a packed forward used to fail every row of it. Now the
     rows run again one by one; only a request that runs out of memory alone fails (a clear
     ``EngineFault``), the others' answers equal lone runs, and the cache stays consistent."""
@@ -251,7 +248,7 @@ def test_out_of_memory_fails_only_the_request_that_needs_it(tiny_runner, lone, m
     short = [req(rand_ids(40 + i, 12 + i, vocab), n=6) for i in range(3)]
     long = req(rand_ids(50, 120, vocab), n=6)
     expected = [lone(r) for r in short]
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     fault = OutOfMemoryOverLongContexts(limit=60)
     monkeypatch.setattr(tiny_runner, "attention", fault)
     fast_paths(tiny_runner, monkeypatch)  # the backends serve the fast paths

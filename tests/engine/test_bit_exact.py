@@ -225,7 +225,7 @@ def test_kv_moved_to_other_slots_gives_the_same_bits(runner):
     assert torch.equal(a[0], alone(runner, seq + [42])[0][-1])
 
 
-def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path):
+def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path, make_engine):
     """A document's KV evicted to disk and loaded back (the second tier) answers the next question
     with the same logprobs, bit for bit, as when it was computed, and as with no cache at all."""
     from engine.engine import Engine
@@ -240,23 +240,19 @@ def test_kv_loaded_from_the_second_tier_serves_the_same_bits(runner, tmp_path):
         events = list(engine.generate(GenerationRequest(prompt_ids=tuple(ids), sampling=sampling, logprobs=5)))
         return events[-1].metrics
 
-    engine = Engine(runner, budget_bytes=300 * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
-                    tier_dir=str(tmp_path))
-    plain = Engine(runner, enable_cache=False)
-    try:
-        doc = torch.randint(10, vocab, (3 * C + 10,), generator=gen).tolist()
-        question = doc + torch.randint(10, vocab, (5,), generator=gen).tolist()
-        first = ask(engine, question)
-        for _ in range(3):  # other prompts push the document out of the pool, to the tier
-            ask(engine, torch.randint(10, vocab, (200,), generator=gen).tolist())
-        again = ask(engine, question)
-        assert again.tier_tokens > 0 and again.cached_tokens >= 3 * C
-        nothing = ask(plain, question)
-        assert again.output_ids == first.output_ids == nothing.output_ids
-        assert again.output_logprobs == first.output_logprobs == nothing.output_logprobs
-    finally:
-        engine.close()
-        plain.close()
+    engine = make_engine(runner, budget_bytes=300 * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
+                         tier_dir=str(tmp_path))
+    plain = make_engine(runner, enable_cache=False)
+    doc = torch.randint(10, vocab, (3 * C + 10,), generator=gen).tolist()
+    question = doc + torch.randint(10, vocab, (5,), generator=gen).tolist()
+    first = ask(engine, question)
+    for _ in range(3):  # other prompts push the document out of the pool, to the tier
+        ask(engine, torch.randint(10, vocab, (200,), generator=gen).tolist())
+    again = ask(engine, question)
+    assert again.tier_tokens > 0 and again.cached_tokens >= 3 * C
+    nothing = ask(plain, question)
+    assert again.output_ids == first.output_ids == nothing.output_ids
+    assert again.output_logprobs == first.output_logprobs == nothing.output_logprobs
 
 
 @pytest.mark.slow

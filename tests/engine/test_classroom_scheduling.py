@@ -43,8 +43,8 @@ def _running_of(engine: Engine, owner: str) -> int:
     return sum(owner_of(r.namespace) == owner for r in list(engine.scheduler.running))
 
 
-def test_eight_tabs_behind_one_address_run_in_the_same_batches(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8, chunk_tokens=256)
+def test_eight_tabs_behind_one_address_run_in_the_same_batches(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=8, chunk_tokens=256)
     gate = StepGate(engine)
     try:
         # The eight arrive together: the worker, woken by the first, waits for the runner's lock
@@ -62,12 +62,12 @@ def test_eight_tabs_behind_one_address_run_in_the_same_batches(tiny_runner):
     assert_clean(engine)
 
 
-def test_a_second_address_goes_ahead_of_a_classroom(tiny_runner):
+def test_a_second_address_goes_ahead_of_a_classroom(make_engine):
     """Eight tabs of one address are prefilling long prompts; a visitor from another address
     arrives: admitted at once (rows are free) and prefilled ahead of the class's remaining chunks
     but for the oldest prompt's share, so its first token comes within
     ``2 + ceil(question / (chunk - oldest share))`` steps of its arrival, before any tab's."""
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8, chunk_tokens=64)
+    engine = make_engine(isolation=True, max_new_tokens_cap=8, chunk_tokens=64)
     config = engine.scheduler.config
     question = _ids(9000, 40)
     bound = 2 + math.ceil(len(question) / (config.chunk_tokens - config.oldest_prefill_tokens))
@@ -91,8 +91,8 @@ def test_a_second_address_goes_ahead_of_a_classroom(tiny_runner):
     assert_clean(engine)
 
 
-def test_one_address_leaves_rows_for_whoever_arrives(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8, max_batch=4, chunk_tokens=64)
+def test_one_address_leaves_rows_for_whoever_arrives(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=8, max_batch=4, chunk_tokens=64)
     cap = owner_row_cap(engine.scheduler.config)
     assert cap == 3
     gate = StepGate(engine)
@@ -114,8 +114,8 @@ def test_one_address_leaves_rows_for_whoever_arrives(tiny_runner):
     assert_clean(engine)
 
 
-def test_many_addresses_with_one_tab_each_are_admitted_together(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8, chunk_tokens=256)
+def test_many_addresses_with_one_tab_each_are_admitted_together(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=8, chunk_tokens=256)
     gate = StepGate(engine)
     try:
         handles = [_ask(engine, _ids(1000 + 100 * i, 24), f"v-addr{i}/s-0") for i in range(8)]
@@ -128,8 +128,8 @@ def test_many_addresses_with_one_tab_each_are_admitted_together(tiny_runner):
     assert_clean(engine)
 
 
-def test_one_address_holds_at_most_half_the_inbox(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=8)
+def test_one_address_holds_at_most_half_the_inbox(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=4, max_queue=8)
     assert engine.max_waiting_per_owner == 4
     gate = StepGate(engine)
     handles = []
@@ -152,8 +152,8 @@ def test_one_address_holds_at_most_half_the_inbox(tiny_runner):
     assert_clean(engine)
 
 
-def test_without_isolation_nothing_is_counted_per_address(tiny_runner):
-    engine = Engine(tiny_runner, isolation=False, max_new_tokens_cap=4, max_queue=8)
+def test_without_isolation_nothing_is_counted_per_address(make_engine):
+    engine = make_engine(isolation=False, max_new_tokens_cap=4, max_queue=8)
     gate = StepGate(engine)
     try:
         handles = [_ask(engine, _ids(1000 + 50 * i, 20), "v-a/s-0") for i in range(8)]

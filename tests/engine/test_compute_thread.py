@@ -6,7 +6,6 @@ import threading
 
 import pytest
 
-from engine.engine import Engine
 from engine.model.compute_thread import ComputeThread, in_fresh_thread
 from engine.types import GenerationRequest, SamplingParams
 
@@ -51,7 +50,7 @@ def test_in_fresh_thread_returns_and_raises():
         in_fresh_thread(dict().__getitem__, "missing")
 
 
-def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkeypatch):
+def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkeypatch, make_engine):
     seen: set[str] = set()
     original = type(tiny_runner).forward_paged.__wrapped__  # the method under the thread hop
 
@@ -62,7 +61,7 @@ def test_forwards_and_engine_steps_run_on_the_compute_thread(tiny_runner, monkey
     # On the instance: an earlier test's monkeypatch may have left a bound method there.
     monkeypatch.setattr(tiny_runner, "forward_paged",
                         lambda pool, segments: tiny_runner.compute.call(spy, tiny_runner, pool, segments))
-    engine = Engine(tiny_runner, max_batch=4)
+    engine = make_engine(max_batch=4)
     req = GenerationRequest(prompt="hello there", sampling=SamplingParams(max_new_tokens=4))
     handles = [engine.submit(req) for _ in range(3)]
     for h in handles:
@@ -152,13 +151,12 @@ def test_turn_lock_counts_its_waiters_and_works_as_a_lock():
     assert not lock.locked()
 
 
-def test_two_engines_on_one_runner_take_turns_step_by_step(tiny_runner):
+def test_two_engines_on_one_runner_take_turns_step_by_step(tiny_runner, make_engine):
     """A worker pauses between its steps only when another waits for the runner's lock, and then
     the other gets its turn: two engines on one runner both make progress while both have work."""
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
-    a = Engine(tiny_runner, budget_bytes=200 * tiny_runner.kv_bytes_per_token)
+    a = make_engine(budget_bytes=200 * tiny_runner.kv_bytes_per_token)
     b = a.spawn(200 * tiny_runner.kv_bytes_per_token)
     try:
         import threading

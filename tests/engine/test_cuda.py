@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine
 from engine.kvcache.kv_pool import KVPool
 from engine.model.paged_attention import PagedSegment
 from engine.types import GenerationRequest, SamplingParams
+from tests.engines import rand_ids
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
 
@@ -30,10 +30,6 @@ def cuda_runner(tokenizer):
     return ModelRunner(LoadedModel(model, tokenizer, "tiny-cuda", torch.device("cuda"), torch.bfloat16))
 
 
-def rand_ids(seed: int, n: int) -> list[int]:
-    return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_pool_forward_matches_no_cache_on_cuda(cuda_runner):
     r = cuda_runner
     pool = KVPool(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, 500 * r.kv_bytes_per_token)
@@ -48,9 +44,9 @@ def test_pool_forward_matches_no_cache_on_cuda(cuda_runner):
         assert torch.allclose(row, ref, atol=5e-2), (row - ref).abs().max()
 
 
-def test_engine_answers_equal_no_cache_on_cuda(cuda_runner):
+def test_engine_answers_equal_no_cache_on_cuda(cuda_runner, make_engine):
     shared = rand_ids(9, 48)
-    engine, plain = Engine(cuda_runner, budget_bytes=64 * 2**20), Engine(cuda_runner, enable_cache=False)
+    engine, plain = make_engine(cuda_runner, budget_bytes=64 * 2**20), make_engine(cuda_runner, enable_cache=False)
     for i in range(3):
         req = GenerationRequest(prompt_ids=tuple(shared + rand_ids(10 + i, 6)),
                                 sampling=SamplingParams(max_new_tokens=8))

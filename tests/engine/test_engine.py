@@ -5,10 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
+from tests.engines import rand_ids
 
 
 def shape(engine):
@@ -20,17 +19,13 @@ def req(ids, n=6, **kw):
     return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n), **kw)
 
 
-def rand_ids(seed, n, vocab):
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture
-def engine(tiny_runner):
-    return Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+def engine(tiny_runner, make_engine):
+    return make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
 
 
-def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine):
-    off = Engine(tiny_runner, enable_cache=False)
+def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine, make_engine):
+    off = make_engine(enable_cache=False)
     vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 50, vocab)
     prompts = [shared + rand_ids(i, 10, vocab) for i in range(2, 6)] + [shared]
@@ -44,8 +39,8 @@ def test_greedy_outputs_identical_with_and_without_cache(tiny_runner, engine):
 
 @pytest.mark.parametrize("guard", [dict(no_repeat_ngram_size=3), dict(repetition_penalty=1.3),
                                    dict(no_repeat_ngram_size=2, repetition_penalty=1.2, temperature=0.7, seed=5)])
-def test_loop_guards_keep_outputs_identical_with_and_without_cache(tiny_runner, engine, guard):
-    off = Engine(tiny_runner, enable_cache=False)
+def test_loop_guards_keep_outputs_identical_with_and_without_cache(tiny_runner, engine, guard, make_engine):
+    off = make_engine(enable_cache=False)
     vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(7, 40, vocab)
     for i in range(3):
@@ -70,9 +65,9 @@ def test_cached_tokens_equal_longest_common_prefix(tiny_runner, engine):
     assert m3.cached_tokens == len(a) + len(m1.output_ids) - 1  # last sampled token was never fed
 
 
-def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner):
+def test_budget_never_exceeded_and_small_budget_still_serves(tiny_runner, make_engine):
     bpt = tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=25 * bpt)  # a little more than one request
+    engine = make_engine(budget_bytes=25 * bpt)  # a little more than one request
     vocab = len(tiny_runner.text.tokenizer)
     for i in range(8):
         m = engine.run(req(rand_ids(i, 20, vocab), 3))
@@ -118,7 +113,7 @@ def test_prompt_longer_than_context_rejected(engine, tiny_runner):
     assert shape(engine) == before
 
 
-def test_concurrent_requests_keep_cache_consistent(engine, tiny_runner):
+def test_concurrent_requests_keep_cache_consistent(engine, tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     shared = rand_ids(1, 30, vocab)
     errors, results = [], {}
@@ -140,7 +135,7 @@ def test_concurrent_requests_keep_cache_consistent(engine, tiny_runner):
     assert not errors
     engine.check_invariants()
     assert engine.cache.locked_tokens() == 0
-    off = Engine(tiny_runner, enable_cache=False)
+    off = make_engine(enable_cache=False)
     for i, out in results.items():
         assert off.run(req(shared + rand_ids(100 + i, 8, vocab), 4)).output_ids == out
 
@@ -176,50 +171,44 @@ def test_set_budget_and_clear(engine, tiny_runner):
     engine.check_invariants()
 
 
-def test_ignore_eos_generates_to_the_limit_and_changes_nothing_else(tiny_runner, monkeypatch):
+def test_ignore_eos_generates_to_the_limit_and_changes_nothing_else(tiny_runner, monkeypatch, make_engine):
     """``ignore_eos`` (vLLM's): the answer runs past the end-of-sequence token to
     max_new_tokens; without it the same token ends the answer. The tokens before it agree."""
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
-    try:
-        prompt = rand_ids(31, 20, len(tiny_runner.text.tokenizer))
-        free = engine.run(req(prompt, 8))
-        third = free.output_ids[2]  # make the model's third token an end-of-sequence token
-        monkeypatch.setattr(tiny_runner.text, "eos_ids", {third})
-        stopped = engine.run(req(prompt, 8))
-        first = free.output_ids.index(third)
-        assert stopped.output_ids == free.output_ids[:first] and stopped.finish_reason == "stop"
-        going = engine.run(GenerationRequest(prompt_ids=tuple(prompt),
-                                             sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)))
-        assert going.output_ids == free.output_ids and len(going.output_ids) == 8 and going.finish_reason == "length"
-        engine.check_invariants()
-        with pytest.raises(EngineError, match="Ignore EOS"):
-            engine.run(GenerationRequest(prompt_ids=tuple(prompt), sampling=SamplingParams(ignore_eos="yes")))
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    prompt = rand_ids(31, 20, len(tiny_runner.text.tokenizer))
+    free = engine.run(req(prompt, 8))
+    third = free.output_ids[2]  # make the model's third token an end-of-sequence token
+    monkeypatch.setattr(tiny_runner.text, "eos_ids", {third})
+    stopped = engine.run(req(prompt, 8))
+    first = free.output_ids.index(third)
+    assert stopped.output_ids == free.output_ids[:first] and stopped.finish_reason == "stop"
+    going = engine.run(GenerationRequest(prompt_ids=tuple(prompt),
+                                         sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    assert going.output_ids == free.output_ids and len(going.output_ids) == 8 and going.finish_reason == "length"
+    engine.check_invariants()
+    with pytest.raises(EngineError, match="Ignore EOS"):
+        engine.run(GenerationRequest(prompt_ids=tuple(prompt), sampling=SamplingParams(ignore_eos="yes")))
 
 
-def test_a_run_of_steps_streams_each_token_and_yields_to_other_calls(tiny_runner):
+def test_a_run_of_steps_streams_each_token_and_yields_to_other_calls(tiny_runner, make_engine):
     """The worker hands the compute thread runs of steps (``Engine._steps``): tokens still
     stream as each step makes them, and a call queued for the compute thread meanwhile (a
     budget change, a snapshot) runs before the answer ends, not after it."""
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
-    try:
-        prompt = rand_ids(41, 20, len(tiny_runner.text.tokenizer))
-        long = GenerationRequest(prompt_ids=tuple(prompt),
-                                 sampling=SamplingParams(max_new_tokens=300, ignore_eos=True))
-        handle = engine.submit(long)
-        tokens = 0
-        for event in handle:
-            if event.token_id is not None:
-                tokens += 1
-                if tokens == 3:
-                    assert not event.done  # the third token came before the answer ended
-                    engine.set_budget(1000 * tiny_runner.kv_bytes_per_token)  # served mid-answer
-                    engine.snapshot()
-                    assert engine.stats().running == 1
-            if event.done:
-                break
-        assert tokens == 300 and event.metrics.output_tokens == 300
-        engine.check_invariants()
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    prompt = rand_ids(41, 20, len(tiny_runner.text.tokenizer))
+    long = GenerationRequest(prompt_ids=tuple(prompt),
+                             sampling=SamplingParams(max_new_tokens=300, ignore_eos=True))
+    handle = engine.submit(long)
+    tokens = 0
+    for event in handle:
+        if event.token_id is not None:
+            tokens += 1
+            if tokens == 3:
+                assert not event.done  # the third token came before the answer ended
+                engine.set_budget(1000 * tiny_runner.kv_bytes_per_token)  # served mid-answer
+                engine.snapshot()
+                assert engine.stats().running == 1
+        if event.done:
+            break
+    assert tokens == 300 and event.metrics.output_tokens == 300
+    engine.check_invariants()

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from engine.api import LOCAL, REMOTE, EngineAPI
-from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
 
@@ -21,10 +20,9 @@ MEMBERS = [n for n in dir(EngineAPI) if not n.startswith("_")] + [
 
 
 @pytest.fixture(scope="module")
-def local(tiny_runner):
-    eng = Engine(tiny_runner, max_new_tokens_cap=8)
+def local(make_module_engine):
+    eng = make_module_engine(max_new_tokens_cap=8)
     yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +63,7 @@ def test_change_counter_moves_with_the_cache_not_with_reads(local):
     assert local.version() != after
 
 
-def test_the_engine_keeps_no_analysis_state_and_spawns(local, tiny_runner):
+def test_the_engine_keeps_no_analysis_state_and_spawns(local, tiny_runner, make_engine):
     """The analysis keeps its per-engine objects itself (``analysis.per_engine``), not the engine."""
     from analysis.per_engine import per_engine
 
@@ -73,14 +71,11 @@ def test_the_engine_keeps_no_analysis_state_and_spawns(local, tiny_runner):
     first = per_engine(local, "t", lambda: made.append(1) or object())
     assert per_engine(local, "t", lambda: made.append(1) or object()) is first and made == [1]
     assert not hasattr(local, "attachment") and not hasattr(local, "prefill_timer")
-    other = Engine(tiny_runner)
-    try:
-        assert per_engine(other, "t", object) is not first
-        child = local.spawn(64 * tiny_runner.kv_bytes_per_token)
-        assert isinstance(child, EngineAPI) and child.stats().budget_bytes == 64 * tiny_runner.kv_bytes_per_token
-        child.close()
-    finally:
-        other.close()
+    other = make_engine()
+    assert per_engine(other, "t", object) is not first
+    child = local.spawn(64 * tiny_runner.kv_bytes_per_token)
+    assert isinstance(child, EngineAPI) and child.stats().budget_bytes == 64 * tiny_runner.kv_bytes_per_token
+    child.close()
 
 
 def test_panels_ask_capabilities_not_the_class():

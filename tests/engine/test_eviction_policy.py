@@ -39,9 +39,8 @@ def test_the_registry_picks_a_policy_by_name_and_refuses_an_unknown_one():
         SimCache(100, policy="random")
 
 
-def test_the_flag_and_its_env_var_reach_the_engine(tiny_runner, monkeypatch):
+def test_the_flag_and_its_env_var_reach_the_engine(tiny_runner, monkeypatch, make_engine):
     import app
-    from engine.engine import Engine
 
     assert app.parse_args([]).eviction_policy == "lru"
     assert app.parse_args(["--eviction-policy", "lfu"]).eviction_policy == "lfu"
@@ -57,26 +56,19 @@ def test_the_flag_and_its_env_var_reach_the_engine(tiny_runner, monkeypatch):
     finally:
         engine.close()
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
-        Engine(tiny_runner, budget_bytes=64 * tiny_runner.kv_bytes_per_token, eviction_policy="nope")
+        make_engine(budget_bytes=64 * tiny_runner.kv_bytes_per_token, eviction_policy="nope")
 
 
-def test_the_ui_states_the_policy_it_reads_from_the_engine(tiny_runner):
+def test_the_ui_states_the_policy_it_reads_from_the_engine(tiny_runner, make_engine):
     from components.panels.info_panel import eviction_sentence
     from components.panels.memory_panel import budget_note
-    from engine.engine import Engine
 
     for name in ALL:
-        engine = Engine(tiny_runner, budget_bytes=64 * tiny_runner.kv_bytes_per_token, eviction_policy=name)
-        try:
-            said = make_policy(name).describe()
-            assert said in eviction_sentence(engine) and said in budget_note(engine)
-        finally:
-            engine.close()
-    off = Engine(tiny_runner, budget_bytes=64 * tiny_runner.kv_bytes_per_token, enable_cache=False)
-    try:
-        assert off.info().eviction == "" and eviction_sentence(off) == ""
-    finally:
-        off.close()
+        engine = make_engine(budget_bytes=64 * tiny_runner.kv_bytes_per_token, eviction_policy=name)
+        said = make_policy(name).describe()
+        assert said in eviction_sentence(engine) and said in budget_note(engine)
+    off = make_engine(budget_bytes=64 * tiny_runner.kv_bytes_per_token, enable_cache=False)
+    assert off.info().eviction == "" and eviction_sentence(off) == ""
 
 
 # ---------------------------------------------------------------- the one heap

@@ -15,6 +15,7 @@ from engine.kvcache.kv_pool import KVPool
 from engine.kvcache.prefix_cache import RadixCache
 from engine.model.paged_attention import PagedSegment
 from engine.types import CacheKey
+from tests.engines import rand_ids
 
 
 def make_cache(runner, budget_tokens=4096):
@@ -43,10 +44,6 @@ def run_cached(runner, cache, ids):
 def full_logits(runner, ids):
     kv = runner.new_request_kv(len(ids))
     return runner.forward(ids, kv)
-
-
-def rand_ids(gen, n, vocab):
-    return torch.randint(10, vocab, (n,), generator=gen).tolist()
 
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -121,18 +118,18 @@ def test_decode_through_buffer_matches_full_forward(runner):
     assert kv.length == 20
 
 
-def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, tiny_runner):
+def test_greedy_answers_with_and_without_reuse_agree_in_bf16(tiny_runner_bf16, tiny_runner, make_engine):
     """End to end in bf16 (pool, request KV, baseline): the engine's answers with a warm cache equal
     a cache-less engine's, the cache holds bf16 KV at half the bytes, and the baseline is measured."""
     from analysis.no_reuse import run_measured
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
     runner = tiny_runner_bf16
     gen = torch.Generator().manual_seed(11)
     vocab = len(runner.text.tokenizer)
     shared = rand_ids(gen, 48, vocab)
-    engine, plain = Engine(runner, budget_bytes=2000 * runner.kv_bytes_per_token), Engine(runner, enable_cache=False)
+    engine = make_engine(runner, budget_bytes=2000 * runner.kv_bytes_per_token)
+    plain = make_engine(runner, enable_cache=False)
     assert engine.info().dtype == "bfloat16" and runner.kv_bytes_per_token * 2 == tiny_runner.kv_bytes_per_token
     for i in range(3):
         req = GenerationRequest(prompt_ids=tuple(shared + rand_ids(gen, 6 + i, vocab)),

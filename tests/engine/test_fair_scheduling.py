@@ -6,7 +6,6 @@ from the step log, never in seconds: the test machine is shared)."""
 
 from __future__ import annotations
 
-from engine.engine import Engine
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 from tests.helpers_app import (
     StepGate,
@@ -23,13 +22,13 @@ def _ids(start: int, n: int) -> tuple[int, ...]:
     return tuple(range(start, start + n))
 
 
-def test_a_visitors_baseline_evicts_only_within_its_own_share(tiny_runner):
+def test_a_visitors_baseline_evicts_only_within_its_own_share(tiny_runner, make_engine):
     """B's no-reuse timing must never take room from shipped content or from A, who is within
     its share: it runs on a scratch pool of its own, outside the cache (``analysis.no_reuse``)."""
     from analysis.no_reuse import run_measured
 
     per_token = tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=600 * per_token, isolation=True, max_new_tokens_cap=4)
+    engine = make_engine(budget_bytes=600 * per_token, isolation=True, max_new_tokens_cap=4)
     capacity = engine.cache.pool.capacity
     shipped = CacheKey(_ids(1000, 200), PUBLIC, 200)
     engine.prefill(shipped, tiny_runner.new_request_kv(200))
@@ -49,7 +48,7 @@ def test_a_visitors_baseline_evicts_only_within_its_own_share(tiny_runner):
     assert_clean(engine)
 
 
-def _starvation_run(tiny_runner, share: float, seconds: float) -> tuple[float | None, int]:
+def _starvation_run(make_engine, tiny_runner, share: float, seconds: float) -> tuple[float | None, int]:
     """A 160-token prompt under steady arrivals of 40-token prompts (each needs two 32-token
     chunks, so a newcomer with none done is always ahead of the long one): seconds until the
     long prompt's first token (None: not within ``seconds``) and the arrivals meanwhile."""
@@ -57,8 +56,8 @@ def _starvation_run(tiny_runner, share: float, seconds: float) -> tuple[float | 
     import threading
     import time
 
-    engine = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, chunk_tokens=32,
-                    max_batch=64, max_queue=64, max_new_tokens_cap=4)
+    engine = make_engine(budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, chunk_tokens=32,
+                         max_batch=64, max_queue=64, max_new_tokens_cap=4)
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, oldest_prefill_share=share)
     long_ids = _ids(2000, 160)
     stop = threading.Event()
@@ -99,13 +98,13 @@ def _starvation_run(tiny_runner, share: float, seconds: float) -> tuple[float | 
     return (first if first is not None and first <= seconds else None), during
 
 
-def test_oldest_prompt_gets_a_minimum_prefill_share_under_steady_arrivals(tiny_runner):
-    first, arrivals = _starvation_run(tiny_runner, share=0.25, seconds=60.0)
+def test_oldest_prompt_gets_a_minimum_prefill_share_under_steady_arrivals(tiny_runner, make_engine):
+    first, arrivals = _starvation_run(make_engine, tiny_runner, share=0.25, seconds=60.0)
     assert first is not None, "the long prompt starved under steady arrivals"
     assert arrivals > 10  # the arrivals really were steady meanwhile
 
 
-def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_runner):
+def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(make_engine):
     """Visitor A sends two long prompts (measuring the no-reuse baseline, as the few-shot tab does);
     with nobody else waiting both run (the isolation rule is work-conserving). B asks a short
     question once A's prompts are two chunks into their prefill. B is admitted at once, and its
@@ -115,7 +114,7 @@ def test_two_long_prompts_of_one_visitor_do_not_delay_anothers_first_token(tiny_
     takes the budget, then its own chunks), and before A's prompts are done."""
     import math
 
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+    engine = make_engine(isolation=True, max_new_tokens_cap=8)
     config = engine.scheduler.config
     question = _ids(7000, 48)
     bound = 2 + math.ceil(len(question) / (config.chunk_tokens - config.oldest_prefill_tokens))

@@ -16,7 +16,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import tests.engine.test_bit_exact as bit_exact
-from engine.engine import Engine
 from engine.model import families, native_linear
 from engine.model.attention import native
 from engine.model.loader import LoadedModel
@@ -87,7 +86,7 @@ def test_kv_moved_to_other_slots_gives_the_same_bits(runner):
     bit_exact.test_kv_moved_to_other_slots_gives_the_same_bits(runner)
 
 
-def test_reuse_and_batching_give_the_logprobs_of_no_cache(runner):
+def test_reuse_and_batching_give_the_logprobs_of_no_cache(runner, make_engine):
     """Through the engine: three prompts behind a shared 40-token prefix (five windows long), run
     together with the cache on, give the answers and logprobs of each run alone with no cache."""
     gen = torch.Generator().manual_seed(6)
@@ -95,22 +94,18 @@ def test_reuse_and_batching_give_the_logprobs_of_no_cache(runner):
     shared = torch.randint(10, vocab, (5 * WINDOW,), generator=gen).tolist()
     prompts = [shared + torch.randint(10, vocab, (3 + i,), generator=gen).tolist() for i in range(3)]
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    cached = Engine(runner, budget_bytes=2000 * runner.kv_bytes_per_token)
-    plain = Engine(runner, enable_cache=False)
-    try:
-        cached.run(GenerationRequest(prompt_ids=tuple(prompts[0]), sampling=sampling))  # the prefix cached
-        with runner.lock:  # submitted while the model is busy: admitted in one step, batched
-            handles = [cached.submit(GenerationRequest(prompt_ids=tuple(p), sampling=sampling, logprobs=3))
-                       for p in prompts]
-        together = [list(h)[-1].metrics for h in handles]
-        for p, got in zip(prompts, together, strict=True):
-            alone = plain.run(GenerationRequest(prompt_ids=tuple(p), sampling=sampling, logprobs=3))
-            assert got.cached_tokens >= len(shared)
-            assert got.output_ids == alone.output_ids and got.output_logprobs == alone.output_logprobs
-        assert max(m.batch_size_max for m in together) >= 2
-    finally:
-        cached.close()
-        plain.close()
+    cached = make_engine(runner, budget_bytes=2000 * runner.kv_bytes_per_token)
+    plain = make_engine(runner, enable_cache=False)
+    cached.run(GenerationRequest(prompt_ids=tuple(prompts[0]), sampling=sampling))  # the prefix cached
+    with runner.lock:  # submitted while the model is busy: admitted in one step, batched
+        handles = [cached.submit(GenerationRequest(prompt_ids=tuple(p), sampling=sampling, logprobs=3))
+                   for p in prompts]
+    together = [list(h)[-1].metrics for h in handles]
+    for p, got in zip(prompts, together, strict=True):
+        alone = plain.run(GenerationRequest(prompt_ids=tuple(p), sampling=sampling, logprobs=3))
+        assert got.cached_tokens >= len(shared)
+        assert got.output_ids == alone.output_ids and got.output_logprobs == alone.output_logprobs
+    assert max(m.batch_size_max for m in together) >= 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)

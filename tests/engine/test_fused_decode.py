@@ -306,13 +306,12 @@ def test_real_model_fused_steps_match_unfused(real_model, real_runner):
         assert float(t[int(g.argmax())]) >= top - tol * max(1.0, abs(top))
 
 
-def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(tokenizer, runner, tmp_path,
-                                                                          monkeypatch):
+def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(tokenizer, runner, tmp_path, monkeypatch,
+                                                                           make_engine):
     """The second run, with another forward: KV a fused run wrote to the second tier differs in its last
     bits from what an unfused run computes, so the unfused run reads none of it (a folder of its own;
     the start removes the other configuration's, as it does for any tier it can never read); a
     third run, fused again, starts empty and consistent."""
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
     def req(ids):
@@ -320,7 +319,7 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
 
     doc = [10 + (i * 7919) % (len(tokenizer) - 10) for i in range(300)]
     kw = dict(budget_bytes=1000 * runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
-    first = Engine(runner, **kw)
+    first = make_engine(runner, **kw)
     first.run(req(doc))
     first.close()
     assert first.tier.num_chunks >= 1
@@ -328,18 +327,17 @@ def test_a_restart_without_fusion_never_reads_the_tier_the_fused_run_wrote(token
     unfused = make_tiny_runner(tokenizer, dtype=runner.dtype)
     try:
         assert unfused.stack.fused is None
-        second = Engine(unfused, **kw)
+        second = make_engine(unfused, **kw)
         assert second.tier.folder != first.tier.folder
         assert second.stats().tier_chunks == 0 and second.run(req(doc + [9])).tier_tokens == 0
         second.close()
         second.check_invariants()
     finally:
         unfused.close()
-    third = Engine(runner, **kw)
+    third = make_engine(runner, **kw)
     assert third.tier.folder == first.tier.folder
     assert third.run(req(doc + [9])).tier_tokens == 0
     third.check_invariants()
-    third.close()
 
 
 def test_wrong_shapes_are_refused_before_the_kernel_runs(tiny_runner):

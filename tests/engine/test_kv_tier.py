@@ -14,7 +14,7 @@ from engine.engine import Engine
 from engine.kvcache import kv_tier
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostStore
 from engine.types import CacheKey, GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 C = CHUNK_TOKENS
@@ -80,18 +80,18 @@ def test_host_store_is_the_same_lru(tmp_path):
 
 
 # ------------------------------------------------------------------- through the engine
-def tier_engine(runner, tmp_path, budget_tokens=300, **kw) -> Engine:
-    return Engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
-                  tier_dir=str(tmp_path), **kw)
+def tier_engine(make_engine, runner, tmp_path, budget_tokens=300, **kw) -> Engine:
+    return make_engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
+                       tier_dir=str(tmp_path), **kw)
 
 
 def req(ids, n=6, **kw) -> GenerationRequest:
     return GenerationRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=n), **kw)
 
 
-def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path):
+def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path)
     cache = engine.cache
     doc = rand_ids(1, 3 * C + 10, vocab)
     engine.prefill_in_pool(CacheKey(tuple(doc)))
@@ -106,41 +106,41 @@ def test_an_evicted_prefix_comes_back_from_the_tier_bit_identical(tiny_runner, t
     slots = cache.tree.match(CacheKey(tuple(doc))).values[: 3 * C]
     after = torch.stack([torch.stack([layer[:, slots] for layer in half]) for half in (cache.pool.k, cache.pool.v)])
     assert torch.equal(before, after)  # the KV came back bit for bit
-    plain = Engine(tiny_runner, enable_cache=False)
+    plain = make_engine(enable_cache=False)
     assert m.output_ids == plain.run(req(question, 8)).output_ids
     wait_idle(engine)
     assert_clean(engine)
     assert engine.stats().tier_loaded_tokens >= m.tier_tokens
 
 
-def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path):
+def test_a_restart_finds_the_cache_on_disk(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(3, 2 * C + 7, vocab)
-    first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    first = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 4))
     first.close()  # writes what the cache holds
-    second = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    second = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     assert second.stats().tier_chunks >= 2
     m = second.run(req(doc + [5, 6, 7], 4))
     assert m.cached_tokens == 2 * C and m.tier_tokens == 2 * C
-    assert m.output_ids == Engine(tiny_runner, enable_cache=False).run(req(doc + [5, 6, 7], 4)).output_ids
+    assert m.output_ids == make_engine(enable_cache=False).run(req(doc + [5, 6, 7], 4)).output_ids
     assert_clean(second)
 
 
-def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp_path):
+def test_another_dtype_never_reads_the_chunks(tiny_runner, tiny_runner_bf16, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     doc = rand_ids(4, 2 * C + 1, vocab)
-    first = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    first = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     first.run(req(doc, 2))
     first.close()
-    other = tier_engine(tiny_runner_bf16, tmp_path, budget_tokens=1000)
+    other = tier_engine(make_engine, tiny_runner_bf16, tmp_path, budget_tokens=1000)
     assert other.stats().tier_chunks == 0
     assert other.run(req(doc + [9], 2)).tier_tokens == 0
 
 
-def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
+def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000, isolation=True)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000, isolation=True)
     shipped = rand_ids(5, 2 * C, vocab)
     private = rand_ids(6, 3 * C, vocab)
     engine.run(req(shipped + private, 2, namespace="v-alice", public_len=len(shipped)))
@@ -151,9 +151,9 @@ def test_isolation_writes_shipped_content_only(tiny_runner, tmp_path):
     assert private_key not in engine.tier
 
 
-def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path):
+def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=400, max_batch=4)
     docs = [rand_ids(20 + i, 2 * C + 3, vocab) for i in range(4)]
     requests = [req(docs[i % 4] + rand_ids(40 + i, 4, vocab), 5) for i in range(16)]
     results: list = [None] * len(requests)
@@ -179,18 +179,18 @@ def test_concurrent_loads_and_evictions_stay_consistent_and_exact(tiny_runner, t
     burst()
     results = first + results
     assert not errors
-    plain = Engine(tiny_runner, enable_cache=False)
+    plain = make_engine(enable_cache=False)
     assert [m.output_ids for m in results] == [plain.run(r).output_ids for r in requests + requests]
     assert sum(m.tier_tokens for m in results) > 0 and engine.stats().tier_spilled_tokens > 0
     wait_idle(engine)
     assert_clean(engine)
 
 
-def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch):
+def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, monkeypatch, make_engine):
     """A request waiting for room retries its admission every step: the tier's files are read
     only once room is made, never by an attempt that fails."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=400)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=400)
     doc = rand_ids(8, 3 * C, vocab)
     engine.run(req(doc, 1))
     engine.offload_cache()
@@ -210,7 +210,7 @@ def test_an_admission_without_room_reads_no_chunk_file(tiny_runner, tmp_path, mo
     assert_clean(engine)
 
 
-def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, monkeypatch):
+def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, monkeypatch, make_engine):
     """A GPU's second tier is host memory, gone at exit: persisting writes nothing and says so
     (None), so the app does not print "written to the second tier for the next start"."""
     import engine.engine as engine_module
@@ -218,8 +218,8 @@ def test_a_host_memory_tier_promises_nothing_for_the_next_start(tiny_runner, mon
     geometry = kv_tier.ChunkGeometry(tiny_runner.num_layers, tiny_runner.num_kv_heads, tiny_runner.head_dim,
                                      tiny_runner.dtype)
     monkeypatch.setattr(engine_module, "make_tier", lambda *a, **k: kv_tier.HostStore(2**24, geometry))
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24)
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24)
     assert engine.capabilities.second_tier and engine.stats().tier_kind == "host memory"
     assert engine.persist_cache() is None
     engine.close()
-    assert Engine(tiny_runner, budget_bytes=2**20).persist_cache() is None  # no tier at all
+    assert make_engine(budget_bytes=2**20).persist_cache() is None  # no tier at all

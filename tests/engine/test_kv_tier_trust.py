@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import Engine
 from engine.kvcache import kv_tier
 from engine.kvcache.kv_tier import CHUNK_TOKENS, ChunkGeometry, DiskStore, HostStore
 from engine.kvcache.tier_folder import TierBusy
 from engine.types import CacheKey
 from tests.conftest import make_tiny_runner
-from tests.engine.test_batching_exact import rand_ids
 from tests.engine.test_kv_tier import chunk, geometry, req
+from tests.engines import rand_ids
 
 C = CHUNK_TOKENS
 LOGGER = "engine.kvcache.kv_tier"
@@ -258,31 +257,29 @@ def test_another_process_gets_tier_busy(tmp_path):
     store.close()
 
 
-def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tmp_path, caplog):
-    first = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
-        second = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+def test_an_engine_whose_tier_folder_is_held_runs_without_a_tier(tiny_runner, tmp_path, caplog, make_engine):
+    first = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
                         tier_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
+        second = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                             tier_dir=str(tmp_path))
     assert first.tier is not None and second.tier is None and not second.capabilities.second_tier
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.tier_setup"]
     assert len(lines) == 1 and "without a second tier" in lines[0] and str(tmp_path) in lines[0]
     second.close()
     first.close()
-    third = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))  # the first released the folder at close
+    third = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                        tier_dir=str(tmp_path))  # the first released the folder at close
     assert third.tier is not None
-    third.close()
 
 
-def test_an_engine_whose_tier_folder_cannot_be_made_runs_without_a_tier(tiny_runner, tmp_path, caplog):
+def test_an_engine_whose_tier_folder_cannot_be_made_runs_without_a_tier(tiny_runner, tmp_path, caplog, make_engine):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the tier's folder would go")
     with caplog.at_level(logging.WARNING, logger="engine.tier_setup"):
-        engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                        tier_dir=str(blocker))
+        engine = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                             tier_dir=str(blocker))
     assert engine.tier is None and "without a second tier" in caplog.text
-    engine.close()
 
 
 # ------------------------------------------------------------------- 5. a full disk
@@ -368,14 +365,14 @@ def test_the_fingerprint_names_the_attention_kernels(tokenizer):
     assert len({kv_tier.fingerprint(**base, attention=a) for a in ("", "cpu_sdpa", "cpu_native (AVX2)")}) == 3
 
 
-def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runner, tokenizer, tmp_path,
-                                                                       monkeypatch):
+def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runner, tokenizer, tmp_path, monkeypatch,
+                                                                       make_engine):
     """The second run with ``RADIX_ATTENTION_BACKEND`` set to another kernel: KV the first run's
     attention computed differs in its last bits from what this one computes, so none of it is read;
     a third run on the first backend starts empty and consistent (the second removed the folder)."""
     doc = rand_ids(12, 2 * C + 1, len(tokenizer))
     kw = dict(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24, tier_dir=str(tmp_path))
-    first = Engine(tiny_runner, **kw)
+    first = make_engine(**kw)
     first.run(req(doc, 2))
     first.close()
     assert first.tier.num_chunks >= 2
@@ -384,17 +381,16 @@ def test_a_restart_on_another_attention_backend_never_reads_the_old_kv(tiny_runn
     other = make_tiny_runner(tokenizer)
     try:
         assert other.attention.name == other_backend
-        second = Engine(other, **kw)
+        second = make_engine(other, **kw)
         assert second.tier.folder != first.tier.folder
         assert second.stats().tier_chunks == 0 and second.run(req(doc + [9], 2)).tier_tokens == 0
         second.close()
         second.check_invariants()
     finally:
         other.close()
-    third = Engine(tiny_runner, **kw)
+    third = make_engine(**kw)
     assert third.tier.folder == first.tier.folder and third.run(req(doc + [9], 2)).tier_tokens == 0
     third.check_invariants()
-    third.close()
 
 
 def test_the_weights_digest_of_files_is_memoized_while_the_file_is_unchanged(tmp_path, monkeypatch):
@@ -420,45 +416,44 @@ def test_the_weights_digest_of_files_is_memoized_while_the_file_is_unchanged(tmp
     assert retrained != first and retrained == kv_tier.weights_digest([weights])
 
 
-def test_a_retrained_checkpoint_of_the_same_name_never_reads_the_old_kv(tiny_runner, tokenizer, tmp_path):
+def test_a_retrained_checkpoint_of_the_same_name_never_reads_the_old_kv(tiny_runner, tokenizer, tmp_path, make_engine):
     retrained = make_tiny_runner(tokenizer, seed=1)  # same name, dtype, tokenizer and geometry; other weights
     assert retrained.name == tiny_runner.name
     assert kv_tier.weights_digest((), retrained.model) != kv_tier.weights_digest((), tiny_runner.model)
     vocab = len(tokenizer)
     doc = rand_ids(11, 2 * C + 1, vocab)
-    first = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
+    first = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                        tier_dir=str(tmp_path))
     first.run(req(doc, 2))
     first.close()
     assert first.tier.num_chunks >= 2
-    other = Engine(retrained, budget_bytes=1000 * retrained.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(tmp_path))
+    other = make_engine(retrained, budget_bytes=1000 * retrained.kv_bytes_per_token, tier_bytes=2**24,
+                        tier_dir=str(tmp_path))
     assert other.stats().tier_chunks == 0 and other.run(req(doc + [9], 2)).tier_tokens == 0
     other.close()
     retrained.close()
 
 
-def test_an_isolated_run_never_reads_what_a_shared_run_wrote(tiny_runner, tmp_path):
+def test_an_isolated_run_never_reads_what_a_shared_run_wrote(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     chat = rand_ids(12, 2 * C + 1, vocab)  # a visitor's chat, public in a run without isolation
-    shared = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
+    shared = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                         tier_dir=str(tmp_path))
     shared.run(req(chat, 2))
     shared.close()
-    isolated = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                      tier_dir=str(tmp_path), isolation=True)
+    isolated = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                           tier_dir=str(tmp_path), isolation=True)
     assert isolated.stats().tier_chunks == 0 and isolated.run(req(chat + [9], 2)).tier_tokens == 0
     assert shared.tier.folder.name.endswith("-shared") and isolated.tier.folder.name.endswith("-isolated")
     assert shared.tier.folder.name.removesuffix("-shared") == isolated.tier.folder.name.removesuffix("-isolated")
-    isolated.close()
 
 
-def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(tiny_runner, tmp_path):
+def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(tiny_runner, tmp_path, make_engine):
     """--disk-cache-mb bounds the disk: another configuration's folder (model, weights, dtype, mode)
     goes at the next start, unless an engine holds it now; other files beside them stay."""
     vocab = len(tiny_runner.text.tokenizer)
-    shared = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
+    shared = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                         tier_dir=str(tmp_path))
     shared.run(req(rand_ids(13, 2 * C + 1, vocab), 2))
     shared.close()
     legacy = tmp_path / "0123456789abcdef"  # a folder named by a fingerprint alone (before the mode was in it)
@@ -466,8 +461,8 @@ def test_a_start_removes_the_tiers_it_can_never_read_but_not_a_running_engines(t
     (legacy / "x.kv").write_bytes(b"old")
     (tmp_path / "notes").mkdir()  # not a tier's folder: never touched
     held = DiskStore(tmp_path / "fedcba9876543210-shared", 2**20, geometry())
-    isolated = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                      tier_dir=str(tmp_path), isolation=True)
+    isolated = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                           tier_dir=str(tmp_path), isolation=True)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert names == sorted([isolated.tier.folder.name, held.folder.name, "notes"])
     isolated.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.types import GenerationRequest, SamplingParams
@@ -24,11 +23,11 @@ def tiny(family: str, vocab: int):
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "gpt2"])
-def test_reuse_is_exact_for_family(tokenizer, family):
+def test_reuse_is_exact_for_family(tokenizer, family, make_engine):
     model = tiny(family, len(tokenizer)).eval()
     runner = ModelRunner(LoadedModel(model, tokenizer, f"tiny-{family}", torch.device("cpu"), torch.float32))
-    engine = Engine(runner, budget_bytes=1000 * runner.kv_bytes_per_token)
-    off = Engine(runner, enable_cache=False)
+    engine = make_engine(runner, budget_bytes=1000 * runner.kv_bytes_per_token)
+    off = make_engine(runner, enable_cache=False)
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(10, len(tokenizer), (30,), generator=gen).tolist()
     for i in range(3):

@@ -16,11 +16,8 @@ from analysis.no_reuse import no_reuse_for, run_measured, with_no_reuse
 from engine.api import REMOTE
 from engine.engine import Engine
 from engine.types import CacheKey, GenerationRequest, SamplingParams
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean
-
-
-def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def req(ids: list[int], max_new: int = 2, **kw) -> GenerationRequest:
@@ -37,10 +34,9 @@ def cache_state(engine: Engine) -> tuple:
 
 
 @pytest.fixture
-def engine(tiny_runner):
-    e = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+def engine(tiny_runner, make_engine):
+    e = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     yield e
-    e.close()
 
 
 def test_the_primitive_leaves_the_cache_unchanged(engine, tiny_runner):
@@ -57,7 +53,7 @@ def test_the_primitive_leaves_the_cache_unchanged(engine, tiny_runner):
     engine.check_invariants()
 
 
-def test_the_primitive_computes_what_serving_computes(engine, tiny_runner):
+def test_the_primitive_computes_what_serving_computes(engine, tiny_runner, make_engine):
     """Reuse never changes what the model computes: both sides' last logits equal, bit for bit
     (``torch.equal``), a cache-less engine's prefill of the prompt in the pool."""
     vocab = len(tiny_runner.text.tokenizer)
@@ -65,27 +61,24 @@ def test_the_primitive_computes_what_serving_computes(engine, tiny_runner):
     engine.run(req(shared))
     ids = shared + rand_ids(4, 11, vocab)
     key = engine.cache_key(ids, req(ids))
-    cold = Engine(tiny_runner, enable_cache=False)
-    try:
-        want = cold.prefill_in_pool(CacheKey(tuple(ids), key.namespace, 0)).logits.float()
-    finally:
-        cold.close()
+    cold = make_engine(enable_cache=False)
+    want = cold.prefill_in_pool(CacheKey(tuple(ids), key.namespace, 0)).logits.float()
     full = engine.scratch_prefill(key, 0, block_tokens=len(ids))
     reuse = engine.scratch_prefill(key, 50, block_tokens=len(ids))
     assert reuse.reused_tokens == 50
     assert torch.equal(full.last_logits, want) and torch.equal(reuse.last_logits, want)
 
 
-def test_no_reuse_is_measured_after_the_answer_and_skipped_when_long_and_isolated(tiny_runner):
+def test_no_reuse_is_measured_after_the_answer_and_skipped_when_long_and_isolated(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, chunk_tokens=16)
+    engine = make_engine(chunk_tokens=16)
     m = run_measured(engine, req(rand_ids(90, 40, vocab), 2, measure_baseline=True))
     assert m.baseline_prefill_ms is not None and m.baseline_prefill_ms > 0
     # The scheduler ran the answer only: its prompt once, no forward of the no-reuse side.
     assert sum(rec.computed_tokens for rec in engine.step_log() if rec.kind == "prefill") == 40
     assert {rec.kind for rec in engine.step_log()} <= {"prefill", "decode", "mixed"}
     assert no_reuse_for(engine).figures_of([m.request_id]) == {m.request_id: m.baseline_prefill_ms}
-    isolated = Engine(tiny_runner, isolation=True)
+    isolated = make_engine(isolation=True)
     no_reuse_for(isolated).max_tokens_isolated = 30
     assert run_measured(isolated, req(rand_ids(91, 40, vocab), 2, measure_baseline=True,
                                       namespace="v-x")).baseline_prefill_ms is None

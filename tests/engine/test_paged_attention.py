@@ -12,6 +12,7 @@ from engine.model.attention.cpu_sdpa import CpuSdpaBackend
 from engine.model.attention.math_chunked import MathChunkedBackend
 from engine.model.paged_attention import PagedPlan, PagedSegment
 from tests.conftest import fast_paths
+from tests.engines import rand_ids
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
@@ -19,10 +20,6 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 @pytest.fixture(params=["float32", "bfloat16"])
 def runner(request):
     return request.getfixturevalue("tiny_runner" if request.param == "float32" else "tiny_runner_bf16")
-
-
-def rand_ids(seed: int, n: int) -> list[int]:
-    return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def new_pool(runner, tokens: int = 2000) -> KVPool:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -32,8 +31,8 @@ def greedy(messages=None, prompt=None, n=12):
 
 
 @pytest.fixture(scope="module")
-def engines(real_runner):
-    return Engine(real_runner), Engine(real_runner, enable_cache=False)
+def engines(real_runner, make_module_engine):
+    return make_module_engine(real_runner), make_module_engine(real_runner, enable_cache=False)
 
 
 def fed(m):
@@ -82,12 +81,12 @@ def test_few_shot_identical_with_and_without_reuse(engines):
     assert on.recent(1)[0].cached_tokens >= 30
 
 
-def test_stream_larger_than_budget_stays_under_it(real_runner):
+def test_stream_larger_than_budget_stays_under_it(real_runner, make_engine):
     """Six prompts that together are far larger than the budget (each about 115 tokens, one
     request's prompt and answer fit): each evicts what came before, answers are unchanged."""
     budget = 130 * real_runner.kv_bytes_per_token
-    engine = Engine(real_runner, budget_bytes=budget)
-    off = Engine(real_runner, enable_cache=False)
+    engine = make_engine(real_runner, budget_bytes=budget)
+    off = make_engine(real_runner, enable_cache=False)
     for i in range(6):
         p = f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(25))
         m = engine.run(greedy(prompt=p, n=4))

@@ -7,15 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest, SamplingParams
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
-
-
-def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def req(ids, n=4, **kw) -> GenerationRequest:
@@ -36,9 +32,9 @@ def configure(engine: Engine, **changes) -> Engine:
     return engine
 
 
-def test_same_uncached_prefix_is_computed_once(tiny_runner):
+def test_same_uncached_prefix_is_computed_once(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     shared = rand_ids(1, 60, vocab)
     handles = submit_together(engine, [req(shared + rand_ids(10 + i, 5, vocab)) for i in range(4)])
     metrics = [list(h)[-1].metrics for h in handles]
@@ -47,31 +43,31 @@ def test_same_uncached_prefix_is_computed_once(tiny_runner):
     assert_clean(engine)
 
 
-def test_running_requests_count_against_the_budget(tiny_runner):
+def test_running_requests_count_against_the_budget(tiny_runner, make_engine):
     """Each running request reserves its buffer (prompt + new tokens): with room for two,
     no more than two run at once; the rest wait, nothing is lost, the cache stays in budget."""
     vocab = len(tiny_runner.text.tokenizer)
     bpt = tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=70 * bpt)  # each request needs 30 + 5
+    engine = make_engine(budget_bytes=70 * bpt)  # each request needs 30 + 5
     requests = [req(rand_ids(20 + i, 30, vocab), 5) for i in range(5)]
     handles = submit_together(engine, requests)
     metrics = [list(h)[-1].metrics for h in handles]
     assert all(m.output_tokens == 5 for m in metrics)
     assert max(rec.running for rec in engine.step_log()) <= 2
     assert all(m.cache_bytes <= 70 * bpt for m in metrics)
-    off = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    off = make_engine(enable_cache=False, max_batch=1)
     assert [m.output_ids for m in metrics] == [off.run(r).output_ids for r in requests]
     wait_idle(engine)
     assert_clean(engine)
     assert engine.cache.running_tokens == 0
 
 
-def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_runner):
+def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_runner, make_engine):
     """All KV lives in the pool, so a prompt that alone exceeds the budget cannot run: it is
     refused at submit with a message naming both sizes; new tokens that would not fit are
     cut to what does (the answer ends with ``length``)."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=10 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=10 * tiny_runner.kv_bytes_per_token)
     with pytest.raises(EngineError, match="MiB of KV .* cache budget"):
         engine.submit(req(rand_ids(30, 40, vocab), 3))
     handles = submit_together(engine, [req(rand_ids(31 + i, 6, vocab), 30) for i in range(3)])
@@ -81,9 +77,9 @@ def test_request_larger_than_budget_is_refused_clearly_and_changes_nothing(tiny_
     assert engine.cache.running_tokens == 0
 
 
-def test_longest_cached_prefix_first_then_ageing(tiny_runner):
+def test_longest_cached_prefix_first_then_ageing(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, max_batch=1, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(max_batch=1, budget_bytes=2000 * tiny_runner.kv_bytes_per_token)
     cached = rand_ids(40, 30, vocab)
     engine.run(req(cached, 1))
     before = len(engine.recent())
@@ -101,7 +97,7 @@ def test_longest_cached_prefix_first_then_ageing(tiny_runner):
     assert finish_order(engine)[-2:] == [handles[0].request_id, handles[1].request_id]
 
 
-def test_isolation_takes_turns_across_visitors_and_leaves_no_row_idle(tiny_runner):
+def test_isolation_takes_turns_across_visitors_and_leaves_no_row_idle(tiny_runner, make_engine):
     """Admission goes round-robin across visitors (fewest running first), and a visitor may hold
     more rows while nobody else waits for them, never more than ``owner_row_cap``."""
     from collections import Counter
@@ -109,7 +105,7 @@ def test_isolation_takes_turns_across_visitors_and_leaves_no_row_idle(tiny_runne
     from engine.scheduler.policy import owner_row_cap
 
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, isolation=True, max_batch=4)
+    engine = make_engine(isolation=True, max_batch=4)
     cap = owner_row_cap(engine.scheduler.config)
     a = [req(rand_ids(50 + i, 20, vocab), 6, namespace="v-a") for i in range(3)]
     b = [req(rand_ids(60, 20, vocab), 6, namespace="v-b"), req(rand_ids(61, 20, vocab), 6, namespace="v-b/lab")]
@@ -127,9 +123,9 @@ def test_isolation_takes_turns_across_visitors_and_leaves_no_row_idle(tiny_runne
     assert max(m.batch_size_max for m in metrics) == 4
 
 
-def test_cancel_one_request_in_a_batch(tiny_runner):
+def test_cancel_one_request_in_a_batch(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=2000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=200)
+    engine = make_engine(budget_bytes=2000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=200)
     shared = rand_ids(70, 30, vocab)
     engine.run(req(shared, 1))  # a cached prefix: the running requests lock it
     requests = [req(shared + rand_ids(71 + i, 4, vocab), 200 if i == 0 else 12) for i in range(3)]
@@ -142,16 +138,16 @@ def test_cancel_one_request_in_a_batch(tiny_runner):
     rest = list(stream)
     assert rest[-1].metrics.finish_reason == "cancelled" and rest[-1].metrics.output_tokens < 200
     others = [list(h)[-1].metrics for h in handles[1:]]
-    off = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    off = make_engine(enable_cache=False, max_batch=1)
     assert [m.output_ids for m in others] == [off.run(r).output_ids for r in requests[1:]]
     wait_idle(engine)
     assert_clean(engine)
     assert engine.cache.running_tokens == 0
 
 
-def test_progress_events_and_chunked_prefill(tiny_runner):
+def test_progress_events_and_chunked_prefill(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, chunk_tokens=10, max_batch=1)
+    engine = make_engine(chunk_tokens=10, max_batch=1)
     handles = submit_together(engine, [req(rand_ids(80, 12, vocab), 3), req(rand_ids(81, 35, vocab), 3)])
     events = [list(h) for h in handles]
     second = events[1]
@@ -164,9 +160,9 @@ def test_progress_events_and_chunked_prefill(tiny_runner):
     assert kinds == {"prefill", "decode"}
 
 
-def test_stats_and_step_log(tiny_runner):
+def test_stats_and_step_log(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, max_batch=4)
+    engine = make_engine(max_batch=4)
     handles = submit_together(engine, [req(rand_ids(100 + i, 8, vocab), 6) for i in range(4)])
     for h in handles:
         list(h)
@@ -180,11 +176,11 @@ def test_stats_and_step_log(tiny_runner):
     assert len(engine.step_log(3)) == 3
 
 
-def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
+def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner, make_engine):
     """Running requests reserve only what they add (prompt beyond the cached prefix, plus the
     reply); the shared prefix sits once in the cache, locked while they run."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=130 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=130 * tiny_runner.kv_bytes_per_token)
     shared = rand_ids(110, 60, vocab)
     engine.run(req(shared, 1))
     handles = submit_together(engine, [req(shared + rand_ids(111 + i, 5, vocab), 6) for i in range(4)])
@@ -202,7 +198,7 @@ def test_shared_prefix_is_counted_once_so_more_requests_fit(tiny_runner):
     assert engine.cache.running_tokens == 0
 
 
-def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
+def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner, make_engine):
     """Issue 14's starvation case, in steps: visitor A sends two long prompts, B a short
     question. B's prefill runs before either of A's prompts has finished its chunks (A's second
     runs beside A's first, since nobody else waited for its row), and A's no-reuse figure is
@@ -210,7 +206,7 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     from analysis.no_reuse import no_reuse_for, with_no_reuse
 
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+    engine = make_engine(isolation=True, chunk_tokens=8)
     no_reuse_for(engine).max_tokens_isolated = 100
     a = [req(rand_ids(120 + i, 400, vocab), 3, namespace="v-a", measure_baseline=True) for i in range(2)]
     with tiny_runner.lock:
@@ -230,12 +226,12 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner):
     assert b_first < a_second[-1]
 
 
-def test_close_finishes_submitted_work_then_stops(tiny_runner):
+def test_close_finishes_submitted_work_then_stops(tiny_runner, make_engine):
     import pytest
 
     from engine.types import EngineError
 
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     handle = engine.submit(req(rand_ids(140, 10, len(tiny_runner.text.tokenizer)), 3))
     engine.close()
     assert list(handle)[-1].done

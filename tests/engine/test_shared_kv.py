@@ -11,7 +11,8 @@ import pytest
 
 from engine.engine import Engine
 from engine.types import CacheKey, EngineError, GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids, req, together
+from tests.engine.test_batching_exact import req, together
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 
@@ -26,10 +27,10 @@ def watch(engine: Engine, stop: threading.Event, seen: list) -> None:
         time.sleep(0.002)
 
 
-def test_requests_behind_one_prefix_share_its_slots_and_stay_within_the_pool(tiny_runner):
+def test_requests_behind_one_prefix_share_its_slots_and_stay_within_the_pool(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     system = rand_ids(1, 120, vocab)
-    engine = Engine(tiny_runner, budget_bytes=400 * tiny_runner.kv_bytes_per_token, max_batch=8)
+    engine = make_engine(budget_bytes=400 * tiny_runner.kv_bytes_per_token, max_batch=8)
     engine.run(req(system + rand_ids(2, 4, vocab), 2))  # the system prompt is cached
     stop, seen = threading.Event(), []
     spy = threading.Thread(target=watch, args=(engine, stop, seen))
@@ -46,16 +47,16 @@ def test_requests_behind_one_prefix_share_its_slots_and_stay_within_the_pool(tin
     assert max(shared for *_, shared, _ in seen) >= 120  # the prefix was read by several at once
     # What running requests held themselves: their questions and answers, never the prefix.
     assert max(running for _, _, running, _, _ in seen) <= 8 * (5 + 1 + 20)
-    alone = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    alone = make_engine(enable_cache=False, max_batch=1)
     assert [m.output_ids for m in metrics] == [alone.run(r).output_ids for r in requests]
     wait_idle(engine)
     assert_clean(engine)
 
 
-def test_gauges_count_tree_running_and_shared(tiny_runner):
+def test_gauges_count_tree_running_and_shared(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     system = rand_ids(3, 64, vocab)
-    engine = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token)
     engine.run(req(system + [5], 1))
     handles = [engine.submit(req(system + rand_ids(20 + i, 3, vocab), 60)) for i in range(3)]
     streams = [iter(h) for h in handles]
@@ -76,24 +77,24 @@ def test_gauges_count_tree_running_and_shared(tiny_runner):
     assert_clean(engine)
 
 
-def test_short_memory_holds_admissions_and_everyone_finishes(tiny_runner):
+def test_short_memory_holds_admissions_and_everyone_finishes(tiny_runner, make_engine):
     """Room for about two requests at once: the rest wait (no deadlock, nobody lost) and run as
     slots come back; answers equal a run with no cache."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=70 * tiny_runner.kv_bytes_per_token, max_batch=8)
+    engine = make_engine(budget_bytes=70 * tiny_runner.kv_bytes_per_token, max_batch=8)
     requests = [req(rand_ids(40 + i, 20, vocab), 10) for i in range(6)]
     metrics = together(engine, requests)
     assert max(m.batch_size_max for m in metrics) <= 2
-    alone = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    alone = make_engine(enable_cache=False, max_batch=1)
     assert [m.output_ids for m in metrics] == [alone.run(r).output_ids for r in requests]
     wait_idle(engine)
     assert_clean(engine)
 
 
-def test_failed_admission_changes_nothing(tiny_runner):
+def test_failed_admission_changes_nothing(tiny_runner, make_engine):
     """No room: the tree's shape, hits and access times are as they were (review defect)."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=100 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=100 * tiny_runner.kv_bytes_per_token)
     cache = engine.cache
     long = rand_ids(50, 60, vocab)
     engine.run(req(long, 2))
@@ -107,9 +108,9 @@ def test_failed_admission_changes_nothing(tiny_runner):
     assert_clean(engine)
 
 
-def test_an_error_admitting_one_request_fails_only_it(tiny_runner, monkeypatch):
+def test_an_error_admitting_one_request_fails_only_it(tiny_runner, monkeypatch, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, max_batch=4)
+    engine = make_engine(max_batch=4)
     real = engine.cache.acquire
     bad = tuple(rand_ids(60, 12, vocab))
 
@@ -133,11 +134,11 @@ def test_an_error_admitting_one_request_fails_only_it(tiny_runner, monkeypatch):
     assert_clean(engine)
 
 
-def test_fair_share_refusal_drains_nothing_and_the_engine_goes_on(tiny_runner):
+def test_fair_share_refusal_drains_nothing_and_the_engine_goes_on(tiny_runner, make_engine):
     """Isolation mode: a visitor's request larger than what fair share lets them take is refused;
     it evicts nobody, and later requests still run (review defect: reserve evicted, then said no)."""
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, isolation=True, budget_bytes=200 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(isolation=True, budget_bytes=200 * tiny_runner.kv_bytes_per_token)
     kept = rand_ids(70, 80, vocab)
     engine.run(GenerationRequest(prompt_ids=tuple(kept), sampling=SamplingParams(max_new_tokens=2), namespace="v-b"))
     cached_before = engine.cache.num_tokens
@@ -153,9 +154,9 @@ def test_fair_share_refusal_drains_nothing_and_the_engine_goes_on(tiny_runner):
     assert_clean(engine)
 
 
-def test_budget_change_while_requests_run_renumbers_their_slots(tiny_runner):
+def test_budget_change_while_requests_run_renumbers_their_slots(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=600 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=600 * tiny_runner.kv_bytes_per_token)
     filler = [rand_ids(80 + i, 40, vocab) for i in range(4)]
     for f in filler:
         engine.run(req(f, 1))
@@ -171,29 +172,29 @@ def test_budget_change_while_requests_run_renumbers_their_slots(tiny_runner):
     engine.set_budget((held + 10) * tiny_runner.kv_bytes_per_token)  # others evicted, running ones renumbered
     engine.check_invariants()
     metrics = [[e for e in s][-1].metrics for s in streams]
-    alone = Engine(tiny_runner, enable_cache=False, max_batch=1)
+    alone = make_engine(enable_cache=False, max_batch=1)
     assert [m.output_ids for m in metrics] == [alone.run(r).output_ids for r in requests]
     wait_idle(engine)
     assert_clean(engine)
 
 
-def test_unstorable_request_caches_nothing(tiny_runner):
+def test_unstorable_request_caches_nothing(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     m = engine.run(GenerationRequest(prompt_ids=tuple(rand_ids(95, 30, vocab)),
                                      sampling=SamplingParams(max_new_tokens=4), store=False))
     assert m.output_tokens == 4 and engine.cache.num_tokens == 0
     assert_clean(engine)
 
 
-def test_baseline_gets_a_share_of_every_step_under_prefill_load(tiny_runner):
+def test_baseline_gets_a_share_of_every_step_under_prefill_load(tiny_runner, make_engine):
     """A request that asked for its no-reuse timing gets it while others keep prefilling
     (review defect: the baseline only got what prefills left of the step's budget; now it runs
     block by block between the steps, ``analysis.no_reuse``)."""
     from analysis.no_reuse import with_no_reuse
 
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, chunk_tokens=32, max_batch=16)
+    engine = make_engine(chunk_tokens=32, max_batch=16)
     timed = engine.submit(req(rand_ids(100, 60, vocab), 1, measure_baseline=True))
     stop = threading.Event()
 

@@ -9,8 +9,8 @@ from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, HIDDEN_SPILLED_BASE, for_viewer
 from engine.types import NodeInfo, TreeSnapshot
-from tests.engine.test_batching_exact import rand_ids
 from tests.engine.test_kv_tier import req, tier_engine
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, wait_idle
 
 C = CHUNK_TOKENS
@@ -21,9 +21,9 @@ def spilled(engine: Engine) -> list[NodeInfo]:
     return [n for n in engine.cache.snapshot(engine.runner.text.decode).nodes if n.spilled]
 
 
-def test_an_evicted_node_shows_spilled_then_resident_again_after_a_load(tiny_runner, tmp_path):
+def test_an_evicted_node_shows_spilled_then_resident_again_after_a_load(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     shared = rand_ids(1, 2 * C + 5, vocab)
     a, b = shared + rand_ids(2, 2 * C, vocab), shared + rand_ids(3, 2 * C, vocab)
     engine.run(req(a, 1))
@@ -48,11 +48,11 @@ def test_an_evicted_node_shows_spilled_then_resident_again_after_a_load(tiny_run
     assert_clean(engine)
 
 
-def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_it(tiny_runner, tmp_path):
+def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_it(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
     chunk_bytes = C * tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=3 * chunk_bytes,
-                    tier_dir=str(tmp_path))
+    engine = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=3 * chunk_bytes,
+                         tier_dir=str(tmp_path))
     first, second = rand_ids(4, 3 * C + 9, vocab), rand_ids(5, 3 * C + 9, vocab)
     engine.run(req(first, 1))
     engine.offload_cache()
@@ -69,9 +69,9 @@ def test_a_whole_offload_shows_under_the_root_and_the_tier_dropping_it_removes_i
     assert_clean(engine)
 
 
-def test_no_spilled_nodes_without_a_tier(tiny_runner):
+def test_no_spilled_nodes_without_a_tier(tiny_runner, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token)
     for i in range(4):
         engine.run(req(rand_ids(10 + i, 2 * C + 3, vocab), 1))
     assert engine.cache.evicted_tokens > 0 and spilled(engine) == []
@@ -97,15 +97,15 @@ def test_others_spilled_nodes_hide_like_resident_ones():
     assert view.num_tokens == 64 + HIDDEN_BUCKET_TOKENS and view.tier_kind == "host memory"
 
 
-def test_after_a_restart_the_tree_shows_what_the_tier_kept(tiny_runner, tmp_path, caplog):
+def test_after_a_restart_the_tree_shows_what_the_tier_kept(tiny_runner, tmp_path, caplog, make_engine):
     """The spilled paths persist beside the chunks: a new engine on the same folder draws them
     (as far as the tier still holds their chunks), and a request is then served from them."""
     vocab = len(tiny_runner.text.tokenizer)
     first = rand_ids(21, 2 * C + 7, vocab)
-    engine = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    engine = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     engine.run(req(first, 1))
     engine.close()  # persists the cache to the tier, with its paths
-    again = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    again = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     nodes = spilled(again)
     assert [(n.parent_id, n.token_ids) for n in nodes] == [(0, tuple(first[:2 * C]))]
     m = again.run(req(first + [3], 1))
@@ -114,6 +114,6 @@ def test_after_a_restart_the_tree_shows_what_the_tier_kept(tiny_runner, tmp_path
     (tmp_path_file := next(tmp_path.rglob("spilled-paths.json"))).write_text("{not json")
     for chunk in tmp_path.rglob("*.kv"):  # and a tier that lost its chunks marks nothing either
         chunk.unlink()
-    third = tier_engine(tiny_runner, tmp_path, budget_tokens=1000)
+    third = tier_engine(make_engine, tiny_runner, tmp_path, budget_tokens=1000)
     assert spilled(third) == [] and "spilled-paths.json" in caplog.text and tmp_path_file.exists()
     third.close()

@@ -14,7 +14,6 @@ import shutil
 import pytest
 import torch
 
-from engine.engine import Engine
 from engine.kvcache import kv_tier, tier_identity
 from engine.kvcache.kv_tier import DiskStore
 from engine.kvcache.tier_folder import TierUnsafe
@@ -98,28 +97,22 @@ def test_a_new_tier_folder_is_private(tmp_path):
     store.close()
 
 
-def test_an_engine_whose_tier_folder_others_may_write_runs_without_a_tier(tiny_runner, tmp_path, caplog):
+def test_an_engine_whose_tier_folder_others_may_write_runs_without_a_tier(tiny_runner, tmp_path, caplog, make_engine):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # not sticky: anyone may rename or plant folders in it
     with caplog.at_level(logging.WARNING):
-        engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                        tier_dir=str(shared))
-    try:
-        assert engine.tier is None and not engine.capabilities.second_tier
-        lines = [r.getMessage() for r in caplog.records if "without a second tier" in r.getMessage()]
-        assert len(lines) == 1 and "written by others" in lines[0] and "\n" not in lines[0]
-        assert not (shared / "weight-digests.json").exists()  # nothing of ours is kept where others write
-    finally:
-        engine.close()
+        engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                             tier_dir=str(shared))
+    assert engine.tier is None and not engine.capabilities.second_tier
+    lines = [r.getMessage() for r in caplog.records if "without a second tier" in r.getMessage()]
+    assert len(lines) == 1 and "written by others" in lines[0] and "\n" not in lines[0]
+    assert not (shared / "weight-digests.json").exists()  # nothing of ours is kept where others write
     private = tmp_path / "private"  # the same engine on a folder of the user's alone has its tier
-    other = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                   tier_dir=str(private))
-    try:
-        assert other.tier is not None and (private.stat().st_mode & 0o077) == 0
-        assert (other.tier.folder.stat().st_mode & 0o777) == 0o700
-    finally:
-        other.close()
+    other = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                        tier_dir=str(private))
+    assert other.tier is not None and (private.stat().st_mode & 0o077) == 0
+    assert (other.tier.folder.stat().st_mode & 0o777) == 0o700
 
 
 # ------------------------------------------------------------------- the weights' digest

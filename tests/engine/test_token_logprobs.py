@@ -63,10 +63,9 @@ def test_mismatched_rows_are_a_bug():
 
 # ------------------------------------------------------------------ through the engine
 @pytest.fixture(scope="module")
-def engine(tiny_runner):
-    e = Engine(tiny_runner, budget_bytes=32 * 2**20, max_new_tokens_cap=32)
+def engine(make_module_engine):
+    e = make_module_engine(budget_bytes=32 * 2**20, max_new_tokens_cap=32)
     yield e
-    e.close()
 
 
 def run(engine: Engine, **kw) -> tuple[list[GenerationEvent], GenerationEvent]:
@@ -115,18 +114,15 @@ def test_prompt_logprobs_match_and_reuse_nothing(engine, tiny_runner):
     assert done.metrics.output_ids == run(engine)[1].metrics.output_ids
 
 
-def test_prompt_logprobs_over_several_chunks(tiny_runner):
-    e = Engine(tiny_runner, budget_bytes=16 * 2**20, chunk_tokens=5)
-    try:
-        events, done = run(e, prompt_logprobs=0)
-        prompt = next(ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None)
-        assert done.metrics.prefill_chunks > 3
-        ref = teacher_forced(tiny_runner, done.metrics.prompt_ids)
-        ids = done.metrics.prompt_ids
-        assert all(prompt[p].logprob == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
-                   for p in range(1, len(ids)))
-    finally:
-        e.close()
+def test_prompt_logprobs_over_several_chunks(tiny_runner, make_engine):
+    e = make_engine(budget_bytes=16 * 2**20, chunk_tokens=5)
+    events, done = run(e, prompt_logprobs=0)
+    prompt = next(ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None)
+    assert done.metrics.prefill_chunks > 3
+    ref = teacher_forced(tiny_runner, done.metrics.prompt_ids)
+    ids = done.metrics.prompt_ids
+    assert all(prompt[p].logprob == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+               for p in range(1, len(ids)))
 
 
 def test_requests_without_logprobs_carry_none(engine):
@@ -165,14 +161,14 @@ def test_token_bytes_join_to_the_utf8_even_where_a_token_splits_a_character(engi
     assert [t for t, _ in shown] == [engine.decode([i]) for i in ids]
 
 
-def test_prompt_logprobs_where_attention_cannot_read_the_pool(tokenizer, tiny_runner):
+def test_prompt_logprobs_where_attention_cannot_read_the_pool(tokenizer, tiny_runner, make_engine):
     """A model that runs its own attention on gathered KV (sliding windows, soft-capping) keeps every
     position's logits too (``ModelRunner._forward_gathered``)."""
     from tests.conftest import make_tiny_runner
 
     gathered = make_tiny_runner(tokenizer)  # the same weights (seed 0) as ``tiny_runner``
     gathered.plan, gathered.stack = dataclasses.replace(gathered.plan, layers="gathered"), None
-    e = Engine(gathered, budget_bytes=16 * 2**20, chunk_tokens=7)
+    e = make_engine(gathered, budget_bytes=16 * 2**20, chunk_tokens=7)
     try:
         events, done = run(e, logprobs=2, prompt_logprobs=2)
         prompt = next(ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None)

@@ -8,7 +8,6 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 from server.metrics import EngineMetrics
 from tests.helpers_app import assert_clean, wait_idle
@@ -22,8 +21,8 @@ def samples(metrics: EngineMetrics) -> dict[str, float]:
             if not s.labels or s.labels.get("le") is None}
 
 
-def test_ttft_counts_the_time_a_request_waited(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=4)
+def test_ttft_counts_the_time_a_request_waited(tiny_runner, make_engine):
+    engine = make_engine(max_new_tokens_cap=4)
     metrics = EngineMetrics(lambda: engine)
     with tiny_runner.lock:  # the model is busy: the request waits in the queue
         handle = engine.submit(GenerationRequest(prompt="Wait your turn.", sampling=SamplingParams(max_new_tokens=2)))
@@ -40,8 +39,8 @@ def test_ttft_counts_the_time_a_request_waited(tiny_runner):
     assert_clean(engine)
 
 
-def test_a_request_cancelled_before_its_first_token_has_no_ttft(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=4, chunk_tokens=16)
+def test_a_request_cancelled_before_its_first_token_has_no_ttft(make_engine):
+    engine = make_engine(max_new_tokens_cap=4, chunk_tokens=16)
     metrics = EngineMetrics(lambda: engine)
     handle = engine.submit(GenerationRequest(prompt="a long prompt to prefill in chunks " * 30,
                                              sampling=SamplingParams(max_new_tokens=4)))

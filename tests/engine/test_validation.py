@@ -9,15 +9,14 @@ import time
 import pytest
 
 from engine import validation
-from engine.engine import Engine
 from engine.model.sampling import sample
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from engine.validation import valid_text
 
 
 @pytest.fixture()
-def engine(tiny_runner):
-    return Engine(tiny_runner, budget_bytes=64 * tiny_runner.kv_bytes_per_token * 64, max_new_tokens_cap=8)
+def engine(tiny_runner, make_engine):
+    return make_engine(budget_bytes=64 * tiny_runner.kv_bytes_per_token * 64, max_new_tokens_cap=8)
 
 
 def test_lone_surrogates_become_replacement_chars(tiny_runner):

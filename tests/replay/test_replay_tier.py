@@ -11,10 +11,9 @@ import pytest
 
 from analysis.replay.sim_cache import SimCache
 from analysis.replay.simulate import ModelGeometry, model_geometry, simulate_lines
-from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import GenerationRequest, SamplingParams
-from tests.engine.test_batching_exact import rand_ids
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean
 from tools.replay import main
 
@@ -79,13 +78,13 @@ def test_the_partly_held_chunk_loads_only_its_missing_tail():
 
 
 @pytest.mark.parametrize("tier_chunks", [100, 6, 3, 2, 0])
-def test_the_simulation_agrees_with_the_engine(tiny_runner, tmp_path, tier_chunks):
+def test_the_simulation_agrees_with_the_engine(tiny_runner, tmp_path, tier_chunks, make_engine):
     """The same prompts through the engine with its second tier and through the simulation with
     the same budgets (the engine's cached part is what its tree keeps: prompt + answer but the
     last token)."""
     bpt, budget = tiny_runner.kv_bytes_per_token, 300
     tier_bytes = tier_chunks * C * bpt if tier_chunks else C * bpt // 2
-    engine = Engine(tiny_runner, budget_bytes=budget * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
+    engine = make_engine(budget_bytes=budget * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
     sim = SimCache(budget, tier_chunks=tier_bytes // (C * bpt))
     for ids in evicting_log():
         ids = [t % len(tiny_runner.text.tokenizer) for t in ids]
@@ -141,7 +140,7 @@ def test_the_cli_shows_the_tier_only_when_on(tmp_path, capsys, tokenizer):
     assert main([str(log), "--simulate", "--disk-cache-mb", "-1"]) == 2
 
 
-def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, tmp_path):
+def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, tmp_path, make_engine):
     """Real-model mode hands the tier to the engine; each request's line says its tier tokens."""
     import io
 
@@ -151,7 +150,7 @@ def test_the_real_engine_path_reports_tier_tokens_only_with_a_tier(tiny_runner, 
 
     bpt = tiny_runner.kv_bytes_per_token
     for tier_bytes in (0, 64 * 2**20):
-        engine = Engine(tiny_runner, budget_bytes=300 * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
+        engine = make_engine(budget_bytes=300 * bpt, tier_bytes=tier_bytes, tier_dir=str(tmp_path))
         stats = ReplayStats(300, tiny_runner.text.decode, lambda t: 1)
         out = io.StringIO()
         replay_on_engine(engine, [LogRecord(line=1, messages=None, prompt="hello there")], stats, 2, False, out=out)

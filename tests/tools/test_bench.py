@@ -3,14 +3,13 @@ side by side, with the greedy tokens compared with and without reuse."""
 
 from __future__ import annotations
 
-from engine.engine import Engine
 from engine.model import loader
 from tools import bench
 from tools.bench import bench_size, format_dtype_table, format_table
 
 
-def test_bench_rows_on_tiny_model(tiny_runner):
-    engine = Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+def test_bench_rows_on_tiny_model(tiny_runner, make_engine):
+    engine = make_engine(budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
     rows = [bench_size(engine, n, 8, repeats=2, greedy_tokens=6) for n in (32, 64)]
     for row in rows:
         assert row["max_logit_diff"] < 1e-4
@@ -21,9 +20,9 @@ def test_bench_rows_on_tiny_model(tiny_runner):
     assert "| 64 | 8 | float32 |" in table and "| 6 of 6 |" in table
 
 
-def test_bench_tier_row_loads_the_prefix_back_exactly(tiny_runner, tmp_path):
-    engine = Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**26,
-                    tier_dir=str(tmp_path))
+def test_bench_tier_row_loads_the_prefix_back_exactly(tiny_runner, tmp_path, make_engine):
+    engine = make_engine(budget_bytes=4000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**26,
+                         tier_dir=str(tmp_path))
     row = bench_size(engine, 128, 8, repeats=2, greedy_tokens=0)
     assert row["tier_ms"] > 0 and row["max_logit_diff"] < 1e-4
     assert engine.stats().tier_loaded_tokens >= 2 * 128

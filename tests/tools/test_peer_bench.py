@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from engine.engine import Engine
 from tests.helpers_app import launched_app
 from tools.peer_bench import bench_server, conversations_for, format_table, parse_args
 
@@ -22,15 +21,12 @@ def test_arguments():
             parse_args(bad)
 
 
-def test_figures_against_our_app_on_the_tiny_model(tiny_runner):
+def test_figures_against_our_app_on_the_tiny_model(make_engine):
     conversations = conversations_for(0, 4, 5)
     assert len({c[1]["content"] for c in conversations}) == 4 and len({c[0]["content"] for c in conversations}) == 1
-    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=64)
-    try:
-        with launched_app(engine) as url:
-            rows = bench_server(url, "tiny", conversations, [1, 3], 5, log=lambda s: None)
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=64)
+    with launched_app(engine) as url:
+        rows = bench_server(url, "tiny", conversations, [1, 3], 5, log=lambda s: None)
     assert [r.streams for r in rows] == [1, 3]
     metrics = [m for m in engine.recent() if m.tag == "api"]
     for row in rows:

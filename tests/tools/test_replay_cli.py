@@ -149,11 +149,10 @@ def test_measured_replay_on_the_real_model_writes_its_report(tmp_path, capsys):
     assert "Measured prefill:" in summary["text"]
 
 
-def test_replay_honours_the_loop_guard(tiny_runner):
+def test_replay_honours_the_loop_guard(tiny_runner, make_engine):
     """``--no-repeat-ngram`` / ``--repetition-penalty`` reach the engine: the replayed answer is the
     one a direct run with the same guard gives, and the guard changes the request's sampling."""
     from analysis.replay.log_formats import LogRecord
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
     from tools.replay import to_request
 
@@ -163,7 +162,7 @@ def test_replay_honours_the_loop_guard(tiny_runner):
     assert (req.sampling.max_new_tokens, req.sampling.no_repeat_ngram_size, req.sampling.repetition_penalty) == (
         12, 2, 1.3)
     assert to_request(record, 32, False).sampling.no_repeat_ngram_size == 0  # off unless asked
-    engine = Engine(tiny_runner, budget_bytes=500 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=500 * tiny_runner.kv_bytes_per_token)
     direct = engine.run(GenerationRequest(prompt=record.prompt, sampling=SamplingParams(max_new_tokens=12,
                                                                                          no_repeat_ngram_size=2,
                                                                                          repetition_penalty=1.3)))

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine
 from tests.helpers_app import CHROMIUM_ARGS, assert_clean, launched_app, wait_idle
 
 pytestmark = [pytest.mark.browser]
 
 
 
-def test_one_click_shows_both_orderings(tiny_runner, chromium_executable):
+def test_one_click_shows_both_orderings(chromium_executable, make_engine):
     from playwright.sync_api import sync_playwright
 
-    engine = Engine(tiny_runner, isolation=True)
+    engine = make_engine(isolation=True)
     with launched_app(engine) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 900})

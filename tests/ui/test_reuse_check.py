@@ -19,10 +19,9 @@ VISITOR = SimpleNamespace(session_hash="session-reuse-check", headers={}, client
 
 
 @pytest.fixture(params=[False, True], ids=["shared", "isolated"])
-def engine(tiny_runner, request):
-    e = Engine(tiny_runner, isolation=request.param, max_new_tokens_cap=32)
+def engine(request, make_engine):
+    e = make_engine(isolation=request.param, max_new_tokens_cap=32)
     yield e
-    e.close()
 
 
 def _ask(engine: Engine, prompt_ids: tuple[int, ...]) -> RequestMetrics:

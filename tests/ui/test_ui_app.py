@@ -9,9 +9,8 @@ import re
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, FEW_SHOT_PRESETS, STARTER_QUESTIONS, SYSTEM_PRESETS
-from engine.engine import Engine
+from tests.components.test_ui_build import tree_paths
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor, wait_idle
-from tests.ui.test_ui_build import tree_paths
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +24,8 @@ def cached_of(numbers_md: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def app(real_runner):
-    engine = Engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=64)
+def app(real_runner, make_module_engine):
+    engine = make_module_engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=64)
     with launched_app(engine) as url:
         yield engine, url
 

@@ -16,7 +16,6 @@ import re
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM, STARTER_QUESTIONS
-from engine.engine import Engine
 from tests.helpers_app import CHROMIUM_ARGS, launched_app, visitor
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -34,8 +33,8 @@ NODE_PLACES = """() => { const gd = document.querySelector('#tree-plot .js-plotl
 
 
 @pytest.fixture(scope="module")
-def app(real_runner):
-    engine = Engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=48)
+def app(real_runner, make_module_engine):
+    engine = make_module_engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=48)
     with launched_app(engine) as url:
         yield engine, url
 

@@ -22,8 +22,8 @@ from engine.types import GenerationEvent, GenerationRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner, max_new_tokens_cap=8)
+def engine(make_module_engine) -> Engine:
+    return make_module_engine(max_new_tokens_cap=8)
 
 
 def run(engine: Engine, prompt: str, tag: str = "chat", namespace: str = "", baseline: bool = True):
@@ -74,8 +74,8 @@ def test_status_names_the_phase():
     assert "Writing the answer" in status_markdown(GenerationEvent("hello there", token_id=5))
 
 
-def test_lab_runs_stay_out_of_the_playground_totals(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=8)
+def test_lab_runs_stay_out_of_the_playground_totals(make_engine):
+    engine = make_engine(isolation=True, max_new_tokens_cap=8)
     mine = visitor_namespace(SimpleNamespace(session_hash="visitor-a"), engine)
     run(engine, "my own question about tents", namespace=mine)
     run(engine, "a lab prompt, deliberately badly ordered", tag="ordering-lab", namespace=mine)
@@ -87,8 +87,8 @@ def test_lab_runs_stay_out_of_the_playground_totals(tiny_runner):
     assert "everyone's KV cache" in html
 
 
-def test_stop_on_a_queued_request_says_stopped(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=8)
+def test_stop_on_a_queued_request_says_stopped(make_engine):
+    engine = make_engine(max_new_tokens_cap=8)
     visitor = SimpleNamespace(session_hash="stopper")
     with engine.runner.lock:  # the worker cannot start the request: it waits in the queue
         steps = respond(engine, "Hello?", [], "Pirate", "", 8, True, True, visitor)

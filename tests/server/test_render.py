@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.engine import Engine
 from tests.helpers_app import launched_app
 
 MESSAGES = [{"role": "system", "content": "You answer questions about harbours in one sentence."},
@@ -15,11 +14,10 @@ MESSAGES = [{"role": "system", "content": "You answer questions about harbours i
 
 
 @pytest.fixture(scope="module")
-def served(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=8)
+def served(make_module_engine):
+    engine = make_module_engine(max_new_tokens_cap=8)
     with launched_app(engine, api_key="sesame") as url:
         yield url, engine.info().model_name
-    engine.close()
 
 
 def post(url: str, path: str, body: dict, key: str | None = "sesame") -> httpx.Response:

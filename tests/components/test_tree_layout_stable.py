@@ -30,10 +30,9 @@ FOLLOW_UPS = ("And how long does that take?", "Can I pay by card?", "What if it 
 
 
 @pytest.fixture
-def engine(tiny_runner) -> Engine:
-    eng = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token)
+def engine(tiny_runner, make_engine) -> Engine:
+    eng = make_engine(budget_bytes=20_000 * tiny_runner.kv_bytes_per_token)
     yield eng
-    eng.close()
 
 
 def run_ids(engine: Engine, ids: list[int], n: int = 6, namespace: str = "", public_len: int = 0):
@@ -137,22 +136,19 @@ def test_a_zoomed_window_keeps_its_nodes_in_the_small_tree_too(engine):
     assert len(new) > len(old)
 
 
-def test_other_visitors_never_move_what_a_viewer_sees(tiny_runner):
+def test_other_visitors_never_move_what_a_viewer_sees(tiny_runner, make_engine):
     """Isolation: another visitor's requests grow a grey "others" mark; the viewer's own nodes stay put."""
-    engine = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, isolation=True)
-    try:
-        chats(engine, 3, namespace="me")
-        chats(engine, 1, namespace="other")
-        before = engine.snapshot(viewer="me")
-        old = positions(tree_figure(before, collapse_chains=False, viewer_owns="me"))
-        chats(engine, 4, conversations=2, namespace="other")
-        chats(engine, 2, conversations=2, namespace="third")
-        after = engine.snapshot(viewer="me")
-        new = positions(tree_figure(after, collapse_chains=False, viewer_owns="me"))
-        visible = {n.node_id for n in before.nodes if not n.hidden}
-        assert all(new[k] == pytest.approx(old[k]) for k in visible)
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, isolation=True)
+    chats(engine, 3, namespace="me")
+    chats(engine, 1, namespace="other")
+    before = engine.snapshot(viewer="me")
+    old = positions(tree_figure(before, collapse_chains=False, viewer_owns="me"))
+    chats(engine, 4, conversations=2, namespace="other")
+    chats(engine, 2, conversations=2, namespace="third")
+    after = engine.snapshot(viewer="me")
+    new = positions(tree_figure(after, collapse_chains=False, viewer_owns="me"))
+    visible = {n.node_id for n in before.nodes if not n.hidden}
+    assert all(new[k] == pytest.approx(old[k]) for k in visible)
 
 
 def tree_places(tree: RadixTree, viewer: str | None = None) -> dict[int, tuple[float, float]]:
@@ -278,15 +274,12 @@ def assert_labels_clear(fig, width_px: int) -> int:
 
 @pytest.mark.parametrize("turns,conversations,isolated", [(3, 2, False), (4, 2, False), (5, 3, False), (6, 3, False),
                                                            (4, 2, True)])
-def test_live_tree_labels_do_not_overlap_after_a_few_turns(tiny_runner, turns, conversations, isolated):
-    engine = Engine(tiny_runner, budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, isolation=isolated)
-    try:
-        if isolated:  # another visitor's chat shows as one grey "(private)" mark
-            chats(engine, 2, 2, namespace="other")
-        _, metrics = chats(engine, turns, conversations, namespace="me" if isolated else "")
-        snap = engine.snapshot(viewer="me" if isolated else None)
-    finally:
-        engine.close()
+def test_live_tree_labels_do_not_overlap_after_a_few_turns(tiny_runner, turns, conversations, isolated, make_engine):
+    engine = make_engine(budget_bytes=20_000 * tiny_runner.kv_bytes_per_token, isolation=isolated)
+    if isolated:  # another visitor's chat shows as one grey "(private)" mark
+        chats(engine, 2, 2, namespace="other")
+    _, metrics = chats(engine, turns, conversations, namespace="me" if isolated else "")
+    snap = engine.snapshot(viewer="me" if isolated else None)
     path = request_path(snap, metrics)
     small = tree_figure(snap, path, compact=True, height=330, max_nodes=120, max_fan=12,
                         collapse_chains=len(snap.nodes) > 24)  # as the chat tab draws it

@@ -40,15 +40,14 @@ def test_a_bad_setting_is_a_sentence(bad):
 
 
 @pytest.mark.browser
-def test_the_tab_shows_the_table_in_chromium(tiny_runner, chromium_executable, tmp_path):
+def test_the_tab_shows_the_table_in_chromium(chromium_executable, tmp_path, make_engine):
     import os
 
     from playwright.sync_api import sync_playwright
 
-    from engine.engine import Engine
     from tests.helpers_app import CHROMIUM_ARGS, launched_app
 
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     with launched_app(engine) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 1200})

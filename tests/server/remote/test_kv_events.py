@@ -1,5 +1,5 @@
 """KV events without a server: real vLLM 0.32 streams recorded by tools/record_kv_events.py
-(tests/remote/fixtures/), SGLang's array form built from its struct definitions, the block
+(tests/server/remote/fixtures/), SGLang's array form built from its struct definitions, the block
 tree's counts and walks, the subscriber's ordering rules, and what a visitor may see."""
 
 from __future__ import annotations

@@ -127,12 +127,11 @@ def test_a_failing_refresh_says_so_on_the_panel_in_one_line(caplog):
     assert ok[:2] == ("fig", "seen") and ok[2]["visible"] is False  # the next refresh that works hides it
 
 
-def test_the_tree_tab_shows_its_refresh_status(tiny_runner):
+def test_the_tree_tab_shows_its_refresh_status(make_engine):
     from components.panels.tree_panel import build_tree_panel
-    from engine.engine import Engine
 
     with gr.Blocks() as demo:
-        live = build_tree_panel(Engine(tiny_runner), gr.State(None))
+        live = build_tree_panel(make_engine(), gr.State(None))
         live.refresh_on(live.timer.tick)
     assert live.status is not None and live.status.elem_id == "tree-status"
     fns = [b for b in demo.fns.values() if live.status._id in [o._id for o in b.outputs]]

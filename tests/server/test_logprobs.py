@@ -13,7 +13,6 @@ import httpx
 import pytest
 import torch
 
-from engine.engine import Engine
 from engine.types import EngineError, GenerationRequest
 from tests.helpers_app import assert_clean, launched_app, wait_idle
 
@@ -22,13 +21,12 @@ PROMPT = "The radix tree keeps every prompt it has seen, so"
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_runner):
-    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=32)
+def shared(make_module_engine):
+    engine = make_module_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=32)
     with launched_app(engine) as url:
         yield engine, url
     wait_idle(engine)
     assert_clean(engine)
-    engine.close()
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:

@@ -35,7 +35,7 @@ from tools.fleet.trace import built_in_trace, replay, summarize
 
 pytestmark = pytest.mark.fleet
 REPLICAS = 3
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def need_router() -> None:
@@ -282,7 +282,7 @@ def test_the_dashboard_with_fleet_sees_each_replicas_real_tree_and_where_request
 
         # The page: a Fleet tab, and its words over the real view.
         from components.views.routing_lab_report import parse_report, to_json
-        from tests.ui.test_routing_lab_report import REPORT
+        from tests.components.test_routing_lab_report import REPORT
 
         demo = build_demo(engine, routing_lab=parse_report(to_json(REPORT)))
         assert "Fleet" in [b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"]

@@ -8,13 +8,12 @@ import pytest
 
 from components.panels.replay_panel import MAX_CHARS, MAX_LINES, example_log, simulate_pasted
 from components.views.replay_report import causes_html, headline_html, report_figures, scoped
-from engine.engine import Engine
 from engine.types import EngineError
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_runner):
-    return Engine(tiny_runner, budget_bytes=8 * 2**20)
+def engine(make_module_engine):
+    return make_module_engine(budget_bytes=8 * 2**20)
 
 
 def test_pasted_log_is_simulated_on_its_own_tree(engine):
@@ -65,14 +64,14 @@ def test_odd_budget_and_ttl_values_are_tamed(engine):
 
 
 @pytest.mark.browser
-def test_the_tab_shows_the_report_in_chromium(tiny_runner, chromium_executable, tmp_path):
+def test_the_tab_shows_the_report_in_chromium(chromium_executable, tmp_path, make_engine):
     import os
 
     from playwright.sync_api import sync_playwright
 
     from tests.helpers_app import CHROMIUM_ARGS, launched_app
 
-    engine = Engine(tiny_runner)
+    engine = make_engine()
     with launched_app(engine) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_executable, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 1400})

@@ -15,7 +15,6 @@ from analysis.lab.request_order_demo import (
     request_order_demo_for,
 )
 from components.lab_presets import scheduling_queue
-from engine.engine import Engine
 from engine.types import EngineBusy, EngineError
 
 
@@ -25,8 +24,8 @@ def _run(lab, queue, budget):
     return {r.policy: r for r in events[-1].results}
 
 
-def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
-    lab = RequestOrderDemo(Engine(tiny_runner))
+def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner, make_engine):
+    lab = RequestOrderDemo(make_engine())
     queue = scheduling_queue(per_group=3, groups=3)
     events = lab.compare(queue, 520)
     first = next(events)
@@ -44,13 +43,13 @@ def test_lpm_beats_fcfs_on_the_preset_queue(tiny_runner):
     assert all(m.cache_bytes <= m.cache_budget_bytes for m in engine.recent())
 
 
-def test_budget_large_enough_makes_the_order_irrelevant(tiny_runner):
-    res = _run(RequestOrderDemo(Engine(tiny_runner)), scheduling_queue(2, 2), budget=5000)
+def test_budget_large_enough_makes_the_order_irrelevant(make_engine):
+    res = _run(RequestOrderDemo(make_engine()), scheduling_queue(2, 2), budget=5000)
     assert res[FCFS].cached_tokens == res[LPM].cached_tokens
 
 
-def test_one_comparison_at_a_time_and_bad_settings(tiny_runner):
-    lab = RequestOrderDemo(Engine(tiny_runner))
+def test_one_comparison_at_a_time_and_bad_settings(make_engine):
+    lab = RequestOrderDemo(make_engine())
     gen = lab.compare(scheduling_queue(2, 2), 520)
     next(gen)
     with pytest.raises(EngineBusy):
@@ -64,8 +63,8 @@ def test_one_comparison_at_a_time_and_bad_settings(tiny_runner):
         next(lab.compare(scheduling_queue(2, 2), 520, policies=("random",)))
 
 
-def test_stop_and_one_lab_per_runner(tiny_runner):
-    facade = Engine(tiny_runner)  # the app's engine: the demo's small engine is spawned by it
+def test_stop_and_one_lab_per_runner(make_engine):
+    facade = make_engine()  # the app's engine: the demo's small engine is spawned by it
     lab = request_order_demo_for(facade)
     assert request_order_demo_for(facade) is lab
     calls = {"n": 0}
@@ -79,7 +78,7 @@ def test_stop_and_one_lab_per_runner(tiny_runner):
     assert lab._engine is None and lab.pool_bytes == 0  # stopped: its pool is given back too
 
 
-def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner):
+def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner, make_engine):
     """Outside the cache budget, so: at most MAX_DEMO_TOKENS, counted while a comparison runs,
     and freed when it ends (nothing keeps its tensors for the life of the process)."""
     import gc
@@ -88,7 +87,7 @@ def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner):
     from components.panels.memory_panel import memory_markdown
     from components.views.format import fmt_bytes
 
-    facade = Engine(tiny_runner)
+    facade = make_engine()
     lab = request_order_demo_for(facade)
     with pytest.raises(EngineError, match="at most"):
         next(lab.compare(scheduling_queue(2, 2), MAX_DEMO_TOKENS + 1))
@@ -103,14 +102,13 @@ def test_the_demos_pool_is_bounded_shown_and_given_back(tiny_runner):
     assert "request-order demo's pool 0 B" in memory_markdown(facade, [])
 
 
-def test_leaving_a_cached_node_midway_does_not_pin_its_rest(tiny_runner):
+def test_leaving_a_cached_node_midway_does_not_pin_its_rest(tiny_runner, make_engine):
     """Under a tight budget, a request that shares only a few tokens with a big cached node
     must be able to evict that node's unmatched rest to cache itself (only the matched part
     is locked while it runs)."""
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
-    engine = Engine(tiny_runner, budget_bytes=520 * tiny_runner.kv_bytes_per_token)
+    engine = make_engine(budget_bytes=520 * tiny_runner.kv_bytes_per_token)
     common = list(range(100, 105))
     a, b = common + list(range(1000, 1353)), common + list(range(2000, 2297))
     one = SamplingParams(max_new_tokens=1)

@@ -20,7 +20,7 @@ from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 from server.remote.engine import RemoteEngine
 from tests.helpers_app import free_port
-from tests.remote.test_kv_event_publisher import Raw, vllm_decode
+from tests.server.remote.test_kv_event_publisher import Raw, vllm_decode
 
 BS = 32
 C = CHUNK_TOKENS
@@ -31,12 +31,12 @@ def ids_of(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(300, vocab - 1) for _ in range(n)]
 
 
-def events_engine(runner, tmp_path, budget_tokens: int = 300, **kw) -> tuple[Engine, int, int]:
+def events_engine(make_engine, runner, tmp_path, budget_tokens: int = 300, **kw) -> tuple[Engine, int, int]:
     port, replay = free_port(), free_port()
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
-    engine = Engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
-                    tier_dir=str(tmp_path), kv_events_config=config, **kw)
+    engine = make_engine(runner, budget_bytes=budget_tokens * runner.kv_bytes_per_token, tier_bytes=64 * 2**20,
+                         tier_dir=str(tmp_path), kv_events_config=config, **kw)
     return engine, port, replay
 
 
@@ -92,9 +92,9 @@ def follows(remote: RemoteEngine, engine: Engine) -> bool:
                                   == {(h, m) for h, media in pub.published.items() for m in media})
 
 
-def test_the_disk_tier_is_its_own_medium_on_a_dashboard_in_front_of_this_engine(tiny_runner, tmp_path):
+def test_the_disk_tier_is_its_own_medium_on_a_dashboard_in_front_of_this_engine(tiny_runner, tmp_path, make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine, port, replay = events_engine(tiny_runner, tmp_path)
+    engine, port, replay = events_engine(make_engine, tiny_runner, tmp_path)
     remote = dashboard(tiny_runner.text.tokenizer, port, replay)
     try:
         doc = ids_of(1, 3 * C + 10, vocab)
@@ -135,7 +135,7 @@ def test_the_disk_tier_is_its_own_medium_on_a_dashboard_in_front_of_this_engine(
         remote.close()
         engine.close()
 
-    again, port, replay = events_engine(tiny_runner, tmp_path)  # a restart finds the tier's chunks again
+    again, port, replay = events_engine(make_engine, tiny_runner, tmp_path)  # a restart finds the tier's chunks again
     late = dashboard(tiny_runner.text.tokenizer, port, replay)
     try:
         assert follows(late, again)
@@ -147,7 +147,7 @@ def test_the_disk_tier_is_its_own_medium_on_a_dashboard_in_front_of_this_engine(
         again.close()
 
 
-def test_a_host_memory_tier_is_published_as_cpu(tiny_runner, monkeypatch):
+def test_a_host_memory_tier_is_published_as_cpu(tiny_runner, monkeypatch, make_engine):
     import engine.engine as engine_module
     from engine.kvcache import kv_tier
 
@@ -155,21 +155,19 @@ def test_a_host_memory_tier_is_published_as_cpu(tiny_runner, monkeypatch):
                                      tiny_runner.dtype)
     monkeypatch.setattr(engine_module, "make_tier", lambda *a, **k: kv_tier.HostStore(2**24, geometry))
     port = free_port()
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    kv_events_config=json.dumps({"endpoint": f"tcp://*:{port}"}))
-    try:
-        vocab = len(tiny_runner.text.tokenizer)
-        for i in range(4):
-            run(engine, ids_of(30 + i, 200, vocab))
-        assert engine.kv_events.held("CPU") > 0 and engine.kv_events.held(MEDIUM_STORAGE) == 0
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                         kv_events_config=json.dumps({"endpoint": f"tcp://*:{port}"}))
+    vocab = len(tiny_runner.text.tokenizer)
+    for i in range(4):
+        run(engine, ids_of(30 + i, 200, vocab))
+    assert engine.kv_events.held("CPU") > 0 and engine.kv_events.held(MEDIUM_STORAGE) == 0
 
 
 @pytest.mark.vllm
-def test_vllms_own_decoder_reads_the_tier_media_and_rebuilds_the_served_prompts(tiny_runner, tmp_path):
+def test_vllms_own_decoder_reads_the_tier_media_and_rebuilds_the_served_prompts(tiny_runner, tmp_path,
+                                                                                 make_engine):
     vocab = len(tiny_runner.text.tokenizer)
-    engine, port, _ = events_engine(tiny_runner, tmp_path / "tier")
+    engine, port, _ = events_engine(make_engine, tiny_runner, tmp_path / "tier")
     raw = Raw(f"tcp://127.0.0.1:{port}", b"kv-events")
     try:
         doc = ids_of(1, 3 * C + 10, vocab)

@@ -21,8 +21,8 @@ from tests.helpers_app import free_port, wait_idle
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner)
+def engine(make_module_engine) -> Engine:
+    return make_module_engine()
 
 
 @pytest.fixture(scope="module")

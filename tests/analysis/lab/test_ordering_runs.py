@@ -14,8 +14,8 @@ from engine.types import EngineError, GenerationRequest
 
 
 @pytest.fixture()
-def engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner)
+def engine(make_engine) -> Engine:
+    return make_engine()
 
 
 def _variants(n: int = 4):
@@ -103,9 +103,9 @@ def test_bad_input_fails_before_running(engine):
     assert engine.stats().requests == 0
 
 
-def test_no_cache_engine_is_refused(tiny_runner):
+def test_no_cache_engine_is_refused(make_engine):
     with pytest.raises(EngineError, match="cache"):
-        run_lab_to_end(Engine(tiny_runner, enable_cache=False), _variants(2))
+        run_lab_to_end(make_engine(enable_cache=False), _variants(2))
 
 
 def test_namespace_of_places_variants(engine):

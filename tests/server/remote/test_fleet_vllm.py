@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.remote.test_fleet import _content_chains, need_router
+from tests.server.remote.test_fleet import _content_chains, need_router
 from tools.fleet import Fleet
 from tools.vllm_server import model_dir, venv_path, vllm_available
 
@@ -114,7 +114,7 @@ def test_kv_aware_routes_on_vllms_own_events(vllm_fleet):
     """vllm-router's ``kv_aware`` in front of vLLM: its index fills from each vLLM's KV events and its
     lookups hit, so every turn after the first of one system prompt goes where that prompt is
     cached (round robin above split them two and two)."""
-    from tests.remote.test_fleet import router_counters
+    from tests.server.remote.test_fleet import router_counters
 
     fleet = vllm_fleet
     fleet.stop_router()

@@ -166,24 +166,21 @@ def test_range_errors_say_the_real_range_in_plain_digits(field, value, words):
     assert words in error["message"] and "e+" not in error["message"], error["message"]
 
 
-def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny_runner):
-    engine, shared = (Engine(tiny_runner, isolation=iso, max_new_tokens_cap=2) for iso in (True, False))
-    try:
-        def keyed(eng: Engine, salt: str | None, client: str = "addr:1.2.3.4"):
-            return eng.key_for(GenerationRequest(prompt="hi"), api_visitor(client, salt))
+def test_unsalted_calls_on_an_isolating_server_are_one_owner_and_not_stored(tiny_runner, make_engine):
+    engine, shared = (make_engine(isolation=iso, max_new_tokens_cap=2) for iso in (True, False))
 
-        a, b = keyed(engine, None).key.namespace, keyed(engine, None).key.namespace
-        owner = owner_of(a)
-        assert a != b and owner_of(b) == owner and "1.2.3.4" not in owner
-        assert not keyed(engine, None).store and keyed(engine, "team").store and keyed(shared, None).store
-        # A salt is a sub-namespace of its client's: salts never multiply a client's share (issue 28).
-        assert owner_of(keyed(engine, "team").key.namespace) == owner
-        assert owner_of(keyed(engine, None, "addr:5.6.7.8").key.namespace) != owner
-    finally:
-        engine.close()
-        shared.close()
+    def keyed(eng: Engine, salt: str | None, client: str = "addr:1.2.3.4"):
+        return eng.key_for(GenerationRequest(prompt="hi"), api_visitor(client, salt))
 
-    engine = Engine(tiny_runner, budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
+    a, b = keyed(engine, None).key.namespace, keyed(engine, None).key.namespace
+    owner = owner_of(a)
+    assert a != b and owner_of(b) == owner and "1.2.3.4" not in owner
+    assert not keyed(engine, None).store and keyed(engine, "team").store and keyed(shared, None).store
+    # A salt is a sub-namespace of its client's: salts never multiply a client's share (issue 28).
+    assert owner_of(keyed(engine, "team").key.namespace) == owner
+    assert owner_of(keyed(engine, None, "addr:5.6.7.8").key.namespace) != owner
+
+    engine = make_engine(budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
     submitted: list[GenerationRequest] = []
     submit = engine.submit
 

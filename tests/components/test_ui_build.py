@@ -25,8 +25,8 @@ API = {"chat", "fewshot", "fewshot_batch", "tree_snapshot"}
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=8)
+def engine(tiny_runner, make_module_engine) -> Engine:
+    return make_module_engine(budget_bytes=4000 * tiny_runner.kv_bytes_per_token, max_new_tokens_cap=8)
 
 
 def api_names(demo) -> set[str]:
@@ -35,8 +35,8 @@ def api_names(demo) -> set[str]:
 
 
 @pytest.mark.parametrize("isolation", [False, True])
-def test_blocks_build_without_launching(tiny_runner, isolation):
-    demo = build_demo(Engine(tiny_runner, isolation=isolation))
+def test_blocks_build_without_launching(isolation, make_engine):
+    demo = build_demo(make_engine(isolation=isolation))
     assert API <= api_names(demo)
     # Controls that change the shared engine stay off the public API.
     assert not {"set_budget", "clear_cache", "refresh", "on_select"} & api_names(demo)
@@ -125,11 +125,11 @@ def test_chat_history_is_per_visitor(engine):
         assert [flat_text(m["content"]) for m in out_b[0] if m["role"] == "user"] == ["Hello from B"]
 
 
-def test_a_handler_sees_only_its_own_namespace_in_isolation(tiny_runner):
+def test_a_handler_sees_only_its_own_namespace_in_isolation(make_engine):
     from components.panels.tree_panel import tree_figure_for
     from components.session import visitor_namespace
 
-    iso = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+    iso = make_engine(isolation=True, max_new_tokens_cap=4)
     a, b = SimpleNamespace(session_hash="a"), SimpleNamespace(session_hash="b")
     iso.run(GenerationRequest(prompt="secret of visitor a", namespace=visitor_namespace(a, iso)))
     fig_b = tree_figure_for(iso, b, None)
@@ -157,44 +157,36 @@ def test_absurd_slider_values_are_clamped(engine):
     assert req.sampling.max_new_tokens == engine.max_new_tokens_cap
 
 
-def test_the_memory_tab_shows_the_tiers_unwritten_spills_beside_the_budget(tiny_runner, tmp_path):
+def test_the_memory_tab_shows_the_tiers_unwritten_spills_beside_the_budget(tiny_runner, tmp_path, make_engine):
     """Evicted KV waiting to be written to disk is held outside the pool's budget: the tab says how much,
     and its bound."""
-    from engine.engine import Engine
     from engine.types import GenerationRequest, SamplingParams
 
-    engine = Engine(tiny_runner, budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
-    try:
-        engine.run(GenerationRequest(prompt_ids=tuple(range(100, 260)), sampling=SamplingParams(max_new_tokens=2)))
-        stats = engine.stats()
-        assert stats.tier_queue_bound_bytes > 0 and stats.tier_queued_bytes == 0  # written after each eviction
-        assert "spills waiting to be written 0 B (at most" in memory_markdown(engine)
-    finally:
-        engine.close()
+    engine = make_engine(budget_bytes=300 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                         tier_dir=str(tmp_path))
+    engine.run(GenerationRequest(prompt_ids=tuple(range(100, 260)), sampling=SamplingParams(max_new_tokens=2)))
+    stats = engine.stats()
+    assert stats.tier_queue_bound_bytes > 0 and stats.tier_queued_bytes == 0  # written after each eviction
+    assert "spills waiting to be written 0 B (at most" in memory_markdown(engine)
 
 
-def test_another_visitors_timing_buffer_shows_only_coarse_in_isolation(tiny_runner):
+def test_another_visitors_timing_buffer_shows_only_coarse_in_isolation(tiny_runner, make_engine):
     """The paired timing's scratch buffer is exactly one visitor's prompt: on a public deployment the
     memory tab shows it only in the tree's 256-token buckets, so a stranger reading it cannot tell a
     47-token prompt from a 66-token one; a private deployment shows the exact bytes."""
     from analysis.prefill_timing import timer_for
     from components.views.format import fmt_bytes
-    from engine.engine import Engine
     from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 
     bpt = tiny_runner.kv_bytes_per_token
     for isolation in (True, False):
-        engine = Engine(tiny_runner, isolation=isolation)
-        try:
-            timer, shown = timer_for(engine), []
-            for prompt_tokens in (47, 66):
-                with timer._scratch(prompt_tokens):  # what a visitor's no-reuse timing holds while it runs
-                    shown.append(memory_markdown(engine, [], "v-stranger" if isolation else None))
-                    exact = f"timing scratch buffers {fmt_bytes(prompt_tokens * bpt)} "
-                    assert (exact in shown[-1]) != isolation, shown[-1]
-            if isolation:
-                assert shown[0] == shown[1]
-                assert f"timing scratch buffers ≤{fmt_bytes(HIDDEN_BUCKET_TOKENS * bpt)} " in shown[0]
-        finally:
-            engine.close()
+        engine = make_engine(isolation=isolation)
+        timer, shown = timer_for(engine), []
+        for prompt_tokens in (47, 66):
+            with timer._scratch(prompt_tokens):  # what a visitor's no-reuse timing holds while it runs
+                shown.append(memory_markdown(engine, [], "v-stranger" if isolation else None))
+                exact = f"timing scratch buffers {fmt_bytes(prompt_tokens * bpt)} "
+                assert (exact in shown[-1]) != isolation, shown[-1]
+        if isolation:
+            assert shown[0] == shown[1]
+            assert f"timing scratch buffers ≤{fmt_bytes(HIDDEN_BUCKET_TOKENS * bpt)} " in shown[0]

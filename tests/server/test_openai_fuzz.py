@@ -20,7 +20,6 @@ from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
 import app
-from engine.engine import Engine
 from server.request_guard import RequestGuard
 from tests.helpers_app import assert_clean, wait_idle
 
@@ -57,14 +56,13 @@ raw = st.one_of(st.binary(max_size=200), st.sampled_from([b"[" * 5000, b"{" * 50
 
 
 @pytest.fixture(scope="module")
-def api(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=32)
+def api(make_module_engine):
+    engine = make_module_engine(isolation=True, max_new_tokens_cap=2, max_queue=32)
     fastapi = FastAPI(routes=app.server_routes(engine, max_per_client=0), middleware=[Middleware(RequestGuard)])
     with TestClient(fastapi, raise_server_exceptions=False) as client:
         yield client, engine
     wait_idle(engine)
     assert_clean(engine)
-    engine.close()
 
 
 def _check(response) -> None:

@@ -8,7 +8,6 @@ import plotly.graph_objects as go
 import pytest
 
 from components.views.tree_figures import SPILLED_LINE, snapshot_summary, tree_figure
-from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.types import GenerationRequest, NodeInfo, SamplingParams, TreeSnapshot
 
@@ -55,9 +54,9 @@ def test_no_legend_and_no_pattern_without_spilled_nodes():
     assert tree_figure(plain, view="icicle").data[0].marker.pattern.shape is None
 
 
-def test_a_real_offloaded_cache_draws_its_spilled_nodes(tiny_runner, tmp_path):
-    engine = Engine(tiny_runner, budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
-                    tier_dir=str(tmp_path))
+def test_a_real_offloaded_cache_draws_its_spilled_nodes(tiny_runner, tmp_path, make_engine):
+    engine = make_engine(budget_bytes=1000 * tiny_runner.kv_bytes_per_token, tier_bytes=2**24,
+                         tier_dir=str(tmp_path))
     engine.run(GenerationRequest(prompt_ids=tuple(range(100, 100 + 2 * CHUNK_TOKENS + 3)),
                                  sampling=SamplingParams(max_new_tokens=2)))
     engine.offload_cache()

@@ -23,15 +23,13 @@ from components.panels.growth_panel import curve_markdown
 from components.panels.overview_panel import key_numbers_html
 from components.views.timing_view import speed_card, turn_markdown
 from components.warm_start import chat_default, shipped_prefixes, warm_note, warm_start
-from engine.engine import Engine
 from engine.types import GenerationRequest
 
 
 @pytest.fixture
-def engine(tiny_runner):
-    e = Engine(tiny_runner, max_new_tokens_cap=6)
+def engine(make_engine):
+    e = make_engine(max_new_tokens_cap=6)
     yield e
-    e.close()
 
 
 def chat(engine, question, history, preset):

@@ -20,7 +20,7 @@ from engine.types import PUBLIC, CacheKey
 from server.remote.block_tree import BlockTree
 from server.remote.block_view import OTHERS, block_snapshot, owners
 from server.remote.kv_events import EventSource, KVEventSubscriber
-from tests.remote.test_kv_event_publisher import BS, Raw, prompts
+from tests.server.remote.test_kv_event_publisher import BS, Raw, prompts
 
 SECRET_NS = "v-9f3a77c2e1-alice"  # what a visitor's namespace looks like: it must never go out
 

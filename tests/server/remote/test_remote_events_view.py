@@ -13,7 +13,7 @@ from engine.types import EngineError
 from server.metrics import EngineMetrics
 from server.remote.engine import RemoteEngine
 from server.remote.kv_events import EventSource, KVEventSubscriber
-from tests.remote.test_kv_events import recorded
+from tests.server.remote.test_kv_events import recorded
 
 
 @pytest.fixture

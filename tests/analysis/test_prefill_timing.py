@@ -21,10 +21,7 @@ from analysis.prefill_timing import (
 )
 from engine.engine import Engine
 from engine.types import PUBLIC, CacheKey, EngineFault, GenerationRequest, SamplingParams
-
-
-def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.engines import rand_ids
 
 
 def shape(engine: Engine) -> list:
@@ -34,10 +31,9 @@ def shape(engine: Engine) -> list:
 
 
 @pytest.fixture
-def engine(tiny_runner):
-    e = Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+def engine(tiny_runner, make_engine):
+    e = make_engine(budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
     yield e
-    e.close()
 
 
 def run(engine: Engine, ids: list[int], public_len: int = 0) -> tuple[CacheKey, int]:
@@ -203,17 +199,13 @@ def test_growth_curve_measures_each_length_and_clears_its_filler(engine, tiny_ru
     assert engine.cache.locked_tokens() == 0
 
 
-def test_timer_for_keeps_one_timer_per_engine_with_the_deployment_policy(tiny_runner):
-    public = Engine(tiny_runner, isolation=True)
-    local = Engine(tiny_runner)
-    try:
-        assert timer_for(public) is timer_for(public) is not timer_for(local)
-        assert timer_for(public).policy == default_policy("cpu", True)
-        assert timer_for(public).policy.memo_min_tokens and not timer_for(local).policy.memo_min_tokens
-        assert default_policy("cpu", True).max_tokens < default_policy("cpu", False).max_tokens
-    finally:
-        public.close()
-        local.close()
+def test_timer_for_keeps_one_timer_per_engine_with_the_deployment_policy(make_engine):
+    public = make_engine(isolation=True)
+    local = make_engine()
+    assert timer_for(public) is timer_for(public) is not timer_for(local)
+    assert timer_for(public).policy == default_policy("cpu", True)
+    assert timer_for(public).policy.memo_min_tokens and not timer_for(local).policy.memo_min_tokens
+    assert default_policy("cpu", True).max_tokens < default_policy("cpu", False).max_tokens
 
 
 def test_the_timer_is_kept_by_the_analysis_and_dies_with_its_engine(tiny_runner, tokenizer):
@@ -223,9 +215,10 @@ def test_the_timer_is_kept_by_the_analysis_and_dies_with_its_engine(tiny_runner,
     import weakref
 
     from analysis.per_engine import _ANALYSIS
+    from engine.engine import Engine
     from server.remote.engine import RemoteEngine
 
-    engine = Engine(tiny_runner)
+    engine = Engine(tiny_runner)  # by hand: the test drops it
     timer = timer_for(engine)
     assert not hasattr(engine, "prefill_timer") and not hasattr(engine, "attachment")
     assert timer.engine is engine and engine in _ANALYSIS
@@ -289,20 +282,18 @@ def test_scratch_buffers_are_counted_and_bounded(engine, tiny_runner):
     assert timer.peak_scratch_bytes <= timer.scratch_bound_bytes
 
 
-def test_on_a_shared_deployment_shipped_content_leaves_half_the_cache_to_visitors(tiny_runner):
+def test_on_a_shared_deployment_shipped_content_leaves_half_the_cache_to_visitors(tiny_runner, make_engine):
     """A visitor never evicts shipped content, so a warm start that filled a small pool with it
     would lock every visitor out (issue #27: RADIX_ISOLATE=1 RADIX_CACHE_BUDGET_MB=64 answered 400)."""
-    from engine.engine import Engine
     from engine.types import PUBLIC, CacheKey, GenerationRequest, SamplingParams
 
-    engine = Engine(tiny_runner, budget_bytes=400 * tiny_runner.kv_bytes_per_token, isolation=True)
+    engine = make_engine(budget_bytes=400 * tiny_runner.kv_bytes_per_token, isolation=True)
     blocks = [tuple(range(100 + 150 * i, 250 + 150 * i)) for i in range(4)]  # 600 shipped tokens, pool of 400
     warmed = timer_for(engine).warm([(f"block {i}", CacheKey(b, PUBLIC, len(b))) for i, b in enumerate(blocks)])
     assert engine.stats().cached_tokens_now <= 200 and warmed[0].skipped is None and warmed[-1].skipped
     visitor = GenerationRequest(prompt_ids=tuple(range(2000, 2180)), namespace="v-alice",
                                 sampling=SamplingParams(max_new_tokens=4))
     assert len(engine.run(visitor).output_ids) == 4  # answered, not refused for room
-    engine.close()
 
 
 def _logits_of(runner, cache, key: CacheKey, cached: int, block: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ from engine.engine import Engine
 
 
 @pytest.fixture(scope="module")
-def engine(real_runner) -> Engine:
-    return Engine(real_runner)
+def engine(real_runner, make_module_engine) -> Engine:
+    return make_module_engine(real_runner)
 
 
 @pytest.mark.slow

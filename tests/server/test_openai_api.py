@@ -30,9 +30,9 @@ def client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_runner):
+def shared(make_module_engine):
     """One engine with isolation off (local use) and its served app."""
-    engine = Engine(tiny_runner, budget_bytes=64 * 2**20, max_new_tokens_cap=64)
+    engine = make_module_engine(budget_bytes=64 * 2**20, max_new_tokens_cap=64)
     with served(engine) as url:
         yield engine, url, engine.info().model_name
 
@@ -135,9 +135,9 @@ def test_cache_salts_share_within_a_salt_only(shared):
     assert engine.recent()[-1].namespace == PUBLIC
 
 
-def test_without_a_salt_an_isolated_server_shares_nothing(tiny_runner):
-    engine = Engine(tiny_runner, budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
-    other = Engine(tiny_runner, isolation=True)
+def test_without_a_salt_an_isolated_server_shares_nothing(make_engine):
+    engine = make_engine(budget_bytes=16 * 2**20, isolation=True, max_new_tokens_cap=8)
+    other = make_engine(isolation=True)
     names = [e.namespace_for(api_visitor("", s)) for e, s in ((engine, None), (engine, None), (engine, "x"),
                                                               (engine, "x"), (other, "x"))]
     assert names[0] != names[1] and names[2] == names[3] == names[4]  # one secret per process
@@ -189,8 +189,8 @@ def test_raw_bodies_that_are_not_json(shared):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_full_queue_answers_503(tiny_runner):
-    engine = Engine(tiny_runner, max_queue=1, max_new_tokens_cap=8)
+def test_a_full_queue_answers_503(tiny_runner, make_engine):
+    engine = make_engine(max_queue=1, max_new_tokens_cap=8)
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=2))
     with served(engine) as url:
         handles = []
@@ -223,8 +223,8 @@ def test_not_ready_answers_503():
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_request(tiny_runner):
-    engine = Engine(tiny_runner, budget_bytes=16 * 2**20, max_new_tokens_cap=900)
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(tiny_runner, make_engine):
+    engine = make_engine(budget_bytes=16 * 2**20, max_new_tokens_cap=900)
     with served(engine) as url:
         body = {"model": engine.info().model_name, "prompt": "Once upon a time", "max_tokens": 900,
                 "temperature": 0, "stream": True}
@@ -271,8 +271,8 @@ def assert_clean_after(engine: Engine) -> None:
 
 
 @pytest.mark.slow
-def test_real_model_chat_reuses_its_prefix(real_runner):
-    engine = Engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=16)
+def test_real_model_chat_reuses_its_prefix(real_runner, make_engine):
+    engine = make_engine(real_runner, budget_bytes=256 * 2**20, max_new_tokens_cap=16)
     with served(engine) as url:
         c, model = client(url), engine.info().model_name
         first = chat(c, model, "Name one colour.", max_tokens=8)
@@ -317,10 +317,10 @@ def test_metrics_count_cache_queries_hits_and_latencies(shared):
     assert after["radix_generation_tokens_total"] >= 4
 
 
-def test_each_app_has_its_own_metrics_registry(tiny_runner):
+def test_each_app_has_its_own_metrics_registry(make_engine):
     from server.metrics import EngineMetrics
 
-    a, b = Engine(tiny_runner, max_new_tokens_cap=2), Engine(tiny_runner, max_new_tokens_cap=2)
+    a, b = make_engine(max_new_tokens_cap=2), make_engine(max_new_tokens_cap=2)
     a.run(GenerationRequest(prompt="only in a", sampling=SamplingParams(max_new_tokens=1)))
     text_a, text_b = EngineMetrics(lambda: a).text().decode(), EngineMetrics(lambda: b).text().decode()
     assert "radix_time_to_first_token_seconds_count 1.0" in text_a
