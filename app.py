@@ -66,13 +66,18 @@ def load_routing_lab(path: str) -> dict:
 def build_app(engine, max_queue: int = 32, routing_lab: dict | None = None):
     """The Blocks with the queue a public page needs: at most 16 events run at once and
     ``4 * max_queue`` wait; beyond that Gradio answers "queue full", and the engine's own
-    queue (``max_queue``) answers a friendly "busy" warning. ``routing_lab``: a report for the
-    Fleet tab (``load_routing_lab``)."""
+    queue (``max_queue``) answers a friendly "busy" warning. On a public deployment
+    (isolation) the queue is fair by address (``server.page_queue``): one address may hold
+    ``share_of(max_queue)`` waiting events, in turns with everyone else's, so it cannot lock
+    the others out. ``routing_lab``: a report for the Fleet tab (``load_routing_lab``)."""
     from components.demo import build_demo
     from components.panels.hardening import harden
+    from server.page_queue import fair_queue, share_of
 
     demo = harden(build_demo(engine, routing_lab=routing_lab))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)
+    if engine.isolation:
+        fair_queue(demo, share_of(max_queue))
     calm_queue(demo)
     return demo
 

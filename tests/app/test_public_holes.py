@@ -5,11 +5,19 @@ failed before its fix (docs/SECURITY.md lists them)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+
+import httpx
+import pytest
 import torch
 
 from analysis.prefill_timing import PrefillTimer, TimingPolicy
+from components.chat_presets import DEFAULT_SYSTEM
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
+from tests.helpers_app import assert_clean, free_port, wait_idle
 
 A_NS, B_NS = "v-aaaa/s-1", "v-bbbb/s-1"
 
@@ -46,3 +54,88 @@ def test_1_no_reuse_memo_is_never_read_by_another_visitor(tiny_runner):
         assert timer.time_pairs(key_a2, cached_a2).full_from_memo
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def public_app(tiny_runner):
+    """The app as a Space runs it: isolation, visitors told apart by ``X-Forwarded-For``."""
+    old = os.environ.get("SYSTEM")
+    os.environ["SYSTEM"] = "spaces"
+    import app
+    from components.demo import launch_kwargs
+
+    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=8)
+    demo = app.build_app(engine, 8)
+    try:
+        demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
+                    **launch_kwargs(app.app_kwargs(engine)))
+        try:
+            yield demo.local_url, engine, demo
+        finally:
+            demo.close()
+        wait_idle(engine)
+        assert_clean(engine)
+    finally:
+        engine.close()
+        if old is None:
+            os.environ.pop("SYSTEM", None)
+        else:
+            os.environ["SYSTEM"] = old
+
+
+def _from(address: str) -> dict:
+    return {"x-forwarded-for": address}
+
+
+def _call_chat(client: httpx.Client, address: str, text: str) -> httpx.Response:
+    return client.post("gradio_api/call/chat", headers=_from(address),
+                       json={"data": [text, [], DEFAULT_SYSTEM, "", 2, False]})
+
+
+# ------------------------------------------------------------------ 2. one address fills the page's queue
+def test_2_one_address_cannot_lock_the_others_out_of_the_page_queue(public_app):
+    """While the queue dispatches nothing (every worker busy), one address posts 40 chat events:
+    past its share it is told how many it already has waiting; another address still gets in,
+    and its event waits ahead of the flooder's later ones (turns by address)."""
+    from server.page_queue import origin_of_event, share_of
+
+    url, engine, demo = public_app
+    share = share_of(8)
+    demo_queue = demo._queue
+    demo_queue.get_events = lambda: None  # the dispatcher takes nothing while the flood arrives
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            statuses = [_call_chat(client, "203.0.113.7", f"flood {i}") for i in range(40)]
+            accepted = [r for r in statuses if r.status_code == 200]
+            refused = [r for r in statuses if r.status_code != 200]
+            assert len(accepted) == share, [r.status_code for r in statuses]
+            assert all(r.status_code == 503 for r in refused)
+            assert f"you already have {share} requests waiting" in refused[0].json()["detail"].lower()
+            other = _call_chat(client, "198.51.100.20", "my own question")
+            assert other.status_code == 200, other.text
+            waiting = [e for q in demo_queue.event_queue_per_concurrency_id.values() for e in q.queue]
+            order = [origin_of_event(e) for e in waiting]
+            assert order.index("198.51.100.20") == 1, order  # after the flooder's first, before its second
+    finally:
+        del demo_queue.get_events
+    with httpx.Client(base_url=url, timeout=120) as client:
+        event_id = other.json()["event_id"]
+        stream = client.get(f"gradio_api/call/chat/{event_id}", headers=_from("198.51.100.20")).text
+    assert "event: complete" in stream, stream[-400:]
+    wait_idle(engine)
+
+
+# ------------------------------------------------------------------ 4. echo with a lone surrogate
+def test_4_echo_of_a_lone_surrogate_is_answered_and_the_connection_stays_usable(public_app, caplog):
+    url = public_app[0]
+    body = '{"prompt":"\\ud800 lone","max_tokens":2,"echo":true,"logprobs":1}'
+    with httpx.Client(base_url=url, timeout=60) as client, caplog.at_level(logging.INFO):
+        r = client.post("v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 200:
+            assert json.loads(r.text)["choices"][0]["text"].startswith("\ud800 lone")
+        else:
+            assert "\n" not in r.json()["error"]["message"]
+        again = client.post("v1/completions", json={"prompt": "Hello", "max_tokens": 2})  # same connection
+        assert again.status_code == 200, again.text
+    assert "Traceback" not in caplog.text and "UnicodeEncodeError" not in caplog.text
