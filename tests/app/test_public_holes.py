@@ -139,3 +139,29 @@ def test_4_echo_of_a_lone_surrogate_is_answered_and_the_connection_stays_usable(
         again = client.post("v1/completions", json={"prompt": "Hello", "max_tokens": 2})  # same connection
         assert again.status_code == 200, again.text
     assert "Traceback" not in caplog.text and "UnicodeEncodeError" not in caplog.text
+
+
+# ------------------------------------------------------------------ 3. the Scheduler tab's "others" bars
+def test_3_scheduler_tab_shows_nothing_of_another_visitors_forwards(tiny_runner):
+    """B streams while A's long prompt and 7-token answer share B's forwards: B's timeline has B's
+    own bars only, and the batch size of a shared forward is coarse (it would count A's chunks)."""
+    from components.panels.scheduler_panel import timeline_figure
+
+    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+    try:
+        reqs = [GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS,
+                                  sampling=SamplingParams(max_new_tokens=6)),
+                GenerationRequest(prompt_ids=tuple(range(60, 126)), namespace=A_NS,
+                                  sampling=SamplingParams(max_new_tokens=7))]
+        with tiny_runner.lock:
+            handles = [engine.submit(r) for r in reqs]
+        mine = [list(h)[-1].metrics for h in handles][0]
+        steps = engine.step_log()
+        assert any(A_NS in r.namespaces and B_NS in r.namespaces for r in steps)  # they did share forwards
+        fig = timeline_figure(steps, namespace=B_NS)
+        bars = [(y, t) for trace in fig.data for y, t in zip(trace.y, trace.hovertext, strict=True)]
+        assert {y for y, _ in bars} == {f"#{mine.request_id}"}
+        assert len(bars) == sum(mine.request_id in r.request_ids for r in steps)
+        assert not any("another visitor" in t or "for 2 request(s)" in t for _, t in bars)
+    finally:
+        engine.close()
