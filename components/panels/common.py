@@ -27,6 +27,7 @@ from components.views.format import (
     reuse_words,
 )
 from engine.types import EngineError, GenerationEvent, RequestMetrics
+from engine.visibility import Audience
 
 CACHED, COMPUTED = "cached", "computed"
 __all__ = ["TOKEN_COLORS", "highlighted_prompt", "metrics_markdown", "status_markdown", "playground_history",
@@ -194,6 +195,12 @@ def status_markdown(event: GenerationEvent | None, waited_s: float = 0.0) -> str
         return "*Done.*"
     words = len(event.text.split())
     return f"*Writing the answer… ({plural(words, 'word')} so far)*"
+
+
+def audience_of(engine) -> Audience:
+    """Who reads this engine's page: a public deployment (isolation) or the operator's own
+    (``engine.visibility``: everyone's figures are coarse or withheld on the first)."""
+    return Audience(public=bool(engine.isolation), bytes_per_token=engine.info().kv_bytes_per_token)
 
 
 def warn(exc: Exception) -> None:

@@ -13,7 +13,7 @@ import gradio as gr
 from analysis.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
 from analysis.no_reuse import no_reuse_for
 from analysis.prefill_timing import timer_for
-from components.panels.common import history_refresh, playground_history, totals, warn
+from components.panels.common import audience_of, history_refresh, playground_history, totals, warn
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from components.views.charts import hit_rate_figure, memory_gauge
@@ -198,7 +198,8 @@ def build_memory_panel(engine: EngineAPI, active: bool = False) -> LiveView:
         title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
         gauge_fig = (None if not engine.capabilities.local_cache else
                      memory_gauge(cache_figures(engine, ns), everyone=engine.isolation))
-        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title)
+        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title,
+                                                                             audience=audience_of(engine))
 
     refresh = history_refresh(engine, draw, 3)
 

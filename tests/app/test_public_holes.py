@@ -165,3 +165,26 @@ def test_3_scheduler_tab_shows_nothing_of_another_visitors_forwards(tiny_runner)
         assert not any("another visitor" in t or "for 2 request(s)" in t for _, t in bars)
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------ 5. the Cache memory tab's bytes
+def test_5_cache_memory_chart_does_not_count_another_visitors_tokens(tiny_runner):
+    """Between B's two requests A caches a 47- or a 66-token prompt: B's hit-rate chart (its cache
+    line is everyone's KV) reads the same either way on a public deployment."""
+    from components.panels.common import audience_of
+    from components.views.charts import hit_rate_figure
+
+    drawn = []
+    for a_len in (47, 66):
+        engine = Engine(tiny_runner, isolation=True)
+        try:
+            sp = SamplingParams(max_new_tokens=2)
+            engine.run(GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS, sampling=sp))
+            engine.run(GenerationRequest(prompt_ids=tuple(range(100, 100 + a_len)), namespace=A_NS, sampling=sp))
+            engine.run(GenerationRequest(prompt_ids=tuple(range(30, 56)), namespace=B_NS, sampling=sp))
+            mine = [m for m in engine.recent() if m.namespace == B_NS]
+            fig = hit_rate_figure(mine, audience=audience_of(engine))
+            drawn.append([tr.y for tr in fig.data if tr.name.startswith("cache MiB")])
+        finally:
+            engine.close()
+    assert drawn[0] == drawn[1], drawn
