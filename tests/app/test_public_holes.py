@@ -188,3 +188,34 @@ def test_5_cache_memory_chart_does_not_count_another_visitors_tokens(tiny_runner
         finally:
             engine.close()
     assert drawn[0] == drawn[1], drawn
+
+
+# ------------------------------------------------------------------ 6. the Fleet tab's server-wide figures
+def _fleet(others_tokens: int, others_hits: float, others_running: float, others_landed: int):
+    from engine.types import FleetRequest, FleetView, ReplicaView, TreeSnapshot
+
+    empty = TreeSnapshot((), 0, 0, 0, 0, 0, 0, origin="events")
+    replicas = tuple(ReplicaView(f"http://127.0.0.1:800{i}", empty, 32, (64 + others_tokens) // 32,
+                                 64 + others_tokens, True, 1 + others_landed, others_hits, others_running)
+                     for i in range(2))
+    mine = (FleetRequest(1, 70, 0, "gained", 0, 0, 0, None, namespace=B_NS),)  # B's own request only
+    held = 2 * (64 + others_tokens)
+    return FleetView(replicas, mine, held, held - 64, 64, 64, 512.0, 64 * 512)
+
+
+def test_6_fleet_tab_shows_a_stranger_no_exact_server_wide_figure():
+    """Another visitor's requests (more tokens held, another hit rate, one more running and
+    landed) do not change what B reads of the fleet on a public deployment; "of yours" counts
+    B's own requests, not everyone's."""
+    from components.views.fleet_tables import duplication_line, landed_of, replica_title, replicas_table
+    from engine.visibility import Audience
+
+    public = Audience(public=True, bytes_per_token=512)
+    read = []
+    for fleet in (_fleet(32, 0.25, 1.0, 0), _fleet(60, 0.75, 2.0, 5)):
+        yours = landed_of(fleet)
+        read.append([replica_title(i, r, public, yours[i]) for i, r in enumerate(fleet.replicas)]
+                    + [replicas_table(fleet, public, yours), duplication_line(fleet, public)])
+    assert read[0] == read[1], read
+    assert "1 of yours landed here" in read[0][0] and "0 of yours landed here" in read[0][1]
+    assert "hit rate not shown" in read[0][0]
