@@ -55,6 +55,7 @@ from engine.types import (
     StepRecord,
     TreeSnapshot,
 )
+from engine.visibility import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class Engine(FacadeBase):
         self._submit_lock = threading.Lock()
         self._in_hand: list[RequestHandle] = []  # the worker's handles between the inbox and the scheduler
         self._stats_lock = threading.Lock()
-        self._next_id = 1
+        self._submitted = 0  # requests accepted for validation so far (ids are random: ``new_request_id``)
         self._seq = 0
         self._start_records(c.history_size, self._stats_lock)
         config = SchedulerConfig(max_batch=c.max_batch, isolation=c.isolation,
@@ -157,8 +158,8 @@ class Engine(FacadeBase):
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         validation.check_logprobs(request)
         with self._stats_lock:
-            rid = self._next_id
-            self._next_id += 1
+            rid = new_request_id()
+            self._submitted += 1
         handle = RequestHandle(request, ids, rid)
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
         with self._submit_lock:  # the counts and the put as one: two submits cannot both take the last place

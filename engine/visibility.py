@@ -2,7 +2,8 @@
 
 Owns: ``Whose`` (the viewer's own work, shipped content, or everyone's), ``Figure`` (a value that
 says whose it is and in what unit) with its constructors ``own``, ``shipped`` and ``everyone``,
-and ``Audience.show`` (what one reader sees of a figure):
+``Audience.show`` (what one reader sees of a figure), and ``new_request_id`` (ids that count
+nobody else's requests):
 
     whose      private deployment    public deployment (isolation)
     own        exact                 exact
@@ -23,6 +24,7 @@ fails on a figure field read without one). Pure: no UI, no engine state; the buc
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from enum import Enum
 
@@ -110,5 +112,12 @@ class Audience:
         return Shown(None, exact=False, withheld=True)
 
 
+def new_request_id() -> int:
+    """A request's id: random (48 bits, exact in a browser's numbers), so the ids a visitor sees
+    of their own requests say nothing of how many others were sent between them (a global
+    counter's gaps did, issue 58). Ids are compared for equality only, never ordered."""
+    return secrets.randbits(48) | 1 << 47  # never small: a test or a label cannot mistake it for a count
+
+
 __all__ = ["COUNT_BUCKET", "HIDDEN_BUCKET_TOKENS", "Audience", "Figure", "Shown", "Unit", "Whose", "coarse_count",
-           "everyone", "own", "shipped"]
+           "everyone", "new_request_id", "own", "shipped"]

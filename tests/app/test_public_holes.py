@@ -219,3 +219,49 @@ def test_6_fleet_tab_shows_a_stranger_no_exact_server_wide_figure():
     assert read[0] == read[1], read
     assert "1 of yours landed here" in read[0][0] and "0 of yours landed here" in read[0][1]
     assert "hit rate not shown" in read[0][0]
+
+
+# ------------------------------------------------------------------ 7. request ids, and the fair share
+def test_7_request_ids_do_not_count_other_visitors_requests(tiny_runner):
+    engine = Engine(tiny_runner, isolation=True)
+    try:
+        sp = SamplingParams(max_new_tokens=1)
+        before = engine.run(GenerationRequest(prompt_ids=(5, 6, 7), namespace=B_NS, sampling=sp)).request_id
+        for i in range(5):  # A's requests between two of B's
+            engine.run(GenerationRequest(prompt_ids=(8, 9, 10 + i), namespace=A_NS, sampling=sp))
+        after = engine.run(GenerationRequest(prompt_ids=(5, 6, 8), namespace=B_NS, sampling=sp)).request_id
+        ids = [m.request_id for m in engine.recent()]
+        assert len(set(ids)) == len(ids) == 7
+        assert abs(after - before) > 2**20 or after - before not in range(1, 8)  # no gap to read
+        assert min(ids) >= 2**47  # never a small count
+    finally:
+        engine.close()
+
+
+def _b_keeps_after_a_asks(tiny_runner, a_len: int) -> int:
+    """B fills the cache over its share with 24-token prompts; A (a newcomer) asks ``a_len``
+    tokens; how many of B's prompt tokens are still cached, as B's next ``cached_tokens`` say."""
+    from engine.types import CacheKey
+
+    engine = Engine(tiny_runner, isolation=True, budget_bytes=1200 * tiny_runner.kv_bytes_per_token)
+    try:
+        sp = SamplingParams(max_new_tokens=1)
+        capacity = engine.cache.pool.capacity
+        prompts = []
+        i = 0
+        while engine.stats().cached_tokens_now + 30 < capacity:
+            ids = (1000 + i,) + tuple(range(2000 + 30 * i, 2000 + 30 * i + 23))
+            engine.run(GenerationRequest(prompt_ids=ids, namespace=B_NS, sampling=sp))
+            prompts.append(ids)
+            i += 1
+        engine.run(GenerationRequest(prompt_ids=tuple(range(5000, 5000 + a_len)), namespace=A_NS, sampling=sp))
+        return sum(engine.cache.match_len(CacheKey(p, B_NS)) for p in prompts)
+    finally:
+        engine.close()
+
+
+def test_7_a_visitor_over_its_share_reads_a_newcomers_length_only_in_buckets(tiny_runner):
+    """What B still finds cached after A's question (the room came from B, over its share) is the
+    same for a 47- and a 66-token question: whole buckets went, never exactly A's tokens."""
+    kept = [_b_keeps_after_a_asks(tiny_runner, n) for n in (47, 66)]
+    assert kept[0] == kept[1], kept
