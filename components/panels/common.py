@@ -27,7 +27,7 @@ from components.views.format import (
     reuse_words,
 )
 from engine.types import EngineError, GenerationEvent, RequestMetrics
-from engine.visibility import Audience
+from engine.visibility import Audience, everyone
 
 CACHED, COMPUTED = "cached", "computed"
 __all__ = ["TOKEN_COLORS", "highlighted_prompt", "metrics_markdown", "status_markdown", "playground_history",
@@ -156,8 +156,8 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
         notes.append(note)
     if getattr(m, "prefill_shared_step", False):
         notes.append("Part of this prefill ran in the same steps as other requests' decoding, so it reads high.")
-    if getattr(m, "batch_size_max", 1) > 1:
-        notes.append(f"It ran batched with other requests (up to {m.batch_size_max} at once).")
+    if (everyone(getattr(m, "batch_size_max", 1)).value or 1) > 1:  # how many others: not said (everyone's)
+        notes.append("It ran batched with other requests.")
     if baseline_skipped:
         notes.append(baseline_skipped)
     elif m.baseline_prefill_ms is None and m.finish_reason != "cancelled":

@@ -13,8 +13,8 @@ import plotly.graph_objects as go
 
 from components.views.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, MiB, empty_figure, styled
 from components.views.format import reuse_words
-from engine.types import EngineStats, RequestMetrics
-from engine.visibility import Audience, Unit, everyone
+from engine.types import RequestMetrics
+from engine.visibility import Audience, Figure, Unit, everyone
 
 PRIVATE = Audience(public=False)  # the operator's own page: every figure exact
 
@@ -48,11 +48,15 @@ def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[
     return fig
 
 
-def memory_gauge(stats: EngineStats, height: int = 260, everyone: bool = False) -> go.Figure:
-    """Bytes of KV in use against the budget (``everyone``: say it counts every visitor's): the
-    pool holds all of it, the tree's part (dark) and running requests' own (the bar's rest)."""
-    used, budget = stats.cache_bytes / MiB, max(stats.budget_bytes, 1) / MiB
-    tree = min(stats.tree_bytes / MiB, used) if stats.tree_bytes else 0.0
+def memory_gauge(used_kv: Figure, budget_kv: Figure, tree_kv: Figure | None = None, audience: Audience = PRIVATE,
+                 height: int = 260) -> go.Figure:
+    """Bytes of KV in use against the budget (declared figures: on a public page, ``audience``,
+    everyone's KV shows in 256-token buckets and the tree's part not at all): the pool holds all
+    of it, the tree's part (dark) and running requests' own (the bar's rest)."""
+    everyone = audience.public
+    used, budget = (audience.show(used_kv).value or 0) / MiB, max(audience.show(budget_kv).value or 0, 1) / MiB
+    tree_bytes = audience.show(tree_kv).value if tree_kv is not None and not everyone else None
+    tree = min(tree_bytes / MiB, used) if tree_bytes else 0.0
     steps = [dict(range=[0, budget], color="#f1f5f9")]
     if tree and not everyone:
         steps.append(dict(range=[0, tree], color="#bbf7d0"))

@@ -70,8 +70,8 @@ def landed_of(view: FleetView) -> list[int]:
 
 def _held(r: ReplicaView, audience: Audience) -> tuple[str, str]:
     tokens = fmt_figure(everyone(r.tokens_held, Unit.TOKENS), audience)
-    blocks = r.blocks_held if not audience.public else None  # a block count is tokens by another name
-    return tokens, fmt_figure(everyone(blocks, Unit.COUNT), audience) if blocks is not None else "some"
+    blocks = everyone(r.blocks_held, Unit.TOKENS)  # a block count is tokens by another name: withheld publicly
+    return tokens, "some" if audience.public else fmt_figure(blocks, audience)
 
 
 def replica_title(i: int, r: ReplicaView, audience: Audience = PRIVATE, yours: int | None = None) -> str:
@@ -109,8 +109,8 @@ def replicas_table(view: FleetView, audience: Audience = PRIVATE, yours: list[in
             "|---|---|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(view.replicas):
         hit = _hit(everyone(r.hit_rate), audience, "unknown")
-        running = (fmt_figure(everyone(round(r.running), Unit.COUNT), audience) if r.running is not None
-                   else "unknown")
+        now = everyone(r.running, Unit.COUNT)
+        running = fmt_figure(everyone(round(now.value), Unit.COUNT), audience) if now.value is not None else "unknown"
         state = STATE_WORDS.get(r.state, r.state) + _since(r)
         known = r.state == "live" and r.events_alive
         tokens, blocks = _held(r, audience)
@@ -145,19 +145,20 @@ def requests_table(view: FleetView, last: int = 12) -> str:
 
 def duplication_line(view: FleetView, audience: Audience = PRIVATE) -> str:
     """How much of what the fleet holds is held more than once, and what that costs (everyone's)."""
-    if not view.tokens_held:
+    held, copies = everyone(view.tokens_held, Unit.TOKENS), everyone(view.duplicate_copy_tokens, Unit.TOKENS)
+    if not held.value:
         return "**Duplication:** nothing cached on any replica yet."
     if audience.public:  # what every visitor's prompts made of the fleet: the operator's figures
-        return (f"**Duplication:** the replicas hold {fmt_figure(everyone(view.tokens_held, Unit.TOKENS), audience)} "
-                f"tokens, {fmt_figure(everyone(view.duplicate_copy_tokens, Unit.TOKENS), audience)} of them extra "
-                "copies (everyone's, in 256-token steps on a public page).")
-    share = view.duplicate_copy_tokens / view.tokens_held
-    cost = (f" = **{fmt_figure(everyone(view.duplicate_bytes, Unit.BYTES), audience)}** of KV "
-            f"({view.kv_bytes_per_token:,.0f} bytes per token, from the replicas' /metrics)"
-            if view.duplicate_bytes is not None
+        return (f"**Duplication:** the replicas hold {fmt_figure(held, audience)} tokens, "
+                f"{fmt_figure(copies, audience)} of them extra copies (everyone's, in 256-token steps on a public "
+                "page).")
+    share = copies.value / held.value
+    cost_bytes = everyone(view.duplicate_bytes, Unit.BYTES)
+    cost = (f" = **{fmt_figure(cost_bytes, audience)}** of KV ({view.kv_bytes_per_token:,.0f} bytes per token, from "
+            "the replicas' /metrics)" if cost_bytes.value is not None
             else " (bytes unknown: the replicas do not say their KV bytes per token; tokens only)")
-    return (f"**Duplication:** the replicas hold {fmt_figure(everyone(view.tokens_held, Unit.TOKENS), audience)} "
-            f"tokens, {fmt_figure(everyone(view.tokens_distinct, Unit.TOKENS), audience)} distinct; "
+    return (f"**Duplication:** the replicas hold {fmt_figure(held, audience)} tokens, "
+            f"{fmt_figure(everyone(view.tokens_distinct, Unit.TOKENS), audience)} distinct; "
             f"{fmt_figure(everyone(view.tokens_on_several, Unit.TOKENS), audience)} tokens are held on more than one "
-            f"replica, so **{fmt_figure(everyone(view.duplicate_copy_tokens, Unit.TOKENS), audience)} "
-            f"tokens** ({fmt_pct(share)} of what the fleet holds) are extra copies{cost}.")
+            f"replica, so **{fmt_figure(copies, audience)} tokens** ({fmt_pct(share)} of what the fleet holds) are "
+            f"extra copies{cost}.")
