@@ -19,7 +19,8 @@ totals over the shown forwards, the KV held by running requests) shows only the
 oracle. Only a figure made of the viewer's own work alone is exact. Others' bars are not drawn
 at all (issue 58: one "others" bar per shared forward counted another visitor's prompt chunks
 and answer tokens), and every figure goes through ``engine.visibility``: a forward's batch
-size, the requests running and waiting and the decode batch sizes are everyone's, coarse.
+size, the requests running and waiting and the decode batch sizes are everyone's, coarse, and
+no step number is shown (the step counter counts everyone's forwards).
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             s["y"].append(row)
             from_cache = f", {cached} from cache" if rec.cached_tokens else ""
             who = "another visitor's request" if row == OTHERS_ROW else f"request #{rid}{' (yours)' if mine else ''}"
-            s["text"].append(f"{who}<br>{LABELS[kind]} in step "
-                             f"{rec.step_id}, one forward for {batch} request(s)<br>"
+            step = "" if audience.public else f" in step {rec.step_id}"  # the step counter counts everyone's
+            s["text"].append(f"{who}<br>{LABELS[kind]}{step}, one forward for {batch} request(s)<br>"
                              f"{computed} tokens computed in it{from_cache}<br>{rec.duration_ms:.0f} ms")
     for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
         fig.add_trace(go.Bar(

@@ -85,9 +85,10 @@ def test_other_visitors_token_counts_are_coarse_in_isolation(tiny_runner):
     own = [r for r in steps if set(r.namespaces) == {"v-me"} and alone.request_id in r.request_ids]
     assert shared and own
     texts = [t for trace in timeline_figure(steps, namespace="v-me").data for t in trace.hovertext]
+    assert not any(" in step " in t for t in texts)  # the step counter counts everyone's forwards
 
     def shown(rec) -> list[str]:
-        return [t for t in texts if f" in step {rec.step_id}," in t]
+        return [t for trace in timeline_figure([rec], namespace="v-me").data for t in trace.hovertext]
 
     for rec in shared:
         assert shown(rec) and all("≤256 tokens computed" in t for t in shown(rec)), shown(rec)
