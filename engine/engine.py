@@ -287,6 +287,17 @@ class Engine(FacadeBase):
         self.cache.check_invariants()
 
     # ---------------------------------------------------------------- worker
+    def cancel_all(self) -> int:
+        """Cancel every request submitted and not finished (a shutdown: SIGTERM); each ends as
+        ``cancelled`` at the next step, its locks freed. Returns how many were asked."""
+        with self._queue.mutex:
+            handles = [h for h in self._queue.queue if h is not _STOP]
+        handles += [h for h in list(self._in_hand) if h is not _STOP]
+        handles += [r.handle for r in [*list(self.scheduler.running), *list(self.scheduler.waiting)]]
+        for h in handles:
+            h.cancel()
+        return len(handles)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker once the requests already submitted are done; later submits raise
         ``EngineError``. For command lines that build engines one after another."""
