@@ -24,8 +24,11 @@ with everything kept for them, their state included, and the analytics records a
 ``MAX_ANALYTICS``: what the page holds no longer grows with the events it has served (issue 58's
 soak grew 15 MiB a minute).
 
-What runs is not counted here: a running event holds no waiting place (the engine caps each
-address's requests in its own inbox, ``Engine.max_waiting_per_owner``). Knows nothing about
+- and of a function's running places (its concurrency limit, 16) one address takes at most
+  ``running_cap`` (12), so another address's event starts at once (``fair_get_events``).
+
+A running event holds no waiting place (the engine caps each address's requests in its own
+inbox too, ``Engine.max_waiting_per_owner``). Knows nothing about
 the panels or the engine; reaches into Gradio's ``Queue`` only through ``push`` and its
 per-function lists of waiting events (``event_queue_per_concurrency_id``), read in Gradio
 6.31.
@@ -109,7 +112,49 @@ def fair_queue(demo, share: int = DEFAULT_SHARE) -> None:
         return ok, event_id, state
 
     queue.push = fair_push
+    queue.get_events = functools.partial(fair_get_events, queue)
     queue.__fair_share__ = share
+
+
+def running_cap(limit: int | None) -> int | None:
+    """Running events of one function one address may hold: all but a quarter of its concurrency
+    limit (12 of 16), kept for whoever arrives, as the scheduler keeps rows (``owner_row_cap``)."""
+    return None if limit is None else max(1, limit - max(1, limit // 4))
+
+
+def fair_get_events(queue):
+    """Gradio's dispatcher step (``Queue.get_events``, read in Gradio 6.31), fair by address: the
+    first waiting event (in turns, ``in_turns``) whose address holds fewer than ``running_cap`` of
+    that function's running events is started. Without this one address's events could take every
+    running place of a function, and another address's first event, first in line, still waited
+    for one of theirs to end. Batched functions are Gradio's own way."""
+    import random
+
+    running: Counter = Counter()
+    for job in list(queue.active_jobs):
+        for event in job or ():
+            running[(event.concurrency_id, origin_of_event(event))] += 1
+    ids = list(queue.event_queue_per_concurrency_id.keys())
+    random.shuffle(ids)
+    for concurrency_id in ids:
+        event_queue = queue.event_queue_per_concurrency_id[concurrency_id]
+        limit = event_queue.concurrency_limit
+        if not event_queue.queue or (limit is not None and event_queue.current_concurrency >= limit):
+            continue
+        cap = running_cap(limit)
+        for event in event_queue.queue:
+            if event.fn.batch:
+                break
+            if cap is None or running[(concurrency_id, origin_of_event(event))] < cap:
+                event_queue.queue.remove(event)
+                return [event], False, concurrency_id
+        if event_queue.queue and event_queue.queue[0].fn.batch:
+            first = event_queue.queue[0]
+            events = [first] + [e for e in event_queue.queue[1:] if e.fn == first.fn][: first.fn.max_batch_size - 1]
+            for event in events:
+                event_queue.queue.remove(event)
+            return events, True, concurrency_id
+    return None
 
 
 SESSION_IDLE_S = 20 * 60.0  # a session with no event for this long is dropped (a tab's timers keep theirs)

@@ -102,6 +102,7 @@ def test_2_one_address_cannot_lock_the_others_out_of_the_page_queue(public_app):
     url, engine, demo = public_app
     share = share_of(8)
     demo_queue = demo._queue
+    fair_dispatch = demo_queue.get_events
     demo_queue.get_events = lambda: None  # the dispatcher takes nothing while the flood arrives
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -117,7 +118,7 @@ def test_2_one_address_cannot_lock_the_others_out_of_the_page_queue(public_app):
             order = [origin_of_event(e) for e in waiting]
             assert order.index("198.51.100.20") == 1, order  # after the flooder's first, before its second
     finally:
-        del demo_queue.get_events
+        demo_queue.get_events = fair_dispatch
     with httpx.Client(base_url=url, timeout=120) as client:
         event_id = other.json()["event_id"]
         stream = client.get(f"gradio_api/call/chat/{event_id}", headers=_from("198.51.100.20")).text
@@ -265,3 +266,28 @@ def test_7_a_visitor_over_its_share_reads_a_newcomers_length_only_in_buckets(tin
     same for a 47- and a 66-token question: whole buckets went, never exactly A's tokens."""
     kept = [_b_keeps_after_a_asks(tiny_runner, n) for n in (47, 66)]
     assert kept[0] == kept[1], kept
+
+
+
+def test_2_one_address_cannot_take_every_running_place_of_a_function():
+    """Of a function's 16 running places one address holds at most 12: with 12 of the flooder's
+    running and more of theirs waiting first, the dispatcher starts the other address's event."""
+    from types import SimpleNamespace
+
+    from server.page_queue import fair_get_events, running_cap
+
+    def event(address: str):
+        request = SimpleNamespace(headers={}, client=SimpleNamespace(host=address))
+        return SimpleNamespace(request=request, concurrency_id="chat", fn=SimpleNamespace(batch=False))
+
+    assert running_cap(16) == 12
+    running = [[event("203.0.113.7")] for _ in range(12)]
+    waiting = [event("203.0.113.7") for _ in range(3)] + [event("198.51.100.20")]
+    chat = SimpleNamespace(queue=list(waiting), concurrency_limit=16, current_concurrency=12)
+    queue = SimpleNamespace(active_jobs=running + [None] * 4, event_queue_per_concurrency_id={"chat": chat})
+    events, batch, cid = fair_get_events(queue)
+    assert events == [waiting[3]] and not batch and cid == "chat"
+    running.append([waiting[3]])
+    queue.active_jobs = running + [None] * 3
+    chat.current_concurrency = 13
+    assert fair_get_events(queue) is None  # the flooder's next waits: its 12 places are taken
