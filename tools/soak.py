@@ -9,7 +9,7 @@ Starts ``python app.py`` in a subprocess (``SYSTEM=spaces``: isolation, visitors
 - ``--api-clients`` ``/v1`` clients stream completions and drop every third stream half way;
 - a sampler reads the server's resident memory (``VmRSS`` of its pid) every ``--sample-s``.
 
-Then two checks on the same server: the flood (one address posts 150 chat events at once while
+Then, each once the traffic before it has settled, two checks on the same server: the flood (one address posts 150 chat events at once while
 another address asks, timed: first text against the same question asked before the flood) and
 the classroom (eight sessions behind one address ask at once: first text p50 and slowest).
 
@@ -193,6 +193,20 @@ def classroom_check(url: str, tabs: int = 8, max_new: int = 96) -> dict:
             "slowest_s": max(got) if got else float("nan")}
 
 
+def settle(url: str, quiet_s: float = 15.0, timeout_s: float = 600.0) -> None:
+    """Wait until no page event has waited for ``quiet_s`` (Gradio's queue status), so that what
+    is left of the traffic before (its running events) has ended."""
+    deadline, quiet_since = time.monotonic() + timeout_s, None
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            waiting = http.get("gradio_api/queue/status").json().get("queue_size", 0)
+            now = time.monotonic()
+            quiet_since = (quiet_since or now) if not waiting else None
+            if quiet_since is not None and now - quiet_since >= quiet_s:
+                return
+            time.sleep(0.5)
+
+
 def _read_output(proc: subprocess.Popen, report: SoakReport, log: list[str]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -238,7 +252,9 @@ def run_soak(args) -> SoakReport:
             w.join()
         report.rss.append((time.monotonic() - t0, rss_mib(proc.pid)))
         if not args.no_checks:
+            settle(url)
             report.flood = flood_check(url)
+            settle(url)  # the flood's accepted events run to their end first: a classroom on a quiet app
             report.classroom = classroom_check(url)
     finally:
         proc.terminate()
