@@ -69,13 +69,19 @@ def load_routing_lab(path: str) -> dict:
 def build_app(engine, max_queue: int = 32, routing_lab: dict | None = None):
     """The Blocks with the queue a public page needs: at most 16 events run at once and
     ``4 * max_queue`` wait; beyond that Gradio answers "queue full", and the engine's own
-    queue (``max_queue``) answers a friendly "busy" warning. ``routing_lab``: a report for the
-    Fleet tab (``load_routing_lab``)."""
+    queue (``max_queue``) answers a friendly "busy" warning. On a public deployment
+    (isolation) the queue is fair by address (``server.page_queue``): one address may hold
+    ``share_of(max_queue)`` waiting events, in turns with everyone else's, so it cannot lock
+    the others out. ``routing_lab``: a report for the Fleet tab (``load_routing_lab``)."""
     from components.demo import build_demo
     from components.panels.hardening import harden
+    from server.page_queue import bound_sessions, fair_queue, share_of
 
     demo = harden(build_demo(engine, routing_lab=routing_lab))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)
+    if engine.isolation:
+        fair_queue(demo, share_of(max_queue))
+    bound_sessions(demo)  # idle sessions and their state go: memory does not grow with events served
     calm_queue(demo)
     return demo
 
@@ -294,8 +300,29 @@ def _serve(args: AppConfig) -> int:
         written = engine.persist_cache()  # the local engine's cache on disk, for the next start
         if written is not None:
             print(f"Cache written to the second tier for the next start ({written} new chunks).", flush=True)
+        _stop_threads(engine)
     print("Stopped.", flush=True)
     return 0
+
+
+def _stop_threads(engine, timeout_s: float = 10.0) -> None:
+    """End the engine's worker and its compute thread before the interpreter goes: a native
+    thread pool still inside a forward at exit aborts the process ("terminate called without an
+    active exception", issue 58). The page and the API are closed by now; what the engine still
+    holds is cancelled (``cancel_all``), and its threads end within ``timeout_s``."""
+    cancel = getattr(engine, "cancel_all", None)
+    if cancel is not None:
+        cancel()
+    for stop in (getattr(engine, "close", None), getattr(getattr(engine, "runner", None), "close", None)):
+        if stop is None:
+            continue
+        try:
+            try:
+                stop(timeout_s=timeout_s)
+            except TypeError:  # a remote engine's close takes no time limit
+                stop()
+        except Exception as exc:  # stopping is best effort: say it in one line, never a traceback
+            print(f"warning: while stopping: {type(exc).__name__}: {exc}"[:200], file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ class TimingPolicy:
     """What one timing may cost. ``max_tokens`` bounds the tokens a timing runs through the
     model, all pairs together (fewer pairs when a prompt is long; none when one pair is over).
     ``memo_min_tokens``: when set, a prompt that starts with a shipped prefix (``public_len``)
-    at least this long takes its no-reuse figure from a memo, measured once per prefix and
-    prompt length; only the reuse side is measured again."""
+    at least this long takes its no-reuse figure from a memo, measured once per prefix, prompt
+    length and namespace (never read by another visitor); only the reuse side is measured again."""
 
     pairs: int = 3
     reuse_runs: int = 3  # the reuse side of a pair is the median of this many runs (short, so noise-prone)

@@ -1,7 +1,8 @@
 """Prefill timed fairly: with and without reuse, back to back, on the compute thread.
 
 Owns: paired timings of one prompt (``PrefillTimer.time_pairs``), the bound on what a timing may cost, the
-memo of no-reuse figures for long shipped prefixes, the warm start of shipped prefixes (``warm``), the growth
+memo of no-reuse figures for long shipped prefixes (one per namespace: an entry is read only by
+the namespace that made it), the warm start of shipped prefixes (``warm``), the growth
 curve (prefill time against cached length, ``growth_curve``) and ``timer_for``, one timer per engine kept
 here (``analysis.per_engine``), never by the engine. Knows nothing about the UI, presets or visitors.
 
@@ -188,11 +189,16 @@ class PrefillTimer:
         return done.forward_ms, done.reused_tokens, done.last_logits
 
     def _memo_key(self, key: CacheKey) -> tuple | None:
+        """Whose memo entry a prompt may read: the shipped prefix's, the prompt's length, and the
+        namespace it is asked in. A prompt's length past the shipped prefix is the asker's own, so an
+        entry made for one namespace (a visitor's tab, an API salt) is never shown to another: else
+        a stranger sending one length per request would read another visitor's prompt length and
+        time back (issue 58)."""
         floor = self.policy.memo_min_tokens
         if floor is None or key.public_len < floor:
             return None
         digest = hashlib.sha256(repr(key.ids[: key.public_len]).encode()).hexdigest()[:16]
-        return (digest, key.public_len, len(key.ids))
+        return (key.namespace, digest, key.public_len, len(key.ids))
 
     def _memo_get(self, mk: tuple | None) -> tuple[float, float, int] | None:
         if mk is None:

@@ -55,6 +55,7 @@ from engine.types import (
     StepRecord,
     TreeSnapshot,
 )
+from engine.visibility import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class Engine(FacadeBase, PrefillOps):
         self._submit_lock = threading.Lock()
         self._in_hand: list[RequestHandle] = []  # the worker's handles between the inbox and the scheduler
         self._stats_lock = threading.Lock()
-        self._next_id = 1
+        self._submitted = 0  # requests accepted for validation so far (ids are random: ``new_request_id``)
         self._seq = 0
         self._start_records(c.history_size, self._stats_lock)
         config = SchedulerConfig(max_batch=c.max_batch, isolation=c.isolation,
@@ -151,8 +152,8 @@ class Engine(FacadeBase, PrefillOps):
         request = dataclasses.replace(request, sampling=validation.check_sampling(request.sampling))
         validation.check_logprobs(request)
         with self._stats_lock:
-            rid = self._next_id
-            self._next_id += 1
+            rid = new_request_id()
+            self._submitted += 1
         handle = RequestHandle(request, ids, rid)
         handle.context = contextvars.copy_context()  # the caller's (a page visitor's request): ZeroGPU calls carry it
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
@@ -281,6 +282,17 @@ class Engine(FacadeBase, PrefillOps):
         self.cache.check_invariants()
 
     # ---------------------------------------------------------------- worker
+    def cancel_all(self) -> int:
+        """Cancel every request submitted and not finished (a shutdown: SIGTERM); each ends as
+        ``cancelled`` at the next step, its locks freed. Returns how many were asked."""
+        with self._queue.mutex:
+            handles = [h for h in self._queue.queue if h is not _STOP]
+        handles += [h for h in list(self._in_hand) if h is not _STOP]
+        handles += [r.handle for r in [*list(self.scheduler.running), *list(self.scheduler.waiting)]]
+        for h in handles:
+            h.cancel()
+        return len(handles)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker once the requests already submitted are done; later submits raise
         ``EngineError``. For command lines that build engines one after another."""

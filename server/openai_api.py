@@ -117,9 +117,22 @@ async def released(stream: AsyncIterator[bytes], lease: Lease) -> AsyncIterator[
         lease.release()
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text with a lone surrogate (``"\\ud800"`` is valid JSON, and a
+    prompt may carry one into ``echo`` or an error) goes out \\u-escaped, as the streamed chunks
+    (``sse``) always do, instead of raising ``UnicodeEncodeError`` mid-response (a 500 with a
+    traceback, and the connection reset)."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    return SafeJSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def api_error(exc: BaseException, param: str | None = None) -> ApiError:
@@ -358,7 +371,7 @@ class OpenAIApi:
         if parsed.return_token_ids:
             body["prompt_token_ids"] = out.metrics.prompt_ids
             body["choices"][0]["token_ids"] = out.token_ids
-        return JSONResponse(body)
+        return SafeJSONResponse(body)
 
     async def _stream(self, handle: RequestHandle, parsed: ParsedRequest, model: str, chat: bool,
                       engine: TextAPI) -> AsyncIterator[bytes]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
 from engine.types import GenerationRequest
 from server import openai_protocol as proto
-from server.openai_api import ApiState, api_error, error_response, read_json
+from server.openai_api import ApiState, SafeJSONResponse, api_error, error_response, read_json
 from server.openai_protocol import ParsedRequest
 
 
@@ -52,7 +52,7 @@ def render_routes(state: ApiState) -> list[BaseRoute]:
         except Exception as exc:
             return error_response(api_error(exc, "messages" if chat else "prompt"))
         body = rendered(parsed, list(ids), state.model_name or "")
-        return JSONResponse(body if chat else [body])
+        return SafeJSONResponse(body if chat else [body])
 
     async def chat(request: Request) -> Response:
         return await render(request, proto.parse_chat, chat=True)

@@ -44,7 +44,7 @@ TORCH = {"torch", "transformers"}
 # packages, which the page also reads, sit outside ``engine/``.)
 PUBLIC_ENGINE = ("engine.api", "engine.types", "engine.facade", "engine.handle", "engine.validation",
                  "engine.namespaces", "engine.cache_keys", "engine.snapshot_view", "engine.text",
-                 "engine.kvcache.radix_tree")
+                 "engine.kvcache.radix_tree", "engine.visibility")
 ANALYSIS = ("analysis",)
 # What analysis may import of the engine: the public modules and the torch-free parts of the
 # cache (the tree, the eviction policy, the tier's chunk size; the replay's SimCache is built on

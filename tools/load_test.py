@@ -20,6 +20,9 @@ exits non-zero if a check failed.
     python tools/load_test.py                 # 16 visitors, 120 s, real model
     python tools/load_test.py --seconds 20 --visitors 4
     python tools/load_test.py --visitors 8 --max-batch 1   # the one-at-a-time engine, to compare
+
+For a long soak of the app as a Space runs it (a subprocess, page and API traffic from many
+addresses, its resident memory's slope, the flood and classroom checks): ``python -m tools.soak``.
 """
 
 from __future__ import annotations

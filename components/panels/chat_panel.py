@@ -28,6 +28,7 @@ from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PR
 from components.panels.common import (
     MODEL_NOTE,
     TOKEN_COLORS,
+    audience_of,
     highlighted_prompt,
     long_prompt_note,
     metrics_markdown,
@@ -35,11 +36,12 @@ from components.panels.common import (
     warn,
 )
 from components.session import ISOLATION_NOTE, RELOAD_NOTE, RUNNING, page_keyed
-from components.views.format import clamp_int, plural
+from components.views.format import clamp_int, fmt_figure
 from components.views.timing_view import PENDING, turn_markdown, wants_timing
 from components.warm_start import chat_default, system_tokens, warm_note
 from engine.api import EngineAPI, ServingAPI
 from engine.types import EngineError, GenerationEvent, GenerationRequest, RequestMetrics, SamplingParams
+from engine.visibility import Unit, everyone
 
 __all__ = ["build_chat_panel", "build_request", "chat_messages", "clamp_int", "respond", "stop_running"]
 
@@ -168,7 +170,7 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
     try:
         req = build_request(engine, chat_messages(system_text(preset_name, custom_text), history, text),
                             max_new_tokens, measure and timer is None, request, tag="chat", loop_guard=loop_guard)
-        ahead = engine.stats().queue_depth
+        ahead = everyone(engine.stats().queue_depth, Unit.COUNT)  # everyone's requests: coarse on a public page
         handle = engine.submit(req)
         RUNNING.started(request, "chat", handle)  # Stop works from here on, even while it waits
     except EngineError as exc:
@@ -177,7 +179,7 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
         return
     skipped = baseline_skipped(measure, req) if timer is None else None
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-    waiting = (f"*Waiting for {plural(ahead, 'request')} ahead of you…*" if ahead else
+    waiting = (f"*Waiting for {fmt_figure(ahead, audience_of(engine))} request(s) ahead of you…*" if ahead.value else
                "*Prefilling the prompt…*")
     notes = [n for n in (long_prompt_note(engine, len(req.prompt_ids)), skipped, gpu_call_note(engine)) if n]
     yield history, "", [], waiting + "".join(f"\n\n*{n}*" for n in notes), None, None

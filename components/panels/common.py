@@ -27,6 +27,7 @@ from components.views.format import (
     reuse_words,
 )
 from engine.types import EngineError, GenerationEvent, RequestMetrics
+from engine.visibility import Audience, everyone
 
 CACHED, COMPUTED = "cached", "computed"
 __all__ = ["TOKEN_COLORS", "highlighted_prompt", "metrics_markdown", "status_markdown", "playground_history",
@@ -155,8 +156,8 @@ def metrics_markdown(m: RequestMetrics, baseline_skipped: str | None = None) -> 
         notes.append(note)
     if getattr(m, "prefill_shared_step", False):
         notes.append("Part of this prefill ran in the same steps as other requests' decoding, so it reads high.")
-    if getattr(m, "batch_size_max", 1) > 1:
-        notes.append(f"It ran batched with other requests (up to {m.batch_size_max} at once).")
+    if (everyone(getattr(m, "batch_size_max", 1)).value or 1) > 1:  # how many others: not said (everyone's)
+        notes.append("It ran batched with other requests.")
     if baseline_skipped:
         notes.append(baseline_skipped)
     elif m.baseline_prefill_ms is None and m.finish_reason != "cancelled":
@@ -194,6 +195,12 @@ def status_markdown(event: GenerationEvent | None, waited_s: float = 0.0) -> str
         return "*Done.*"
     words = len(event.text.split())
     return f"*Writing the answer… ({plural(words, 'word')} so far)*"
+
+
+def audience_of(engine) -> Audience:
+    """Who reads this engine's page: a public deployment (isolation) or the operator's own
+    (``engine.visibility``: everyone's figures are coarse or withheld on the first)."""
+    return Audience(public=bool(engine.isolation), bytes_per_token=engine.info().kv_bytes_per_token)
 
 
 def warn(exc: Exception) -> None:

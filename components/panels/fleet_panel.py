@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import gradio as gr
 
+from components.panels.common import audience_of
 from components.panels.live import KEEP_ZOOM, LiveView, drawn, engine_signature, status_line, unchanged
 from components.session import visitor_namespace
 from components.views.fleet_tables import (
     ATTRIBUTION_NOTE,
     duplication_line,
+    landed_of,
     replica_title,
     replicas_table,
     requests_table,
@@ -106,8 +108,11 @@ def build_fleet_panel(engine: EngineAPI, last_metrics: gr.State, active: bool = 
             return *skip, seen_before
         owns = viewer if engine.isolation else None
         figs = replica_figures(view, metrics, owns)
-        heads = [replica_title(i, r) for i, r in enumerate(view.replicas)]
-        return (*heads, *figs, duplication_line(view), replicas_table(view), requests_table(view), drawn(sig))
+        audience = audience_of(engine)
+        yours = landed_of(view) if engine.isolation else None  # the requests listed are the viewer's own
+        heads = [replica_title(i, r, audience, None if yours is None else yours[i]) for i, r in enumerate(view.replicas)]
+        return (*heads, *figs, duplication_line(view, audience), replicas_table(view, audience, yours),
+                requests_table(view), drawn(sig))
 
     live = LiveView(gr.Timer(2.0, active=active), refresh, [last_metrics, seen],
                     [*titles, *plots, duplication, replicas, requests, seen], status)

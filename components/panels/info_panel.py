@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import gradio as gr
 
+from components.panels.common import audience_of
 from components.panels.live import LiveView
-from components.views.format import fmt_bytes
+from components.views.format import fmt_bytes, fmt_figure
 from engine.api import EngineAPI, FiguresAPI, ServingAPI
+from engine.visibility import Unit, everyone
 
 
 def dtype_note(dtype: str) -> str:
@@ -41,7 +43,8 @@ def info_markdown(engine: EngineAPI) -> str:
             f"| cached tokens reported | {_reported(engine)} |",
             f"| prompt cap · new-token cap | {engine.max_prompt_tokens:,} · {engine.max_new_tokens_cap:,} tokens |",
             f"| visitor isolation | {'on: each visitor sends a cache salt of their own' if i.isolation else 'off'} |",
-            f"| requests in flight (sent, not answered yet) | {s.running} |",
+            f"| requests in flight (sent, not answered yet), everyone's | "
+            f"{fmt_figure(everyone(s.running, Unit.COUNT), audience_of(engine))} |",
         ] + [f"| server metric `{k}` | {v:,.4g} |" for k, v in _backend_metrics(engine).items()])
     return "\n".join([
         "| engine | |", "|---|---|",
@@ -61,7 +64,7 @@ def info_markdown(engine: EngineAPI) -> str:
         f"| prompt cap · new-token cap | {engine.max_prompt_tokens:,} · {engine.max_new_tokens_cap:,} tokens |",
         f"| prefix cache | {'on (radix tree)' if i.cache_enabled else 'off (--no-cache)'} |",
         f"| visitor isolation | {'on: each visitor has a private cache namespace; app presets are shared' if i.isolation else 'off: all visitors share one cache'} |",
-        f"| requests waiting | {s.queue_depth} |",
+        f"| requests waiting, everyone's | {fmt_figure(everyone(s.queue_depth, Unit.COUNT), audience_of(engine))} |",
     ])
 
 

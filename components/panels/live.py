@@ -25,6 +25,7 @@ from components.panels.engine_state import engine_state
 from engine.api import EngineAPI, FiguresAPI
 from engine.snapshot_view import for_viewer, namespaces_of, owns_any
 from engine.types import TreeSnapshot
+from engine.visibility import Figure, Unit, everyone, shipped
 
 log = logging.getLogger(__name__)
 
@@ -223,17 +224,20 @@ def shared_snapshot(engine: EngineAPI, viewer: str | None, max_age_s: float = 1.
 
 @dataclass(frozen=True)
 class CacheFigures:
-    """The cache's figures a panel shows (the names of ``EngineStats``' fields), as a viewer may see them."""
+    """The cache's figures a panel shows, as a viewer may see them, each declared
+    (``engine.visibility``): the KV in use, tokens, nodes and evictions are everyone's (the
+    viewer's view counts others' tokens in buckets already; on a public page the whole figure is
+    coarse), the budget ships with the deployment."""
 
-    cache_bytes: int
-    budget_bytes: int
-    cached_tokens_now: int
-    num_nodes: int
-    evicted_tokens: int
+    kv_bytes: Figure
+    budget: Figure
+    tokens: Figure
+    nodes: Figure
+    evicted: Figure
     # everyone's, shown only where the cache is shared (not per viewer in isolation mode)
-    tree_bytes: int = 0
-    running_bytes: int = 0
-    shared_tokens: int = 0
+    tree_kv: Figure = everyone(0, Unit.BYTES)
+    running_kv: Figure = everyone(0, Unit.BYTES)
+    shared: Figure = everyone(0, Unit.TOKENS)
 
 
 def cache_figures(engine: EngineAPI, viewer: str | None) -> CacheFigures:
@@ -243,7 +247,11 @@ def cache_figures(engine: EngineAPI, viewer: str | None) -> CacheFigures:
     one instead (others' tokens coarse, the same rule). Shared or remote: ``engine.stats()``."""
     if viewer is None or not engine.isolation or not engine.capabilities.local_cache:
         s = engine.stats(viewer)
-        return CacheFigures(s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens,
-                            s.tree_bytes, s.running_bytes, s.shared_tokens)
+        return CacheFigures(everyone(s.cache_bytes, Unit.BYTES), shipped(s.budget_bytes, Unit.BYTES),
+                            everyone(s.cached_tokens_now, Unit.TOKENS), everyone(s.num_nodes),
+                            everyone(s.evicted_tokens, Unit.TOKENS), everyone(s.tree_bytes, Unit.BYTES),
+                            everyone(s.running_bytes, Unit.BYTES), everyone(s.shared_tokens, Unit.TOKENS))
     snap = shared_snapshot(engine, viewer)
-    return CacheFigures(snap.num_bytes, snap.budget_bytes, snap.num_tokens, len(snap.nodes), snap.evicted_tokens)
+    return CacheFigures(everyone(snap.num_bytes, Unit.BYTES), shipped(snap.budget_bytes, Unit.BYTES),
+                        everyone(snap.num_tokens, Unit.TOKENS), everyone(len(snap.nodes)),
+                        everyone(snap.evicted_tokens, Unit.TOKENS))

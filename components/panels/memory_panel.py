@@ -13,14 +13,15 @@ import gradio as gr
 from analysis.lab.request_order_demo import MAX_DEMO_TOKENS, demo_pool_bytes
 from analysis.no_reuse import no_reuse_for
 from analysis.prefill_timing import timer_for
-from components.panels.common import history_refresh, playground_history, totals, warn
+from components.panels.common import audience_of, history_refresh, playground_history, totals, warn
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures
 from components.session import own_namespace
 from components.views.charts import hit_rate_figure, memory_gauge
-from components.views.format import fmt_bytes, fmt_ms, plural
+from components.views.format import fmt_bytes, fmt_figure, fmt_ms, plural
 from engine.api import EngineAPI, ServingAPI
-from engine.snapshot_view import coarse_bytes, coarse_tokens
+from engine.snapshot_view import coarse_tokens
 from engine.types import EngineError, RequestMetrics
+from engine.visibility import Unit, everyone, own, shipped
 
 MiB = 2**20
 HISTORY = 200
@@ -51,46 +52,49 @@ def outside_budget_row(engine: EngineAPI) -> str:
     timing's scratch pool, the second
     tier's queue of spills not yet written and the request-order demo's pool, each with its bound.
 
-    In isolation mode each figure may be another visitor's (a timing's scratch buffer is exactly
-    that visitor's prompt), so it shows only in ``HIDDEN_BUCKET_TOKENS`` buckets, as others' nodes do."""
+    Each figure may be another visitor's (a timing's scratch buffer is exactly that visitor's
+    prompt): everyone's, so on a public page only in ``HIDDEN_BUCKET_TOKENS`` buckets, as others'
+    nodes are; the bounds ship with the deployment."""
+    seen = audience_of(engine)
     bpt = engine.info().kv_bytes_per_token
 
-    def held(nbytes: int) -> str:
-        if not engine.isolation or nbytes <= 0 or bpt <= 0:
-            return fmt_bytes(nbytes)
-        return f"≤{fmt_bytes(coarse_bytes(nbytes, bpt))}"
+    def held(figure) -> str:
+        return fmt_figure(figure, seen)
 
     timer = timer_for(engine)
-    scratch = (f"timing scratch buffers {held(timer.scratch_bytes)} (at most {fmt_bytes(timer.scratch_bound_bytes)})"
-               if timer is not None else "")
+    scratch = (f"timing scratch buffers {held(everyone(timer.scratch_bytes, Unit.BYTES))} (at most "
+               f"{held(shipped(timer.scratch_bound_bytes, Unit.BYTES))})" if timer is not None else "")
     cold = no_reuse_for(engine)
-    no_reuse = (f"no-reuse timing's pool {held(cold.scratch_bytes)} (at most {fmt_bytes(cold.scratch_bound_bytes)}, "
-                "one at a time)" if cold is not None else "")
-    demo = (f"request-order demo's pool {held(demo_pool_bytes(engine))} (at most "
-            f"{fmt_bytes(MAX_DEMO_TOKENS * bpt)}, only while a comparison runs)")
+    no_reuse = (f"no-reuse timing's pool {held(everyone(cold.scratch_bytes, Unit.BYTES))} (at most "
+                f"{held(shipped(cold.scratch_bound_bytes, Unit.BYTES))}, one at a time)" if cold is not None else "")
+    demo = (f"request-order demo's pool {held(everyone(demo_pool_bytes(engine), Unit.BYTES))} (at most "
+            f"{held(shipped(MAX_DEMO_TOKENS * bpt, Unit.BYTES))}, only while a comparison runs)")
     stats = engine.stats()
-    spills = (f"spills waiting to be written {held(stats.tier_queued_bytes)} (at most "
-              f"{fmt_bytes(stats.tier_queue_bound_bytes)})" if stats.tier_queue_bound_bytes else "")
+    spills = (f"spills waiting to be written {held(everyone(stats.tier_queued_bytes, Unit.BYTES))} (at most "
+              f"{held(shipped(stats.tier_queue_bound_bytes, Unit.BYTES))})" if stats.tier_queue_bound_bytes else "")
     return f"| KV outside the budget, now | {'; '.join(p for p in (scratch, no_reuse, spills, demo) if p)} |"
 
 
 def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None, viewer: str | None = None) -> str:
-    """The cache's state (everyone's, as ``viewer`` may see it: others' tokens coarse in isolation
-    mode) and the hit rate over ``mine``: the playground's requests, lab runs left out (the
-    visitor's own in isolation mode)."""
+    """The cache's state (everyone's, as ``viewer`` may see it: coarse on a public page) and the hit
+    rate over ``mine``: the playground's requests, lab runs left out (the visitor's own in isolation
+    mode)."""
     s = cache_figures(engine, viewer)
+    seen = audience_of(engine)
     history = mine if mine is not None else playground_history(engine)
     cached, prompt = totals(history)
     whose = "your" if engine.isolation else "the playground's"
     timed = [m for m in history if m.baseline_prefill_ms is not None]
     saved_ms = max(0.0, sum(m.baseline_prefill_ms - m.prefill_ms for m in timed))
-    used = s.cache_bytes / s.budget_bytes if s.budget_bytes else 0.0
+    used_bytes, budget_bytes = seen.show(s.kv_bytes).value or 0, seen.show(s.budget).value or 0
+    used = used_bytes / budget_bytes if budget_bytes else 0.0
     bpt = engine.info().kv_bytes_per_token
-    everyone = " (everyone's)" if engine.isolation else ""
+    everyone_note = " (everyone's)" if engine.isolation else ""
     rate_row = (f"| token hit rate, {whose} requests | **{cached / prompt if prompt else 0:.1%}** over "
                 f"{plural(len(history), 'request')} ({cached:,} of {prompt:,} prompt tokens from the cache; lab runs "
                 "not counted) |")
     backend = engine.info().backend
+    tokens, nodes = fmt_figure(s.tokens, seen), fmt_figure(s.nodes, seen)
     if not engine.capabilities.local_cache:  # remote mode: the server's memory is its own
         events = kv_event_rows(engine)
         return "\n".join([
@@ -98,31 +102,37 @@ def memory_markdown(engine: EngineAPI, mine: list[RequestMetrics] | None = None,
             f"| server | {backend} |",
             *(events or [
                 "| KV in use · budget · evictions | **unknown** from here (the server's; see its /metrics) |",
-                f"| shadow tree (token ids sent) | {s.cached_tokens_now:,} tokens in {s.num_nodes:,} nodes |"]),
+                f"| shadow tree (token ids sent) | {tokens} tokens in {nodes} nodes |"]),
             rate_row.replace("from the cache;", "reported cached by the server;"),
         ])
     full = engine.stats()  # the tier's figures are everyone's (in isolation mode it holds shipped content only)
     tier = [] if not full.tier_kind else [
-        f"| second tier ({full.tier_kind}) | **{fmt_bytes(full.tier_bytes)}** of {fmt_bytes(full.tier_budget_bytes)} in "
-        f"{full.tier_chunks:,} chunks of evicted KV{' (shipped content only)' if engine.isolation else ''} |",
-        f"| loads vs recomputes | {full.tier_loaded_tokens:,} tokens loaded back instead of recomputed "
-        f"({fmt_bytes(full.tier_bytes_read)} read); {full.tier_spilled_tokens:,} tokens written "
-        f"({fmt_bytes(full.tier_bytes_written)}) |"]
+        f"| second tier ({full.tier_kind}) | **{fmt_figure(everyone(full.tier_bytes, Unit.BYTES), seen)}** of "
+        f"{fmt_figure(shipped(full.tier_budget_bytes, Unit.BYTES), seen)} in "
+        f"{fmt_figure(everyone(full.tier_chunks), seen)} chunks of evicted KV"
+        f"{' (shipped content only)' if engine.isolation else ''} |",
+        f"| loads vs recomputes | {fmt_figure(everyone(full.tier_loaded_tokens, Unit.TOKENS), seen)} tokens loaded "
+        f"back instead of recomputed ({fmt_figure(everyone(full.tier_bytes_read, Unit.BYTES), seen)} read); "
+        f"{fmt_figure(everyone(full.tier_spilled_tokens, Unit.TOKENS), seen)} tokens written "
+        f"({fmt_figure(everyone(full.tier_bytes_written, Unit.BYTES), seen)}) |"]
     held = [] if engine.isolation else [
-        f"| held by the tree (cached prefixes) | {fmt_bytes(s.tree_bytes)} |",
-        f"| held by running requests (their own tokens) | {fmt_bytes(s.running_bytes)}; cached prefixes are read "
-        f"in place, not copied: **{s.shared_tokens:,}** cached tokens are read by more than one request now |"]
+        f"| held by the tree (cached prefixes) | {fmt_figure(s.tree_kv, seen)} |",
+        f"| held by running requests (their own tokens) | {fmt_figure(s.running_kv, seen)}; cached prefixes are "
+        f"read in place, not copied: **{fmt_figure(s.shared, seen)}** cached tokens are read by more than one "
+        "request now |"]
+    evicted = seen.show(s.evicted).value
+    evicted_bytes = fmt_bytes(evicted * bpt) if evicted is not None else "–"
     return "\n".join([
-        f"| cache right now{everyone} | |", "|---|---|",
-        f"| KV in use | **{fmt_bytes(s.cache_bytes)}** of {fmt_bytes(s.budget_bytes)} ({used:.1%}): all the KV the "
-        "engine holds |",
+        f"| cache right now{everyone_note} | |", "|---|---|",
+        f"| KV in use | **{fmt_figure(s.kv_bytes, seen)}** of {fmt_figure(s.budget, seen)} ({used:.1%}): all the KV "
+        "the engine holds |",
         *held,
         *tier,
-        f"| tokens cached | **{s.cached_tokens_now:,}** of {s.budget_bytes // max(bpt, 1):,} that fit |",
-        f"| nodes | {s.num_nodes:,} |",
+        f"| tokens cached | **{tokens}** of {budget_bytes // max(bpt, 1):,} that fit |",
+        f"| nodes | {nodes} |",
         f"| KV per token | {bpt:,} bytes |",
         outside_budget_row(engine),
-        f"| tokens evicted or cleared so far | {s.evicted_tokens:,} ({fmt_bytes(s.evicted_tokens * bpt)}; the lab "
+        f"| tokens evicted or cleared so far | {fmt_figure(s.evicted, seen)} ({evicted_bytes}; the lab "
         "clears its own runs when they end, and “clear” counts too) |",
         rate_row,
         f"| prefill time saved | {fmt_ms(saved_ms)} over {plural(len(timed), 'request')} that measured prefill "
@@ -148,10 +158,11 @@ def set_budget(engine: EngineAPI, max_mib: float, mib):
         warn(exc)
         return gr.skip()
     after = engine.stats()
-    bpt = engine.info().kv_bytes_per_token
+    seen = audience_of(engine)  # the operator's own page (a public deployment's budget is fixed)
     gr.Info(f"Budget now {fmt_bytes(after.budget_bytes)} (was {fmt_bytes(before.budget_bytes)}). "
-            f"Evicted {evicted:,} tokens ({fmt_bytes(evicted * bpt)}); the cache holds "
-            f"{after.cached_tokens_now:,} tokens ({fmt_bytes(after.cache_bytes)}).")
+            f"Evicted {fmt_figure(everyone(evicted, Unit.TOKENS), seen)} tokens; the cache holds "
+            f"{fmt_figure(everyone(after.cached_tokens_now, Unit.TOKENS), seen)} tokens "
+            f"({fmt_figure(everyone(after.cache_bytes, Unit.BYTES), seen)}).")
     return round(mib, 1)
 
 def clear_cache(engine: EngineAPI, request: gr.Request | None = None):
@@ -160,12 +171,14 @@ def clear_cache(engine: EngineAPI, request: gr.Request | None = None):
     if engine.isolation and not ns:
         gr.Warning("No session: nothing of yours to clear.")
         return
-    before = engine.stats(ns)
     freed = engine.clear_cache(namespace=ns)
     after = engine.stats(ns)
-    kept = f" {after.cached_tokens_now:,} tokens stay cached (in use or shared)." if after.cached_tokens_now else ""
-    gr.Info(f"Cleared {freed:,} tokens ({fmt_bytes(before.cache_bytes - after.cache_bytes)} freed) from "
-            f"{before.num_nodes - after.num_nodes:,} nodes.{kept}")
+    # What the visitor's own clear freed is theirs; what stays is everyone's (coarse on a public page).
+    seen = audience_of(engine)
+    left = everyone(after.cached_tokens_now, Unit.TOKENS)
+    kept = f" {fmt_figure(left, seen)} tokens stay cached (in use or shared)." if left.value else ""
+    gr.Info(f"Cleared {fmt_figure(own(freed, Unit.TOKENS), seen)} tokens "
+            f"({fmt_figure(own(freed * engine.info().kv_bytes_per_token, Unit.BYTES), seen)} freed).{kept}")
 
 
 def budget_note(engine: ServingAPI) -> str | None:
@@ -196,9 +209,11 @@ def build_memory_panel(engine: EngineAPI, active: bool = False) -> LiveView:
 
     def draw(mine: list[RequestMetrics], ns: str | None) -> tuple:
         title = "Your hit rate over time" if engine.isolation else "Hit rate over time (lab runs not counted)"
+        figs = cache_figures(engine, ns)
         gauge_fig = (None if not engine.capabilities.local_cache else
-                     memory_gauge(cache_figures(engine, ns), everyone=engine.isolation))
-        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title)
+                     memory_gauge(figs.kv_bytes, figs.budget, figs.tree_kv, audience_of(engine)))
+        return gauge_fig, memory_markdown(engine, mine, ns), hit_rate_figure(mine[-HISTORY:], title=title,
+                                                                             audience=audience_of(engine))
 
     refresh = history_refresh(engine, draw, 3)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gradio as gr
 
-from components.panels.common import playground_history, totals
+from components.panels.common import audience_of, playground_history, totals
 from components.panels.info_panel import engine_line
 from components.panels.live import KEEP_ZOOM, LiveView, cache_figures, drawn, engine_signature, status_line, unchanged
 from components.panels.tree_panel import tree_figure_for
 from components.session import visitor_namespace
-from components.views.format import fmt_bytes, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
+from components.views.format import fmt_figure, fmt_ms, fmt_pct, plural, reuse_is_noise, reuse_words
 from components.views.timing_view import speed_card, timing_for, timing_pending
 from engine.api import EngineAPI
 from engine.types import RequestMetrics
@@ -67,16 +67,17 @@ def key_numbers_html(engine: EngineAPI, metrics: RequestMetrics | None, viewer: 
     rate = cached / prompt if prompt else 0.0
     whose = "your" if engine.isolation else "the playground's"
     cache_label = "everyone's KV cache" if engine.isolation else "KV cache"
+    seen = audience_of(engine)
+    tokens, nodes = fmt_figure(stats.tokens, seen), fmt_figure(stats.nodes, seen)
     engine_cards = [
         _card(fmt_pct(rate), f"token hit rate over {whose} {plural(len(mine), 'request')} (lab runs not counted)"),
-        _card(f"{stats.cached_tokens_now:,} tokens", f"held by the remote server, in {stats.num_nodes:,} nodes of its "
-                                                     "own blocks (its KV events; bytes unknown)")
+        _card(f"{tokens} tokens", f"held by the remote server, in {nodes} nodes of its own blocks (its KV events; "
+                                  "bytes unknown)")
         if engine.kv_event_figures().get("active") else
-        _card("unknown", f"the remote server's KV memory; {stats.cached_tokens_now:,} tokens sent, in "
-                         f"{stats.num_nodes:,} nodes of the shadow tree")
+        _card("unknown", f"the remote server's KV memory; {tokens} tokens sent, in {nodes} nodes of the shadow tree")
         if not engine.capabilities.local_cache else
-        _card(fmt_bytes(stats.cache_bytes), f"{cache_label}: {stats.cached_tokens_now:,} tokens in "
-                                            f"{stats.num_nodes:,} nodes (budget {fmt_bytes(stats.budget_bytes)})"),
+        _card(fmt_figure(stats.kv_bytes, seen), f"{cache_label}: {tokens} tokens in {nodes} nodes (budget "
+                                                f"{fmt_figure(stats.budget, seen)})"),
     ]
     return ("<div class='kgrid'>" + "".join(last) + "</div><div class='kgrid small'>" + "".join(engine_cards)
             + "</div>")

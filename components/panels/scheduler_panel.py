@@ -16,7 +16,11 @@ their sizes follow the tree's rule (``engine.kvcache.prefix_cache``):
 every token figure that includes another visitor's tokens (a forward they took part in, the
 totals over the shown forwards, the KV held by running requests) shows only the
 ``HIDDEN_BUCKET_TOKENS`` bucket it fits in, so the timeline is no hit or prompt-length
-oracle. Only a figure made of the viewer's own work alone is exact.
+oracle. Only a figure made of the viewer's own work alone is exact. Others' bars are not drawn
+at all (issue 58: one "others" bar per shared forward counted another visitor's prompt chunks
+and answer tokens), and every figure goes through ``engine.visibility``: a forward's batch
+size, the requests running and waiting and the decode batch sizes are everyone's, coarse, and
+no step number is shown (the step counter counts everyone's forwards).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import plotly.graph_objects as go
 
 from components.panels.live import KEEP_ZOOM, LiveView
 from components.session import own_namespace
-from components.views.format import fmt_tokens
+from components.views.format import fmt_figure
 from engine.api import EngineAPI
-from engine.snapshot_view import HIDDEN_BUCKET_TOKENS, RATE_BUCKET_TOKENS_PER_S, coarse_bytes, coarse_rate, is_own
+from engine.snapshot_view import is_own
 from engine.types import RequestMetrics, StepRecord
+from engine.visibility import Audience, Unit, everyone, own, shipped
 
 SHOWN_FORWARDS = 120
 COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6", "baseline": "#94a3b8"}
@@ -49,8 +54,9 @@ def _exact(rec: StepRecord, namespace: str | None, my_ids: set[int]) -> bool:
     return namespace is None or all(_is_mine(rec, i, namespace, my_ids) for i in range(len(rec.request_ids)))
 
 
-def _tokens(n: int, exact: bool) -> str:
-    return fmt_tokens(n, exact, HIDDEN_BUCKET_TOKENS)
+def _tokens(n: int, exact: bool, audience: Audience) -> str:
+    """A forward's token figure: the viewer's own when only their requests took part, else everyone's."""
+    return fmt_figure(own(n, Unit.TOKENS) if exact else everyone(n, Unit.TOKENS), audience)
 
 
 OTHERS_ROW = "others"
@@ -85,12 +91,17 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
     order: list[str] = []
     series: dict[tuple[str, bool], dict[str, list]] = {}
     my_ids = set(my_ids)
+    audience = Audience(namespace is not None)
     for rec in steps:
         start = rec.finished_at - rec.duration_ms / 1000 - end
         exact = _exact(rec, namespace, my_ids)
-        computed, cached = _tokens(rec.computed_tokens, exact), _tokens(rec.cached_tokens, exact)
+        computed, cached = _tokens(rec.computed_tokens, exact, audience), _tokens(rec.cached_tokens, exact, audience)
+        batch = fmt_figure(own(rec.batch_size, Unit.COUNT) if exact else everyone(rec.batch_size, Unit.COUNT),
+                           audience)
         for i, rid in enumerate(rec.request_ids):
             mine = _is_mine(rec, i, namespace, my_ids)
+            if audience.public and not mine:  # others' bars: withheld (their count is their chunks and tokens)
+                continue
             row = OTHERS_ROW if namespace is not None and not mine else f"#{rid}"
             if row not in order:
                 order.append(row)
@@ -101,8 +112,8 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             s["y"].append(row)
             from_cache = f", {cached} from cache" if rec.cached_tokens else ""
             who = "another visitor's request" if row == OTHERS_ROW else f"request #{rid}{' (yours)' if mine else ''}"
-            s["text"].append(f"{who}<br>{LABELS[kind]} in step "
-                             f"{rec.step_id}, one forward for {rec.batch_size} request(s)<br>"
+            step = "" if audience.public else f" in step {rec.step_id}"  # the step counter counts everyone's
+            s["text"].append(f"{who}<br>{LABELS[kind]}{step}, one forward for {batch} request(s)<br>"
                              f"{computed} tokens computed in it{from_cache}<br>{rec.duration_ms:.0f} ms")
     for (kind, mine), s in sorted(series.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
         fig.add_trace(go.Bar(
@@ -125,26 +136,29 @@ def scheduler_markdown(engine: EngineAPI, steps: list[StepRecord], namespace: st
     include other visitors' work are coarse."""
     s = engine.stats()
     steps = visible_steps(steps, namespace, my_ids)
+    audience = Audience(namespace is not None, engine.info().kv_bytes_per_token)
     decodes = [r for r in steps if r.kind == "decode"]
-    mean_batch = sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0
     exact = all(_exact(r, namespace, set(my_ids)) for r in steps)
-    computed = _tokens(sum(r.computed_tokens for r in steps), exact)
-    cached = _tokens(sum(r.cached_tokens for r in steps), exact)
-    reserved = f"{s.running_bytes / 2**20:.1f} MiB"
-    bpt = engine.info().kv_bytes_per_token
-    if namespace is not None and bpt > 0 and s.running_bytes > 0:  # everyone's running requests: buckets only
-        reserved = f"≤{coarse_bytes(s.running_bytes, bpt) / 2**20:.1f} MiB"
-    rate = (f"**{s.tokens_per_s:.1f}**" if namespace is None else  # isolation: others' work is coarse
-            f"**{coarse_rate(s.tokens_per_s):.0f}** or more (in steps of {RATE_BUCKET_TOKENS_PER_S:.0f})")
+    computed = _tokens(sum(r.computed_tokens for r in steps), exact, audience)
+    cached = _tokens(sum(r.cached_tokens for r in steps), exact, audience)
+    reserved = fmt_figure(everyone(s.running_bytes, Unit.BYTES), audience)
+    rate = fmt_figure(everyone(s.tokens_per_s, Unit.RATE), audience)
+    if audience.public:
+        rate += " (in steps of 10)"
+    mean = everyone(sum(r.batch_size for r in decodes) / len(decodes) if decodes else 0.0)
+    batch = (f"mean {fmt_figure(mean, audience)}, largest "
+             f"{fmt_figure(everyone(max((r.batch_size for r in decodes), default=0), Unit.COUNT), audience)} over the "
+             f"last {fmt_figure(own(len(decodes), Unit.COUNT), audience)} decodes shown")
     return "\n".join([
         "| scheduler right now | |", "|---|---|",
-        f"| requests running | **{s.running}** (at most {s.max_batch} in a batch) |",
-        f"| requests waiting | **{s.waiting}** |",
-        f"| output tokens/s, everyone | {rate} (last 10 s) |",
-        f"| decode batch size | mean {mean_batch:.1f}, largest {max((r.batch_size for r in decodes), default=0)} "
-        f"over the last {len(decodes)} decodes |",
+        f"| requests running, everyone | **{fmt_figure(everyone(s.running, Unit.COUNT), audience)}** (at most "
+        f"{fmt_figure(shipped(s.max_batch), audience)} in a batch) |",
+        f"| requests waiting, everyone | **{fmt_figure(everyone(s.waiting, Unit.COUNT), audience)}** |",
+        f"| output tokens/s, everyone | **{rate}** (last 10 s) |",
+        f"| decode batch size | {batch} |",
         f"| tokens in the shown forwards | {computed} computed, {cached} served from the cache |",
-        f"| KV held for running requests | {reserved} of the {s.budget_bytes / 2**20:.0f} MiB budget (their own "
+        f"| KV held for running requests, everyone | {reserved} of the "
+        f"{fmt_figure(shipped(s.budget_bytes, Unit.BYTES), audience)} budget (their own "
         "tokens: cached prefixes are read in place, never copied) |",
     ])
 

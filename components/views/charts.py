@@ -13,7 +13,10 @@ import plotly.graph_objects as go
 
 from components.views.chart_style import BASELINE_COLOR, CACHED_COLOR, COMPUTED_COLOR, MiB, empty_figure, styled
 from components.views.format import reuse_words
-from engine.types import EngineStats, RequestMetrics
+from engine.types import RequestMetrics
+from engine.visibility import Audience, Figure, Unit, everyone
+
+PRIVATE = Audience(public=False)  # the operator's own page: every figure exact
 
 EMPTY_HEIGHT = 150  # an empty chart is a short line that says why, not a large blank frame
 
@@ -45,11 +48,15 @@ def reuse_bars(cached: Sequence[int], computed: Sequence[int], labels: Sequence[
     return fig
 
 
-def memory_gauge(stats: EngineStats, height: int = 260, everyone: bool = False) -> go.Figure:
-    """Bytes of KV in use against the budget (``everyone``: say it counts every visitor's): the
-    pool holds all of it, the tree's part (dark) and running requests' own (the bar's rest)."""
-    used, budget = stats.cache_bytes / MiB, max(stats.budget_bytes, 1) / MiB
-    tree = min(stats.tree_bytes / MiB, used) if stats.tree_bytes else 0.0
+def memory_gauge(used_kv: Figure, budget_kv: Figure, tree_kv: Figure | None = None, audience: Audience = PRIVATE,
+                 height: int = 260) -> go.Figure:
+    """Bytes of KV in use against the budget (declared figures: on a public page, ``audience``,
+    everyone's KV shows in 256-token buckets and the tree's part not at all): the pool holds all
+    of it, the tree's part (dark) and running requests' own (the bar's rest)."""
+    everyone = audience.public
+    used, budget = (audience.show(used_kv).value or 0) / MiB, max(audience.show(budget_kv).value or 0, 1) / MiB
+    tree_bytes = audience.show(tree_kv).value if tree_kv is not None and not everyone else None
+    tree = min(tree_bytes / MiB, used) if tree_bytes else 0.0
     steps = [dict(range=[0, budget], color="#f1f5f9")]
     if tree and not everyone:
         steps.append(dict(range=[0, tree], color="#bbf7d0"))
@@ -66,9 +73,12 @@ def memory_gauge(stats: EngineStats, height: int = 260, everyone: bool = False) 
     return fig
 
 
-def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300, title: str = "") -> go.Figure:
+def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300, title: str = "",
+                    audience: Audience = PRIVATE) -> go.Figure:
     """Per-request share of prompt tokens served from the cache, the running token hit
-    rate, and the cache's size after each request."""
+    rate, and the cache's size after each request: everyone's KV, so on a public deployment
+    (``audience``) only in whole 256-token buckets (issue 58: the exact bytes between two of a
+    visitor's requests counted everyone else's tokens)."""
     title = title or "Hit rate over time"
     if not history:
         return _empty("No requests yet: send a chat message or a few-shot query", height, title)
@@ -85,9 +95,11 @@ def hit_rate_figure(history: Sequence[RequestMetrics], height: int = 300, title:
                                        "tokens cached<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=running, name="running token hit rate", mode="lines+markers",
                              line=dict(color="#15803d", width=3), hovertemplate="running: %{y:.0%}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=[m.cache_bytes / MiB for m in history], name="cache MiB", yaxis="y2",
-                             mode="lines", line=dict(color="#64748b", dash="dot"),
-                             hovertemplate="cache %{y:,.1f} MiB<extra></extra>"))
+    held = [audience.show(everyone(m.cache_bytes, Unit.BYTES)).value for m in history]
+    coarse = " (everyone's, in 256-token steps)" if audience.public else ""
+    fig.add_trace(go.Scatter(x=x, y=[b / MiB if b is not None else None for b in held], name=f"cache MiB{coarse}",
+                             yaxis="y2", mode="lines", line=dict(color="#64748b", dash="dot"),
+                             hovertemplate=f"cache {'at most ' if coarse else ''}%{{y:,.1f}} MiB<extra></extra>"))
     fig.update_layout(yaxis=dict(title="tokens from cache", tickformat=".0%", range=[0, 1.05]),
                       yaxis2=dict(title="cache MiB", overlaying="y", side="right", showgrid=False, rangemode="tozero"),
                       xaxis=dict(title="request id", type="category", nticks=20), bargap=0.3)

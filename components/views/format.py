@@ -120,3 +120,32 @@ def first_token_cell(m) -> str:
         return "– (stopped before the first token)"
     return f"{fmt_ms(m.ttft_ms)} (queue {fmt_ms(m.queue_ms)} + engine {fmt_ms(max(0.0, m.ttft_ms - m.queue_ms))})"
 
+
+
+WITHHELD = "not shown on a public page"
+
+
+def fmt_figure(figure, audience) -> str:
+    """A declared figure (``engine.visibility.Figure``) as ``audience`` may see it: exact, coarse
+    ("≤512" tokens or bytes, "≤4" requests, "40 or more" tokens/s), or withheld. A plain number
+    is refused (``TypeError``): every figure a view shows says whose it is."""
+    from engine.visibility import Unit
+
+    shown = audience.show(figure)
+    if shown.withheld:
+        return WITHHELD
+    v = shown.value
+    if v is None:
+        return "–"
+    unit = figure.unit
+    if unit is Unit.BYTES:
+        text = fmt_bytes(int(v))
+    elif unit is Unit.RATE:
+        text = f"{v:,.0f}" if not shown.exact else f"{v:,.1f}"
+    elif isinstance(v, float) and unit is Unit.OTHER:
+        text = f"{v:,.2f}"
+    else:
+        text = f"{int(v):,}"
+    if shown.exact:
+        return text
+    return f"{text} or more" if unit is Unit.RATE else f"≤{text}"

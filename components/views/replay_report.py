@@ -26,6 +26,9 @@ from components.views.chart_style import TOKEN_COLORS
 from components.views.lab.figures import empty_figure, granularity_figure
 from components.views.tree_figures import tree_figure
 
+# Every figure here is the viewer's own (a replay of the visitor's own log on a simulated cache): engine.visibility.
+FIGURES_WHOSE = "own"
+
 CACHED_COLOR, COMPUTED_COLOR = TOKEN_COLORS["cached"], TOKEN_COLORS["computed"]
 EXPECTED_COLOR = "#94a3b8"
 BASELINE_COLOR = "#64748b"

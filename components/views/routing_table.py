@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from components.views.format import fmt_pct
 
+# Every figure here is the viewer's own (a simulated fleet over the visitor's own workload): engine.visibility.
+FIGURES_WHOSE = "own"
+
 POLICY_WORDS = {
     "round_robin": "each replica in turn: spreads load, ignores the caches",
     "random": "a replica at random",

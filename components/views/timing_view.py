@@ -13,6 +13,7 @@ import time
 from analysis.prefill_timing import PrefillTiming
 from components.views.format import card_head, first_token_cell, fmt_ms, plural, reuse_is_noise, reuse_words
 from engine.types import RequestMetrics
+from engine.visibility import everyone
 
 TIMING_STATUS = ("*Answer done. Now timing prefill with and without reuse, back to back on the model's thread "
                  "(the same prompt, up to three pairs)…*")
@@ -106,8 +107,8 @@ def turn_markdown(m: RequestMetrics, t: PrefillTiming | None, running: bool = Fa
         notes.append(f"{what}, so there is no with/without comparison to make: both would compute (almost) "
                      "every token.")
     live = "Live = this request's own prefill inside the engine's batched step"
-    if m.prefill_shared_step or m.batch_size_max > 1:
-        live += f", shared with other requests' work (up to {m.batch_size_max} at once), so it reads high"
+    if m.prefill_shared_step or (everyone(m.batch_size_max).value or 1) > 1:  # how many others: not said
+        live += ", shared with other requests' work, so it reads high"
     notes.append(live + ".")
     return "\n".join(lines + ["", " ".join(f"*{n}*" for n in notes if n)])
 

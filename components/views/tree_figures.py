@@ -31,6 +31,7 @@ from components.views.tree_marks import COMPUTED, REUSED, VisualNode, layout, vi
 from components.views.tree_places import node_places, stable_layout
 from components.views.tree_text import hover_text, mark_label, tier_words
 from engine.types import TreeSnapshot
+from engine.visibility import Unit, everyone
 
 STATUS_COLORS = {REUSED: TOKEN_COLORS["cached"], COMPUTED: TOKEN_COLORS["computed"]}
 HIDDEN_COLOR = "#cbd5e1"
@@ -322,10 +323,12 @@ def _palette(scale: tuple) -> tuple[str, ...]:
 # when done: while it runs, its nodes say so instead of showing the filler as if someone asked it.
 def snapshot_summary(snapshot: TreeSnapshot) -> dict:
     """A JSON-able view for the API: text is null for other visitors' nodes; ``spilled`` nodes
-    are in the second tier (``tier_kind``), not in the pool."""
+    are in the second tier (``tier_kind``), not in the pool. ``snapshot`` is a viewer's view
+    (``engine.snapshot_view.for_viewer``: others' nodes and evictions already in buckets)."""
     return {
         "num_tokens": snapshot.num_tokens, "num_bytes": snapshot.num_bytes, "budget_bytes": snapshot.budget_bytes,
-        "evicted_tokens": snapshot.evicted_tokens, "bytes_per_token": snapshot.bytes_per_token,
+        "evicted_tokens": everyone(snapshot.evicted_tokens, Unit.TOKENS).value,  # bucketed by for_viewer
+        "bytes_per_token": snapshot.bytes_per_token,
         "tier_kind": snapshot.tier_kind,
         "nodes": [{"node_id": n.node_id, "parent_id": n.parent_id, "num_tokens": n.num_tokens,
                    "depth_tokens": n.depth_tokens, "num_bytes": n.num_bytes, "hits": n.hits, "lock_ref": n.lock_ref,

@@ -30,6 +30,11 @@ end over its own. The ``PUBLIC`` namespace (content shipped with the app) is cou
 evicted for a visitor. With no inserting owner (the operator's budget shrink or offload) the
 owners over their share go first, then the policy's order, and ``PUBLIC`` last of all. A plain
 ``Rule()`` (the operator's clear, and every cache without isolation) is the policy's order alone.
+When an inserting owner's room comes from another owner, at least ``num_tokens`` rounded up to
+whole ``OTHERS_BUCKET_TOKENS`` is taken, the part past ``num_tokens`` only from owners over
+their share: what a visitor then finds of their own
+prefixes (their ``cached_tokens``) tells another's prompt length only in buckets, as the tree's
+"others" nodes do (issue 58: a visitor over their share read a newcomer's exact token count).
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ if TYPE_CHECKING:
     from engine.kvcache.radix_tree import Node, RadixTree
 
 Priority = tuple[float, ...]
+OTHERS_BUCKET_TOKENS = 256  # = engine.snapshot_view.HIDDEN_BUCKET_TOKENS (imported there would be circular)
+
+
+def _bucket_up(num_tokens: int) -> int:
+    return -(-num_tokens // OTHERS_BUCKET_TOKENS) * OTHERS_BUCKET_TOKENS
 
 
 def attached(node: Node) -> bool:
@@ -255,10 +265,15 @@ def _evict_fair(tree: RadixTree, num_tokens: int, rule: Rule) -> Evicted:
         push(n)
     removed: list[Node] = []
     freed: list[Any] = []
-    while len(freed) < num_tokens:
+    target = num_tokens  # raised to a whole bucket once another owner pays for the inserting one
+    while len(freed) < target:
         ends_over = owner is not None and usage[owner] + rule.incoming_tokens > share
         ready = [o for o, h in heaps.items() if h.top_key() is not None]
         over = [o for o in ready if o != owner and usage[o] > share]
+        if len(freed) >= num_tokens:  # past what was asked: only an over-share owner's bucket is filled up
+            if not over:
+                break
+            ends_over = False
         if ends_over and owner in ready:
             victim, heap = owner, heaps[owner]
         elif over:
@@ -271,6 +286,8 @@ def _evict_fair(tree: RadixTree, num_tokens: int, rule: Rule) -> Evicted:
             victim, heap = PUBLIC, public
         else:
             break  # the rest would come from owners within their share: store less instead
+        if owner is not None and victim not in (owner, PUBLIC):
+            target = max(target, _bucket_up(num_tokens))
         node = heap.pop()
         freed.extend(tree.evict_leaf(node))
         usage[victim] -= len(node.key)

@@ -70,6 +70,7 @@ from engine.types import (
     TokenLogprob,
     TreeSnapshot,
 )
+from engine.visibility import new_request_id
 from server.remote.block_tree import BlockTree
 from server.remote.block_view import block_snapshot, owners
 from server.remote.client import BackendClient, StreamResult
@@ -114,7 +115,6 @@ class RemoteEngine(FacadeBase):
         self._epochs: dict[str | None, int] = {}
         self._lock = threading.RLock()
         self._in_flight = 0
-        self._next_id = 1
         self._version = 0  # bumped by every record and clear (the panels' change counter)
         self._start_records(history_size, self._lock)
         self.blocks = BlockTree()  # the server's own blocks, while its KV events flow
@@ -229,12 +229,11 @@ class RemoteEngine(FacadeBase):
             if self.tree.num_tokens > self.shadow_tokens:  # least recently sent first; the server evicts on its own
                 self.tree.evict(self.tree.num_tokens - self.shadow_tokens)
             self.cache_reported = reported if self.cache_reported is None else (self.cache_reported and reported)
-            rid = self._next_id
-            self._next_id += 1
+            rid = new_request_id()  # random: a visitor's ids count nobody else's requests
             self._version += 1
             self._salts[rid] = salt
             if len(self._salts) > 2 * self.history.maxlen:  # as long as the history, give or take
-                for old in sorted(self._salts)[:len(self._salts) - self.history.maxlen]:
+                for old in list(self._salts)[:len(self._salts) - self.history.maxlen]:  # oldest first
                     del self._salts[old]
             if blocks_cached is not None and reported:
                 self.block_checks["agree" if blocks_cached == cached else "differ"] += 1

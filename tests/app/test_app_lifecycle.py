@@ -138,3 +138,42 @@ def test_sigterm_while_serving_ends_in_one_line(tiny_model_dir):
     assert rc == 0, before + out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and "terminate" not in out, out
     assert out.strip().splitlines()[-1] == "Stopped.", out
+
+
+def test_sigterm_under_load_as_a_space_ends_cleanly(tiny_model_dir):
+    """Issue 58: a Space (isolation, visitors by X-Forwarded-For) stopped by SIGTERM while API
+    streams and page events are in flight printed ``terminate called without an active
+    exception`` (a native thread still running when the interpreter went away). It ends with
+    "Stopped." and exit code 0, nothing after it."""
+    import threading
+
+    port = free_port()
+    env = dict(_env(), SYSTEM="spaces")
+    proc = subprocess.Popen([sys.executable, "app.py", "--model", tiny_model_dir, "--port", str(port),
+                             "--max-new-tokens", "256"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    streams: list[threading.Thread] = []
+    try:
+        before = _read_until(proc, "Running on local URL", 240)
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 256, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60,
+                                  headers={"x-forwarded-for": f"198.51.100.{i + 1}"}) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass  # the server went away mid-stream: expected
+
+        streams = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+        for t in streams:
+            t.start()
+        time.sleep(1.5)  # the streams are running
+        rc, out = _stopped(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, before + out
+    assert "terminate called" not in out and "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.strip().splitlines()[-1] == "Stopped.", out

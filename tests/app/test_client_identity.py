@@ -113,13 +113,13 @@ def test_a_page_address_that_fills_its_half_of_the_inbox_is_told_so(tiny_runner)
     half = engine.max_waiting_per_owner
     assert half == 4
     with launched_app(engine, max_queue=8) as url:
-        first_id = engine._next_id
+        first_id = engine._submitted
         with tiny_runner.lock:
             tabs = [visitor(url) for _ in range(half + 1)]
             jobs = []
             for i, t in enumerate(tabs[:half]):
                 jobs.append(t.submit(f"Tab {i}.", [], DEFAULT_SYSTEM, "", 2, False, api_name="/chat"))
-            wait_for(lambda: engine._next_id >= first_id + half, what="the first tabs' requests")
+            wait_for(lambda: engine._submitted >= first_id + half, what="the first tabs' requests")
             extra = tabs[half].submit("One more.", [], DEFAULT_SYSTEM, "", 2, False, api_name="/chat")
             extra.result(timeout=60)
             logs = shown_logs(extra)

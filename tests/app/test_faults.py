@@ -221,7 +221,7 @@ def test_visitor_stop_and_tab_close_through_the_app(slow_engine):
                             break  # leaving the block closes the connection
         wait_idle(engine)
         closed = engine.recent()[-1]
-        assert closed.request_id == stopped.request_id + 1
+        assert closed.request_id != stopped.request_id  # the next request (ids are random, issue 58)
         assert closed.finish_reason == "cancelled" and closed.output_tokens < 400
         assert_clean(engine)
 

@@ -186,11 +186,11 @@ def test_page_tabs_from_one_address_are_one_owner_over_the_real_page(tiny_runner
     with launched_app(engine) as url:
         tabs = [visitor(url) for _ in range(3)]
         assert len({t.session_hash for t in tabs}) == 3
-        first_id = engine._next_id
+        first_id = engine._submitted
         with tiny_runner.lock:  # all three are in the engine before any runs
             jobs = [t.submit(f"Tab {i} asks.", [], DEFAULT_SYSTEM, "", 3, False, api_name="/chat")
                     for i, t in enumerate(tabs)]
-            _wait(lambda: engine._next_id >= first_id + 3)  # three submitted (one may sit with the worker)
+            _wait(lambda: engine._submitted >= first_id + 3)  # three submitted (one may sit with the worker)
         for job in jobs:
             job.result(timeout=120)
         wait_idle(engine)

@@ -18,7 +18,7 @@ def test_timeline_from_a_real_batch(tiny_runner):
     steps = engine.step_log()
     fig = timeline_figure(steps, namespace="v-me")
     names = {t.name for t in fig.data}
-    assert {"prefill chunk (yours)", "batched decode (yours)", "prefill chunk", "batched decode"} <= names
+    assert {"prefill chunk (yours)", "batched decode (yours)"} == names  # others' bars: not drawn (issue 58)
     yours = [t for t in fig.data if t.name.endswith("(yours)")]
     assert all(set(t.y) == {f"#{mine.request_id}"} for t in yours)
     assert all(t.marker.opacity == 1.0 for t in yours)
@@ -37,8 +37,9 @@ def test_mixed_forward_colours_each_request_by_its_work():
                      prefill_request_ids=(2,))
     fig = timeline_figure([rec], namespace="v-a")
     by_name = {t.name: list(t.y) for t in fig.data}
-    assert by_name == {"batched decode (yours)": ["#1"], "prefill chunk": ["others"]}  # no one else's id
+    assert by_name == {"batched decode (yours)": ["#1"]}  # others' bars withheld, no one else's id
     assert not any("#2" in t for trace in fig.data for t in trace.hovertext)
+    assert all("for ≤4 request(s)" in t for trace in fig.data for t in trace.hovertext)  # batch size: coarse
     assert {t.name: list(t.y) for t in timeline_figure([rec]).data} == {  # a shared engine names them all
         "batched decode": ["#1"], "prefill chunk": ["#2"]}
 
@@ -84,9 +85,10 @@ def test_other_visitors_token_counts_are_coarse_in_isolation(tiny_runner):
     own = [r for r in steps if set(r.namespaces) == {"v-me"} and alone.request_id in r.request_ids]
     assert shared and own
     texts = [t for trace in timeline_figure(steps, namespace="v-me").data for t in trace.hovertext]
+    assert not any(" in step " in t for t in texts)  # the step counter counts everyone's forwards
 
     def shown(rec) -> list[str]:
-        return [t for t in texts if f" in step {rec.step_id}," in t]
+        return [t for trace in timeline_figure([rec], namespace="v-me").data for t in trace.hovertext]
 
     for rec in shared:
         assert shown(rec) and all("≤256 tokens computed" in t for t in shown(rec)), shown(rec)
@@ -114,6 +116,7 @@ def test_reserved_kv_of_everyone_is_coarse_in_isolation():
     assert f"| {37 * bpt / 2**20:.1f} MiB of the" in scheduler_markdown(engine, [], None)
     coarse = scheduler_markdown(engine, [], "v-me")
     assert f"≤{256 * bpt / 2**20:.1f} MiB of the" in coarse and f"{37 * bpt / 2**20:.1f} MiB" not in coarse
+    assert "1.0 GiB budget" in coarse  # the budget ships with the deployment: exact
 
 
 def test_everyones_output_rate_is_coarse_in_isolation():

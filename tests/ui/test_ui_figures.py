@@ -151,7 +151,10 @@ def test_charts_from_real_history(engine):
     bars = latency_bars(history)
     assert [t.name for t in bars.data] == ["without reuse", "with reuse"] and len(bars.data[0].x) == 3
     assert list(speedup_scatter(history).data[0].x) == [m.cached_tokens for m in history]
-    gauge = memory_gauge(engine.stats())
+    from engine.visibility import Unit, everyone, shipped
+
+    s = engine.stats()
+    gauge = memory_gauge(everyone(s.cache_bytes, Unit.BYTES), shipped(s.budget_bytes, Unit.BYTES))
     assert gauge.data[0].value == pytest.approx(engine.stats().cache_bytes / 2**20)
     stacked = reuse_bars([m.cached_tokens for m in history], [m.computed_tokens for m in history])
     assert list(stacked.data[0].y) == [0, 40, 40]

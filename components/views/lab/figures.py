@@ -22,6 +22,9 @@ from components.views.format import fmt_ms
 from components.views.lab.markdown import comparison, short_name
 from engine.types import NodeInfo
 
+# Every figure here is the viewer's own (the lab's runs: the visitor's own prompts in their own namespaces, and the request-order demo's dedicated engine): engine.visibility.
+FIGURES_WHOSE = "own"
+
 __all__ = ["empty_figure", "granularity_figure", "per_request_figure", "prefill_summary_figure", "schedule_figure",
            "trees_figure"]
 SHARED_COLOR, PRIVATE_COLOR = "#16a34a", "#fb923c"

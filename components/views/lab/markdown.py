@@ -18,6 +18,10 @@ from analysis.lab.ordering_runs import VariantResult
 from analysis.lab.request_order_demo import POLICY_NAMES, ScheduleResult
 from analysis.lab.template_lint import LintReport
 from components.views.format import fmt_ms, ratio_words
+from engine.visibility import everyone
+
+# Every figure here is the viewer's own (the lab's runs: the visitor's own prompts in their own namespaces, and the request-order demo's dedicated engine): engine.visibility.
+FIGURES_WHOSE = "own"
 
 TABLE_HEADERS = ["ordering", "request", "prompt tokens", "cached", "computed", "prefill ms", "no-reuse ms"]
 
@@ -86,7 +90,7 @@ def headline_markdown(results: Sequence[VariantResult], stopped: bool = False, t
              "prefilled from scratch in the same process; “with reuse” compares the two."]
     if stopped:
         notes.append("**Stopped**: the numbers cover the requests that finished.")
-    if any(r.evicted_tokens for r in results):
+    if any(everyone(r.evicted_tokens).value for r in results):  # the engine's evictions while it ran: anyone's
         notes.append("The cache evicted tokens during the run (budget too small or other visitors' requests): "
                      "see the Memory tab.")
     return "\n".join(lines) + "\n\n" + " ".join(f"*{n}*" for n in notes)
