@@ -300,29 +300,9 @@ def _serve(args: AppConfig) -> int:
         written = engine.persist_cache()  # the local engine's cache on disk, for the next start
         if written is not None:
             print(f"Cache written to the second tier for the next start ({written} new chunks).", flush=True)
-        _stop_threads(engine)
+        engine.shutdown()  # in-flight requests cancelled, the engine's threads ended before the interpreter goes
     print("Stopped.", flush=True)
     return 0
-
-
-def _stop_threads(engine, timeout_s: float = 10.0) -> None:
-    """End the engine's worker and its compute thread before the interpreter goes: a native
-    thread pool still inside a forward at exit aborts the process ("terminate called without an
-    active exception", issue 58). The page and the API are closed by now; what the engine still
-    holds is cancelled (``cancel_all``), and its threads end within ``timeout_s``."""
-    cancel = getattr(engine, "cancel_all", None)
-    if cancel is not None:
-        cancel()
-    for stop in (getattr(engine, "close", None), getattr(getattr(engine, "runner", None), "close", None)):
-        if stop is None:
-            continue
-        try:
-            try:
-                stop(timeout_s=timeout_s)
-            except TypeError:  # a remote engine's close takes no time limit
-                stop()
-        except Exception as exc:  # stopping is best effort: say it in one line, never a traceback
-            print(f"warning: while stopping: {type(exc).__name__}: {exc}"[:200], file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

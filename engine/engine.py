@@ -40,6 +40,7 @@ from engine.kvcache.second_tier import SecondTier
 from engine.model.runner import ModelRunner
 from engine.namespaces import owner_of
 from engine.prefill_ops import PrefillOps, PrefillResult
+from engine.request_metrics import request_metrics
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
@@ -293,6 +294,16 @@ class Engine(FacadeBase, PrefillOps):
             h.cancel()
         return len(handles)
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """``ControlAPI.shutdown``: ``cancel_all``, then the worker and the compute thread end (a
+        native thread pool still inside a forward at exit aborts the process, issue 58)."""
+        self.cancel_all()
+        for stop in (self.close, self.runner.close):
+            try:
+                stop(timeout_s=timeout_s)
+            except Exception as exc:  # best effort: one line, never a traceback
+                log.warning("while stopping: %s: %s", type(exc).__name__, exc)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker once the requests already submitted are done; later submits raise
         ``EngineError``. For command lines that build engines one after another."""
@@ -374,31 +385,5 @@ class Engine(FacadeBase, PrefillOps):
             r.end(self._record(r))
 
     def _record(self, r: Request) -> RequestMetrics:
-        req, ids, out_ids, t, kv = r.req, r.ids, r.answer.out_ids, r.timings, r.kv
-        now = time.perf_counter()
-        arrived = r.handle.submitted_at
-        admitted = t.admitted_at if t.admitted_at is not None else now
-        queue_ms = (admitted - arrived) * 1000
-        # From arrival, as vLLM counts it, so queueing shows; None for a request cancelled
-        # before its first token (it never had one).
-        ttft_ms = (t.first_token_at - arrived) * 1000 if t.first_token_at is not None else None
-        decode_tps = None
-        if len(out_ids) > 1 and t.first_token_at is not None and t.last_token_at is not None:
-            span = t.last_token_at - t.first_token_at
-            decode_tps = (len(out_ids) - 1) / span if span > 0 else None
-        cached = kv.cached_tokens
-        sizes = t.batch_sizes or [1]
         with self._stats_lock:
-            m = RequestMetrics(
-                request_id=r.request_id, tag=req.tag, namespace=r.key.namespace, prompt_tokens=len(ids),
-                cached_tokens=cached, computed_tokens=len(ids) - cached, prefill_ms=t.prefill_ms,
-                baseline_prefill_ms=None, ttft_ms=ttft_ms, queue_ms=queue_ms,
-                decode_tokens_per_s=decode_tps, output_tokens=len(out_ids), finish_reason=r.finish_reason,
-                cache_bytes=self.cache.bytes_in_use, cache_budget_bytes=self.cache.budget_bytes,
-                evicted_tokens=self.cache.evicted_tokens, inserted_tokens=kv.inserted_tokens,
-                matched_path=list(kv.path), prompt_ids=list(ids), output_ids=list(out_ids),
-                output_text=r.answer.text, finished_at=time.time(), batch_size_max=max(sizes),
-                batch_size_mean=sum(sizes) / len(sizes), prefill_chunks=max(1, t.prefill_chunks),
-                prefill_shared_step=t.prefill_shared_step, tier_tokens=kv.tier_tokens, tier_load_ms=kv.tier_load_ms,
-                output_logprobs=None if req.logprobs is None else list(r.answer.logprobs))
-            return self._add_record(m)
+            return self._add_record(request_metrics(r, self.cache))

@@ -457,6 +457,13 @@ class RemoteEngine(FacadeBase):
     def base_url(self) -> str:
         return self.client.base_url
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """``ControlAPI.shutdown``: nothing runs here but the clients, which ``close`` ends."""
+        try:
+            self.close()
+        except Exception as exc:  # best effort: one line, never a traceback
+            log.warning("while stopping: %s: %s", type(exc).__name__, exc)
+
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
