@@ -1,23 +1,26 @@
-"""A finished request's no-reuse figure: its prompt prefilled again from scratch, after the answer.
+"""The one no-reuse measurement: a prompt prefilled from scratch, and whether a prompt gets one.
 
-Owns the side-by-side figure the page shows next to a request's own prefill (``RequestMetrics``'s
-``baseline_prefill_ms``): when it is measured (asked for with ``measure_baseline``, the answer not
-cancelled, and on a public deployment, ``isolation``, not above ``NO_REUSE_MAX_TOKENS`` prompt
-tokens: a long second prefill is costly work that only shows a figure), how (``EngineAPI``'s one
-primitive, ``scratch_prefill`` with no reuse: a scratch pool that neither reads nor writes the
-cache, one block per compute-thread call, so other visitors' streams flow between blocks), one at
-a time per engine (one scratch pool at most), stopping at a caller's Stop, and the figures kept by
-request id for the history's panels (``figures_of``). Knows nothing about the UI.
+Owns ``no_reuse_prefill``, the one way anything here times a prompt with no reuse (``EngineAPI``'s
+primitive ``scratch_prefill`` with nothing reused: a scratch pool that neither reads nor writes the
+cache, one block per compute-thread call, so other visitors' streams flow between blocks). Every
+no-reuse figure calls it: a finished request's figure (``with_no_reuse``: the few-shot panel, the
+lab, ``tools/replay.py``), the paired timing and the growth curve (``prefill_timing.py``'s no-reuse
+side: the chat's card, ``tools/family_bench.py``) and ``tools/bench.py``. It also owns the one
+decision whether a prompt is measured (``skip_reason``: not when the request was stopped, nor on a
+public deployment, ``isolation``, above ``NO_REUSE_MAX_TOKENS`` prompt tokens: a long second
+prefill is costly work that only shows a figure) and the one sentence a visitor gets when it is
+skipped (``skipped_note``). ``NoReuseTimer`` keeps a finished request's figure: one at a time per
+engine (one scratch pool at most), stopping at a caller's Stop, kept by request id for the
+history's panels (``figures_of``). Knows nothing about the UI.
 
-A request's own prefill (with reuse) is timed inside the step that ran it; a request with
-``measure_baseline`` prefills in forwards of its own, so that figure is its work only. Here the
-other side comes after it::
+A request's own prefill (with reuse) is timed inside the step that ran it (packed like any other
+request's, so it may include other requests' rows). Here the other side comes after it::
 
     the answer:   [cached ...... ) [computed ..... n)  prefill_ms, inside the engine's steps
     no reuse:     [0 ........................... n)    forward_ms of scratch_prefill, block by block
 
-A remote engine (no ``capabilities.scratch_prefill``) measures its own way (the prompt again under
-a fresh cache salt) and returns the figure on the metrics; it is left as it is.
+A remote engine (no ``capabilities.scratch_prefill``) answers ``measure_baseline`` its own way (the
+prompt again under a fresh cache salt) and returns the figure on the metrics; it is left as it is.
 """
 
 from __future__ import annotations
@@ -31,13 +34,49 @@ from contextlib import suppress
 
 from analysis.per_engine import per_engine
 from analysis.prefill_records import default_policy
-from engine.api import EngineAPI
+from engine.api import EngineAPI, ScratchPrefill
 from engine.types import CacheKey, EngineError, GenerationRequest, RequestMetrics
 
-__all__ = ["NO_REUSE_MAX_TOKENS", "NoReuseTimer", "no_reuse_for", "run_measured", "with_no_reuse"]
+__all__ = ["NO_REUSE_MAX_TOKENS", "NoReuseTimer", "no_reuse_for", "no_reuse_prefill", "run_measured",
+           "skip_reason", "skipped_note", "with_no_reuse"]
 
 NO_REUSE_MAX_TOKENS = 2048  # prompt tokens; above this a public deployment skips the no-reuse timing
 MAX_FIGURES = 1000  # figures kept by request id (the history's panels read them back)
+
+
+def no_reuse_prefill(engine: EngineAPI, key: CacheKey, block_tokens: int,
+                     before_block: Callable[[], None] | None = None) -> ScratchPrefill:
+    """``key.ids`` prefilled from scratch (nothing reused, the cache neither read nor written),
+    ``block_tokens`` per compute-thread call: the one no-reuse measurement (module docstring).
+    ``before_block`` is called before each block; what it raises ends the prefill."""
+    return engine.scratch_prefill(key, 0, max(1, int(block_tokens)), before_block)
+
+
+def cutoff_tokens(engine) -> int | None:
+    """The longest prompt whose no-reuse figure is measured on ``engine``; None: no cutoff (not a
+    public deployment)."""
+    if not engine.isolation:
+        return None
+    timer = no_reuse_for(engine)
+    return timer.max_tokens_isolated if timer is not None else NO_REUSE_MAX_TOKENS
+
+
+def skip_reason(engine, prompt_tokens: int, finish_reason: str | None = None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` gets no no-reuse figure on ``engine``, or None when it
+    does: the one place that decides (the page, the tools and ``NoReuseTimer`` ask here)."""
+    if finish_reason == "cancelled":
+        return "the request was stopped"
+    cutoff = cutoff_tokens(engine)
+    if cutoff is not None and prompt_tokens > cutoff:
+        return (f"the prompt is {prompt_tokens:,} tokens (over {cutoff:,}), and timing it would prefill the whole "
+                "prompt a second time")
+    return None
+
+
+def skipped_note(engine, asked, prompt_tokens: int) -> str | None:
+    """The one sentence a visitor who asked for the no-reuse figure and will not get it reads."""
+    reason = skip_reason(engine, prompt_tokens) if asked else None
+    return None if reason is None else f"No-reuse measurement skipped: {reason}."
 
 
 class _Stopped(Exception):
@@ -66,20 +105,11 @@ class NoReuseTimer:
         tokens = min(self.max_tokens_isolated, self.max_context) if self.isolation else self.max_context
         return tokens * self.kv_bytes_per_token
 
-    def skip_reason(self, m: RequestMetrics) -> str | None:
-        """Why ``m``'s no-reuse figure is not measured, or None when it is."""
-        if m.finish_reason == "cancelled":
-            return "the request was stopped"
-        if self.isolation and m.prompt_tokens > self.max_tokens_isolated:
-            return (f"the prompt is {m.prompt_tokens:,} tokens (over {self.max_tokens_isolated:,}): timing it would "
-                    "prefill the whole prompt a second time")
-        return None
-
     def measure(self, m: RequestMetrics, should_stop: Callable[[], bool] | None = None) -> float | None:
         """``m``'s prompt prefilled from scratch, in ms (kept under ``m.request_id``); None when
         skipped (``skip_reason``) or stopped (``should_stop`` is asked before each block)."""
         engine = self._engine()
-        if engine is None or not m.prompt_ids or self.skip_reason(m) is not None:
+        if engine is None or not m.prompt_ids or skip_reason(engine, m.prompt_tokens, m.finish_reason) is not None:
             return None
 
         def before_block() -> None:
@@ -91,7 +121,7 @@ class NoReuseTimer:
         with self._one_at_a_time:
             self.scratch_bytes = len(key.ids) * self.kv_bytes_per_token
             try:
-                ms = engine.scratch_prefill(key, 0, self.block_tokens, before_block).forward_ms
+                ms = no_reuse_prefill(engine, key, self.block_tokens, before_block).forward_ms
             except _Stopped:
                 return None
             finally:

@@ -6,7 +6,8 @@ the namespace that made it), the warm start of shipped prefixes (``warm``), the 
 curve (prefill time against cached length, ``growth_curve``) and ``timer_for``, one timer per engine kept
 here (``analysis.per_engine``), never by the engine. Knows nothing about the UI, presets or visitors.
 
-It reaches the engine through ``EngineAPI`` only: ``PrefillAPI.scratch_prefill`` for both sides,
+It reaches the engine through ``EngineAPI`` only: ``PrefillAPI.scratch_prefill`` for both sides (the
+no-reuse side through ``no_reuse.no_reuse_prefill``, the one no-reuse measurement),
 ``cache_prefill`` for the warm start and the curve's filler, ``matched_len``, ``info`` and ``stats``; an
 engine without ``capabilities.prefill_timing`` (remote, ZeroGPU) has no timer. Its policy and records live
 in ``prefill_records.py``, re-exported here; a finished request's own no-reuse figure is ``no_reuse.py``'s.
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from analysis.no_reuse import no_reuse_prefill
 from analysis.per_engine import per_engine
 from analysis.prefill_records import (
     GrowthCurve,
@@ -184,8 +186,12 @@ class PrefillTimer:
         block = max(1, self.policy.block_tokens)
         if background:
             block = min(block, BACKGROUND_BLOCK_TOKENS)
+        wait = self._wait_for_quiet if background else None
         with self._scratch(len(key.ids)):
-            done = self.engine.scratch_prefill(key, cached, block, self._wait_for_quiet if background else None)
+            if cached == 0:  # the no-reuse side: the one no-reuse measurement
+                done = no_reuse_prefill(self.engine, key, block, wait)
+            else:
+                done = self.engine.scratch_prefill(key, cached, block, wait)
         return done.forward_ms, done.reused_tokens, done.last_logits
 
     def _memo_key(self, key: CacheKey) -> tuple | None:

@@ -83,9 +83,9 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    # The caller will compare this prefill with a no-reuse one: locally its prompt is prefilled in
-    # forwards of its own (a clean with-reuse figure) and ``analysis/no_reuse.py`` times the other
-    # side after the answer; a remote engine sends the prompt again under a fresh cache salt.
+    # The caller will compare this prefill with a no-reuse one. The local engine ignores it (the
+    # request packs like any other; ``analysis/no_reuse.py`` times the other side after the
+    # answer); a remote engine sends the prompt again under a fresh cache salt.
     measure_baseline: bool = False
     namespace: str = PUBLIC
     public_len: int = 0
@@ -128,8 +128,8 @@ class RequestMetrics:
     # How the request ran under the batching scheduler: the largest and mean number of
     # requests in the decode forwards it took part in, how many prefill chunks its prompt
     # took, and whether any of its prefill chunks shared a forward with other requests
-    # (then ``prefill_ms`` includes their work and reads high). Requests with ``measure_baseline``
-    # prefill in forwards of their own, so the side-by-side stays clean.
+    # (then ``prefill_ms`` includes their work and reads high); ``measure_baseline`` does not change
+    # that (the chat's card uses the paired timing, ``analysis/prefill_timing.py``, instead).
     batch_size_max: int = 1
     batch_size_mean: float = 1.0
     prefill_chunks: int = 1
@@ -190,7 +190,7 @@ class GenerationEvent:
 class StepRecord:
     """One forward the scheduler ran: prefill chunks and decode tokens of several requests
     packed together. Steps group forwards: a step runs the prefills that must run alone
-    (``measure_baseline``, ``prompt_logprobs``), then one packed forward."""
+    (``prompt_logprobs``: only a lone chunk keeps every position's logits), then one packed forward."""
 
     step_id: int
     kind: str  # "prefill", "decode" or "mixed" (prefill chunks packed with decodes)

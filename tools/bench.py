@@ -5,7 +5,8 @@
 
 For each cached-prefix size, all in one process and interleaved per repeat:
 
-- full: prefill of prefix + suffix from scratch (no reuse);
+- full: prefill of prefix + suffix from scratch (no reuse): the app's one no-reuse
+  measurement (``analysis.no_reuse.no_reuse_prefill``, the engine's scratch pool, in one block);
 - engine: the scheduler's prefill path on a warm cache (``Engine.prefill_in_pool``):
   tree match and lock, the prefix's KV read in place from the pool, the suffix
   forward into pool slots of the request's own, which then pass to the tree;
@@ -37,6 +38,7 @@ import time
 
 import torch
 
+from analysis.no_reuse import no_reuse_prefill
 from engine.engine import Engine
 from engine.kvcache.kv_tier import CHUNK_TOKENS
 from engine.kvcache.radix_tree import RadixTree
@@ -93,7 +95,7 @@ def chat_agreement(engine: Engine, new_tokens: int = 32) -> tuple[int, int]:
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
+    return float((a.float().cpu() - b.float().cpu()).abs().max())
 
 
 def _ideal_ms(runner, prefix_kv, prefix_len: int, suffix: list[int]) -> float:
@@ -132,9 +134,10 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
     full, eng, ideal, tree_ms, tier, max_diff = [], [], [], [], [], 0.0
     for r, suffix in enumerate(suffixes):
         ids = prefix + suffix
-        # full prefill, no reuse
-        ref_logits, ms = runner.reference_prefill(ids)
-        full.append(ms)
+        # full prefill, no reuse: the one no-reuse measurement, one block
+        scratch = no_reuse_prefill(engine, CacheKey(tuple(ids)), block_tokens=len(ids))
+        ref_logits = scratch.last_logits
+        full.append(scratch.forward_ms)
         # engine path: what serving does
         res = engine.prefill_in_pool(CacheKey(tuple(ids)))
         assert res.cached_tokens == prefix_len, res.cached_tokens
@@ -146,8 +149,8 @@ def bench_size(engine: Engine, prefix_len: int, suffix_len: int, repeats: int, s
             res = engine.prefill_in_pool(CacheKey(tuple(tier_ids)))
             assert res.cached_tokens == prefix_len // CHUNK_TOKENS * CHUNK_TOKENS, res.cached_tokens
             tier.append(res.prefill_ms)
-            max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits,
-                                                         runner.reference_prefill(tier_ids)[0]))
+            tier_ref = no_reuse_prefill(engine, CacheKey(tuple(tier_ids)), block_tokens=len(tier_ids)).last_logits
+            max_diff = max(max_diff, runner.compute.call(_max_abs_diff, res.logits, tier_ref))
         ideal.append(runner.compute.call(_ideal_ms, runner, prefix_kv, prefix_len, suffix))
         # pure tree work of one hit: match the prefix, insert the new suffix
         tree = RadixTree()

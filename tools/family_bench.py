@@ -15,8 +15,8 @@ extras at their defaults: q/k norms, soft-caps, its pattern of sliding layers, t
 - its plan (``ExecutionPlan.summary``): every family of the registry should say ``layers=exact``;
 - one chat request behind the cached system prompt (a policy manual of about ``--system-tokens``,
   ``tools.serve_bench.policy_manual``), prefilled with reuse and without, back to back, on the
-  engine's scratch pool (``analysis.prefill_timing.PrefillTimer``, one pair, over
-  ``EngineAPI.scratch_prefill``), and whether both sides' last logits are equal bit for bit;
+  engine's scratch pool (``analysis.prefill_timing.timer_for``, one pair; its no-reuse side is
+  ``analysis.no_reuse.no_reuse_prefill``), and whether both sides' last logits are equal bit for bit;
 - output tokens/s of chat requests (``--max-new-tokens``, greedy, past EOS) through closed-loop
   streams (``tools.serve_bench.run_engine``, the prefix cached first): ``--alone`` requests on one
   stream, then ``--streams`` requests on as many streams, and whether the requests run both ways
@@ -116,11 +116,11 @@ def build_family(model_type: str, shape: Shape, tokenizer, window: int, dtype: t
 
 def _timed_prefill(engine: Engine, request: GenerationRequest):
     """One pair of prefills of ``request`` behind its cached prefix: with reuse and without."""
-    from analysis.prefill_timing import PrefillTimer
+    from analysis.prefill_timing import timer_for
 
     ids = engine.runner.text.encode_chat(request.messages)
     key = engine.cache_key(ids, request)
-    return PrefillTimer(engine).time_pairs(key, engine.matched_len(key), pairs=1)
+    return timer_for(engine).time_pairs(key, engine.matched_len(key), pairs=1)
 
 
 def bench_family(model_type: str, shape: Shape, tokenizer, args, log=lambda s: print(s, flush=True)) -> FamilyRow:

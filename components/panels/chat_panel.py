@@ -22,7 +22,7 @@ from functools import partial
 
 import gradio as gr
 
-from analysis.no_reuse import NO_REUSE_MAX_TOKENS, no_reuse_for, with_no_reuse
+from analysis.no_reuse import cutoff_tokens, no_reuse_for, skip_reason, skipped_note, with_no_reuse
 from analysis.prefill_timing import timer_for
 from components.chat_presets import CUSTOM_SYSTEM, STARTERS_BY_PRESET, SYSTEM_PRESETS, chat_messages
 from components.panels.common import (
@@ -90,19 +90,20 @@ def build_request(engine: EngineAPI, messages: list[dict], max_new_tokens, measu
                   request: gr.Request | None, tag: str, loop_guard=True) -> GenerationRequest:
     """Tokenized and keyed once by the engine for this visitor (``EngineAPI.key_for``: the
     namespace and shareable length, as the warm start keys the shipped part).
-    The no-reuse measurement is left off above ``NO_REUSE_MAX_TOKENS`` (see ``baseline_skipped``)."""
+    The no-reuse measurement is asked for only where ``analysis.no_reuse.skip_reason`` allows it
+    (see ``baseline_skipped``)."""
     keyed = page_keyed(engine, GenerationRequest(messages=tuple(messages)), request)
-    measure = bool(measure_baseline) and len(keyed.ids) <= NO_REUSE_MAX_TOKENS
+    measure = bool(measure_baseline) and skip_reason(engine, len(keyed.ids)) is None
     return keyed.request(GenerationRequest(sampling=sampling_for(engine, max_new_tokens, loop_guard),
                                            measure_baseline=measure, tag=tag))
 
 
-def baseline_skipped(asked, req: GenerationRequest) -> str | None:
-    """What to tell a visitor who asked for the no-reuse measurement and did not get it."""
+def baseline_skipped(engine: EngineAPI, asked, req: GenerationRequest) -> str | None:
+    """What to tell a visitor who asked for the no-reuse measurement and did not get it
+    (``analysis.no_reuse.skipped_note``: the one sentence)."""
     if not bool(asked) or req.measure_baseline:
         return None
-    return (f"No-reuse measurement skipped: the prompt is {len(req.prompt_ids):,} tokens (over "
-            f"{NO_REUSE_MAX_TOKENS:,}), and timing it would prefill the whole prompt a second time.")
+    return skipped_note(engine, True, len(req.prompt_ids))
 
 
 def system_text(preset_name, custom_text) -> str:
@@ -152,21 +153,17 @@ def gpu_call_note(engine: ServingAPI) -> str:
             "question); a pause before the first token is the call waiting in ZeroGPU's queue for a GPU.")
 
 
-def paired_timer(engine: EngineAPI):
-    """The engine's fair prefill timer, or None (a remote engine measures its own way)."""
-    return timer_for(engine)
-
-
 def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_tokens, measure, loop_guard=True,
             request: gr.Request | None = None) -> Iterator[tuple]:
     """The chat turn: (chatbot, message box, coloured prompt, numbers, last metrics, last timing) per step.
 
     With a local engine and ``measure`` on, the answer is followed by the paired timing
-    (``analysis.prefill_timing``) and the card compares those two numbers; the request itself
-    then skips the engine's in-batch baseline, which the paired timing replaces."""
+    (``analysis.prefill_timing``, whose no-reuse side is ``analysis.no_reuse``'s one measurement)
+    and the card compares those two numbers; the request itself asks for no after-answer figure,
+    which the paired timing replaces. A remote engine answers ``measure_baseline`` its own way."""
     history = list(history or [])
     text = text or ""
-    timer = paired_timer(engine) if measure else None
+    timer = timer_for(engine) if measure else None
     try:
         req = build_request(engine, chat_messages(system_text(preset_name, custom_text), history, text),
                             max_new_tokens, measure and timer is None, request, tag="chat", loop_guard=loop_guard)
@@ -177,7 +174,7 @@ def respond(engine: EngineAPI, text, history, preset_name, custom_text, max_new_
         warn(exc)
         yield history, text, gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return
-    skipped = baseline_skipped(measure, req) if timer is None else None
+    skipped = baseline_skipped(engine, measure, req) if timer is None else None
     history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
     waiting = (f"*Waiting for {fmt_figure(ahead, audience_of(engine))} request(s) ahead of you…*" if ahead.value else
                "*Prefilling the prompt…*")
@@ -245,7 +242,8 @@ def build_chat_panel(engine: EngineAPI, last_metrics: gr.State, last_timing: gr.
     """``last_timing`` holds this visitor's last ``(request_id, PrefillTiming)`` (the side card reads it)."""
     last_timing = last_timing if last_timing is not None else gr.State(None)
     first = chat_default(engine)
-    timed = paired_timer(engine) is not None
+    timed = timer_for(engine) is not None
+    cutoff = cutoff_tokens(engine)
     with gr.Row(elem_classes=["system-row"]):
         preset = gr.Dropdown(list(SYSTEM_PRESETS) + [CUSTOM_SYSTEM], value=first, label="System prompt",
                              scale=1, min_width=270, elem_classes=["system-pick"])
@@ -268,7 +266,7 @@ def build_chat_panel(engine: EngineAPI, last_metrics: gr.State, last_timing: gr.
         with gr.Column(min_width=220):
             baseline = gr.Checkbox(value=True, label=(
                 "After each answer, time prefill with and without reuse, back to back (median of pairs)" if timed
-                else f"Measure prefill without reuse too (skipped above {NO_REUSE_MAX_TOKENS:,} prompt tokens)"))
+                else "Measure prefill without reuse too" + (f" (skipped above {cutoff:,} prompt tokens)" if cutoff else "")))
         with gr.Column(min_width=220):
             loop_guard = gr.Checkbox(value=True, label=LOOP_GUARD_LABEL)
         with gr.Column(min_width=220):

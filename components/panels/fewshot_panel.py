@@ -97,7 +97,7 @@ def run_one(engine: EngineAPI, instr, rows, text, shuffle_on, max_new_tokens, me
     try:
         req, handle = _submit(engine, instr, rows, text, shuffle_on, max_new_tokens, measure, guard, request,
                               "few-shot", random.Random())
-        skipped = baseline_skipped(measure, req)
+        skipped = baseline_skipped(engine, measure, req)
         yield "", [], "*Prefilling the prompt…*", None
         shown = None
         for answer, status, metrics in stream_request(engine, handle, request, "fewshot"):

@@ -4,10 +4,9 @@ Owns: ``Batch`` (prefill chunks, then one decode token per decoding request), th
 ``chunk_tokens`` prompt tokens per step, prompts with fewer chunks done first so a
 short newcomer is not stuck behind a long prompt, after a minimum share for the oldest
 prompt so steady arrivals cannot starve it, packed with every request in
-decode; a request whose prefill is to be compared side by side (``measure_baseline``: the
-no-reuse side is timed afterwards, outside the core) prefills in forwards of its own, so its
-with-reuse figure is its own work only, and so does one that asked for its prompt's
-log-probabilities, whose forward keeps every position's logits) and ``forward``: the rows as paged segments
+decode; a request that asked for its prompt's log-probabilities prefills in forwards of its own,
+because only a lone prompt chunk's forward keeps every position's logits (``every_position``): a
+packed forward keeps each row's last; no other flag changes the packing) and ``forward``: the rows as paged segments
 through the ``ModelRunner``, timed. Knows nothing about what the logits become
 (``postprocess``) or who was admitted (``admission``)::
 
@@ -115,7 +114,8 @@ def pack(running: list[Request], budget: int, oldest_min_tokens: int = 0,
     for r in order:
         n = take.get(r.seq, 0)
         if n > 0:
-            alone = r.req.measure_baseline or r.req.prompt_logprobs is not None
+            # Only a lone chunk's forward keeps every position's logits (``Batch.every_position``).
+            alone = r.req.prompt_logprobs is not None
             (own if alone else packed).append(Chunk(r, r.prefilled, n))
     decoding = tuple(r for r in running if r.state is State.DECODE)
     batches = [Batch("prefill", (c,)) for c in own]

@@ -361,7 +361,7 @@ def test_a_scratch_buffer_is_freed_with_its_last_reference_not_by_the_garbage_co
     import gc
     import weakref
 
-    import engine.engine as engine_module
+    import engine.prefill_ops as engine_module  # where scratch_prefill makes its pool
 
     gc.disable()
     try:

@@ -218,7 +218,7 @@ def test_long_prompts_of_one_visitor_do_not_hold_up_another(tiny_runner, make_en
     mb = list(hb)[-1].metrics
     ma = [with_no_reuse(engine, m) for m in (list(first)[-1].metrics, list(ha[1])[-1].metrics)]
     log = engine.step_log()
-    a_chunks = [i for i, rec in enumerate(log) if rec.request_ids == (ma[0].request_id,) and rec.kind == "prefill"]
+    a_chunks = [i for i, rec in enumerate(log) if ma[0].request_id in rec.prefill_request_ids]
     b_first = next(i for i, rec in enumerate(log) if mb.request_id in rec.request_ids)
     assert b_first < a_chunks[-1]
     assert all(m.baseline_prefill_ms is None for m in ma)
