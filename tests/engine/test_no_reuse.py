@@ -168,3 +168,36 @@ def test_the_scratch_pool_is_shown_outside_the_budget_with_its_bound(engine, tin
     bound = tiny_runner.max_context * tiny_runner.kv_bytes_per_token
     assert timer.scratch_bound_bytes == bound
     assert f"no-reuse timing's pool 0 B (at most {fmt_bytes(bound)}, one at a time)" in outside_budget_row(engine)
+
+
+def test_one_place_decides_whether_a_prompt_is_measured(tiny_runner, make_engine):
+    """The cutoff is written once (``skip_reason``), with one condition (a public deployment), and
+    the page's sentence comes from there too; elsewhere a long prompt is measured."""
+    from analysis.no_reuse import skip_reason, skipped_note
+    from components.panels.chat_panel import baseline_skipped
+
+    engine, isolated = make_engine(), make_engine(isolation=True)
+    no_reuse_for(isolated).max_tokens_isolated = 30
+    assert skip_reason(engine, 10**6) is None and skip_reason(isolated, 30) is None
+    assert "31 tokens (over 30)" in skip_reason(isolated, 31)
+    assert skip_reason(engine, 5, "cancelled") == "the request was stopped"
+    long = GenerationRequest(prompt_ids=tuple(rand_ids(1, 31, 100)), measure_baseline=False)
+    assert baseline_skipped(isolated, True, long) == skipped_note(isolated, True, 31)
+    assert skipped_note(isolated, True, 31).startswith("No-reuse measurement skipped: the prompt is 31 tokens")
+    assert baseline_skipped(isolated, False, long) is None and baseline_skipped(engine, True, long) is None
+    for e in (engine, isolated):
+        e.close()
+
+
+def test_a_measured_request_packs_like_any_other(tiny_runner, make_engine):
+    """``measure_baseline`` changes nothing in the scheduler: two measured prompts that arrive
+    together share their prefill forward, as two unmeasured ones do."""
+    vocab = len(tiny_runner.text.tokenizer)
+    engine = make_engine()
+    with tiny_runner.lock:  # both arrive before a step starts
+        hs = [engine.submit(req(rand_ids(40 + i, 20, vocab), 2, measure_baseline=True)) for i in range(2)]
+    ms = [list(h)[-1].metrics for h in hs]
+    ids = {m.request_id for m in ms}
+    assert any(ids <= set(rec.prefill_request_ids) for rec in engine.step_log())
+    assert all(m.prefill_shared_step for m in ms)
+    assert_clean(engine)
