@@ -20,7 +20,8 @@ in blocks fixed by position), whatever its batch; the other drivers are the deco
 layers (Llama-shaped models) and transformers' forward with the pool-reading attention registered in
 its place (``engine.model.pool_attention``). The other paths are single-request:
 ``forward``/``forward_last`` on a scratch buffer (tests' references, the warm start) and
-``reference_prefill`` (a fresh buffer, no cache: tests' and benches' reference logits).
+``reference_prefill`` (a fresh buffer, no cache: the tests' reference logits; a no-reuse *timing*
+is ``analysis.no_reuse.no_reuse_prefill``'s).
 
 Which of these runs, with which linears and attention, is chosen once as the runner is built:
 its ``plan`` (``engine.model.plan.ExecutionPlan``, frozen), from the plan's registry with the
