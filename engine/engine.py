@@ -382,7 +382,12 @@ class Engine(FacadeBase, PrefillOps):
     def _end(self, finished: list[Request]) -> None:
         """Record the requests the scheduler finished and close their streams with the metrics."""
         for r in finished:
-            r.end(self._record(r))
+            try:
+                metrics = self._record(r)
+            except Exception:  # its figures failed: the stream still ends, never left waiting
+                log.exception("request %s: its metrics failed", r.request_id)
+                metrics = None
+            r.end(metrics)
 
     def _record(self, r: Request) -> RequestMetrics:
         with self._stats_lock:

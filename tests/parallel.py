@@ -36,7 +36,14 @@ def _names_workers(args: list[str]) -> bool:
     return False
 
 
+HANG_TIMEOUT_S = 1200  # a test still running after this fails (pytest-timeout), instead of holding CI for its 90 minutes
+
+
 def pytest_load_initial_conftests(early_config, parser, args):
+    # A hang fails its test with every thread's stack in the log, where pytest-timeout is installed
+    # (requirements-dev.txt; the GPU check's venvs run without it) and the run names no timeout itself.
+    if importlib.util.find_spec("pytest_timeout") is not None and not any(a.startswith("--timeout") for a in args):
+        args[:0] = [f"--timeout={HANG_TIMEOUT_S}"]
     workers = os.environ.get("RADIX_TEST_WORKERS", "3").strip() or "3"
     if (workers == "0" or os.environ.get("PYTEST_XDIST_WORKER") or importlib.util.find_spec("xdist") is None
             or _names_workers(args)):
