@@ -42,6 +42,7 @@ from engine.namespaces import owner_of
 from engine.prefill_ops import PrefillOps, PrefillResult
 from engine.request_metrics import request_metrics
 from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.postprocess import as_engine_error
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 from engine.tier_setup import make_tier, tier_fingerprint
@@ -372,12 +373,17 @@ class Engine(FacadeBase, PrefillOps):
             if handle.cancelled.is_set():
                 handle.events.put(END_OF_STREAM)
                 continue
-            req, ids = handle.request, handle.ids
-            max_new = validation.new_token_limit(req.sampling.max_new_tokens, self.max_new_tokens_cap,
-                                                 self.runner.max_context - len(ids),
-                                                 self.cache.pool.capacity - len(ids))
-            self._seq += 1
-            self.scheduler.add(Request(handle, self.cache_key(ids, req), max_new, self._seq))
+            try:
+                req, ids = handle.request, handle.ids
+                max_new = validation.new_token_limit(req.sampling.max_new_tokens, self.max_new_tokens_cap,
+                                                     self.runner.max_context - len(ids),
+                                                     self.cache.pool.capacity - len(ids))
+                self._seq += 1
+                self.scheduler.add(Request(handle, self.cache_key(ids, req), max_new, self._seq))
+            except Exception as exc:  # this request only: its stream ends with the error, never left waiting
+                log.warning("request %s refused at intake: %s", handle.request_id, exc)
+                handle.events.put(as_engine_error(exc))
+                handle.events.put(END_OF_STREAM)
 
     def _end(self, finished: list[Request]) -> None:
         """Record the requests the scheduler finished and close their streams with the metrics."""
