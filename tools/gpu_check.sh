@@ -13,7 +13,7 @@
 # the table and the next one runs.
 #
 # The rehearsal's torch is this machine's offline wheel, 2.13.0+cpu for Python 3.11 (REHEARSE_PYTHON):
-# no torch 2.11 CPU wheel or Python 3.12 build lies on this disk, and fetching one means gigabytes.
+# it keeps the rehearsal small; torch 2.11 on Python 3.12 (pyenv) is the Space line's, tested by .ci/run.
 # transformers, the piece whose line changes the engine's calls, is the device's exact version.
 set -uo pipefail
 cd "$(dirname "$0")/.."
