@@ -32,10 +32,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(q * (len(ordered) - 1) + 0.5)))]
 
 
-def rss_bytes() -> int:
-    """This process's resident memory (``VmRSS``), 0 where /proc is missing."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (``VmRSS``; this one by default), 0 where /proc is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024

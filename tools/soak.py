@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.measure import offline_env, percentile  # noqa: E402
+from tools.measure import offline_env, percentile, rss_bytes  # noqa: E402
 
 offline_env()
 
@@ -81,11 +81,9 @@ class SoakReport:
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """``pid``'s resident memory in MiB (NaN where it cannot be read: the app has gone)."""
+    rss = rss_bytes(pid)
+    return rss / 2**20 if rss else float("nan")
 
 
 def _flat(content) -> str:
