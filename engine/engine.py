@@ -26,11 +26,10 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from engine import validation
 from engine.api import LOCAL, Capabilities, EngineAPI
 from engine.config import EngineConfig
+from engine.device_defaults import default_budget_bytes, default_chunk_tokens
 from engine.facade import FacadeBase
 from engine.handle import END_OF_STREAM, RequestHandle
 from engine.kvcache.eviction import make_policy
@@ -64,20 +63,6 @@ log = logging.getLogger(__name__)
 _STOP = object()  # inbox marker: the worker ends (Engine.close)
 
 __all__ = ["Engine", "PrefillResult", "RequestHandle", "default_budget_bytes", "default_chunk_tokens"]
-
-
-def default_budget_bytes(device: torch.device) -> int:
-    """1 GiB on CPU and MPS; on CUDA a quarter of free memory, at most 8 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(min(free // 4, 8 * 2**30))
-    return 2**30
-
-
-def default_chunk_tokens(device: torch.device) -> int:
-    """Prompt tokens per scheduler step: 256 on CPU (about half a second of prefill on two
-    cores, so streams keep moving), 2,048 on accelerators."""
-    return 256 if device.type == "cpu" else 2048
 
 
 class Engine(FacadeBase, PrefillOps):
@@ -143,7 +128,7 @@ class Engine(FacadeBase, PrefillOps):
 
         Validation happens here, before anything touches the cache.
         """
-        if self._closed:
+        if self._closed or self.runner.compute.stopped:
             raise EngineFault("This engine has been shut down.")
         ids = self.prompt_ids(request)
         capacity = self.cache.pool.capacity
@@ -333,6 +318,7 @@ class Engine(FacadeBase, PrefillOps):
                 except Exception as exc:  # never kill the worker; fail what was running, report one line
                     log.exception("scheduler step failed")
                     self.scheduler.fail_all(exc)
+                    self._refuse_in_hand(exc)  # taken from the inbox, never reached the scheduler
                     self._end(self.scheduler.take_finished())  # those that finished before it failed
                     idle = not self.scheduler.has_work()
                 if idle and self._stopping:
@@ -384,6 +370,20 @@ class Engine(FacadeBase, PrefillOps):
                 log.warning("request %s refused at intake: %s", handle.request_id, exc)
                 handle.events.put(as_engine_error(exc))
                 handle.events.put(END_OF_STREAM)
+
+    def _refuse_in_hand(self, exc: BaseException) -> None:
+        """End with ``exc`` each handle taken from the inbox that no step took in (the compute
+        thread stopped under it, issue 58): never left waiting."""
+        handles, self._in_hand = self._in_hand, []
+        while self.runner.compute.stopped:  # nothing will ever run here: the inbox ends too
+            try:
+                handles.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        self._stopping = self._stopping or _STOP in handles
+        for handle in (h for h in handles if h is not _STOP):
+            handle.events.put(as_engine_error(exc))
+            handle.events.put(END_OF_STREAM)
 
     def _end(self, finished: list[Request]) -> None:
         """Record the requests the scheduler finished and close their streams with the metrics."""

@@ -47,6 +47,16 @@ def tiny_runner(tokenizer) -> ModelRunner:
     return make_tiny_runner(tokenizer)
 
 
+@pytest.fixture(autouse=True)
+def _shared_runners_stay_running(request):
+    """A test that stops a session's shared runner (``runner.close()``, an app's exit through
+    ``Engine.shutdown``) fails here, by name, instead of every later test on it failing."""
+    yield
+    for name in ("tiny_runner", "tiny_runner_bf16", "real_runner"):
+        if name in request.fixturenames and request.getfixturevalue(name).compute.stopped:
+            pytest.fail(f"{request.node.nodeid} stopped the session's shared {name}: give it a runner of its own")
+
+
 @pytest.fixture(scope="session")
 def tiny_runner_bf16(tokenizer) -> ModelRunner:
     """The same tiny model cast to bfloat16 (the CPU fast mode, ``--dtype bfloat16``)."""

@@ -269,7 +269,7 @@ class ModelError(RuntimeError):
 
 def _simulate(args: argparse.Namespace, pricing: PricingRules) -> tuple[ReplayReport, int | None]:
     from analysis.replay.simulate import model_geometry, simulate_lines
-    from engine.engine import default_budget_bytes
+    from engine.device_defaults import default_budget_bytes
     from engine.model.loader import ModelLoadError, load_tokenizer, resolve_device
 
     try:

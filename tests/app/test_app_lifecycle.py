@@ -66,13 +66,17 @@ def switch_interval():
     sys.setswitchinterval(before)
 
 
-def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tiny_runner, switch_interval):
+def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tokenizer, switch_interval):
     """The port is taken between the check and the launch: one line, exit code 1, no traceback.
-    The local engine's process runs with the short GIL switch interval (app.SWITCH_INTERVAL_S)."""
+    The local engine's process runs with the short GIL switch interval (app.SWITCH_INTERVAL_S).
+    The app's exit stops its engine's runner (``Engine.shutdown``), so the engine gets a runner of
+    its own: on the session's shared one, every later test of this worker would find it stopped."""
     import app
+    from tests.conftest import make_tiny_runner
 
+    own = make_tiny_runner(tokenizer)
     monkeypatch.setattr(app, "port_problem", lambda host, port: None)
-    monkeypatch.setattr(app, "build_engine", lambda args: _engine(tiny_runner))
+    monkeypatch.setattr(app, "build_engine", lambda args: _engine(own))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -83,6 +87,7 @@ def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tiny_run
     assert sys.getswitchinterval() == pytest.approx(app.SWITCH_INTERVAL_S)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and str(port) in lines[0], err
+    assert own.compute.stopped  # the exit ended the engine's threads, its runner's included
 
 
 def _engine(runner):

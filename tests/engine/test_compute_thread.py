@@ -191,3 +191,37 @@ def test_two_engines_on_one_runner_take_turns_step_by_step(tiny_runner, make_eng
     finally:
         b.close()
         a.close()
+
+
+def test_requests_caught_by_a_stopped_compute_thread_end_with_an_error(tokenizer, make_engine):
+    """The hang two full runs met (issue 58's shutdown): a test ran ``app.main``, whose exit
+    stops the engine's runner, on the session's shared runner; every later request on it waited
+    forever, taken from the inbox by a worker whose step could never start. Now each request
+    the worker holds or the inbox holds ends with one error, and a later submit is refused."""
+    from conftest import make_tiny_runner
+    from engine.types import EngineFault
+
+    runner = make_tiny_runner(tokenizer)  # its own: it is stopped below
+    engine = make_engine(runner)
+    req = GenerationRequest(prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=2))
+    with runner.lock:  # the worker takes the first request, then waits here for its step
+        handles = [engine.submit(req) for _ in range(3)]
+        runner.close(timeout_s=5)
+    outcomes: list[object] = []
+
+    def drain(h) -> None:
+        try:
+            outcomes.append(list(h))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is checked
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=drain, args=(h,), daemon=True) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a request was left waiting on a stopped compute thread"
+    assert len(outcomes) == 3 and all(isinstance(o, Exception) for o in outcomes), outcomes
+    assert all("stopped" in str(o) for o in outcomes), outcomes
+    with pytest.raises(EngineFault, match="shut down"):
+        engine.submit(req)
