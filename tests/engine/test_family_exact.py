@@ -45,9 +45,15 @@ def runner(request, tokenizer):
 
 def test_the_registry_has_one_file_per_family_and_each_recipe_says_what_it_is():
     files = sorted(p.stem for p in (ROOT / "engine/model/families").glob("*.py") if p.stem not in ("__init__", "recipe"))
-    assert files == sorted(FAMILIES)
+    assert files == sorted(FAMILIES) == sorted(families.FAMILY_FILES)
     for recipe in families.REGISTRY.values():
         assert recipe.describe().startswith(recipe.name + ": ")
+    # one registry line a family: its file's name alone on a line, named nowhere else in the registry
+    source = (ROOT / "engine/model/families/__init__.py").read_text()
+    registry = source[source.index("__all__"):].splitlines()  # the code, past the docstring's examples
+    for name in files:
+        assert registry.count(f'    "{name}",') == 1, name
+        assert sum(name in line for line in registry) == 1, f"{name} is named on more than its registry line"
 
 
 def test_every_family_plans_the_exact_forward(runner):

@@ -8,28 +8,32 @@ the plan (``engine.model.plan``) asks ``refusal`` first. Knows nothing of reques
 the kernels themselves.
 
 To add a family: a file here that declares its ``RECIPE`` (copy the nearest one: ``llama.py`` for a
-plain decoder, ``gemma3.py`` for everything at once; ``recipe.py`` says what each field means) and one line in ``_families`` below; then
-``tests/engine/test_family_exact.py`` takes its tiny config (``tests/family_models.py``).
+plain decoder, ``gemma3.py`` for everything at once; ``recipe.py`` says what each field means)
+and its name on one line of ``FAMILY_FILES`` below; then ``tests/engine/test_family_exact.py``
+takes its tiny config (``tests/family_models.py``).
 """
 
 from __future__ import annotations
 
-from engine.model.families import gemma2, gemma3, llama, mistral, olmo2, olmo3, phi3, qwen2, qwen3
+import importlib
+
 from engine.model.families.recipe import ACTIVATIONS, Norms, Recipe
 
-__all__ = ["ACTIVATIONS", "FAMILIES", "NEEDS", "REGISTRY", "Norms", "Recipe", "model_type", "recipe_of", "refusal"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "FAMILY_FILES", "NEEDS", "REGISTRY", "Norms", "Recipe", "model_type", "recipe_of",
+           "refusal"]
 
-FAMILIES: tuple[Recipe, ...] = (  # the registry: one line a family
-    llama.RECIPE,
-    qwen2.RECIPE,
-    qwen3.RECIPE,
-    mistral.RECIPE,
-    gemma2.RECIPE,
-    gemma3.RECIPE,
-    phi3.RECIPE,
-    olmo2.RECIPE,
-    olmo3.RECIPE,
+FAMILY_FILES = (  # the registry: one line a family, the name of its file here
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "olmo3",
 )
+FAMILIES: tuple[Recipe, ...] = tuple(importlib.import_module(f"{__name__}.{f}").RECIPE for f in FAMILY_FILES)
 REGISTRY: dict[str, Recipe] = {t: r for r in FAMILIES for t in r.model_types}
 NEEDS = ("a file in engine.model.families declaring its Recipe (norms, activation, q/k norms, fused "
          "projections, rotary, window, soft-caps) and one line in its registry")
