@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from engine.engine import Engine
+from tools.load_test import flat_text  # noqa: F401 - the tests' name for it
 
 # Headless Debian Chromium for the browser tests: no sandbox (root in CI), no GPU, nothing fetched.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -67,17 +68,6 @@ def shown_logs(job) -> list[tuple[str, str]]:
         if log:
             out.append(tuple(log))
     return out
-
-
-def flat_text(content) -> str:
-    """A chatbot message's content as a string (Gradio sends a list of parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(flat_text(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text") or content.get("value") or "")
-    return "" if content is None else str(content)
 
 
 def wait_idle(engine: Engine, timeout_s: float = 120.0) -> None:

@@ -124,13 +124,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _flat(content) -> str:
+def flat_text(content) -> str:
+    """A chatbot message's content as a string (Gradio sends a list of parts): the page's clients
+    here, ``tools.soak`` and the tests read answers through it."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(_flat(p) for p in content)
+        return "".join(flat_text(p) for p in content)
     if isinstance(content, dict):
-        return str(content.get("text") or "")
+        return str(content.get("text") or content.get("value") or "")
     return "" if content is None else str(content)
 
 
@@ -150,7 +152,7 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
         for _ in range(turns_per_chat):
             if time.monotonic() >= deadline:
                 break
-            history = tuple((m["role"], _flat(m["content"])) for m in chatbot)
+            history = tuple((m["role"], flat_text(m["content"])) for m in chatbot)
             turn = Turn(system, history, QUESTIONS[rng.randrange(len(QUESTIONS))])
             asked += 1
             turn.cancelled = bool(cancel_every) and asked % cancel_every == 0
@@ -161,7 +163,7 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
                 while not job.done() or seen < len(job.outputs()):
                     outs = job.outputs()
                     for out in outs[seen:]:
-                        if turn.ttft_s is None and out[0] and _flat(out[0][-1]["content"]):
+                        if turn.ttft_s is None and out[0] and flat_text(out[0][-1]["content"]):
                             turn.ttft_s = time.perf_counter() - t0
                     seen = len(outs)
                     if turn.cancelled and turn.ttft_s is not None:
@@ -177,7 +179,7 @@ def _visitor(url: str, index: int, deadline: float, turns: list[Turn], lock: thr
                 chatbot = result[0]
                 if len(chatbot) != len(history) + 2:
                     raise RuntimeError(f"the turn was not added (chat has {len(chatbot)} messages)")
-                turn.answer = _flat(chatbot[-1]["content"])
+                turn.answer = flat_text(chatbot[-1]["content"])
                 if turn.ttft_s is None:  # an empty answer: the visitor saw the end
                     turn.ttft_s = time.perf_counter() - t0
             except Exception as exc:  # every error is a finding, reported below

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.load_test import flat_text  # noqa: E402
 from tools.measure import offline_env, percentile, rss_bytes  # noqa: E402
 
 offline_env()
@@ -86,16 +87,6 @@ def rss_mib(pid: int) -> float:
     return rss / 2**20 if rss else float("nan")
 
 
-def _flat(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(_flat(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text") or content.get("value") or "")
-    return ""
-
-
 def chat_event(http: httpx.Client, address: str, question: str, max_new_tokens: int) -> tuple[int, float | None]:
     """One chat event from ``address`` in a session of its own: (status, seconds to first text)."""
     t0 = time.monotonic()
@@ -109,7 +100,7 @@ def chat_event(http: httpx.Client, address: str, question: str, max_new_tokens: 
         for line in s.iter_lines():
             if first is None and line.startswith("data:") and line[5:].strip().startswith("["):
                 history = json.loads(line[5:])[0] or []
-                if history and _flat(history[-1].get("content")).strip():
+                if history and flat_text(history[-1].get("content")).strip():
                     first = time.monotonic() - t0
     return 200, first
 
