@@ -80,7 +80,7 @@ from tests.conftest import make_tiny_runner
 from engine.model.loader import load_tokenizer
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
-engine = Engine(make_tiny_runner(load_tokenizer()))
+engine = Engine(make_tiny_runner(load_tokenizer()))  # by hand: a script of its own, no fixtures
 print(len(engine.run(GenerationRequest(prompt="hi", sampling=SamplingParams(max_new_tokens=3))).output_ids))
 """
 
