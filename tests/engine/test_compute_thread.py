@@ -198,8 +198,8 @@ def test_requests_caught_by_a_stopped_compute_thread_end_with_an_error(tokenizer
     stops the engine's runner, on the session's shared runner; every later request on it waited
     forever, taken from the inbox by a worker whose step could never start. Now each request
     the worker holds or the inbox holds ends with one error, and a later submit is refused."""
-    from conftest import make_tiny_runner
     from engine.types import EngineFault
+    from tests.conftest import make_tiny_runner
 
     runner = make_tiny_runner(tokenizer)  # its own: it is stopped below
     engine = make_engine(runner)
