@@ -4,7 +4,8 @@ random prompts they run.
 Owns nothing of the engine: it knows ``Engine``'s constructor and ``close()`` and nothing else.
 The fixtures in ``tests/conftest.py`` hand a factory to a test (``make_engine``) or to a module's
 fixture (``make_module_engine``); each closes its engines at the end of its scope, passed or failed.
-A test about construction or ``close()`` itself still builds its engine by hand.
+A test about construction or ``close()`` itself still builds its engine by hand, on a line that
+says ``# by hand: <reason>`` (``tests/test_engine_factory.py`` reads every test for it).
 """
 
 from __future__ import annotations

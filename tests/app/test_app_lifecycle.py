@@ -93,7 +93,7 @@ def test_a_bind_failure_at_launch_ends_in_one_line(monkeypatch, capsys, tokenize
 def _engine(runner):
     from engine.engine import Engine
 
-    return Engine(runner, enable_cache=False, max_new_tokens_cap=4)
+    return Engine(runner, enable_cache=False, max_new_tokens_cap=4)  # by hand: app.main's exit shuts it down
 
 
 def _read_until(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:

@@ -17,7 +17,6 @@ import pytest
 from starlette.datastructures import Headers
 
 from components.chat_presets import DEFAULT_SYSTEM
-from engine.engine import Engine
 from server.client_limits import default_max_per_client
 from server.request_guard import client_address, connection_origin
 from tests.helpers_app import assert_clean, launched_app, shown_logs, visitor, wait_for, wait_idle
@@ -68,9 +67,9 @@ def _hold_streams(url: str, forwarded: list[list[str]]) -> list[int]:
 
 
 @pytest.mark.parametrize("rotation", ["ipv6-64", "mapped-ipv4", "forged-first-line"])
-def test_a_client_rotating_its_address_is_still_one_client(tiny_runner, monkeypatch, rotation):
+def test_a_client_rotating_its_address_is_still_one_client(tiny_runner, make_engine, monkeypatch, rotation):
     monkeypatch.setenv("SYSTEM", "spaces")
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=32)
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=32)
     cap = default_max_per_client(True, 32)
     n = cap + 2
     forwarded = {
@@ -90,8 +89,8 @@ def test_a_client_rotating_its_address_is_still_one_client(tiny_runner, monkeypa
     assert_clean(engine)
 
 
-def test_deeply_nested_json_is_a_clear_400_and_the_next_request_is_served(tiny_runner, caplog):
-    engine = Engine(tiny_runner, max_new_tokens_cap=2)
+def test_deeply_nested_json_is_a_clear_400_and_the_next_request_is_served(tiny_runner, make_engine, caplog):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=2)
     with launched_app(engine) as url, caplog.at_level(logging.INFO):
         for body in (b"[" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b"[" * 40 + b"]" * 40):
             r = httpx.post(url + "v1/chat/completions", content=body, headers={"content-type": "application/json"},
@@ -105,11 +104,11 @@ def test_deeply_nested_json_is_a_clear_400_and_the_next_request_is_served(tiny_r
     assert_clean(engine)
 
 
-def test_a_page_address_that_fills_its_half_of_the_inbox_is_told_so(tiny_runner):
+def test_a_page_address_that_fills_its_half_of_the_inbox_is_told_so(tiny_runner, make_engine):
     """Page events from one address (fresh sessions each, as ``POST /gradio_api/call/chat`` opens
     them) stop at half the inbox with a message that says so; another address's visitor still
     gets a place (here: the engine is asked directly, as another address's tab is keyed)."""
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=8)
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=8)
     half = engine.max_waiting_per_owner
     assert half == 4
     with launched_app(engine, max_queue=8) as url:

@@ -32,9 +32,9 @@ def request(i: int, max_new: int = 12) -> GenerationRequest:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_runner) -> dict[int, list[int]]:
+def references(tiny_runner, make_module_engine) -> dict[int, list[int]]:
     """Each prompt run alone on a fresh engine with no prefix cache."""
-    alone = Engine(tiny_runner, enable_cache=False)
+    alone = make_module_engine(tiny_runner, enable_cache=False)
     return {i: alone.run(request(i)).output_ids for i in range(len(QUESTIONS))}
 
 
@@ -87,16 +87,16 @@ def stress(engine: Engine, fault, references, refusal: str | None = None) -> int
     return hits
 
 
-def test_clear_cache_while_requests_run(tiny_runner, references):
-    engine = Engine(tiny_runner, max_new_tokens_cap=16)
+def test_clear_cache_while_requests_run(tiny_runner, make_engine, references):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=16)
     freed = []
     assert stress(engine, lambda: freed.append(engine.clear_cache()), references) > 10
     assert sum(freed) > 0  # it really cleared things that requests had cached
 
 
-def test_change_budget_while_requests_run(tiny_runner, references):
+def test_change_budget_while_requests_run(tiny_runner, make_engine, references):
     per_token = tiny_runner.kv_bytes_per_token
-    engine = Engine(tiny_runner, budget_bytes=400 * per_token, max_new_tokens_cap=16)
+    engine = make_engine(tiny_runner, budget_bytes=400 * per_token, max_new_tokens_cap=16)
     # Budgets too small for any request (0, 1 and 40 tokens) come once in every seven changes: when they
     # meet the moment nothing runs, every request waiting then is refused, and the four clients submit in
     # step, so at three in seven the refusals outnumbered the answers on a fast run.
@@ -117,8 +117,8 @@ def test_change_budget_while_requests_run(tiny_runner, references):
     assert all("running requests hold" in msg for msg in refused)
 
 
-def test_cancel_mid_stream_releases_locks(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=64)
+def test_cancel_mid_stream_releases_locks(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=64)
     engine.run(request(0, 1))  # cache the prefix, so the next request locks a path
     handle = engine.submit(request(0, 64))
     events = iter(handle)
@@ -130,8 +130,8 @@ def test_cancel_mid_stream_releases_locks(tiny_runner):
     assert_clean(engine)
 
 
-def test_abandoned_stream_cancels_and_releases(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=64)
+def test_abandoned_stream_cancels_and_releases(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=64)
     stream = engine.generate(request(1, 64))
     next(stream)
     stream.close()  # what a closed tab does to the UI's generator
@@ -140,8 +140,8 @@ def test_abandoned_stream_cancels_and_releases(tiny_runner):
     assert_clean(engine)
 
 
-def test_cancel_while_queued_never_runs(tiny_runner):
-    engine = Engine(tiny_runner, max_new_tokens_cap=8)
+def test_cancel_while_queued_never_runs(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=8)
     with tiny_runner.lock:  # the worker is busy elsewhere
         first = engine.submit(request(0))
         waiting = engine.submit(request(1))
@@ -153,8 +153,8 @@ def test_cancel_while_queued_never_runs(tiny_runner):
     assert_clean(engine)
 
 
-def test_failing_forward_loses_nothing(tiny_runner, references, monkeypatch):
-    engine = Engine(tiny_runner, max_new_tokens_cap=16)
+def test_failing_forward_loses_nothing(tiny_runner, make_engine, references, monkeypatch):
+    engine = make_engine(tiny_runner, max_new_tokens_cap=16)
     engine.run(request(2))  # cached prefix: the failing request will hold a lock when it fails
     real = tiny_runner.forward_paged
 
@@ -172,7 +172,7 @@ def test_failing_forward_loses_nothing(tiny_runner, references, monkeypatch):
 
 # ------------------------------------------------------------ through the app
 @pytest.fixture()
-def slow_engine(tiny_runner, monkeypatch):
+def slow_engine(tiny_runner, make_engine, monkeypatch):
     """A tiny engine whose forward takes ~20 ms, so a stream lasts long enough to stop."""
     real = tiny_runner.forward_paged
 
@@ -181,7 +181,7 @@ def slow_engine(tiny_runner, monkeypatch):
         return real(pool, segments)
 
     monkeypatch.setattr(tiny_runner, "forward_paged", slow)
-    return Engine(tiny_runner, max_new_tokens_cap=400)
+    return make_engine(tiny_runner, max_new_tokens_cap=400)
 
 
 def _wait_outputs(job, n: int, timeout_s: float = 60) -> None:

@@ -100,8 +100,9 @@ def _round(runner, engine: Engine, http: httpx.Client, cap: int, q: int, salted:
 
 
 @pytest.mark.parametrize("salted", [False, True], ids=["unsalted", "a-new-salt-each"])
-def test_a_flooding_client_gets_429s_and_another_clients_questions_are_answered_first(tiny_runner, salted):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=MAX_QUEUE)
+def test_a_flooding_client_gets_429s_and_another_clients_questions_are_answered_first(
+        tiny_runner, make_engine, salted):
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=MAX_QUEUE)
     cap = default_max_per_client(True, MAX_QUEUE)
     assert cap is not None and cap < FLOOD
     bound = first_token_bound(engine, QUESTION_TOKENS)

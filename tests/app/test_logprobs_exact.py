@@ -136,22 +136,20 @@ def check_exact(runs: Runs, pair: str) -> None:
     assert [x.logprobs for x in a] == [y.logprobs for y in b] and [x.tops for x in a] == [y.tops for y in b]
 
 
-def runs_through_the_app(runner, budget_mb: int, long_words: int) -> Runs:
-    """The three runs through a launched app on ``runner``; the engine left clean."""
-    engine = Engine(runner, budget_bytes=budget_mb * 2**20, max_new_tokens_cap=NEW_TOKENS)
-    try:
-        with launched_app(engine) as url:
-            runs = three_runs(engine, url, long_words=long_words)
-        wait_idle(engine)
-        assert_clean(engine)
-    finally:
-        engine.close()
+def runs_through_the_app(make_engine, runner, budget_mb: int, long_words: int) -> Runs:
+    """The three runs through a launched app on an engine ``make_engine`` builds on ``runner``; the
+    engine left clean."""
+    engine = make_engine(runner, budget_bytes=budget_mb * 2**20, max_new_tokens_cap=NEW_TOKENS)
+    with launched_app(engine) as url:
+        runs = three_runs(engine, url, long_words=long_words)
+    wait_idle(engine)
+    assert_clean(engine)
     return runs
 
 
 @pytest.fixture(scope="module")
-def tiny_runs(tiny_runner) -> Runs:
-    return runs_through_the_app(tiny_runner, 128, 300)
+def tiny_runs(tiny_runner, make_module_engine) -> Runs:
+    return runs_through_the_app(make_module_engine, tiny_runner, 128, 300)
 
 
 def test_alone_batched_and_without_reuse_agree(tiny_runs):
@@ -170,8 +168,8 @@ def test_logprobs_are_bit_identical_alone_batched_and_without_reuse(tiny_runner,
 
 
 @pytest.fixture(scope="module")
-def tiny_runs_bf16(tiny_runner_bf16) -> Runs:
-    return runs_through_the_app(tiny_runner_bf16, 128, 300)
+def tiny_runs_bf16(tiny_runner_bf16, make_module_engine) -> Runs:
+    return runs_through_the_app(make_module_engine, tiny_runner_bf16, 128, 300)
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -184,8 +182,8 @@ def test_bfloat16_logprobs_are_bit_identical_too(tiny_runner_bf16, tiny_runs_bf1
 
 
 @pytest.fixture(scope="module")
-def real_runs(real_runner) -> Runs:
-    return runs_through_the_app(real_runner, 512, 400)
+def real_runs(real_runner, make_module_engine) -> Runs:
+    return runs_through_the_app(make_module_engine, real_runner, 512, 400)
 
 
 @pytest.mark.slow

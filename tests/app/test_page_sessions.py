@@ -16,19 +16,18 @@ import httpx
 import pytest
 
 from components.chat_presets import DEFAULT_SYSTEM
-from engine.engine import Engine
 from tests.helpers_app import assert_clean, free_port, wait_idle
 
 EVENTS = 120
 
 
 @pytest.fixture
-def space_app(tiny_runner, monkeypatch):
+def space_app(tiny_runner, make_engine, monkeypatch):
     import app
     from components.demo import launch_kwargs
 
     monkeypatch.setenv("SYSTEM", "spaces")
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2)
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=2)
     demo = app.build_app(engine, 32)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs(app.app_kwargs(engine)))
@@ -38,7 +37,6 @@ def space_app(tiny_runner, monkeypatch):
         demo.close()
         wait_idle(engine)
         assert_clean(engine)
-        engine.close()
 
 
 def _sizes(demo) -> dict[str, int]:

@@ -34,37 +34,34 @@ def _run(engine: Engine, ids: list[int], namespace: str, public_len: int = 0):
 
 
 # ------------------------------------------------------------------ 1. the no-reuse timing memo
-def test_1_no_reuse_memo_is_never_read_by_another_visitor(tiny_runner):
+def test_1_no_reuse_memo_is_never_read_by_another_visitor(tiny_runner, make_engine):
     """A times a prompt under a shipped prefix; B sends another prompt of the same length under
     the same prefix: B's no-reuse figure is measured for B, never A's (length, time, runs)."""
-    engine = Engine(tiny_runner, isolation=True, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
-    try:
-        vocab = len(tiny_runner.text.tokenizer)
-        shipped = rand_ids(9, 100, vocab)
-        timer = PrefillTimer(engine, TimingPolicy(pairs=1, reuse_runs=1, memo_min_tokens=64, block_tokens=1024))
-        _run(engine, shipped + rand_ids(20, 5, vocab), A_NS, public_len=100)  # the shipped prefix is cached
-        key_a, cached_a = _run(engine, shipped + rand_ids(10, 12, vocab), A_NS, public_len=100)
-        first = timer.time_pairs(key_a, cached_a)
-        assert first.full_ms is not None and not first.full_from_memo
-        key_b, cached_b = _run(engine, shipped + rand_ids(11, 12, vocab), B_NS, public_len=100)  # same length
-        seen_by_b = timer.time_pairs(key_b, cached_b)
-        assert not seen_by_b.full_from_memo and seen_by_b.full_measured_at != first.full_measured_at
-        # A's own next prompt of that length still uses A's memo entry (the memo keeps its purpose).
-        key_a2, cached_a2 = _run(engine, shipped + rand_ids(12, 12, vocab), A_NS, public_len=100)
-        assert timer.time_pairs(key_a2, cached_a2).full_from_memo
-    finally:
-        engine.close()
+    engine = make_engine(tiny_runner, isolation=True, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+    vocab = len(tiny_runner.text.tokenizer)
+    shipped = rand_ids(9, 100, vocab)
+    timer = PrefillTimer(engine, TimingPolicy(pairs=1, reuse_runs=1, memo_min_tokens=64, block_tokens=1024))
+    _run(engine, shipped + rand_ids(20, 5, vocab), A_NS, public_len=100)  # the shipped prefix is cached
+    key_a, cached_a = _run(engine, shipped + rand_ids(10, 12, vocab), A_NS, public_len=100)
+    first = timer.time_pairs(key_a, cached_a)
+    assert first.full_ms is not None and not first.full_from_memo
+    key_b, cached_b = _run(engine, shipped + rand_ids(11, 12, vocab), B_NS, public_len=100)  # same length
+    seen_by_b = timer.time_pairs(key_b, cached_b)
+    assert not seen_by_b.full_from_memo and seen_by_b.full_measured_at != first.full_measured_at
+    # A's own next prompt of that length still uses A's memo entry (the memo keeps its purpose).
+    key_a2, cached_a2 = _run(engine, shipped + rand_ids(12, 12, vocab), A_NS, public_len=100)
+    assert timer.time_pairs(key_a2, cached_a2).full_from_memo
 
 
 @pytest.fixture(scope="module")
-def public_app(tiny_runner):
+def public_app(tiny_runner, make_module_engine):
     """The app as a Space runs it: isolation, visitors told apart by ``X-Forwarded-For``."""
     old = os.environ.get("SYSTEM")
     os.environ["SYSTEM"] = "spaces"
     import app
     from components.demo import launch_kwargs
 
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=8)
+    engine = make_module_engine(tiny_runner, isolation=True, max_new_tokens_cap=2, max_queue=8)
     demo = app.build_app(engine, 8)
     try:
         demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
@@ -76,7 +73,6 @@ def public_app(tiny_runner):
         wait_idle(engine)
         assert_clean(engine)
     finally:
-        engine.close()
         if old is None:
             os.environ.pop("SYSTEM", None)
         else:
@@ -143,33 +139,30 @@ def test_4_echo_of_a_lone_surrogate_is_answered_and_the_connection_stays_usable(
 
 
 # ------------------------------------------------------------------ 3. the Scheduler tab's "others" bars
-def test_3_scheduler_tab_shows_nothing_of_another_visitors_forwards(tiny_runner):
+def test_3_scheduler_tab_shows_nothing_of_another_visitors_forwards(tiny_runner, make_engine):
     """B streams while A's long prompt and 7-token answer share B's forwards: B's timeline has B's
     own bars only, and the batch size of a shared forward is coarse (it would count A's chunks)."""
     from components.panels.scheduler_panel import timeline_figure
 
-    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
-    try:
-        reqs = [GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS,
-                                  sampling=SamplingParams(max_new_tokens=6)),
-                GenerationRequest(prompt_ids=tuple(range(60, 126)), namespace=A_NS,
-                                  sampling=SamplingParams(max_new_tokens=7))]
-        with tiny_runner.lock:
-            handles = [engine.submit(r) for r in reqs]
-        mine = [list(h)[-1].metrics for h in handles][0]
-        steps = engine.step_log()
-        assert any(A_NS in r.namespaces and B_NS in r.namespaces for r in steps)  # they did share forwards
-        fig = timeline_figure(steps, namespace=B_NS)
-        bars = [(y, t) for trace in fig.data for y, t in zip(trace.y, trace.hovertext, strict=True)]
-        assert {y for y, _ in bars} == {f"#{mine.request_id}"}
-        assert len(bars) == sum(mine.request_id in r.request_ids for r in steps)
-        assert not any("another visitor" in t or "for 2 request(s)" in t for _, t in bars)
-    finally:
-        engine.close()
+    engine = make_engine(tiny_runner, isolation=True, chunk_tokens=8)
+    reqs = [GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS,
+                              sampling=SamplingParams(max_new_tokens=6)),
+            GenerationRequest(prompt_ids=tuple(range(60, 126)), namespace=A_NS,
+                              sampling=SamplingParams(max_new_tokens=7))]
+    with tiny_runner.lock:
+        handles = [engine.submit(r) for r in reqs]
+    mine = [list(h)[-1].metrics for h in handles][0]
+    steps = engine.step_log()
+    assert any(A_NS in r.namespaces and B_NS in r.namespaces for r in steps)  # they did share forwards
+    fig = timeline_figure(steps, namespace=B_NS)
+    bars = [(y, t) for trace in fig.data for y, t in zip(trace.y, trace.hovertext, strict=True)]
+    assert {y for y, _ in bars} == {f"#{mine.request_id}"}
+    assert len(bars) == sum(mine.request_id in r.request_ids for r in steps)
+    assert not any("another visitor" in t or "for 2 request(s)" in t for _, t in bars)
 
 
 # ------------------------------------------------------------------ 5. the Cache memory tab's bytes
-def test_5_cache_memory_chart_does_not_count_another_visitors_tokens(tiny_runner):
+def test_5_cache_memory_chart_does_not_count_another_visitors_tokens(tiny_runner, make_engine):
     """Between B's two requests A caches a 47- or a 66-token prompt: B's hit-rate chart (its cache
     line is everyone's KV) reads the same either way on a public deployment."""
     from components.panels.common import audience_of
@@ -177,17 +170,14 @@ def test_5_cache_memory_chart_does_not_count_another_visitors_tokens(tiny_runner
 
     drawn = []
     for a_len in (47, 66):
-        engine = Engine(tiny_runner, isolation=True)
-        try:
-            sp = SamplingParams(max_new_tokens=2)
-            engine.run(GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS, sampling=sp))
-            engine.run(GenerationRequest(prompt_ids=tuple(range(100, 100 + a_len)), namespace=A_NS, sampling=sp))
-            engine.run(GenerationRequest(prompt_ids=tuple(range(30, 56)), namespace=B_NS, sampling=sp))
-            mine = [m for m in engine.recent() if m.namespace == B_NS]
-            fig = hit_rate_figure(mine, audience=audience_of(engine))
-            drawn.append([tr.y for tr in fig.data if tr.name.startswith("cache MiB")])
-        finally:
-            engine.close()
+        engine = make_engine(tiny_runner, isolation=True)
+        sp = SamplingParams(max_new_tokens=2)
+        engine.run(GenerationRequest(prompt_ids=tuple(range(30, 50)), namespace=B_NS, sampling=sp))
+        engine.run(GenerationRequest(prompt_ids=tuple(range(100, 100 + a_len)), namespace=A_NS, sampling=sp))
+        engine.run(GenerationRequest(prompt_ids=tuple(range(30, 56)), namespace=B_NS, sampling=sp))
+        mine = [m for m in engine.recent() if m.namespace == B_NS]
+        fig = hit_rate_figure(mine, audience=audience_of(engine))
+        drawn.append([tr.y for tr in fig.data if tr.name.startswith("cache MiB")])
     assert drawn[0] == drawn[1], drawn
 
 
@@ -223,48 +213,42 @@ def test_6_fleet_tab_shows_a_stranger_no_exact_server_wide_figure():
 
 
 # ------------------------------------------------------------------ 7. request ids, and the fair share
-def test_7_request_ids_do_not_count_other_visitors_requests(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True)
-    try:
-        sp = SamplingParams(max_new_tokens=1)
-        before = engine.run(GenerationRequest(prompt_ids=(5, 6, 7), namespace=B_NS, sampling=sp)).request_id
-        for i in range(5):  # A's requests between two of B's
-            engine.run(GenerationRequest(prompt_ids=(8, 9, 10 + i), namespace=A_NS, sampling=sp))
-        after = engine.run(GenerationRequest(prompt_ids=(5, 6, 8), namespace=B_NS, sampling=sp)).request_id
-        ids = [m.request_id for m in engine.recent()]
-        assert len(set(ids)) == len(ids) == 7
-        assert abs(after - before) > 2**20 or after - before not in range(1, 8)  # no gap to read
-        assert min(ids) >= 2**47  # never a small count
-    finally:
-        engine.close()
+def test_7_request_ids_do_not_count_other_visitors_requests(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, isolation=True)
+    sp = SamplingParams(max_new_tokens=1)
+    before = engine.run(GenerationRequest(prompt_ids=(5, 6, 7), namespace=B_NS, sampling=sp)).request_id
+    for i in range(5):  # A's requests between two of B's
+        engine.run(GenerationRequest(prompt_ids=(8, 9, 10 + i), namespace=A_NS, sampling=sp))
+    after = engine.run(GenerationRequest(prompt_ids=(5, 6, 8), namespace=B_NS, sampling=sp)).request_id
+    ids = [m.request_id for m in engine.recent()]
+    assert len(set(ids)) == len(ids) == 7
+    assert abs(after - before) > 2**20 or after - before not in range(1, 8)  # no gap to read
+    assert min(ids) >= 2**47  # never a small count
 
 
-def _b_keeps_after_a_asks(tiny_runner, a_len: int) -> int:
+def _b_keeps_after_a_asks(make_engine, tiny_runner, a_len: int) -> int:
     """B fills the cache over its share with 24-token prompts; A (a newcomer) asks ``a_len``
     tokens; how many of B's prompt tokens are still cached, as B's next ``cached_tokens`` say."""
     from engine.types import CacheKey
 
-    engine = Engine(tiny_runner, isolation=True, budget_bytes=1200 * tiny_runner.kv_bytes_per_token)
-    try:
-        sp = SamplingParams(max_new_tokens=1)
-        capacity = engine.cache.pool.capacity
-        prompts = []
-        i = 0
-        while engine.stats().cached_tokens_now + 30 < capacity:
-            ids = (1000 + i,) + tuple(range(2000 + 30 * i, 2000 + 30 * i + 23))
-            engine.run(GenerationRequest(prompt_ids=ids, namespace=B_NS, sampling=sp))
-            prompts.append(ids)
-            i += 1
-        engine.run(GenerationRequest(prompt_ids=tuple(range(5000, 5000 + a_len)), namespace=A_NS, sampling=sp))
-        return sum(engine.cache.match_len(CacheKey(p, B_NS)) for p in prompts)
-    finally:
-        engine.close()
+    engine = make_engine(tiny_runner, isolation=True, budget_bytes=1200 * tiny_runner.kv_bytes_per_token)
+    sp = SamplingParams(max_new_tokens=1)
+    capacity = engine.cache.pool.capacity
+    prompts = []
+    i = 0
+    while engine.stats().cached_tokens_now + 30 < capacity:
+        ids = (1000 + i,) + tuple(range(2000 + 30 * i, 2000 + 30 * i + 23))
+        engine.run(GenerationRequest(prompt_ids=ids, namespace=B_NS, sampling=sp))
+        prompts.append(ids)
+        i += 1
+    engine.run(GenerationRequest(prompt_ids=tuple(range(5000, 5000 + a_len)), namespace=A_NS, sampling=sp))
+    return sum(engine.cache.match_len(CacheKey(p, B_NS)) for p in prompts)
 
 
-def test_7_a_visitor_over_its_share_reads_a_newcomers_length_only_in_buckets(tiny_runner):
+def test_7_a_visitor_over_its_share_reads_a_newcomers_length_only_in_buckets(tiny_runner, make_engine):
     """What B still finds cached after A's question (the room came from B, over its share) is the
     same for a 47- and a 66-token question: whole buckets went, never exactly A's tokens."""
-    kept = [_b_keeps_after_a_asks(tiny_runner, n) for n in (47, 66)]
+    kept = [_b_keeps_after_a_asks(make_engine, tiny_runner, n) for n in (47, 66)]
     assert kept[0] == kept[1], kept
 
 

@@ -29,8 +29,8 @@ def _wait(cond, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+def app_url(tiny_runner, make_module_engine):
+    engine = make_module_engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
     with launched_app(engine) as url:
         yield url, engine
     wait_idle(engine)
@@ -93,11 +93,11 @@ def _post(url: str, key: str, i: int, salt: str | None, stream: bool = False) ->
     return httpx.post(f"{url}v1/completions", json=body, headers=headers, timeout=120)
 
 
-def test_one_client_is_capped_and_counted_once_however_many_salts(tiny_runner):
+def test_one_client_is_capped_and_counted_once_however_many_salts(tiny_runner, make_engine):
     """Six requests at once from one key, each with a new salt: four (the public default for an
     inbox of 32) are taken, two get 429 with Retry-After at once; another key is not affected;
     all of the first key's requests are one owner (never more than one owner's rows)."""
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=32)
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=4, max_queue=32)
     with _served(engine, api_key="key-one,key-two") as url:
         answers: list[httpx.Response] = []
 
@@ -143,8 +143,8 @@ def other_ns(api) -> str:
     return next(m.namespace for m in api if "/anon-" in m.namespace)
 
 
-def test_a_stream_closed_by_its_client_gives_its_place_back(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=64, max_queue=4)  # a cap of one
+def test_a_stream_closed_by_its_client_gives_its_place_back(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=64, max_queue=4)  # a cap of one
     with _served(engine) as url:
         body = {"prompt": "A long story, please.", "max_tokens": 64, "temperature": 0, "stream": True}
         started, close = threading.Event(), threading.Event()
@@ -175,14 +175,14 @@ def test_a_stream_closed_by_its_client_gives_its_place_back(tiny_runner):
     assert_clean(engine)
 
 
-def test_page_tabs_from_one_address_are_one_owner_over_the_real_page(tiny_runner):
+def test_page_tabs_from_one_address_are_one_owner_over_the_real_page(tiny_runner, make_engine):
     """Three page sessions (tabs) from this machine's one address ask at once: each runs in a
     namespace of its own, all inside one owner, so they count as one visitor (one owner's rows
     at most) while their texts stay apart; with nobody else waiting they run in the same batches
     (a classroom behind one address is not served one tab at a time)."""
     from components.chat_presets import DEFAULT_SYSTEM
 
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
+    engine = make_engine(tiny_runner, isolation=True, max_new_tokens_cap=4)
     with launched_app(engine) as url:
         tabs = [visitor(url) for _ in range(3)]
         assert len({t.session_hash for t in tabs}) == 3

@@ -126,24 +126,20 @@ def answers(app: App) -> list[str]:
     return [app.chat(q)[0] for q in QUESTIONS]
 
 
-def no_cache_answers(runner, questions: list[list[dict]] = QUESTIONS) -> list[str]:
-    """What a run with no cache answers: the app served in this process on ``runner`` (the same
-    Blocks, the same /v1 route and the same model files as ``python app.py --no-cache``, without
-    a second process loading the model again)."""
-    from engine.engine import Engine
+def no_cache_answers(make_engine, runner, questions: list[list[dict]] = QUESTIONS) -> list[str]:
+    """What a run with no cache answers: the app served in this process on ``runner``, on an engine
+    from ``make_engine`` (the same Blocks, the same /v1 route and the same model files as
+    ``python app.py --no-cache``, without a second process loading the model again)."""
     from tests.helpers_app import launched_app
 
-    engine = Engine(runner, enable_cache=False, isolation=False, max_new_tokens_cap=64)
-    try:
-        with launched_app(engine) as url:
-            model = httpx.get(url + "v1/models", timeout=30).json()["data"][0]["id"]
-            return [post_chat(url, model, messages)[0] for messages in questions]
-    finally:
-        engine.close()
+    engine = make_engine(runner, enable_cache=False, isolation=False, max_new_tokens_cap=64)
+    with launched_app(engine) as url:
+        model = httpx.get(url + "v1/models", timeout=30).json()["data"][0]["id"]
+        return [post_chat(url, model, messages)[0] for messages in questions]
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, real_runner):
+def first_run(tmp_path_factory, real_runner, make_module_engine):
     """Run 1 with the defaults; returns (its cache folder, the no-cache answers)."""
     from engine.model.loader import converted_cache_dir
 
@@ -157,7 +153,7 @@ def first_run(tmp_path_factory, real_runner):
     assert "Cache written to the second tier" in out, out
     tier = root / "kv-tier"
     assert any(tier.rglob("*.kv")), "run 1 wrote no chunk"
-    reference = no_cache_answers(real_runner)
+    reference = no_cache_answers(make_module_engine, real_runner)
     assert got == reference, "run 1 itself differs from a run with no cache"
     return root, reference
 
@@ -282,7 +278,7 @@ def test_altered_files_cost_a_recompute_not_a_crash(first_run, tmp_path):
     check_second_run(app, first_run[1])
 
 
-def test_another_checkpoint_at_the_same_path_never_reads_the_old_kv(tmp_path, tokenizer):
+def test_another_checkpoint_at_the_same_path_never_reads_the_old_kv(tmp_path, tokenizer, make_engine):
     """Retrained weights saved over the same folder: the tier is named by the weights, so the new
     model computes everything itself (a tiny random Llama, saved as any HF checkpoint is)."""
     import torch
@@ -309,7 +305,7 @@ def test_another_checkpoint_at_the_same_path_never_reads_the_old_kv(tmp_path, to
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
 
-    reference = no_cache_answers(ModelRunner(load_model(str(model_dir))))  # the new weights, no cache
+    reference = no_cache_answers(make_engine, ModelRunner(load_model(str(model_dir))))  # the new weights, no cache
     second = App(root, "--model", str(model_dir), "--no-isolate", name="ckpt-b")
     assert second.metrics().get("radix_tier_loaded_tokens_total", 0) == 0
     check_second_run(second, reference)

@@ -265,7 +265,7 @@ def _world(variant: int, out_path: str) -> None:
     from tests.conftest import make_tiny_runner
 
     os.environ["SYSTEM"] = "spaces"
-    engine = Engine(make_tiny_runner(load_tokenizer()), isolation=True, max_new_tokens_cap=4)
+    engine = Engine(make_tiny_runner(load_tokenizer()), isolation=True, max_new_tokens_cap=4)  # by hand: no fixtures in its subprocess
     demo = app.build_app(engine, 32)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=free_port(), quiet=True,
                 **launch_kwargs(app.app_kwargs(engine)))

@@ -98,15 +98,14 @@ class LogitsLog:
 
 
 @pytest.fixture(scope="module")
-def engines(tokenizer):
+def engines(tokenizer, make_module_engine):
     import app
-    from engine.engine import Engine
     from engine.zerogpu.runner import ZeroGPURunner
 
     args = app.parse_args(ARGS)
     zero = app.build_engine(args, runner=tiny_runner(tokenizer))
     assert isinstance(zero.runner, ZeroGPURunner)
-    reference = Engine(tiny_runner(tokenizer), args.engine.replace(tier_dir=None))
+    reference = make_module_engine(tiny_runner(tokenizer), args.engine.replace(tier_dir=None))
     submitted = []
     submit = zero.submit
 
@@ -116,8 +115,7 @@ def engines(tokenizer):
 
     zero.submit = recorded
     yield zero, reference, LogitsLog(zero), LogitsLog(reference), submitted
-    zero.close()
-    reference.close()
+    zero.close()  # app.build_engine's: not the factory's
 
 
 def answer(result) -> str:

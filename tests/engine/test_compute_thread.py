@@ -80,7 +80,7 @@ from tests.conftest import make_tiny_runner
 from engine.model.loader import load_tokenizer
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
-engine = Engine(make_tiny_runner(load_tokenizer()))
+engine = Engine(make_tiny_runner(load_tokenizer()))  # by hand: a script of its own, no fixtures
 print(len(engine.run(GenerationRequest(prompt="hi", sampling=SamplingParams(max_new_tokens=3))).output_ids))
 """
 
@@ -198,8 +198,8 @@ def test_requests_caught_by_a_stopped_compute_thread_end_with_an_error(tokenizer
     stops the engine's runner, on the session's shared runner; every later request on it waited
     forever, taken from the inbox by a worker whose step could never start. Now each request
     the worker holds or the inbox holds ends with one error, and a later submit is refused."""
-    from conftest import make_tiny_runner
     from engine.types import EngineFault
+    from tests.conftest import make_tiny_runner
 
     runner = make_tiny_runner(tokenizer)  # its own: it is stopped below
     engine = make_engine(runner)

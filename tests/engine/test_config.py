@@ -195,7 +195,8 @@ def test_engine_takes_a_config_or_its_fields_alike(tiny_runner):
 
     fields = dict(budget_bytes=300 * tiny_runner.kv_bytes_per_token, isolation=True, max_queue=6, max_batch=3,
                   chunk_tokens=16, max_prompt_tokens=10**9, max_new_tokens_cap=9, eviction_policy="lfu")
-    by_config, by_fields = Engine(tiny_runner, EngineConfig(**fields)), Engine(tiny_runner, **fields)
+    by_config = Engine(tiny_runner, EngineConfig(**fields))  # by hand: the constructor is the subject
+    by_fields = Engine(tiny_runner, **fields)  # by hand: the constructor is the subject
     try:
         for engine in (by_config, by_fields):
             assert engine.config == EngineConfig(**fields)
@@ -207,8 +208,8 @@ def test_engine_takes_a_config_or_its_fields_alike(tiny_runner):
         by_config.close()
         by_fields.close()
     with pytest.raises(TypeError, match="max_batches"):
-        Engine(tiny_runner, max_batches=2)
+        Engine(tiny_runner, max_batches=2)  # by hand: the constructor's refusal
     with pytest.raises(TypeError, match="not both"):
-        Engine(tiny_runner, EngineConfig(), max_batch=2)
+        Engine(tiny_runner, EngineConfig(), max_batch=2)  # by hand: the constructor's refusal
     with pytest.raises(ConfigError, match="max_batch: must be at least 1"):
-        Engine(tiny_runner, max_batch=0)
+        Engine(tiny_runner, max_batch=0)  # by hand: the constructor's refusal

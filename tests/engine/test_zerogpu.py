@@ -89,11 +89,11 @@ def test_mode_is_read_from_the_environment():
     assert zerogpu_mode({"SPACES_ZERO_GPU": "true", "RADIX_ZEROGPU": "0"}) == OFF
 
 
-def test_each_turn_is_one_call_and_the_same_computation_as_the_plain_engine(tokenizer):
+def test_each_turn_is_one_call_and_the_same_computation_as_the_plain_engine(tokenizer, make_engine):
     """One after another: one call per turn, no restart; the second and third turns are served
     from the first's KV, which came back from its call; every logits row equal, bit for bit."""
     turns = InProcessTurns(make_tiny_runner(tokenizer))
-    zero, plain = Engine(turns, chunk_tokens=8), Engine(make_tiny_runner(tokenizer), chunk_tokens=8)
+    zero, plain = make_engine(turns, chunk_tokens=8), make_engine(make_tiny_runner(tokenizer), chunk_tokens=8)
     zlog, plog = LogitsLog(zero), LogitsLog(plain)
     zids, pids = _run(zero, together=False), _run(plain, together=False)
     assert len(turns.started) == 3 and zero.scheduler.restarts == 0
@@ -102,37 +102,32 @@ def test_each_turn_is_one_call_and_the_same_computation_as_the_plain_engine(toke
     assert records[zids[1]].cached_tokens > 0 and records[zids[2]].cached_tokens > 0
     for z, p in zip(zids, pids, strict=True):
         assert torch.equal(zlog.of(z), plog.of(p))
-    zero.close()
-    plain.close()
 
 
-def test_batched_turns_that_go_another_way_go_on_in_new_calls_with_the_same_answer(tokenizer):
+def test_batched_turns_that_go_another_way_go_on_in_new_calls_with_the_same_answer(tokenizer, make_engine):
     """All three at once, with a small chunk: the scheduler splits the prompts among the rows in
     ways a lone call cannot guess; each wrong guess is dropped and the turn goes on in a new call
     from the pool's KV; every logits row still equals the plain engine's."""
     turns = InProcessTurns(make_tiny_runner(tokenizer))
-    zero = Engine(turns, chunk_tokens=16, max_batch=3)
-    plain = Engine(make_tiny_runner(tokenizer), chunk_tokens=16, max_batch=3)
+    zero = make_engine(turns, chunk_tokens=16, max_batch=3)
+    plain = make_engine(make_tiny_runner(tokenizer), chunk_tokens=16, max_batch=3)
     zlog, plog = LogitsLog(zero), LogitsLog(plain)
     zids, pids = _run(zero, together=True), _run(plain, together=True)
     for z, p in zip(zids, pids, strict=True):
         assert torch.equal(zlog.of(z), plog.of(p))
     assert len(turns.started) == 3 + zero.scheduler.restarts
     assert turns.closed == len(turns.started) and not zero.scheduler.turns
-    zero.close()
-    plain.close()
 
 
-def test_a_stopped_request_has_its_call_closed(tokenizer):
+def test_a_stopped_request_has_its_call_closed(tokenizer, make_engine):
     turns = InProcessTurns(make_tiny_runner(tokenizer))
-    zero = Engine(turns)
+    zero = make_engine(turns)
     handle = zero.submit(GenerationRequest(prompt_ids=tuple(range(5, 40)),
                                            sampling=SamplingParams(max_new_tokens=500, ignore_eos=True)))
     for event in handle:
         if event.phase == "decode":
             handle.cancel()
     assert turns.closed == len(turns.started) == 1 and not zero.scheduler.turns
-    zero.close()
 
 
 @settings(max_examples=200, deadline=None)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from components.panels.scheduler_panel import scheduler_markdown, timeline_figure
-from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
 from tests.helpers_app import wait_idle
 
 
-def test_timeline_from_a_real_batch(tiny_runner):
-    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+def test_timeline_from_a_real_batch(tiny_runner, make_engine):
+    engine = make_engine(tiny_runner, isolation=True, chunk_tokens=8)
     reqs = [GenerationRequest(prompt_ids=tuple(range(20 + i, 40 + i)), namespace=ns,
                               sampling=SamplingParams(max_new_tokens=4)) for i, ns in enumerate(["v-me", "v-you"])]
     with tiny_runner.lock:
@@ -44,13 +43,13 @@ def test_mixed_forward_colours_each_request_by_its_work():
         "batched decode": ["#1"], "prefill chunk": ["#2"]}
 
 
-def test_forwards_of_other_visitors_alone_are_not_shown_in_isolation(tiny_runner):
+def test_forwards_of_other_visitors_alone_are_not_shown_in_isolation(tiny_runner, make_engine):
     """A forward without the viewer's requests would tell, for another visitor's request, how many
     prefill chunks and decode tokens it took. In isolation mode the viewer sees the same timeline
     and figures whatever another visitor asked, and however long their answer was."""
     drawn = []
     for prompt_len, new_tokens in ((47, 3), (66, 7)):
-        engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+        engine = make_engine(tiny_runner, isolation=True, chunk_tokens=8)
         other = engine.run(GenerationRequest(prompt_ids=tuple(range(40, 40 + prompt_len)), namespace="v-you",
                                              sampling=SamplingParams(max_new_tokens=new_tokens)))
         assert other.output_tokens == new_tokens
@@ -68,10 +67,10 @@ def test_empty_timeline_says_so():
     assert "No forwards yet" in fig.layout.annotations[0].text
 
 
-def test_other_visitors_token_counts_are_coarse_in_isolation(tiny_runner):
+def test_other_visitors_token_counts_are_coarse_in_isolation(tiny_runner, make_engine):
     """The tree's rule on the timeline: a forward that served another visitor shows its token
     counts only in 256-token buckets; the viewer's own forwards alone stay exact."""
-    engine = Engine(tiny_runner, isolation=True, chunk_tokens=8)
+    engine = make_engine(tiny_runner, isolation=True, chunk_tokens=8)
     reqs = [GenerationRequest(prompt_ids=tuple(range(30 + i, 67 + i)), namespace=ns,
                               sampling=SamplingParams(max_new_tokens=3)) for i, ns in enumerate(["v-me", "v-you"])]
     with tiny_runner.lock:

@@ -22,8 +22,8 @@ def run(engine: Engine, ids: list[int], n: int = 4, baseline: bool = False, name
 
 
 @pytest.fixture
-def engine(tiny_runner) -> Engine:
-    return Engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
+def engine(tiny_runner, make_engine) -> Engine:
+    return make_engine(tiny_runner, budget_bytes=4000 * tiny_runner.kv_bytes_per_token)
 
 
 def shared_prefix_prompts(n: int = 3) -> list[list[int]]:

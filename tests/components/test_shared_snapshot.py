@@ -25,11 +25,11 @@ def no_clock(snap: TreeSnapshot) -> TreeSnapshot:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_runner) -> Engine:
+def engine(tiny_runner, make_module_engine) -> Engine:
     """An isolating engine holding public content, two visitors (one with a sub-namespace and a
     two-turn chat, so hidden subtrees have several nodes) and an eviction or two."""
-    engine = Engine(tiny_runner, isolation=True, max_new_tokens_cap=4,
-                    budget_bytes=900 * tiny_runner.kv_bytes_per_token)
+    engine = make_module_engine(tiny_runner, isolation=True, max_new_tokens_cap=4,
+                                budget_bytes=900 * tiny_runner.kv_bytes_per_token)
     public = len(engine.encode(SHARED)) - 1
     runs = [("v-a", SHARED + "Where are the hammers?"), ("v-b", SHARED + "Where are the nails?"),
             ("v-b", SHARED + "Where are the nails? And the screws, please?"), ("v-a/lab-1", "Lab variant one."),
@@ -114,19 +114,16 @@ def test_the_cards_and_the_memory_tab_ride_on_the_same_walk(engine, monkeypatch)
             s.cache_bytes, s.budget_bytes, s.cached_tokens_now, s.num_nodes, s.evicted_tokens)
 
 
-def test_open_tabs_share_one_figure_per_change(engine):
+def test_open_tabs_share_one_figure_per_change(engine, make_engine):
     """N sessions with the tree tab open draw one figure per snapshot, not one each."""
     from types import SimpleNamespace
 
     from components.panels.tree_panel import tree_figure_for
 
     live.forget(engine)
-    shared = Engine(engine.runner, max_new_tokens_cap=4)  # a shared cache: every session sees the same tree
-    try:
-        shared.run(GenerationRequest(prompt="a shared line", sampling=SamplingParams(max_new_tokens=2)))
-        figs = [tree_figure_for(shared, SimpleNamespace(session_hash=f"s{i}"), None) for i in range(8)]
-        assert all(f is figs[0] for f in figs)
-        shared.run(GenerationRequest(prompt="another shared line", sampling=SamplingParams(max_new_tokens=2)))
-        assert tree_figure_for(shared, SimpleNamespace(session_hash="s0"), None) is not figs[0]
-    finally:
-        shared.close()
+    shared = make_engine(engine.runner, max_new_tokens_cap=4)  # a shared cache: every session sees the same tree
+    shared.run(GenerationRequest(prompt="a shared line", sampling=SamplingParams(max_new_tokens=2)))
+    figs = [tree_figure_for(shared, SimpleNamespace(session_hash=f"s{i}"), None) for i in range(8)]
+    assert all(f is figs[0] for f in figs)
+    shared.run(GenerationRequest(prompt="another shared line", sampling=SamplingParams(max_new_tokens=2)))
+    assert tree_figure_for(shared, SimpleNamespace(session_hash="s0"), None) is not figs[0]
