@@ -11,19 +11,15 @@ import os
 
 import httpx
 import pytest
-import torch
 
 from analysis.prefill_timing import PrefillTimer, TimingPolicy
 from components.chat_presets import DEFAULT_SYSTEM
 from engine.engine import Engine
 from engine.types import GenerationRequest, SamplingParams
+from tests.engines import rand_ids
 from tests.helpers_app import assert_clean, free_port, wait_idle
 
 A_NS, B_NS = "v-aaaa/s-1", "v-bbbb/s-1"
-
-
-def rand_ids(seed: int, n: int, vocab: int) -> list[int]:
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _run(engine: Engine, ids: list[int], namespace: str, public_len: int = 0):
