@@ -1,7 +1,6 @@
-"""The page's event queue, fair by address, and the bounds on what it keeps per session.
+"""The page's event queue, fair by address (what it keeps per session: ``server.page_sessions``).
 
-Owns: ``fair_queue(demo, share)``, installed on Gradio's queue after ``demo.queue()``, and
-``bound_sessions(demo)`` (below). ``fair_queue``: Gradio's
+Owns: ``fair_queue(demo, share)``, installed on Gradio's queue after ``demo.queue()``: Gradio's
 queue is first in, first out and its ``max_size`` counts everyone, so one address posting 150
 events (``POST /gradio_api/call/chat``, each a new session) filled it and every other address
 got "Queue is full" (issue 58). Here, at each join:
@@ -13,18 +12,8 @@ got "Queue is full" (issue 58). Here, at each join:
 - events wait in turns by address: an event goes behind every waiting event of its own
   address and ahead of a later turn of anyone else's (round robin), so a newcomer's first
   event runs before a flooder's second. A classroom behind one address (several tabs, several
-  sessions) is one address: its events run together, up to the share, in order.
-
-``bound_sessions``: every page event a client posts without a session (``/gradio_api/call/...``)
-opens a new Gradio session, and Gradio keeps per session its state (a copy of the whole page's
-config and every ``gr.State``: the largest), a message queue and a set of event ids, and per
-event an analytics record; the sets never go, the rest only at caps of 2,000 to 10,000. Here,
-at most every ``PRUNE_EVERY_S`` at a join, sessions idle for ``SESSION_IDLE_S`` are dropped
-with everything kept for them, their state included, and the analytics records are capped at
-``MAX_ANALYTICS``: what the page holds no longer grows with the events it has served (issue 58's
-soak grew 15 MiB a minute).
-
-- and of a function's running places (its concurrency limit, 16) one address takes at most
+  sessions) is one address: its events run together, up to the share, in order;
+- of a function's running places (its concurrency limit, 16) one address takes at most
   ``running_cap`` (12), so another address's event starts at once (``fair_get_events``).
 
 A running event holds no waiting place (the engine caps each address's requests in its own
@@ -37,7 +26,6 @@ per-function lists of waiting events (``event_queue_per_concurrency_id``), read 
 from __future__ import annotations
 
 import functools
-import time
 from collections import Counter
 
 from server.request_guard import connection_origin
@@ -155,69 +143,3 @@ def fair_get_events(queue):
                 event_queue.queue.remove(event)
             return events, True, concurrency_id
     return None
-
-
-SESSION_IDLE_S = 20 * 60.0  # a session with no event for this long is dropped (a tab's timers keep theirs)
-PRUNE_EVERY_S = 5.0
-MAX_ANALYTICS = 1000  # Gradio's per-event records (its monitoring page, off here): the newest kept
-
-
-def prune_sessions(demo, now: float | None = None, idle_s: float = SESSION_IDLE_S) -> int:
-    """Drop every session idle for ``idle_s`` (by Gradio's own last-use time, else by its empty
-    queues) with its state, message queue and event ids; cap the analytics records. Returns how
-    many sessions went. Runs on the event loop's thread (from a join) or in a test."""
-    import datetime
-
-    queue, holder = demo._queue, getattr(demo, "state_holder", None)
-    now_dt = datetime.datetime.now() if now is None else datetime.datetime.fromtimestamp(now)
-    gone: set[str] = set()
-    if holder is not None:
-        with holder.lock:
-            for sid, used in list(holder.time_last_used.items()):
-                if (now_dt - used).total_seconds() >= idle_s:
-                    holder.session_data.pop(sid, None)
-                    holder.time_last_used.pop(sid, None)
-                    gone.add(sid)
-            for sid in [s for s in holder.session_data if s not in holder.time_last_used]:
-                holder.session_data.pop(sid, None)  # never used since it was made: nothing of it is read
-                gone.add(sid)
-    live = set(holder.session_data) if holder is not None else set()
-    # Sessions with an event waiting or running keep everything (the state is made when it runs).
-    busy = {e.session_hash for eq in list(queue.event_queue_per_concurrency_id.values()) for e in list(eq.queue)}
-    busy |= {e.session_hash for job in list(queue.active_jobs) if job for e in job}
-    keep = live | busy
-    for sid in list(queue.pending_event_ids_session):
-        if sid not in keep:  # what is left there (results nobody came to read) has no reader to come
-            queue.pending_event_ids_session.pop(sid, None)
-            gone.add(sid)
-    messages = queue.pending_messages_per_session
-    for sid in list(messages.keys()):
-        if sid not in keep:
-            messages.pop(sid, None)
-            gone.add(sid)
-    queue.ANALYTICS_MAX_EVENTS = min(getattr(queue, "ANALYTICS_MAX_EVENTS", MAX_ANALYTICS), MAX_ANALYTICS)
-    analytics = queue.event_analytics
-    while len(analytics) > MAX_ANALYTICS:
-        analytics.pop(next(iter(analytics)))
-    return len(gone)
-
-
-def bound_sessions(demo, idle_s: float = SESSION_IDLE_S) -> None:
-    """Prune (``prune_sessions``) at most every ``PRUNE_EVERY_S``, at a join (after ``demo.queue()``)."""
-    queue = getattr(demo, "_queue", None)
-    if queue is None or getattr(queue, "__bounded__", False):
-        return
-    queue.ANALYTICS_MAX_EVENTS = MAX_ANALYTICS
-    push = queue.push
-    last = [0.0]
-
-    @functools.wraps(push)
-    async def pruning_push(body, request, username):
-        now = time.monotonic()
-        if now - last[0] >= PRUNE_EVERY_S:
-            last[0] = now
-            prune_sessions(demo, idle_s=idle_s)
-        return await push(body=body, request=request, username=username)
-
-    queue.push = pruning_push
-    queue.__bounded__ = True

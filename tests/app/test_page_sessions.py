@@ -48,8 +48,7 @@ def _sizes(demo) -> dict[str, int]:
 def test_sessions_and_their_records_expire_and_stay_capped(space_app):
     from components.panels.live import MAX_VIEWS
     from components.session import RUNNING
-    from server import page_queue
-    from server.page_queue import MAX_ANALYTICS, prune_sessions
+    from server.page_sessions import MAX_ANALYTICS, SESSION_IDLE_S, prune_sessions
 
     demo, engine = space_app
     with httpx.Client(base_url=demo.local_url, timeout=60) as http:
@@ -67,7 +66,7 @@ def test_sessions_and_their_records_expire_and_stay_capped(space_app):
     grown = _sizes(demo)
     assert grown["state"] >= EVENTS // 2, grown  # what a soak accumulates, session by session
     assert grown["analytics"] <= MAX_ANALYTICS
-    gone = prune_sessions(demo, now=time.time() + page_queue.SESSION_IDLE_S + 1)
+    gone = prune_sessions(demo, now=time.time() + SESSION_IDLE_S + 1)
     after = _sizes(demo)
     assert gone >= EVENTS // 2 and after["state"] == 0 and after["messages"] == 0 and after["event ids"] == 0, after
     # The app's own per-visitor and per-request records.
@@ -84,7 +83,45 @@ def test_sessions_and_their_records_expire_and_stay_capped(space_app):
 
 
 def test_analytics_records_are_capped(space_app):
-    from server.page_queue import MAX_ANALYTICS
+    from server.page_sessions import MAX_ANALYTICS
 
     demo, _ = space_app
     assert demo._queue.ANALYTICS_MAX_EVENTS == MAX_ANALYTICS
+
+
+def test_a_new_session_makes_block_configs_only_when_read(space_app):
+    """Issue 58's flood: Gradio made a config of every block at a session's start, and again for
+    each output an event changed, on the event loop (py-spy: three quarters of its time while one
+    address's flood opened sessions). Lean sessions make none while serving a chat; a deep link's
+    read still gets what Gradio's own session holds after the same changes."""
+    import gradio as gr
+    from gradio.state_holder import SessionState
+
+    from server.page_sessions import lean_session
+
+    demo, engine = space_app
+    with httpx.Client(base_url=demo.local_url, timeout=60) as http:  # the first join makes new sessions lean
+        r = http.post("gradio_api/call/chat", headers={"x-forwarded-for": "192.0.2.77"},
+                      json={"data": ["hello lean", [], DEFAULT_SYSTEM, "", 2, False]})
+        assert "hello lean" in http.get(f"gradio_api/call/chat/{r.json()['event_id']}").text
+    wait_idle(engine)
+    holder = demo.state_holder
+    served = holder.session_data[next(reversed(holder.session_data))]
+    assert type(served).__name__ == "_LeanSession" and dict.__len__(served.config_values) == 0
+
+    eager, lean = SessionState(demo), lean_session(demo)
+    assert vars(lean).keys() == vars(eager).keys()  # a Gradio that adds a field fails here
+    blocks = demo.default_config.blocks
+    box = next(k for k, b in blocks.items() if isinstance(b, gr.Markdown))
+    text = next(k for k, b in blocks.items() if isinstance(b, gr.Textbox) and k != box)
+    state = next(k for k, b in blocks.items() if isinstance(b, gr.State))
+    for s in (eager, lean):  # what an event's outputs do to a session
+        s._update_value_in_config(box, "**new**")
+        s[text] = gr.Textbox(label="changed", render=False)
+        s._update_config(text)
+        s._update_value_in_config(text, "typed")
+        s[state] = {"kept": 1}
+        s._update_value_in_config(box, "**newer**")
+    assert lean[state] == eager[state] == {"kept": 1}
+    assert dict(lean.config_values.items()) == eager.config_values
+    assert list(lean.components) == list(eager.components)
