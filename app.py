@@ -74,9 +74,9 @@ def build_app(engine, max_queue: int = 32, routing_lab: dict | None = None):
     ``share_of(max_queue)`` waiting events, in turns with everyone else's, so it cannot lock
     the others out. ``routing_lab``: a report for the Fleet tab (``load_routing_lab``)."""
     from components.demo import build_demo
+    from components.page_sessions import bound_sessions
     from components.panels.hardening import harden
     from server.page_queue import fair_queue, share_of
-    from server.page_sessions import bound_sessions
 
     demo = harden(build_demo(engine, routing_lab=routing_lab))
     demo.queue(default_concurrency_limit=16, max_size=max_queue * 4)

@@ -1,4 +1,4 @@
-"""The page's event queue, fair by address (what it keeps per session: ``server.page_sessions``).
+"""The page's event queue, fair by address (what it keeps per session: ``components.page_sessions``).
 
 Owns: ``fair_queue(demo, share)``, installed on Gradio's queue after ``demo.queue()``: Gradio's
 queue is first in, first out and its ``max_size`` counts everyone, so one address posting 150

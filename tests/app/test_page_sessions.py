@@ -46,9 +46,9 @@ def _sizes(demo) -> dict[str, int]:
 
 
 def test_sessions_and_their_records_expire_and_stay_capped(space_app):
+    from components.page_sessions import MAX_ANALYTICS, SESSION_IDLE_S, prune_sessions
     from components.panels.live import MAX_VIEWS
     from components.session import RUNNING
-    from server.page_sessions import MAX_ANALYTICS, SESSION_IDLE_S, prune_sessions
 
     demo, engine = space_app
     with httpx.Client(base_url=demo.local_url, timeout=60) as http:
@@ -83,7 +83,7 @@ def test_sessions_and_their_records_expire_and_stay_capped(space_app):
 
 
 def test_analytics_records_are_capped(space_app):
-    from server.page_sessions import MAX_ANALYTICS
+    from components.page_sessions import MAX_ANALYTICS
 
     demo, _ = space_app
     assert demo._queue.ANALYTICS_MAX_EVENTS == MAX_ANALYTICS
@@ -97,7 +97,7 @@ def test_a_new_session_makes_block_configs_only_when_read(space_app):
     import gradio as gr
     from gradio.state_holder import SessionState
 
-    from server.page_sessions import lean_session
+    from components.page_sessions import lean_session
 
     demo, engine = space_app
     with httpx.Client(base_url=demo.local_url, timeout=60) as http:  # the first join makes new sessions lean
