@@ -2,7 +2,7 @@
 
 A timeline of the last forwards from ``EngineAPI.step_log``: one row per request,
 one bar per forward it took part in (coloured by what it did there: a prefill
-chunk, a decode token or a no-reuse baseline chunk), so a forward that served
+chunk or a decode token; the no-reuse measurement runs outside the scheduler), so a forward that served
 many requests reads as a column of bars sharing a time span. The viewer's own requests are drawn solid and the others faded: in
 isolation mode these are the requests of the viewer's namespace; on a shared
 (non-isolated) engine everyone shares one namespace, so it is the request of
@@ -37,8 +37,8 @@ from engine.types import RequestMetrics, StepRecord
 from engine.visibility import Audience, Unit, everyone, own, shipped
 
 SHOWN_FORWARDS = 120
-COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6", "baseline": "#94a3b8"}
-LABELS = {"prefill": "prefill chunk", "decode": "batched decode", "baseline": "no-reuse baseline"}
+COLORS = {"prefill": "#f59e0b", "decode": "#3b82f6"}
+LABELS = {"prefill": "prefill chunk", "decode": "batched decode"}
 REMOTE_EMPTY = "Remote server: it schedules its own requests, so there are no forwards of this app's to show."
 
 
@@ -105,7 +105,7 @@ def timeline_figure(steps: list[StepRecord], namespace: str | None = None,
             row = OTHERS_ROW if namespace is not None and not mine else f"#{rid}"
             if row not in order:
                 order.append(row)
-            kind = "baseline" if rec.kind == "baseline" else "prefill" if rid in rec.prefill_request_ids else "decode"
+            kind = "prefill" if rid in rec.prefill_request_ids else "decode"
             s = series.setdefault((kind, mine), dict(x=[], base=[], y=[], text=[]))
             s["x"].append(max(rec.duration_ms / 1000, 1e-3))
             s["base"].append(start)
