@@ -144,6 +144,7 @@ class RequestOrderDemo:
             for i, handle in enumerate(handles):
                 threading.Thread(target=_collect, args=(i, handle, finished), daemon=True).start()
             ran: list[ScheduledRequest] = []
+            ended: list[tuple[float, int, object]] = []
             while len(ran) < len(prompts) and not stop():
                 try:
                     pick, m = finished.get(timeout=0.2)
@@ -151,10 +152,12 @@ class RequestOrderDemo:
                     continue
                 if m is None:  # failed or cancelled: the demo stops
                     break
-                # With one request admitted at a time, the order requests finish in is the order
+                # With one request admitted at a time, the order requests finished in (the engine's
+                # clock, not the order their listeners woke: a busy machine swaps two) is the order
                 # the scheduler admitted them; what it matched then is what it reused.
-                ran.append(ScheduledRequest(len(ran), pick, prompts[pick].label, m.prompt_tokens, m.cached_tokens,
-                                            m.computed_tokens, m.prefill_ms, m.cached_tokens))
+                ended = sorted([*ended, (m.finished_at, pick, m)], key=lambda e: e[0])
+                ran = [ScheduledRequest(k, i, prompts[i].label, r.prompt_tokens, r.cached_tokens, r.computed_tokens,
+                                        r.prefill_ms, r.cached_tokens) for k, (_, i, r) in enumerate(ended)]
                 done += 1
                 current = ScheduleResult(policy, tuple(ran), len(prompts), budget_tokens,
                                          engine.stats().evicted_tokens - evicted_before)

@@ -16,13 +16,13 @@ from tests.family_models import tiny_model
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_alone_cached_and_salted_beside_others_give_equal_logprobs(tokenizer, family):
+def test_alone_cached_and_salted_beside_others_give_equal_logprobs(tokenizer, family, make_engine):
     runner = ModelRunner(LoadedModel(tiny_model(family, len(tokenizer)), tokenizer, f"tiny-{family}",
                                      torch.device("cpu"), torch.float32))
     try:
         exact_api.exact_or_skip(runner)
         assert runner.plan.layers == "exact"
-        runs = exact_api.runs_through_the_app(runner, 128, 300)
+        runs = exact_api.runs_through_the_app(make_engine, runner, 128, 300)
         exact_api.check_runs(f"tiny {family}", runs)
         for pair in exact_api.PAIRS:
             exact_api.check_exact(runs, pair)
