@@ -225,9 +225,9 @@ class Engine(FacadeBase, PrefillOps):
         return sum(owner_of(ns) == owner for ns in queued + in_hand + waiting)
 
     def _waiting(self) -> int:
-        """Requests submitted and not admitted yet (the inbox and the scheduler's waiting list):
-        what ``queue_depth`` means everywhere."""
-        return self._queue.qsize() + len(self.scheduler.waiting)
+        """Requests submitted and not admitted yet (the inbox, the worker's hand, the scheduler's
+        waiting list): what ``queue_depth`` means everywhere."""
+        return self._queue.qsize() + sum(h is not _STOP for h in list(self._in_hand)) + len(self.scheduler.waiting)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -347,11 +347,7 @@ class Engine(FacadeBase, PrefillOps):
 
     def _take(self, pending: list[RequestHandle]) -> None:
         """Move the inbox into the scheduler's waiting list."""
-        while True:
-            try:
-                pending.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_inbox(pending)
         for handle in pending:
             if handle is _STOP:
                 self._stopping = True
@@ -371,15 +367,19 @@ class Engine(FacadeBase, PrefillOps):
                 handle.events.put(as_engine_error(exc))
                 handle.events.put(END_OF_STREAM)
 
-    def _refuse_in_hand(self, exc: BaseException) -> None:
-        """End with ``exc`` each handle taken from the inbox that no step took in (the compute
-        thread stopped under it, issue 58): never left waiting."""
-        handles, self._in_hand = self._in_hand, []
-        while self.runner.compute.stopped:  # nothing will ever run here: the inbox ends too
+    def _drain_inbox(self, into: list) -> None:
+        """Move every handle in the inbox onto ``into``, without waiting."""
+        while True:
             try:
-                handles.append(self._queue.get_nowait())
+                into.append(self._queue.get_nowait())
             except queue.Empty:
-                break
+                return
+
+    def _refuse_in_hand(self, exc: BaseException) -> None:
+        """End with ``exc`` each handle taken from the inbox that no step took in (its compute thread stopped)."""
+        handles, self._in_hand = self._in_hand, []
+        if self.runner.compute.stopped:  # nothing will ever run here: the inbox ends too
+            self._drain_inbox(handles)
         self._stopping = self._stopping or _STOP in handles
         for handle in (h for h in handles if h is not _STOP):
             handle.events.put(as_engine_error(exc))
