@@ -23,13 +23,15 @@ def _wait(cond, timeout_s: float = 30.0) -> None:
 def test_full_engine_queue_answers_busy(tiny_runner, make_engine):
     engine = make_engine(max_queue=2, max_new_tokens_cap=4)
     req = GenerationRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=2))
-    with tiny_runner.lock:  # the model is busy: the worker takes one request and waits
-        running = engine.submit(req)
-        _wait(lambda: engine.stats().queue_depth == 0)
-        waiting = [engine.submit(req), engine.submit(req)]
+    with tiny_runner.lock:  # the model is busy: the worker takes one request and waits for it
+        first = engine.submit(req)
+        _wait(lambda: engine._in_hand == [first])
+        assert engine.stats().queue_depth == 1  # in the worker's hand, not admitted: still waiting
+        second = engine.submit(req)
+        assert engine.stats().queue_depth == 2
         with pytest.raises(EngineBusy, match="busy.*try again"):
             engine.submit(req)
-    for handle in [running, *waiting]:
+    for handle in (first, second):
         assert list(handle)[-1].done
     engine.run(req)  # room again once the queue drains
     wait_idle(engine)
@@ -37,16 +39,15 @@ def test_full_engine_queue_answers_busy(tiny_runner, make_engine):
 
 
 def test_busy_message_reaches_the_visitor(tiny_runner, make_engine):
-    engine = make_engine(max_queue=1, max_new_tokens_cap=4)
+    engine = make_engine(max_queue=2, max_new_tokens_cap=4)
     chat = ("Hello!", [], "Pirate", "", 2, False)
-    with launched_app(engine, max_queue=1) as url:
+    with launched_app(engine, max_queue=2) as url:
         a, b, c = visitor(url), visitor(url), visitor(url)
-        with tiny_runner.lock:
+        with tiny_runner.lock:  # the model is busy: A waits in the worker's hand, B in the inbox
             job_a = a.submit(*chat, api_name="/chat")
-            _wait(lambda: engine.runner.lock.locked() and len(engine.recent()) == 0 and job_a.status().code.name
-                  in ("PROCESSING", "ITERATING") and engine.stats().queue_depth == 0)
+            _wait(lambda: len(engine._in_hand) == 1 and job_a.status().code.name in ("PROCESSING", "ITERATING"))
             job_b = b.submit(*chat, api_name="/chat")
-            _wait(lambda: engine.stats().queue_depth == 1)
+            _wait(lambda: engine.stats().queue_depth == 2)
             job_c = c.submit(*chat, api_name="/chat")
             history_c = job_c.result(timeout=60)[0]
             assert history_c == []  # nothing was added to C's chat

@@ -576,7 +576,7 @@ def _reachable_from_disk(tier) -> set[CacheKey]:
     """The spilled paths as a new process can draw them: each cut before its first chunk the store
     lacks (a chunk drawn while the pool held the part above it is unreachable once the pool is
     gone: ``clear`` drops pool KV without spilling it), and those that became a prefix of another
-    left out. What a clean restart must draw again."""
+    (same tokens, same namespaces) left out. What a clean restart must draw again."""
     cut = set()
     for path in tier.spilled.leaf_paths():
         end = 0
@@ -584,7 +584,13 @@ def _reachable_from_disk(tier) -> set[CacheKey]:
             end += CHUNK_TOKENS
         if end:
             cut.add(CacheKey(path.ids[:end], path.namespace, min(path.public_len, end)))
-    return {p for p in cut if not any(len(q.ids) > len(p.ids) and q.ids[:len(p.ids)] == p.ids for q in cut)}
+    return {p for p in cut if not any(len(q.ids) > len(p.ids) and _is_prefix(p, q) for q in cut)}
+
+
+def _is_prefix(p: CacheKey, q: CacheKey) -> bool:
+    """``p`` is where ``q`` starts: the same tokens under the same namespaces (the tree keys a
+    child by namespace and token, so the same tokens under another namespace are another path)."""
+    return q.ids[:len(p.ids)] == p.ids and all(p.ns_at(i) == q.ns_at(i) for i in range(len(p.ids)))
 
 
 def _settings(examples: int, steps: int) -> settings:
