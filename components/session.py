@@ -28,8 +28,9 @@ from server.request_guard import connection_origin
 
 def page_visitor(request) -> Visitor:
     """Who sends a page request, as the server saw it: the address and Gradio's session hash."""
-    session = getattr(request, "session_hash", None) if request is not None else None
-    return Visitor.page(origin_of(request) if session else "", session)
+    if request is None:  # no HTTP request behind it: nothing says where it came from
+        return Visitor.page("", None)
+    return Visitor.page(origin_of(request), getattr(request, "session_hash", None))
 
 
 def origin_of(request) -> str:

@@ -20,7 +20,9 @@ turns count by, so sessions or salts cannot multiply one address's or one client
 
 - a page visitor: ``v-<hmac(origin)>/s-<hmac(session)>``; the session (a page tab) is the
   namespace, so no other visitor nor another tab gets a hit on it; a request with no session
-  gets ``v-anon-<random>``, a namespace of its own, never the shared one;
+  gets ``v-<hmac(origin)>/anon-<random>``, a namespace of its own inside its address's (never
+  the shared one, and no fair share or waiting place of its own), or ``v-anon-<random>`` when
+  nothing says where it came from (no HTTP request at all);
 - an API client: ``api-<hmac(client)>/salt-<hmac(salt)>``, or ``.../anon-<random>`` without a
   salt; nobody can ever name such a namespace again, so that request is not stored.
 
@@ -100,8 +102,9 @@ class KeyRules:
             return f"{self.owner(visitor)}/{part}"
         if not self.isolation:
             return PUBLIC
-        if not visitor.scope:  # nothing to tell this caller apart by: share nothing with anyone
-            return PAGE_PREFIX + "anon-" + secrets.token_hex(6)
+        if not visitor.scope:  # no session: a namespace nobody can name again, shared with no one
+            part = "anon-" + secrets.token_hex(6)  # still its address's: it buys no share of its own
+            return f"{self.owner(visitor)}/{part}" if visitor.identity else PAGE_PREFIX + part
         return f"{self.owner(visitor)}/{secret_name('s-', self.secret, visitor.scope, 12)}"
 
     def _salt(self, cache_salt: str) -> str:

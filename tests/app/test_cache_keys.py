@@ -42,7 +42,11 @@ def test_page_rules_are_the_ones_the_page_had():
                                  + secret_name("s-", SECRET, "sess", 12))
     assert off.namespace(tab) == PUBLIC
     anon = [on.namespace(Visitor.page("10.0.0.1", s)) for s in (None, "", None)]
-    assert len(set(anon)) == 3 and all(re.fullmatch(f"v-anon-{HEX}{{12}}", a) for a in anon)
+    owner = secret_name("v-", SECRET, "origin\0" + "10.0.0.1", 12)
+    # no session: a namespace of its own each time, inside its address's (no share of its own)
+    assert len(set(anon)) == 3 and all(re.fullmatch(re.escape(owner) + f"/anon-{HEX}{{12}}", a) for a in anon)
+    nowhere = [on.namespace(Visitor.page("", None)) for _ in range(2)]  # no request at all
+    assert nowhere[0] != nowhere[1] and all(re.fullmatch(f"v-anon-{HEX}{{12}}", a) for a in nowhere)
     assert on.store(tab) and off.store(tab) and on.store(Visitor.page("", None))
 
 

@@ -18,6 +18,7 @@ from components.chat_presets import CUSTOM_SYSTEM, DEFAULT_SYSTEM, FEW_SHOT_PRES
 from components.panels.chat_panel import build_request, chat_messages
 from components.session import page_keyed, sub_namespace, visitor_namespace
 from engine.engine import Engine
+from engine.namespaces import owner_of
 from engine.snapshot_view import HIDDEN_BUCKET_TOKENS
 from engine.types import PUBLIC, GenerationRequest, SamplingParams
 from tests.helpers_app import assert_clean, flat_text, launched_app, visitor
@@ -58,6 +59,11 @@ def test_visitor_namespace_is_set_by_the_server(isolated, shared):
     assert "session-a" not in a  # a salted digest: the client's value never becomes the key
     anon1, anon2 = visitor_namespace(None, isolated), visitor_namespace(SimpleNamespace(session_hash=""), isolated)
     assert PUBLIC not in (anon1, anon2) and anon1 != anon2  # no session: shares nothing with anyone
+    # ... and an address's requests without a session count as that address's (no share of their own)
+    tab = SimpleNamespace(session_hash="s", headers={}, client=SimpleNamespace(host="10.1.2.3"))
+    bare = SimpleNamespace(session_hash=None, headers={}, client=SimpleNamespace(host="10.1.2.3"))
+    ns_tab, ns_bare = visitor_namespace(tab, isolated), visitor_namespace(bare, isolated)
+    assert owner_of(ns_bare) == owner_of(ns_tab) and ns_bare != ns_tab != visitor_namespace(bare, isolated)
     assert visitor_namespace(session("a"), shared) == PUBLIC
     assert sub_namespace(session("a"), isolated, "lab-1") == a + "/lab-1"
     assert sub_namespace(session("a"), shared, "lab-1") == "lab-1"
