@@ -15,6 +15,11 @@ cache, the remote shadow tree, the replay simulation and the figure bench):
     ``HIDDEN_BUCKET_TOKENS`` buckets, with no text, hits, lock or access time (others'
     second-tier nodes, which isolation never writes, fold the same way into a ``spilled``
     "others" node of their own, id ``HIDDEN_SPILLED_BASE - parent id``);
+  - the visible nodes are numbered 1, 2, 3... in the order of their ids in the full snapshot
+    (``view_ids``): the order the tree made them, which the layout keeps places by
+    (``components.views.tree_places``), without the gaps, which would count the nodes anyone
+    else made. Others' work never changes them (nodes of others are never above a visible
+    one); a visible node that goes renumbers those made after it;
   - shared (``PUBLIC``) nodes show no hits, locks or access times (others use them too);
   - the totals count hidden tokens, and evictions, in the same buckets; second-tier
     (``spilled``) nodes never count as pool tokens.
@@ -131,19 +136,21 @@ def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
     depth: dict[int, int] = {0: 0}  # visible node id (0: the root) -> depth in tokens
     anchor: dict[int, int] = {}  # hidden node id -> the visible node (or root) its subtree hangs from
     hidden_under: dict[tuple[int, bool], int] = {}  # (visible parent id, spilled) -> others' tokens, in order
+    ids = view_ids(full, viewer)
     for n in full.nodes:
         if not may_see(viewer, n.namespace):
             top = anchor.get(n.parent_id, n.parent_id)
             anchor[n.node_id] = top
             hidden_under[top, n.spilled] = hidden_under.get((top, n.spilled), 0) + n.num_tokens
             continue
+        n = replace(n, node_id=ids[n.node_id], parent_id=ids[n.parent_id])
         depth[n.node_id] = n.depth_tokens
         if n.namespace == PUBLIC:
             n = replace(n, lock_ref=0, hits=0, last_access_s_ago=0.0)
         infos.append(n)
     bpt = full.bytes_per_token
-    for (parent, spilled), tokens in hidden_under.items():
-        size = coarse_tokens(tokens)
+    for (top, spilled), tokens in hidden_under.items():
+        parent, size = ids[top], coarse_tokens(tokens)
         infos.append(NodeInfo(
             node_id=(HIDDEN_SPILLED_BASE if spilled else -1) - parent, parent_id=parent, num_tokens=size,
             depth_tokens=depth[parent] + size, num_bytes=size * bpt, lock_ref=0, hits=0, last_access_s_ago=0.0,
@@ -152,3 +159,9 @@ def for_viewer(full: TreeSnapshot, viewer: str) -> TreeSnapshot:
     return TreeSnapshot(tuple(infos), num_tokens, num_tokens * bpt, full.budget_bytes, full.capacity_tokens,
                         coarse_tokens(full.evicted_tokens), bpt, full.tier_kind, full.origin)
 
+
+def view_ids(full: TreeSnapshot, viewer: str) -> dict[int, int]:
+    """The full snapshot's id -> the viewer's, for the root (0) and the nodes ``viewer`` may see:
+    1, 2, 3... in the order of the full ids (see the module docstring)."""
+    visible = sorted(n.node_id for n in full.nodes if may_see(viewer, n.namespace))
+    return {0: 0} | {node_id: rank for rank, node_id in enumerate(visible, 1)}

@@ -29,7 +29,9 @@ def node_places(snapshot: TreeSnapshot) -> NodePlaces:
 
     Node ids come from one counter, so they tell creation order, and a split
     keeps the id on the lower part (``RadixTree._split``: the old node keeps its
-    id, children and end; the new upper part gets a fresh id). Hence:
+    id, children and end; the new upper part gets a fresh id). A visitor's view
+    numbers its visible nodes 1, 2, 3... in that same order
+    (``engine.snapshot_view.view_ids``), so all that follows holds there too. Hence:
 
     - ``key`` = the smallest id in a node's subtree: the oldest node under it.
       Adding nodes (new ids are the largest) never changes an existing key,

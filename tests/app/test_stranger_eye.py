@@ -100,10 +100,6 @@ MASKS = [
 # whole (which request was fastest, how many measured slower): masked as one.
 TIMED = re.compile(r"<time>|<ratio>|<speed>|<rate>")
 PIECES = re.compile(r"(\n|<br>|\||(?<=[.:;])\s)")
-# Node ids come from one counter of the whole tree: the gaps between a visitor's own node ids
-# count the nodes anyone created (never a length or a text). Listed in docs/SECURITY.md as what
-# still leaks; masked here so that anything else is caught.
-NODE_ID_KEYS = ("customdata", "node_id", "parent_id", "ids", "parents")
 TIMING_COLUMNS = re.compile(r"ms|time|speed|faster|slower", re.I)
 
 
@@ -129,7 +125,7 @@ def norm(value):
         if "headers" in value and "data" in value:  # a dataframe: its timing columns are B's own
             keep = [i for i, h in enumerate(value["headers"]) if not TIMING_COLUMNS.search(str(h))]
             return {"headers": value["headers"], "data": [[norm(row[i]) for i in keep] for row in value["data"]]}
-        return {k: ("<node ids>" if k in NODE_ID_KEYS else norm(v)) for k, v in value.items()
+        return {k: norm(v) for k, v in value.items()
                 if k not in ("uirevision", "__type__", "id", "created")}
     if isinstance(value, list):
         items = [norm(v) for v in value]

@@ -89,11 +89,12 @@ def test_others_spilled_nodes_hide_like_resident_ones():
                          node(5, 1, 64, 128, "v-a", True)), 134, 134, 1000, 1000, 0, 1, "host memory")
     view = for_viewer(full, "v-a")
     hidden = {n.node_id: n for n in view.nodes if n.hidden}
-    assert set(hidden) == {-2, HIDDEN_SPILLED_BASE - 1}
-    assert hidden[-2].num_tokens == hidden[HIDDEN_SPILLED_BASE - 1].num_tokens == HIDDEN_BUCKET_TOKENS
-    assert hidden[HIDDEN_SPILLED_BASE - 1].spilled and not hidden[-2].spilled
-    assert all(n.text == "" and n.hits == 0 and n.token_ids == () for n in hidden.values())
-    assert next(n for n in view.nodes if n.node_id == 5).spilled
+    top = next(n.node_id for n in view.nodes if n.namespace == "")  # the shared node, under the viewer's id
+    assert set(hidden) == {-1 - top, HIDDEN_SPILLED_BASE - top}
+    assert hidden[-1 - top].num_tokens == hidden[HIDDEN_SPILLED_BASE - top].num_tokens == HIDDEN_BUCKET_TOKENS
+    assert hidden[HIDDEN_SPILLED_BASE - top].spilled and not hidden[-1 - top].spilled
+    assert all(n.text == "" and n.hits == 0 and n.token_ids == () and n.parent_id == top for n in hidden.values())
+    assert next(n for n in view.nodes if n.namespace == "v-a").spilled
     assert view.num_tokens == 64 + HIDDEN_BUCKET_TOKENS and view.tier_kind == "host memory"
 
 
