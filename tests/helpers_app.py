@@ -120,11 +120,14 @@ class StepGate:
         self._step = engine.scheduler.step
         self._permits = threading.Semaphore(0)
         self._open = False
+        self.held = False  # a step waits at the gate now (the engine's worker is parked there)
         engine.scheduler.step = self._gated  # type: ignore[method-assign]
 
     def _gated(self):
         if not self._open:
+            self.held = True
             self._permits.acquire()
+            self.held = False
         return self._step()
 
     def allow(self, steps: int) -> None:
@@ -133,6 +136,12 @@ class StepGate:
     def open(self) -> None:
         self._open = True
         self._permits.release(1)  # the step waiting at the gate now, if any
+
+    def close(self) -> None:
+        """Hold every step again (call while no step waits at the gate: the engine idle)."""
+        self._open = False
+        while self._permits.acquire(blocking=False):  # a permit ``open`` left unused
+            pass
 
 
 def assert_clean(engine: Engine) -> None:
