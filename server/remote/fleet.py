@@ -17,7 +17,10 @@ Attribution (``attribute``), from the events alone, for a request whose prompt i
   or several did (a concurrent request with the same prefix elsewhere), each replica's
   ``/metrics`` counters, read before and after: the one replica whose prompt-token counter grew
   by exactly the prompt and whose hit counter grew by exactly the answer's ``cached_tokens`` ran
-  it (rule "counted"; exact while requests do not overlap, and self-checking when they do);
+  it (rule "counted"; exact while requests do not overlap, and self-checking when they do).
+  The counters also overrule a single gain they contradict: the previous request's last events,
+  arriving late on its own replica, grow that replica's match of a prompt that shares its
+  prefix, while this request's replica has not published yet;
 - failing that, the replicas whose match before equals the answer's ``cached_tokens`` (in whole
   blocks): one such is taken (rule "reported"), several or none leave it unknown ("ambiguous").
 
@@ -85,13 +88,14 @@ def attribute(before: Sequence[int | None], after: Sequence[int | None], reporte
     counters. Returns (replica index or None, rule)."""
     known = [i for i, b in enumerate(before) if b is not None and after[i] is not None]
     gained = [i for i in known if after[i] > before[i]]
-    if len(gained) == 1:
-        return gained[0], GAINED
+    exact = []
     if reported is not None and prompt_tokens:
         exact = [i for i, (a, b) in enumerate(counts)
                  if a is not None and b is not None and (b[0] - a[0], b[1] - a[1]) == (prompt_tokens, reported)]
-        if len(exact) == 1:
-            return exact[0], COUNTED
+    if len(gained) == 1 and (len(exact) != 1 or exact == gained):
+        return gained[0], GAINED
+    if len(exact) == 1:  # no single gain, or one the counters contradict (a previous request's late events)
+        return exact[0], COUNTED
     if not known:
         return None, NO_EVENTS
     if reported is not None and block_size:

@@ -255,7 +255,8 @@ def test_the_dashboard_with_fleet_sees_each_replicas_real_tree_and_where_request
         assert {q.rule for q in view.requests} <= {"gained", "counted"}, view.requests  # events, else exact counters
         for i, d in enumerate(deltas):
             landed = [by_id[q.request_id] for q in view.requests if q.landed == i]
-            assert d["radix_requests_total"] == len(landed) == 2  # round robin: 6 requests, 2 each
+            assert d["radix_requests_total"] == len(landed) == 2, (  # round robin: 6 requests, 2 each
+                i, deltas, [(q.landed, q.rule, q.cached_reported, q.cached_on_landed) for q in view.requests])
             assert d["radix_prefix_cache_queries_total"] == sum(m.prompt_tokens for m in landed)
             assert d["radix_prefix_cache_hits_total"] == sum(m.cached_tokens for m in landed)
         bs = view.replicas[0].block_size

@@ -65,6 +65,16 @@ def test_no_growth_falls_back_to_exact_counters_then_to_the_reported_blocks():
     assert attribute([None, None], [None, None], 3, BS) == (None, NO_EVENTS)
 
 
+def test_exact_counters_overrule_a_gain_they_contradict():
+    """The previous request's last events arrive late on replica 0 (its match of this prompt's
+    shared prefix grows) before replica 1, which ran this one, publishes: the counters say 1."""
+    counts = [((100.0, 50.0), (100.0, 50.0)), ((80.0, 40.0), (98.0, 54.0)), ((70.0, 30.0), (70.0, 30.0))]
+    assert attribute([8, 12, 0], [12, 12, 0], reported=14, block_size=BS, counts=counts, prompt_tokens=18) == (1, COUNTED)
+    assert attribute([12, 8, 0], [12, 16, 0], 14, BS, counts, 18) == (1, GAINED)  # both agree: the events' word
+    no_tell = [((100.0, 50.0), (118.0, 64.0)), ((80.0, 40.0), (98.0, 54.0)), (None, None)]  # two add up
+    assert attribute([8, 12, 0], [12, 12, 0], 14, BS, no_tell, 18) == (0, GAINED)  # counters that cannot tell
+
+
 def test_two_replicas_that_grew_are_told_apart_by_the_reported_count():
     assert attribute([8, 0, 0], [16, 16, 0], reported=8, block_size=BS) == (0, REPORTED)
 
