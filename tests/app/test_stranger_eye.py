@@ -10,7 +10,8 @@ a route missing from ``ROUTES``) fails it.
 
 The oracle is differential: the same world is played twice, A's requests differing only in what
 is A's own (the length and text of A's chat question, few-shot query and API prompts, with and
-without ``cache_salt``, all within one 256-token bucket) while A also runs a lab. B calls every
+without ``cache_salt``, and one salted prompt more in one world: more of A's nodes and requests,
+all within one 256-token bucket) while A also runs a lab. B calls every
 event and reads every route before and after. Every value B reads after A must be the same in both
 worlds once B's own timings (milliseconds, clocks, rates of B's own requests) and random ids are
 masked: a value that moved with A's private content is an exact figure of someone else's. The
@@ -229,7 +230,9 @@ def _stranger_reads(url: str, demo) -> dict:
 
 def _a_acts(url: str, engine: Engine, variant: int) -> None:
     """A (another address) chats, runs few-shot and a lab run, and uses /v1 with and without a
-    cache_salt; ``variant`` changes only A's private text, within one 256-token bucket."""
+    cache_salt; ``variant`` changes only A's private text and how many cached prompts A sends (one
+    salted prompt more: more nodes, and more requests, that no count B reads may show), within
+    one 256-token bucket."""
     from gradio_client import Client
 
     extra = " and the forests where they hunt at night, please" * variant
@@ -244,7 +247,7 @@ def _a_acts(url: str, engine: Engine, variant: int) -> None:
             args[first_text] = f"owl{extra}"
         a.predict(*args, api_name=name)
     with httpx.Client(base_url=url, headers={"x-forwarded-for": A_ADDR}, timeout=120) as http:
-        for salt in (None, f"a-salt-{variant}"):
+        for salt in (None, f"a-salt-{variant}", *[f"a-salt-more-{i}" for i in range(variant)]):
             body = {"prompt": f"Owls hunt{extra}.", "max_tokens": 3, "ignore_eos": True}
             if salt:
                 body["cache_salt"] = salt
