@@ -145,9 +145,10 @@ class Engine(FacadeBase, PrefillOps):
         handle.context = contextvars.copy_context()  # the caller's (a page visitor's request): ZeroGPU calls carry it
         busy = EngineBusy("The engine is busy: too many requests are waiting. Please try again in a moment.")
         with self._submit_lock:  # the counts and the put as one: two submits cannot both take the last place
-            if self._waiting() >= self.max_queue:
+            waiting = self._waiting_namespaces()
+            if len(waiting) >= self.max_queue:
                 raise busy
-            mine = self._waiting_of(owner_of(request.namespace)) if self.isolation else 0
+            mine = sum(owner_of(ns) == owner_of(request.namespace) for ns in waiting) if self.isolation else 0
             if mine >= self.max_waiting_per_owner:
                 raise EngineBusy(f"The engine is busy: you already have {mine} requests waiting (at most "
                                  f"{self.max_waiting_per_owner} from one address). Wait for one to start, then "
@@ -215,19 +216,18 @@ class Engine(FacadeBase, PrefillOps):
         this to be False (``analysis.prefill_timing``), so visitors never queue behind them."""
         return bool(self._waiting() or self.scheduler.has_work() or self.runner.lock.locked())
 
-    def _waiting_of(self, owner: str) -> int:
-        """Requests of ``owner`` (``engine.namespaces.owner_of``) submitted and not admitted yet."""
+    def _waiting_namespaces(self) -> list[str]:
+        """The namespace of each request submitted and not admitted yet (the inbox, the worker's hand,
+        the scheduler's waiting list): what the inbox cap and each owner's places count."""
         with self._queue.mutex:
             queued = [h.request.namespace for h in self._queue.queue if h is not _STOP]
         # Copies: the worker and the compute thread change these lists.
         in_hand = [h.request.namespace for h in list(self._in_hand) if h is not _STOP]
-        waiting = [r.namespace for r in list(self.scheduler.waiting)]
-        return sum(owner_of(ns) == owner for ns in queued + in_hand + waiting)
+        return queued + in_hand + [r.namespace for r in list(self.scheduler.waiting)]
 
     def _waiting(self) -> int:
-        """Requests submitted and not admitted yet (the inbox, the worker's hand, the scheduler's
-        waiting list): what ``queue_depth`` means everywhere."""
-        return self._queue.qsize() + sum(h is not _STOP for h in list(self._in_hand)) + len(self.scheduler.waiting)
+        """How many requests wait (``_waiting_namespaces``): what ``queue_depth`` means everywhere."""
+        return len(self._waiting_namespaces())
 
     @property
     def capabilities(self) -> Capabilities:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import threading
-from functools import cache
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,20 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.namespaces import owner_of
 from engine.types import EngineBusy, EngineError, GenerationRequest, SamplingParams
-from tests.engines import EngineFactory
+from tests.engines import EngineFactory, machine_runner
 from tests.helpers_app import StepGate, assert_clean, wait_for, wait_idle
 
 MAX_QUEUE = 6  # so one address may hold 3 waiting places under isolation
 MAX_PROMPT = 48
 NAMESPACES = ("v-a/s-1", "v-a/s-2", "v-b/s-1", "v-c/s-1", "v-c/s-1/lab")  # v-a: one address, two tabs
 
-
-@cache
-def _runner():
-    from engine.model.loader import load_tokenizer
-    from tests.conftest import make_tiny_runner
-
-    return make_tiny_runner(load_tokenizer())
 
 
 def _request(namespace: str, length: int, seed: int, new_tokens: int = 2) -> GenerationRequest:
@@ -47,7 +39,7 @@ def _request(namespace: str, length: int, seed: int, new_tokens: int = 2) -> Gen
 class EngineQueueMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.factory = EngineFactory(_runner)
+        self.factory = EngineFactory(machine_runner)
         self.engine = self.gate = None
         self.live: list[tuple[object, str]] = []  # (handle, namespace): accepted, not drained
         self.isolation = False
@@ -164,7 +156,8 @@ class EngineQueueMachine(RuleBasedStateMachine):
         assert self.engine.stats().queue_depth == len(self.live)
         if self.isolation:
             for owner in {owner_of(ns) for ns in NAMESPACES}:
-                assert self.engine._waiting_of(owner) == sum(owner_of(ns) == owner for _, ns in self.live)
+                waiting = [ns for ns in self.engine._waiting_namespaces() if owner_of(ns) == owner]
+                assert len(waiting) == sum(owner_of(ns) == owner for _, ns in self.live)
         assert self.engine.healthy()
 
 
