@@ -1,5 +1,5 @@
-"""Engines for tests: the one factory that builds them and closes every one it built, and the
-random prompts they run.
+"""Engines for tests: the one factory that builds them and closes every one it built, the
+random prompts they run, and the runner state machines build on.
 
 Owns nothing of the engine: it knows ``Engine``'s constructor and ``close()`` and nothing else.
 The fixtures in ``tests/conftest.py`` hand a factory to a test (``make_engine``) or to a module's
@@ -11,6 +11,7 @@ says ``# by hand: <reason>`` (``tests/test_engine_factory.py`` reads every test 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -18,6 +19,16 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.runner import ModelRunner
+
+
+@cache
+def machine_runner() -> ModelRunner:
+    """The tiny random Llama for hypothesis state machines, one per process (a machine has no
+    fixtures: it builds its engines and caches itself)."""
+    from engine.model.loader import load_tokenizer
+    from tests.conftest import make_tiny_runner
+
+    return make_tiny_runner(load_tokenizer())
 
 
 def rand_ids(seed: int | torch.Generator, n: int, vocab: int = 1000) -> list[int]:

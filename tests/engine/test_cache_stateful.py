@@ -42,6 +42,7 @@ from engine.kvcache.request_slots import RequestSlots
 from engine.kvcache.second_tier import SecondTier
 from engine.model.paged_attention import PagedSegment
 from engine.types import PUBLIC, CacheKey, EngineError
+from tests.engines import machine_runner
 
 FINGERPRINT = "stateful-test"
 NAMESPACES = (PUBLIC, "v1", "v2", "v1/chat")  # a sub-namespace counts as its owner's (fair share)
@@ -55,13 +56,6 @@ BUDGETS = st.one_of(st.sampled_from([64, 100, 128, 140, 160, 200]), st.integers(
 
 
 # ---------------------------------------------------------------- reference
-@cache
-def _runner():
-    from engine.model.loader import load_tokenizer
-    from tests.conftest import make_tiny_runner
-
-    return make_tiny_runner(load_tokenizer())
-
 
 def _universe() -> list[tuple[int, ...]]:
     """Token sequences with deliberately shared prefixes (several 64-token chunks each)."""
@@ -90,7 +84,7 @@ def _common(a, b) -> int:
 def _reference() -> tuple[list[tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The universe and, per sequence, K and V ``[layer, head, position, dim]`` of a no-cache
     prefill, positions shared with an earlier sequence taken from it (one KV per prefix)."""
-    runner = _runner()
+    runner = machine_runner()
     seqs, kvs = _universe(), []
     for s in seqs:
         buf = runner.new_request_kv(len(s))
@@ -128,7 +122,7 @@ def _tier_folder(folder: Path, fair_share: bool) -> Path:
 def _new_cache(folder: Path, budget_tokens: int, fair_share: bool, tier_tokens: int) -> RadixCache:
     """The cache under test: a pool of ``budget_tokens`` slots, a disk tier of ``tier_tokens``
     (none when 0) under ``folder``, isolation mode when ``fair_share``."""
-    r = _runner()
+    r = machine_runner()
     pool = KVPool(r.num_layers, r.num_kv_heads, r.head_dim, torch.float32, torch.device("cpu"),
                   budget_tokens * r.kv_bytes_per_token)
     tier = None
@@ -146,7 +140,7 @@ def _close_cache(cache: RadixCache) -> None:
 
 
 def _scratch(n: int) -> RequestKV:
-    r = _runner()
+    r = machine_runner()
     return RequestKV(r.num_layers, r.num_kv_heads, r.head_dim, n, torch.float32, torch.device("cpu"))
 
 
@@ -316,7 +310,7 @@ class CacheMachine(RuleBasedStateMachine):
         start, stop = rs.length, rs.length + n
         if real == 0:
             seg = PagedSegment(list(r.ids[start:stop]), start, rs.slots, rs.runs())
-            _runner().forward_paged(self.cache.pool, [seg])
+            machine_runner().forward_paged(self.cache.pool, [seg])
             k, v = _gather(self.cache.pool, rs.slots[start:stop])
             rk, rv = ref_kv(r.ids[:stop])
             assert torch.allclose(k, rk[:, :, start:stop], atol=1e-4), "paged forward over the cached prefix"
